@@ -1,0 +1,31 @@
+"""The one error type users see for bad input, and the near-match helper its messages use."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message names the problem and the fix, and is shown as-is."""
+
+
+def near_matches(name: str, options: Iterable[str], n: int = 3) -> list[str]:
+    """Options that look like ``name`` (typos, wrong separators), best first."""
+    options = list(options)
+    by_lower = {o.lower(): o for o in options}
+    hits = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
+    # A dotted path whose leaf is right but whose section is wrong: match on the leaf too.
+    leaf = name.rsplit(".", 1)[-1].lower()
+    for lower, original in by_lower.items():
+        if lower.rsplit(".", 1)[-1] == leaf and lower not in hits:
+            hits.append(lower)
+    return [by_lower[h] for h in hits][:n]
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """' Did you mean x or y?' or an empty string when nothing is close."""
+    hits = near_matches(name, options)
+    if not hits:
+        return ""
+    return " Did you mean " + " or ".join(f"'{h}'" for h in hits) + "?"
