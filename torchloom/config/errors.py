@@ -17,7 +17,7 @@ def near_matches(name: str, options: Iterable[str], n: int = 3) -> list[str]:
     hits = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
     # A dotted path whose leaf is right but whose section is wrong: match on the leaf too.
     leaf = name.rsplit(".", 1)[-1].lower()
-    for lower, original in by_lower.items():
+    for lower in by_lower:
         if lower.rsplit(".", 1)[-1] == leaf and lower not in hits:
             hits.append(lower)
     return [by_lower[h] for h in hits][:n]

@@ -1,0 +1,123 @@
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytest
+
+from torchloom.config import (
+    ConfigError,
+    apply_overrides,
+    field_docs,
+    format_help,
+    from_dict,
+    to_dict,
+)
+from torchloom.config.overrides import split_overrides, validate_tree
+
+
+@dataclass
+class Inner:
+    steps: int = 10
+    """How many steps."""
+    lr: float = 1e-3
+    """Peak learning rate.
+    Second line."""
+    name: str = "x"
+    flag: bool = False
+    """A switch."""
+    mode: Literal["a", "b"] = "a"
+    items: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    maybe: int | None = None
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError("steps must be >= 1")
+
+
+@dataclass
+class Outer:
+    training: Inner = field(default_factory=Inner)
+    other: Inner = field(default_factory=Inner)
+
+
+def test_field_docs_read_attribute_docstrings():
+    docs = field_docs(Inner)
+    assert docs["steps"] == "How many steps."
+    assert docs["lr"] == "Peak learning rate.\nSecond line."
+    assert "name" not in docs
+
+
+def test_overrides_parse_every_type():
+    cfg = apply_overrides(
+        Outer(),
+        [
+            "--training.steps", "20",
+            "--training.lr=3e-4",
+            "--training.name", "hello",
+            "--training.flag",
+            "--training.mode", "b",
+            "--training.items", '["p", "q"]',
+            "--training.extra", '{"num_layers": 4}',
+            "--training.maybe", "none",
+            "--other.items", "u,v",
+        ],
+    )  # fmt: skip
+    t = cfg.training
+    assert (t.steps, t.lr, t.name, t.flag, t.mode) == (20, 3e-4, "hello", True, "b")
+    assert t.items == ["p", "q"] and t.extra == {"num_layers": 4} and t.maybe is None
+    assert cfg.other.items == ["u", "v"]
+    assert Outer().training.steps == 10  # the input is not modified
+
+
+def test_unknown_field_names_near_matches():
+    with pytest.raises(ConfigError, match=r"--trainig\.steps.*Did you mean '--?training\.steps'"):
+        apply_overrides(Outer(), ["--trainig.steps", "3"])
+    with pytest.raises(ConfigError, match=r"training\.steps"):
+        apply_overrides(Outer(), ["--training.step", "3"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.steps", "ten"], "expects an integer"),
+        (["--training.lr", "fast"], "expects a number"),
+        (["--training.flag", "maybe"], "true or false"),
+        (["--training.mode", "c"], "must be one of a, b"),
+        (["--training.extra", "nope"], "JSON object"),
+        (["--training.steps"], "needs a value"),
+        (["training.steps", "3"], "Unexpected argument"),
+    ],
+)
+def test_ill_typed_values_are_refused_clearly(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(Outer(), argv)
+
+
+def test_split_overrides_pairs_flags_and_values():
+    assert split_overrides(["--a.b", "1", "--c", "--d=2"]) == [
+        ("a.b", "1"),
+        ("c", None),
+        ("d", "2"),
+    ]
+
+
+def test_validate_tree_calls_each_section():
+    cfg = apply_overrides(Outer(), ["--other.steps", "0"])
+    with pytest.raises(ConfigError, match="steps must be >= 1"):
+        validate_tree(cfg)
+
+
+def test_dict_round_trip_and_unknown_key():
+    cfg = apply_overrides(Outer(), ["--training.items", "a,b", "--other.extra", '{"k": [1]}'])
+    assert from_dict(Outer, to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="Unknown config field 'training.stesp'"):
+        from_dict(Outer, {"training": {"stesp": 1}})
+    with pytest.raises(ConfigError, match="training.steps expects int"):
+        from_dict(Outer, {"training": {"steps": "1"}})
+
+
+def test_help_lists_paths_types_defaults_and_docs():
+    text = format_help(Outer(), "title")
+    assert "--training.steps int  (default: 10)" in text
+    assert "How many steps." in text
+    assert "--other.mode a|b" in text

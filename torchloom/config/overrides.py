@@ -1,0 +1,98 @@
+"""Command-line overrides of a config tree by dotted path: ``--training.steps 20``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.fields import field_types, leaf_paths, parse_value, type_name
+
+
+def split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
+    """Pair each ``--a.b`` with its value; ``--a.b=v`` works too; a bare flag has value None."""
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(
+                f"Unexpected argument {arg!r}: options look like --section.field VALUE "
+                "(for example --training.steps 20)."
+            )
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            pairs.append((name, value))
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            pairs.append((name, argv[i + 1]))
+            i += 2
+        else:
+            pairs.append((name, None))
+            i += 1
+    return pairs
+
+
+def apply_overrides(cfg: Any, argv: list[str]) -> Any:
+    """A copy of ``cfg`` with every ``--dotted.path value`` in ``argv`` applied, type-checked."""
+    cfg = copy.deepcopy(cfg)
+    paths = {path: hint for path, hint, _, _ in leaf_paths(cfg)}
+    for path, text in split_overrides(argv):
+        path = path.replace("-", "_")
+        if path not in paths:
+            options = [f"--{p}" for p in paths]
+            sections = {f"--{p.split('.')[0]}" for p in paths}
+            hint = did_you_mean(f"--{path}", options) or did_you_mean(
+                f"--{path.split('.')[0]}", sections
+            )
+            raise ConfigError(
+                f"Unknown option --{path}.{hint} Run with --help to list every option."
+            )
+        hint = paths[path]
+        if text is None:
+            if hint is not bool:
+                raise ConfigError(f"--{path} needs a value ({type_name(hint)}).")
+            value: Any = True
+        else:
+            value = parse_value(text, hint, path)
+        set_path(cfg, path, value)
+    return cfg
+
+
+def set_path(cfg: Any, path: str, value: Any) -> None:
+    """Set the field at a dotted path in place."""
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    if leaf not in field_types(type(node)):
+        raise ConfigError(f"Unknown config field {path}.")
+    setattr(node, leaf, value)
+
+
+def validate_tree(cfg: Any) -> None:
+    """Call ``validate()`` on every config in the tree that defines one, children first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        validate()
+
+
+def format_help(cfg: Any, title: str) -> str:
+    """Every option with its type, current value and help text, grouped by section."""
+    lines = [title, ""]
+    section = None
+    for path, hint, value, doc in leaf_paths(cfg):
+        head = path.split(".")[0]
+        if head != section:
+            section = head
+            lines.append(f"[{head}]")
+        lines.append(f"  --{path} {type_name(hint)}  (default: {value!r})")
+        for doc_line in doc.splitlines():
+            lines.append(f"      {doc_line}")
+    return "\n".join(lines)

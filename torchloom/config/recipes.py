@@ -1,0 +1,56 @@
+"""The recipe registry: named Python functions that return a complete job config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchloom.config.errors import ConfigError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    build: Callable[[], Any]
+    summary: str
+
+
+_RECIPES: dict[str, Recipe] = {}
+
+
+def register_recipe(name: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """Register ``fn`` (no arguments, returns a job config) under ``name``.
+
+    The first line of the function's docstring is the one-line summary ``torchloom recipes``
+    prints.
+    """
+
+    def wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
+        if name in _RECIPES:
+            raise ValueError(f"recipe {name!r} is registered twice")
+        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        _RECIPES[name] = Recipe(name, fn, summary)
+        return fn
+
+    return wrap
+
+
+def _load_builtin() -> None:
+    import torchloom.recipes  # noqa: F401  (registers the built-in recipes)
+
+
+def get_recipe(name: str) -> Recipe:
+    _load_builtin()
+    if name not in _RECIPES:
+        raise ConfigError(
+            f"Unknown recipe '{name}'."
+            + did_you_mean(name, _RECIPES)
+            + " Run `torchloom recipes` to list them."
+        )
+    return _RECIPES[name]
+
+
+def list_recipes() -> list[Recipe]:
+    _load_builtin()
+    return sorted(_RECIPES.values(), key=lambda r: r.name)

@@ -1,0 +1,70 @@
+"""Parallel degrees of a job and their validation against the world size."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from torchloom.config.errors import ConfigError
+
+_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP's replicate axis; plain replication when dp_shard is 1)."""
+    dp_shard: int = -1
+    """Data-parallel sharding degree (FSDP). -1 takes whatever the other degrees leave."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel on norms)."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages ranks)."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts layers (borrowed from dp_shard x cp)."""
+
+    def validate(self) -> None:
+        for axis in (*_AXES, "ep"):
+            value = getattr(self, axis)
+            if value < 1 and not (axis == "dp_shard" and value == -1):
+                raise ConfigError(
+                    f"--parallel.{axis} must be a positive integer"
+                    + (" or -1 (take what is left)" if axis == "dp_shard" else "")
+                    + f"; got {value}."
+                )
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """These degrees with dp_shard=-1 filled in; refuses products that miss the world size."""
+        self.validate()
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"The world size {world_size} is not divisible by dp_replicate x cp x tp x pp "
+                    f"= {self.dp_replicate} x {self.cp} x {self.tp} x {self.pp} = {others}; "
+                    "choose degrees whose product divides the number of processes."
+                )
+            dp_shard = world_size // others
+        resolved = replace(self, dp_shard=dp_shard)
+        product = math.prod(getattr(resolved, a) for a in _AXES)
+        if product != world_size:
+            raise ConfigError(
+                "dp_replicate x dp_shard x cp x tp x pp = "
+                + " x ".join(str(getattr(resolved, a)) for a in _AXES)
+                + f" = {product}, but {world_size} processes were launched; make the product "
+                "equal the world size (or set --parallel.dp_shard -1 to fill it)."
+            )
+        if (resolved.dp_shard * resolved.cp) % resolved.ep:
+            raise ConfigError(
+                f"--parallel.ep {resolved.ep} must divide dp_shard x cp = "
+                f"{resolved.dp_shard * resolved.cp}."
+            )
+        return resolved
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data (replicate x shard); valid after resolve()."""
+        return self.dp_replicate * self.dp_shard
