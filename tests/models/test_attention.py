@@ -1,0 +1,142 @@
+"""Attention: GQA semantics, document masks, backends agree, q/k norm, head-sharded weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchloom.models.components.attention import (
+    ATTENTION_BACKENDS,
+    Attention,
+    causal_document_mask,
+)
+from torchloom.models.components.rope import RopeConfig, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, T = 32, 4, 2, 8, 12
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x_BTD = torch.randn(2, T, DIM, generator=generator)
+    positions_BT = torch.arange(T).expand(2, T)
+    cos, sin = RotaryEmbedding(RopeConfig(), HEAD_DIM)(positions_BT)
+    doc_ids_BT = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    return x_BTD, cos, sin, doc_ids_BT
+
+
+def _explicit_attention(
+    attn: Attention,
+    x_BTD: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask_BTT: torch.Tensor,
+) -> torch.Tensor:
+    """Textbook GQA: every kv head repeated for its group of query heads, masked softmax."""
+    B = x_BTD.shape[0]
+    q = apply_rotary(attn.q_proj(x_BTD).view(B, T, HEADS, HEAD_DIM), cos, sin).transpose(1, 2)
+    k = apply_rotary(attn.k_proj(x_BTD).view(B, T, KV_HEADS, HEAD_DIM), cos, sin).transpose(1, 2)
+    v = attn.v_proj(x_BTD).view(B, T, KV_HEADS, HEAD_DIM).transpose(1, 2)
+    group = HEADS // KV_HEADS
+    outs = []
+    for h in range(HEADS):
+        scores_BTT = q[:, h] @ k[:, h // group].transpose(-1, -2) / math.sqrt(HEAD_DIM)
+        weights_BTT = scores_BTT.masked_fill(~mask_BTT, float("-inf")).softmax(-1)
+        outs.append(weights_BTT @ v[:, h // group])
+    return attn.o_proj(torch.cat(outs, dim=-1))
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_gqa_equals_explicit_repeat_kv(with_docs: bool) -> None:
+    attn = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM)
+    x, cos, sin, doc_ids = _inputs()
+    mask_BTT = causal_document_mask(doc_ids)[:, 0] if with_docs else torch.ones(T, T).tril().bool()
+    got = attn(x, cos, sin, doc_ids if with_docs else None)
+    assert got.shape == (2, T, DIM)
+    expected = _explicit_attention(attn, x, cos, sin, mask_BTT.expand(2, T, T))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_document_mask_is_causal_and_per_document() -> None:
+    mask = causal_document_mask(torch.tensor([[0, 0, 1, 1, 1]]))[0, 0]
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    ).bool()
+    assert torch.equal(mask, expected), mask
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+@torch.no_grad()  # FlexAttention has no CPU backward
+def test_backends_agree(with_docs: bool) -> None:
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, HEADS, T, HEAD_DIM, generator=generator)
+    k = torch.randn(2, KV_HEADS, T, HEAD_DIM, generator=generator)
+    v = torch.randn(2, KV_HEADS, T, HEAD_DIM, generator=generator)
+    doc_ids = _inputs()[3] if with_docs else None
+    sdpa = ATTENTION_BACKENDS["sdpa"](q, k, v, doc_ids)
+    flex = ATTENTION_BACKENDS["flex"](q, k, v, doc_ids)
+    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_qk_norm_makes_attention_invariant_to_qk_scale() -> None:
+    x, cos, sin, _ = _inputs()
+    for qk_norm in (True, False):
+        attn = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, qk_norm=qk_norm, norm_eps=1e-6)
+        assert (attn.q_norm is not None) == (attn.k_norm is not None) == qk_norm
+        before = attn(x, cos, sin)
+        with torch.no_grad():
+            attn.q_proj.weight.mul_(10.0)
+            attn.k_proj.weight.mul_(10.0)
+        diff = (attn(x, cos, sin) - before).abs().max().item()
+        if qk_norm:
+            assert diff < 1e-5, f"qk_norm should undo the scale; max abs diff {diff}"
+        else:
+            assert diff > 1e-3, f"without qk_norm the scale must matter; max abs diff {diff}"
+
+
+def test_heads_are_read_from_weight_shapes() -> None:
+    """Two head-sharded halves (as a tensor-parallel plan makes them) sum to the full output."""
+    full = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM)
+    x, cos, sin, _ = _inputs()
+    total = torch.zeros(2, T, DIM)
+    with torch.no_grad():
+        for shard in range(2):
+            part = Attention(DIM, HEADS // 2, KV_HEADS // 2, HEAD_DIM)
+            q_rows = HEADS // 2 * HEAD_DIM
+            rows = slice(shard * q_rows, (shard + 1) * q_rows)  # 2 query heads
+            kv_rows = slice(shard * HEAD_DIM, (shard + 1) * HEAD_DIM)  # 1 kv head
+            part.q_proj.weight.copy_(full.q_proj.weight[rows])
+            part.k_proj.weight.copy_(full.k_proj.weight[kv_rows])
+            part.v_proj.weight.copy_(full.v_proj.weight[kv_rows])
+            part.o_proj.weight.copy_(full.o_proj.weight[:, rows])
+            total += part(x, cos, sin)
+        torch.testing.assert_close(total, full(x, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_compiled_flex_matches_sdpa_with_gradients_on_gpu(
+    dtype: torch.dtype, with_docs: bool
+) -> None:
+    B, H, K, T_, d = 2, 8, 2, 200, 64  # T not a multiple of the 128-token block
+    generator = torch.Generator("cuda").manual_seed(0)
+    qkv = [
+        torch.randn(B, heads, T_, d, device="cuda", generator=generator).to(dtype)
+        for heads in (H, K, K)
+    ]
+    doc_ids = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long().cuda()
+    results = []
+    for backend in ("sdpa", "flex"):
+        inputs = [t.clone().requires_grad_() for t in qkv]
+        out = ATTENTION_BACKENDS[backend](*inputs, doc_ids if with_docs else None)
+        out.float().square().sum().backward()
+        results.append([out, *(t.grad for t in inputs)])
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    for name, sdpa, flex in zip(("out", "dq", "dk", "dv"), *results):
+        diff = (sdpa.float() - flex.float()).abs().max().item()
+        print(f"{dtype} docs={with_docs} {name}: max abs diff flex vs sdpa {diff:.2e}")
+        assert diff < tol * max(1.0, sdpa.abs().max().item()), f"{name}: max abs diff {diff}"

@@ -1,0 +1,159 @@
+"""Grouped-query self-attention (Ainslie et al. 2023) with pluggable kernels.
+
+A backend is a plain function ``(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT | None) -> out_BHTd``:
+causal attention with softmax scale 1/sqrt(head_dim), where K (kv heads) divides H (query
+heads) and query head h reads kv head h // (H / K). With ``doc_ids_BT`` a token also attends
+only to tokens of its own document (packed rows). Register new kernels in ATTENTION_BACKENDS.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from torchloom.models.components.norms import NORM_IMPLS
+from torchloom.models.components.rope import apply_rotary
+
+AttentionBackend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
+def causal_document_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, 1, T, T]: query t may see key s iff s <= t and both are in the same document."""
+    T = doc_ids_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
+    same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
+    return (causal_TT & same_doc_BTT).unsqueeze(1)
+
+
+def sdpa_attention(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels)."""
+    if doc_ids_BT is None:
+        return F.scaled_dot_product_attention(
+            q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True
+        )
+    # The kernels that take a mask do not support enable_gqa (only flash and math do), so the
+    # kv heads are repeated to keep the memory-efficient kernel eligible.
+    group = q_BHTd.shape[1] // k_BKTd.shape[1]
+    k_BHTd = k_BKTd.repeat_interleave(group, dim=1)
+    v_BHTd = v_BKTd.repeat_interleave(group, dim=1)
+    mask_B1TT = causal_document_mask(doc_ids_BT)
+    return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_B1TT)
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The fused kernel needs flex_attention compiled. Inside a compiled model the outer compile
+    fuses it; outside one, compile it once here. On CPU use the eager reference: it materializes
+    the scores and has no backward, so on CPU "flex" is forward-only (use torch.no_grad())."""
+    if torch.compiler.is_compiling() or device.type == "cpu":
+        return flex_attention
+    return _compiled_flex_attention()
+
+
+def flex_block_mask(
+    doc_ids_BT: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> BlockMask:
+    """FlexAttention block mask for causal (and, with doc_ids, same-document) attention."""
+    if doc_ids_BT is None:
+
+        def causal(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return q_idx >= kv_idx
+
+        return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+
+    def causal_same_doc(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return (q_idx >= kv_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
+
+    return create_block_mask(
+        causal_same_doc, doc_ids_BT.shape[0], None, q_len, kv_len, device=device
+    )
+
+
+def flex_attention_backend(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """torch.nn.attention.flex_attention with a causal(+document) block mask."""
+    block_mask = flex_block_mask(doc_ids_BT, q_BHTd.shape[2], k_BKTd.shape[2], q_BHTd.device)
+    attend = _flex_kernel(q_BHTd.device)
+    return attend(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=True)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
+    "sdpa": sdpa_attention,
+    "flex": flex_attention_backend,
+}
+"""Named attention kernels (the ``attn_backend`` slot); all compute the same function."""
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped kv heads, optional q/k RMSNorm (Qwen3) and RoPE.
+
+    Head counts are read from the projection shapes at run time (``view(B, T, -1, head_dim)``),
+    so a tensor-parallel plan that shards q/k/v column-wise and o row-wise just works.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        backend: str = "sdpa",
+        norm_impl: str = "torch",
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=False)
+        norm_cls = NORM_IMPLS[norm_impl]
+        self.q_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
+        self.attend = ATTENTION_BACKENDS[backend]
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor,
+        sin_BTd: torch.Tensor,
+        doc_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHd = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTKd = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
+        v_BTKd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
+        q_BHTd = apply_rotary(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
+        k_BKTd = apply_rotary(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
+        v_BKTd = v_BTKd.transpose(1, 2)
+        # Generation plugs in here: a KV cache appends k_BKTd / v_BKTd (already rotated) and
+        # returns the full keys/values; the backend then needs the query offset for causality.
+        out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
+        return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))

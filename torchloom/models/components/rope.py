@@ -1,0 +1,174 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) with Llama 3 and YaRN frequency scaling.
+
+Layout: the Hugging Face "rotate half" convention. Channel ``i`` of a head is rotated together
+with channel ``i + head_dim / 2`` by the angle ``position * inv_freq[i]``, so checkpoints
+published for ``transformers`` load without permuting q/k weights.
+
+cos/sin are computed on the fly from a ``positions`` tensor (positions may restart at every
+document of a packed row), in fp32. No buffers are kept, so a model built on the ``meta``
+device needs no special care after ``to_empty``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from torchloom.config.errors import ConfigError, did_you_mean
+
+RopeScaling = Literal["none", "llama3", "yarn"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding frequencies and their long-context scaling."""
+
+    theta: float = 10000.0
+    """Base of the geometric frequency ladder: inv_freq[i] = theta ** (-2i / head_dim)."""
+    scaling: RopeScaling = "none"
+    """Frequency scaling for long context: 'none', 'llama3' (Llama 3.1) or 'yarn' (YaRN)."""
+    factor: float = 1.0
+    """Context extension factor (llama3, yarn): low frequencies are divided by it."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_seq_len / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_seq_len / high_freq_factor are left unscaled."""
+    original_max_seq_len: int = 8192
+    """llama3, yarn: the context length the model was pre-trained with before extension."""
+    beta_fast: float = 32.0
+    """yarn: rotations over the original context above which a frequency is not interpolated."""
+    beta_slow: float = 1.0
+    """yarn: rotations over the original context below which a frequency is fully interpolated."""
+    mscale: float = 1.0
+    """yarn: scales log(factor) in the attention factor (used only with mscale_all_dim)."""
+    mscale_all_dim: float = 0.0
+    """yarn: when non-zero, attention factor = mscale(factor, mscale) / mscale(factor, this)."""
+    attention_factor: float | None = None
+    """yarn: multiplier applied to cos/sin; None derives it from factor (0.1 ln(factor) + 1)."""
+    truncate: bool = True
+    """yarn: round the interpolation ramp bounds to whole dimensions (as the paper's code)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for values no formula accepts."""
+        options = get_args(RopeScaling)
+        if self.scaling not in options:
+            raise ConfigError(
+                f"Unknown rope scaling '{self.scaling}'.{did_you_mean(self.scaling, options)} "
+                f"Choose one of {', '.join(options)}."
+            )
+        if self.theta <= 0 or self.factor <= 0 or self.original_max_seq_len <= 0:
+            raise ConfigError(
+                "rope.theta, rope.factor and rope.original_max_seq_len must be positive, "
+                f"got {self.theta}, {self.factor}, {self.original_max_seq_len}."
+            )
+        if self.scaling == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(
+                f"rope.low_freq_factor ({self.low_freq_factor}) must be smaller than "
+                f"rope.high_freq_factor ({self.high_freq_factor}) for llama3 scaling."
+            )
+        if self.scaling == "yarn" and not (self.beta_fast > 0 and self.beta_slow > 0):
+            raise ConfigError(
+                f"rope.beta_fast ({self.beta_fast}) and rope.beta_slow ({self.beta_slow}) "
+                "must be positive for yarn scaling."
+            )
+
+
+def inverse_frequencies(
+    cfg: RopeConfig, head_dim: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation speeds ``inv_freq_F`` (F = head_dim / 2, fp32) and the cos/sin scale."""
+    exponent_F = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    theta_pow_F = cfg.theta**exponent_F
+    inv_freq_F = 1.0 / theta_pow_F
+    if cfg.scaling == "llama3":
+        return _llama3_scaled(cfg, inv_freq_F), 1.0
+    if cfg.scaling == "yarn":
+        return _yarn_scaled(cfg, theta_pow_F, head_dim), _yarn_attention_factor(cfg)
+    return inv_freq_F, 1.0
+
+
+def _llama3_scaled(cfg: RopeConfig, inv_freq_F: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by factor, blend smoothly in between."""
+    low_freq_wavelen = cfg.original_max_seq_len / cfg.low_freq_factor
+    high_freq_wavelen = cfg.original_max_seq_len / cfg.high_freq_factor
+    wavelen_F = 2 * math.pi / inv_freq_F
+    scaled_F = torch.where(wavelen_F > low_freq_wavelen, inv_freq_F / cfg.factor, inv_freq_F)
+    smooth_F = (cfg.original_max_seq_len / wavelen_F - cfg.low_freq_factor) / (
+        cfg.high_freq_factor - cfg.low_freq_factor
+    )
+    smoothed_F = (1 - smooth_F) * scaled_F / cfg.factor + smooth_F * scaled_F
+    is_medium_F = (wavelen_F >= high_freq_wavelen) & (wavelen_F <= low_freq_wavelen)
+    return torch.where(is_medium_F, smoothed_F, scaled_F)
+
+
+def _yarn_scaled(cfg: RopeConfig, theta_pow_F: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): interpolate slow pairs, extrapolate fast ones, linear ramp between."""
+
+    def pair_index_for(rotations: float) -> float:
+        # The (fractional) pair index whose wavelength fits `rotations` times in the old context.
+        return (head_dim * math.log(cfg.original_max_seq_len / (rotations * 2 * math.pi))) / (
+            2 * math.log(cfg.theta)
+        )
+
+    low, high = pair_index_for(cfg.beta_fast), pair_index_for(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+    pair_F = torch.arange(head_dim // 2, dtype=torch.float32, device=theta_pow_F.device)
+    extrapolate_F = 1 - torch.clamp((pair_F - low) / (high - low), 0, 1)
+    interpolated_F = 1.0 / (cfg.factor * theta_pow_F)
+    extrapolated_F = 1.0 / theta_pow_F
+    return interpolated_F * (1 - extrapolate_F) + extrapolated_F * extrapolate_F
+
+
+def _yarn_attention_factor(cfg: RopeConfig) -> float:
+    """YaRN's cos/sin multiplier, which sharpens attention as the context grows."""
+    if cfg.attention_factor is not None:
+        return cfg.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if cfg.mscale and cfg.mscale_all_dim:
+        return mscale(cfg.factor, cfg.mscale) / mscale(cfg.factor, cfg.mscale_all_dim)
+    return mscale(cfg.factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps token positions to the cos/sin tables that `apply_rotary` consumes."""
+
+    def __init__(self, cfg: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = head_dim
+
+    def forward(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_BTd, sin_BTd in fp32, each pair's angle repeated in both halves of head_dim."""
+        inv_freq_F, scale = inverse_frequencies(self.cfg, self.head_dim, positions_BT.device)
+        angles_BTF = positions_BT[..., None].float() * inv_freq_F
+        angles_BTd = torch.cat((angles_BTF, angles_BTF), dim=-1)
+        return angles_BTd.cos() * scale, angles_BTd.sin() * scale
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim: a 90 degree turn of every (i, i + d/2) pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(
+    x_BTHd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
+) -> torch.Tensor:
+    """Rotate every head of ``x`` by its token's angles.
+
+    cos/sin are cast to x's dtype first, as Hugging Face does, so bf16 runs match it too.
+    """
+    cos_BT1d = cos_BTd.to(x_BTHd.dtype).unsqueeze(2)
+    sin_BT1d = sin_BTd.to(x_BTHd.dtype).unsqueeze(2)
+    return x_BTHd * cos_BT1d + rotate_half(x_BTHd) * sin_BT1d

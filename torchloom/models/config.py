@@ -1,0 +1,98 @@
+"""The job's ``model`` section and its resolution into a TransformerConfig."""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.models.components.rope import RopeConfig
+from torchloom.models.components.transformer import TransformerConfig
+from torchloom.models.registry import get_model_spec
+from torchloom.models.transforms import apply_transforms
+
+# Fields chosen by their own ModelConfig slot, so there is one way to set them.
+_SLOTS = ("attn_backend", "norm_impl")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build: a family, one of its flavors, and changes on top of it."""
+
+    name: str = "llama3"
+    """Model family ('llama3', 'qwen3')."""
+    flavor: str = "debug"
+    """Named size of the family ('debug', '8B', ...): see docs/models.md."""
+    transforms: list[str] = field(default_factory=list)
+    """Model-config transforms applied in order, e.g. ["tie_embeddings"]."""
+    attn_backend: str = "sdpa"
+    """Attention kernel: 'sdpa' or 'flex' (flex has no backward on CPU)."""
+    norm_impl: str = "torch"
+    """RMSNorm implementation: 'torch'."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
+
+
+def resolve_model_config(model_cfg: ModelConfig) -> TransformerConfig:
+    """flavor -> overrides -> component slots -> transforms -> validate."""
+    cfg = get_model_spec(model_cfg.name).flavor(model_cfg.flavor)
+    cfg = apply_overrides(cfg, model_cfg.overrides)
+    cfg = replace(cfg, attn_backend=model_cfg.attn_backend, norm_impl=model_cfg.norm_impl)
+    cfg = apply_transforms(cfg, model_cfg.transforms)
+    cfg.validate()
+    return cfg
+
+
+def apply_overrides(cfg: TransformerConfig, overrides: dict[str, Any]) -> TransformerConfig:
+    """Return ``cfg`` with the given fields replaced; nested rope fields as 'rope.theta'."""
+    top = {f.name for f in fields(TransformerConfig)} - set(_SLOTS) - {"rope"}
+    rope = {f"rope.{f.name}" for f in fields(RopeConfig)}
+    top_values, rope_values = {}, {}
+    for key, value in overrides.items():
+        if key in _SLOTS:
+            raise ConfigError(
+                f"model.overrides cannot set '{key}'; use --model.{key} {value} instead."
+            )
+        if key == "rope":
+            raise ConfigError(
+                "model.overrides: set rope fields one by one as 'rope.<field>', "
+                f"e.g. 'rope.theta'. Fields: {', '.join(sorted(rope))}."
+            )
+        if key in top:
+            top_values[key] = _check_type(key, value, typing.get_type_hints(TransformerConfig)[key])
+        elif key in rope:
+            leaf = key.removeprefix("rope.")
+            rope_values[leaf] = _check_type(key, value, typing.get_type_hints(RopeConfig)[leaf])
+        else:
+            raise ConfigError(
+                f"Unknown model override '{key}'.{did_you_mean(key, top | rope)} "
+                f"Overridable fields: {', '.join(sorted(top | rope))}."
+            )
+    return replace(cfg, rope=replace(cfg.rope, **rope_values), **top_values)
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    """``value`` if it fits ``expected`` (ints are accepted for floats), else ConfigError."""
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise ConfigError(
+            f"model.overrides '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}."
+            + (did_you_mean(value, args) if isinstance(value, str) else "")
+        )
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        (expected,) = [a for a in args if a is not type(None)]
+        return _check_type(key, value, expected)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"model.overrides '{key}' must be {expected.__name__}, "
+        f"got {type(value).__name__} {value!r}."
+    )

@@ -1,0 +1,16 @@
+"""Qwen3 dense family (registered as 'qwen3')."""
+
+from torchloom.models.qwen3.config import QWEN3_FLAVORS
+from torchloom.models.qwen3.model import Qwen3
+from torchloom.models.registry import ModelSpec, register_model
+
+register_model(
+    ModelSpec(
+        name="qwen3",
+        model_cls=Qwen3,
+        flavors=QWEN3_FLAVORS,
+        description="Qwen3 dense decoder (GQA with q/k RMSNorm, RoPE theta 1e6, SwiGLU)",
+    )
+)
+
+__all__ = ["QWEN3_FLAVORS", "Qwen3"]
