@@ -1,0 +1,117 @@
+"""Tokenizer: round trip, deterministic builtin training, HF folder loading, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from torchloom.config.errors import ConfigError
+from torchloom.data.corpus import builtin_corpus_path, python_tag
+from torchloom.data.sources import SourceFile, iter_documents
+from torchloom.data.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    Tokenizer,
+    builtin_tokenizer_path,
+    load_tokenizer,
+    train_byte_level_bpe,
+)
+
+TRICKY_TEXT = "Hello  wörld\n\tdef f(x):\r\n    return x ** 2  # 🤗 \x00 <|endoftext|> trailing "
+
+
+def test_builtin_round_trip_and_special_ids(builtin_tokenizer: Tokenizer) -> None:
+    tok = builtin_tokenizer
+    assert tok.vocab_size == 4096
+    assert (tok.eos_id, tok.bos_id, tok.pad_id) == (0, 1, 0)
+    ids = tok.encode(TRICKY_TEXT)
+    assert tok.decode(ids) == TRICKY_TEXT
+    # The eos string inside text is plain text: documents cannot forge a boundary.
+    assert tok.eos_id not in ids
+    framed = tok.encode("hi", add_bos=True, add_eos=True)
+    assert framed[0] == tok.bos_id and framed[-1] == tok.eos_id, framed
+    assert tok.encode_batch(["hi", TRICKY_TEXT]) == [tok.encode("hi"), ids]
+
+
+def test_builtin_compresses_english(builtin_tokenizer: Tokenizer) -> None:
+    text = "Return a new list containing all items from the iterable in ascending order."
+    chars_per_token = len(text) / len(builtin_tokenizer.encode(text))
+    assert chars_per_token > 3.0, f"only {chars_per_token:.2f} characters per token"
+
+
+def test_builtin_training_is_deterministic(builtin_cache: Path) -> None:
+    corpus = SourceFile(builtin_corpus_path(builtin_cache), "text")
+    texts = list(iter_documents([corpus]))
+    cached = builtin_tokenizer_path(builtin_cache, 4096).read_text()
+    retrained = train_byte_level_bpe(texts, 4096).to_str()
+    assert retrained == cached, "retraining on the same corpus gave a different tokenizer"
+
+
+def test_builtin_cache_reused(builtin_cache: Path) -> None:
+    path = builtin_tokenizer_path(builtin_cache, 4096)
+    assert path.name == f"stdlib_bpe-v1-{python_tag()}-V4096.json"
+    before = path.stat().st_mtime_ns
+    load_tokenizer("builtin:stdlib_bpe", builtin_cache, 4096)
+    assert path.stat().st_mtime_ns == before
+
+
+def test_hf_folder_with_tokenizer_config(builtin_cache: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "hf_tokenizer"
+    folder.mkdir()
+    shutil.copy(builtin_tokenizer_path(builtin_cache, 4096), folder / "tokenizer.json")
+    config = {
+        "bos_token": {"content": BOS_TOKEN, "special": True},  # AddedToken form
+        "eos_token": BOS_TOKEN,  # deliberately unusual, to prove the config wins
+        "pad_token": EOS_TOKEN,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_file(folder)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 1, 0)
+    assert tok.decode(tok.encode(TRICKY_TEXT)) == TRICKY_TEXT
+    # A tokenizer.json path also picks up the config beside it.
+    assert Tokenizer.from_file(folder / "tokenizer.json").eos_id == 1
+
+
+def test_save_then_load_keeps_special_tokens(builtin_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    builtin_tokenizer.save(tmp_path / "tokenizer.json")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config == {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    loaded = Tokenizer.from_file(tmp_path)
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (1, 0, 0)
+    assert loaded.encode(TRICKY_TEXT) == builtin_tokenizer.encode(TRICKY_TEXT)
+
+
+def test_tokenizer_json_without_config_uses_known_names(tiny_tokenizer: Tokenizer) -> None:
+    assert (tiny_tokenizer.eos_id, tiny_tokenizer.bos_id, tiny_tokenizer.pad_id) == (0, 1, None)
+
+
+def test_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found: expected a tokenizer.json"):
+        Tokenizer.from_file(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="Did you mean 'builtin:stdlib_bpe'"):
+        load_tokenizer("builtin:stdlib_bp", tmp_path, 4096)
+
+
+def test_tokenizer_without_eos_is_a_config_error(tmp_path: Path) -> None:
+    backend = train_byte_level_bpe(["some text"] * 5, vocab_size=270)
+    raw = json.loads(backend.to_str())
+    raw["added_tokens"] = []  # drop the special tokens' names
+    raw["model"]["vocab"] = {
+        ("<x>" if t == EOS_TOKEN else "<y>" if t == BOS_TOKEN else t): i
+        for t, i in raw["model"]["vocab"].items()
+    }
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="no recognizable end-of-text token"):
+        Tokenizer.from_file(path)
+
+
+def test_tokenizer_config_naming_unknown_token(tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    assert tiny_tokenizer.path is not None
+    shutil.copy(tiny_tokenizer.path, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ConfigError, match="eos token '</s>' is not in its vocabulary"):
+        Tokenizer.from_file(tmp_path)

@@ -1,0 +1,39 @@
+"""Where the data layer caches its files, and how it writes them safely."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def resolve_cache_dir(cache_dir: str = "") -> Path:
+    """``cache_dir`` if set, else ``$TORCHLOOM_CACHE``, else ``~/.cache/torchloom``."""
+    chosen = cache_dir or os.environ.get("TORCHLOOM_CACHE", "") or "~/.cache/torchloom"
+    return Path(chosen).expanduser()
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through ``write(file)`` so readers see the whole file or nothing.
+
+    Several processes (torchrun ranks) may build the same cache file at once: each writes its
+    own temporary file in the same directory and ``os.replace`` swaps it in, which is atomic,
+    so the last writer wins with identical content and nobody reads a half-written file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; a shared cache should stay readable
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``atomic_write`` for UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

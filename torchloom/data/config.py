@@ -1,0 +1,82 @@
+"""What data to train on and how to tokenize it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchloom.config.errors import ConfigError, did_you_mean
+
+BUILTIN_CORPUS = "builtin:stdlib_docs"
+BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
+# 256 byte tokens + the two special tokens; anything smaller cannot encode arbitrary text.
+MIN_BUILTIN_VOCAB = 258
+
+
+@dataclass
+class DataConfig:
+    """Pre-training text: where it comes from, how it is tokenized, packed and split."""
+
+    sources: list[str] = field(default_factory=lambda: [BUILTIN_CORPUS])
+    """Text to train on. Each entry is builtin:stdlib_docs (English docs shipped with Python),
+    a .txt file (the whole file is one document), a .jsonl file (one document per line, text
+    in --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order)."""
+
+    text_field: str = "text"
+    """Field of each JSONL line that holds the document text."""
+
+    tokenizer: str = BUILTIN_TOKENIZER
+    """builtin:stdlib_bpe (a byte-level BPE trained on the builtin corpus), a tokenizer.json
+    file, or a Hugging Face tokenizer folder with tokenizer.json (and optionally
+    tokenizer_config.json naming bos/eos/pad tokens)."""
+
+    vocab_size: int = 4096
+    """Vocabulary size of the builtin tokenizer, special tokens included (ignored otherwise)."""
+
+    document_mask: bool = True
+    """Packed sequences never attend across documents, and positions restart at each document.
+    Off: a packed sequence is one long causal stream."""
+
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (0 disables validation)."""
+
+    shuffle: bool = True
+    """Visit training sequences in a seeded random order, reshuffled every epoch."""
+
+    cache_dir: str = ""
+    """Where corpora, tokenizers and token arrays are cached. Empty: $TORCHLOOM_CACHE, or
+    else ~/.cache/torchloom."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for values that cannot work (files are checked when loading)."""
+        if not self.sources:
+            raise ConfigError(
+                f"--data.sources is empty: give at least one source, e.g. "
+                f"'[\"{BUILTIN_CORPUS}\"]' or '[\"my.jsonl\"]'."
+            )
+        for source in self.sources:
+            if source.startswith("builtin:") and source != BUILTIN_CORPUS:
+                raise ConfigError(
+                    f"Unknown builtin data source '{source}'; the builtin corpus is "
+                    f"'{BUILTIN_CORPUS}'.{did_you_mean(source, [BUILTIN_CORPUS])}"
+                )
+        if self.tokenizer.startswith("builtin:") and self.tokenizer != BUILTIN_TOKENIZER:
+            raise ConfigError(
+                f"Unknown builtin tokenizer '{self.tokenizer}'; the builtin tokenizer is "
+                f"'{BUILTIN_TOKENIZER}'.{did_you_mean(self.tokenizer, [BUILTIN_TOKENIZER])}"
+            )
+        if not self.text_field:
+            raise ConfigError("--data.text_field is empty: name the JSONL field holding the text.")
+        if not self.tokenizer:
+            raise ConfigError(
+                f"--data.tokenizer is empty: use '{BUILTIN_TOKENIZER}' or a tokenizer.json path."
+            )
+        if self.tokenizer == BUILTIN_TOKENIZER and self.vocab_size <= MIN_BUILTIN_VOCAB:
+            raise ConfigError(
+                f"--data.vocab_size={self.vocab_size} is too small: the builtin byte-level BPE "
+                f"needs more than {MIN_BUILTIN_VOCAB} (256 bytes + 2 special tokens); try 4096."
+            )
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(
+                f"--data.val_fraction={self.val_fraction} must be in [0, 1): it is the fraction "
+                "of documents held out for validation, e.g. 0.02 (0 disables validation)."
+            )

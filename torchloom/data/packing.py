@@ -1,0 +1,79 @@
+"""Cut a token stream into training windows: inputs, next-token labels, positions, doc ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+"""Label value the loss skips (PyTorch's cross_entropy default ``ignore_index``)."""
+
+
+@dataclass
+class Batch:
+    """One micro-batch of packed sequences; every tensor is ``[B, T]`` int64."""
+
+    tokens: torch.Tensor
+    """Input token ids."""
+    labels: torch.Tensor
+    """The token that follows each input, or IGNORE_INDEX where nothing should be predicted."""
+    positions: torch.Tensor
+    """Position of each token inside its document (restarting at 0 with document masking)."""
+    doc_ids: torch.Tensor | None
+    """Document number of each token inside its row (0, 1, ...); attention must not cross
+    documents. None when document masking is off."""
+    _num_label_tokens: int | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Number of labels that count toward the loss (cached, so no device sync after .to)."""
+        if self._num_label_tokens is None:
+            self._num_label_tokens = int((self.labels != IGNORE_INDEX).sum())
+        return self._num_label_tokens
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """This batch on ``device``."""
+        count = self.num_label_tokens  # count on the source device: free on CPU
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        doc_ids = None if self.doc_ids is None else move(self.doc_ids)
+        return Batch(move(self.tokens), move(self.labels), move(self.positions), doc_ids, count)
+
+
+def pack_windows(
+    tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int, document_mask: bool
+) -> Batch:
+    """The batch of windows ``tokens[s : s + seq_len + 1]`` for each ``s`` in ``starts``.
+
+    Row b holds inputs ``w[:-1]`` and labels ``w[1:]`` of window ``w``. With ``document_mask``,
+    a document starts after every ``eos`` (and at the window start): positions restart there,
+    doc ids count up, and the label after an ``eos`` (the next document's first token, which
+    the current document cannot predict) is ignored.
+    """
+    offsets_W = np.arange(seq_len + 1)
+    windows_BW = np.asarray(tokens[starts[:, None] + offsets_W], dtype=np.int64)
+    inputs_BT, labels_BT = windows_BW[:, :-1], windows_BW[:, 1:].copy()
+    batch_size = len(starts)
+    if not document_mask:
+        positions_BT = np.broadcast_to(offsets_W[:-1], (batch_size, seq_len))
+        return Batch(_tensor(inputs_BT), _tensor(labels_BT), _tensor(positions_BT), None)
+
+    is_eos_BT = inputs_BT == eos_id
+    labels_BT[is_eos_BT] = IGNORE_INDEX
+    # Token i opens a document when token i-1 is an eos (or i is the first of the window).
+    starts_doc_BT = np.zeros_like(is_eos_BT)
+    starts_doc_BT[:, 0] = True
+    starts_doc_BT[:, 1:] = is_eos_BT[:, :-1]
+    doc_ids_BT = np.cumsum(starts_doc_BT, axis=1) - 1
+    # Position = distance to the latest document start at or before each token.
+    latest_start_BT = np.maximum.accumulate(np.where(starts_doc_BT, offsets_W[:-1], 0), axis=1)
+    positions_BT = offsets_W[:-1] - latest_start_BT
+    return Batch(_tensor(inputs_BT), _tensor(labels_BT), _tensor(positions_BT), _tensor(doc_ids_BT))
+
+
+def _tensor(array_BT: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array_BT, dtype=np.int64))
