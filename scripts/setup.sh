@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Sets up what is missing: a virtual environment in .venv with PyTorch and torchloom (+ test tools).
+# PyTorch: the one already installed on this machine when there is one; else a CPU build on a
+# machine without an NVIDIA GPU, a CUDA build where there is one. Safe to run again: it only adds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import torch" 2>/dev/null; then
+    echo "setup: reusing the PyTorch installed for $PY"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: installing a CUDA build of PyTorch"
+    pip_install "torch>=2.11"
+  else
+    echo "setup: installing a CPU build of PyTorch"
+    pip_install "torch==2.13.0"
+  fi
+fi
+echo "setup: installing torchloom and its dependencies"
+pip_install -e ".[dev]"
+touch "$VENV/.torchloom-installed"

@@ -1,0 +1,101 @@
+import json
+
+import pytest
+import torch
+
+from torchloom.checkpoint.model_io import load_model
+from torchloom.cli import resolve_job
+from torchloom.config import ConfigError, from_dict
+from torchloom.job import JobConfig
+from torchloom.train.plot import plot_metrics
+from torchloom.train.trainer import Trainer, TrainingError
+
+REQUIRED = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_gib", "data_wait_s"}
+
+
+def run(tmp_path, *overrides: str, name: str = "run"):
+    _, job = resolve_job(
+        ["--recipe", "debug", "--output.dir", str(tmp_path / name), "--metrics.tensorboard", "false",
+         "--training.sample_tokens", "0", *overrides]
+    )  # fmt: skip
+    trainer = Trainer(job)
+    return trainer, trainer.train()
+
+
+def losses(output_dir) -> list[float]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("debug_run")
+    trainer, result = run(tmp, "--training.steps", "40", "--metrics.tensorboard", "true")
+    return tmp / "run", trainer, result
+
+
+def test_debug_recipe_learns_and_writes_its_outputs(debug_run):
+    out, trainer, result = debug_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    for record in steps:
+        assert record.keys() >= REQUIRED, REQUIRED - record.keys()
+    assert steps[0]["mfu"] is None  # no known peak for a CPU: no invented number
+    print(
+        f"loss {result.first_loss:.3f} -> {result.last_loss:.3f}, "
+        f"val {result.val_loss_before:.3f} -> {result.val_loss_after:.3f}"
+    )
+    assert result.last_loss < result.first_loss - 1.5
+    assert result.val_loss_after < result.val_loss_before - 1.5
+    assert any(p.name.startswith("events") for p in (out / "tb").iterdir())
+    saved = from_dict(JobConfig, json.loads((out / "config.json").read_text()))
+    assert saved == trainer.job
+
+
+def test_saved_model_reloads_with_identical_logits(debug_run):
+    out, trainer, _ = debug_run
+    model, family, config = load_model(out / "model")
+    assert family == "llama3" and config == trainer.model_config
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    torch.testing.assert_close(model(tokens), trainer.model.eval()(tokens), rtol=0, atol=0)
+
+
+def test_plot_writes_a_png(debug_run):
+    png = plot_metrics(debug_run[0])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_same_seed_same_losses_bitwise_and_accumulation_matches(tmp_path):
+    a = losses(run(tmp_path, "--training.steps", "6", name="a")[1].model_dir.parent)
+    b = losses(run(tmp_path, "--training.steps", "6", name="b")[1].model_dir.parent)
+    assert a == b, [x - y for x, y in zip(a, b)]
+    accum = run(tmp_path, "--training.steps", "6", "--training.micro_batch_size", "2", name="c")
+    c = losses(accum[1].model_dir.parent)
+    assert accum[0].train_loader.grad_accum_steps == 4
+    diff = max(abs(x - y) for x, y in zip(a, c))
+    print(f"max |loss(1 micro-batch) - loss(4 micro-batches)| = {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_existing_run_folder_is_refused_unless_overwrite(tmp_path):
+    run(tmp_path, "--training.steps", "1")
+    with pytest.raises(ConfigError, match="already holds a run.*--output.overwrite true"):
+        run(tmp_path, "--training.steps", "1")
+    run(tmp_path, "--training.steps", "2", "--output.overwrite", "true")
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_nonfinite_loss_stops_or_skips(tmp_path):
+    with pytest.raises(TrainingError, match="loss became .*--training.skip_nonfinite"):
+        run(tmp_path, "--training.steps", "8", "--optimizer.lr", "1e30",
+            "--lr_schedule.warmup_steps", "0", "--training.max_norm", "0")  # fmt: skip
+    _, result = run(tmp_path, "--training.steps", "8", "--optimizer.lr", "1e30",
+                    "--lr_schedule.warmup_steps", "0", "--training.max_norm", "0",
+                    "--training.skip_nonfinite", "true", name="skip")  # fmt: skip
+    assert result.steps == 8
+
+
+def test_vocab_mismatch_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="tokenizer has 4096 tokens.*vocab_size"):
+        run(tmp_path, "--model.overrides", '{"vocab_size": 1000}')

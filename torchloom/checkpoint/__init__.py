@@ -1,0 +1,1 @@
+"""Saving and loading: the model-only export written at the end of training."""

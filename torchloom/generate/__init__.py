@@ -1,0 +1,1 @@
+"""Generation on the same model modules the trainer trains."""

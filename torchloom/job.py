@@ -1,0 +1,35 @@
+"""The job config: one typed tree composed of every component's own config section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchloom.checkpoint.config import CheckpointConfig
+from torchloom.data.config import DataConfig
+from torchloom.models.config import ModelConfig
+from torchloom.parallel.config import ParallelConfig
+from torchloom.train.config import TrainingConfig
+from torchloom.train.metrics import MetricsConfig
+from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "outputs/run"
+    """Folder for config.json, metrics.jsonl, TensorBoard events and the saved model."""
+    overwrite: bool = False
+    """Replace the outputs of an earlier run in that folder (otherwise such a folder is refused,
+    so nothing already there is ever mixed up or lost)."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

@@ -1,0 +1,3 @@
+"""Built-in recipes. Importing this package registers them."""
+
+from torchloom.recipes import pretrain  # noqa: F401

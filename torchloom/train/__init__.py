@@ -1,0 +1,1 @@
+"""Training: the loop, the loss, optimizers and schedules, metrics."""

@@ -1,0 +1,67 @@
+"""The `training` section: steps, batch geometry, precision, seeding, validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torchloom.config.errors import ConfigError
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all data-parallel ranks."""
+    global_batch_tokens: int = 0
+    """If > 0, the global batch in tokens instead (must be a multiple of seq_len)."""
+    micro_batch_size: int = 0
+    """Sequences per forward pass on one rank; 0 means the rank's whole share (no
+    accumulation). Gradient accumulation steps are derived from the global batch."""
+    seed: int = 0
+    """Seed for weight init, data order and dropout-free randomness; same seed, same losses."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto picks the GPU when there is one."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype: auto is bf16 autocast on the GPU and fp32 on the CPU."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    skip_nonfinite: bool = False
+    """Skip an optimizer step whose loss is nan/inf instead of stopping the run."""
+    val_interval: int = 0
+    """Compute the validation loss every this many steps (0: only before and after training)."""
+    val_sequences: int = 32
+    """Held-out sequences per validation, summed over ranks (rounded up to whole batches)."""
+    deterministic: bool = False
+    """Use deterministic algorithms (bitwise repeatable on the GPU, somewhat slower)."""
+    sample_prompt: str = "The"
+    """Prompt of the greedy text sample printed at the end of training."""
+    sample_tokens: int = 32
+    """New tokens in that sample; 0 disables it."""
+
+    def validate(self) -> None:
+        for name in ("steps", "seq_len", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"--training.{name} must be at least 1; got {getattr(self, name)}."
+                )
+        if self.micro_batch_size < 0:
+            raise ConfigError("--training.micro_batch_size must be >= 0 (0: no accumulation).")
+        if self.global_batch_tokens and self.global_batch_tokens % self.seq_len:
+            raise ConfigError(
+                f"--training.global_batch_tokens {self.global_batch_tokens} is not a multiple of "
+                f"--training.seq_len {self.seq_len}; use "
+                f"{(self.global_batch_tokens // self.seq_len or 1) * self.seq_len}."
+            )
+        if self.max_norm < 0:
+            raise ConfigError("--training.max_norm must be >= 0 (0 disables clipping).")
+
+    @property
+    def global_batch_sequences(self) -> int:
+        """The global batch in sequences, whichever way it was given."""
+        if self.global_batch_tokens:
+            return self.global_batch_tokens // self.seq_len
+        return self.global_batch_size

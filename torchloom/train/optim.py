@@ -1,0 +1,113 @@
+"""The optimizer (AdamW) and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from torchloom.config.errors import ConfigError
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    """Optimizer: AdamW with decoupled weight decay."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms, biases or embeddings)."""
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: auto takes fused on the GPU and foreach on the CPU."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"--optimizer.lr must be positive; got {self.lr}.")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("--optimizer.beta1 and --optimizer.beta2 must lie in [0, 1).")
+
+
+@dataclass
+class LRScheduleConfig:
+    warmup_steps: int = 10
+    """Linear warm-up from 0 to the peak learning rate over this many steps."""
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Shape after warm-up: cosine or linear to min_lr_ratio, WSD (constant then linear decay
+    over the last decay_fraction of the run), or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of all steps spent decaying at the end."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError("--lr_schedule.warmup_steps must be >= 0.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("--lr_schedule.min_lr_ratio must lie in [0, 1].")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError("--lr_schedule.decay_fraction must lie in (0, 1].")
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW over the model's trainable parameters, decaying only matrices that are not embeddings."""
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
+    )
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
+    """Learning-rate factor (of the peak) for optimizer step ``step`` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    floor = cfg.min_lr_ratio
+    if cfg.decay == "constant":
+        return 1.0
+    if cfg.decay == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        start = total_steps - decay_steps
+        if step < start:
+            return 1.0
+        return 1.0 - (1.0 - floor) * min(1.0, (step - start + 1) / decay_steps)
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps + 1) / span)
+    if cfg.decay == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (so its state saves and restores) following ``lr_multiplier``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, total_steps, cfg)
+    )

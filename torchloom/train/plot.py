@@ -1,0 +1,45 @@
+"""`torchloom plot`: loss and throughput curves of a run, from its metrics.jsonl, to a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torchloom.config.errors import ConfigError
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; pass the --output.dir of a training run.")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(output_dir: Path) -> Path:
+    """Draw loss (train and validation) and tokens/s against step into <output_dir>/metrics.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(output_dir)
+    train = [r for r in records if "loss" in r and r["loss"] is not None]
+    val = [r for r in records if r.get("val_loss") is not None]
+    if not train:
+        raise ConfigError(f"{output_dir / 'metrics.jsonl'} holds no training steps yet.")
+    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if val:
+        ax_loss.plot(
+            [r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation"
+        )
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.legend()
+    ax_tps.plot([r["step"] for r in train], [r["tps"] for r in train])
+    ax_tps.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
+    fig.suptitle(str(output_dir))
+    fig.tight_layout()
+    png = output_dir / "metrics.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
