@@ -27,5 +27,16 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 echo "setup: installing torchloom and its dependencies"
-pip_install -e ".[dev]"
+if ! pip_install -e ".[dev]"; then
+  # An offline machine that already has the runtime dependencies (a prepared GPU image, say)
+  # can still run training: install torchloom alone, without fetching anything.
+  runtime="import numpy, tokenizers, safetensors, rich, tensorboard, matplotlib, jinja2"
+  if "$VENV/bin/python" -c "$runtime" 2>/dev/null; then
+    echo "setup: could not install the dev tools; installing torchloom alone (tests need them)"
+    pip_install --no-deps --no-build-isolation -e .
+  else
+    echo "setup: installing the dependencies failed; see pip's message above" >&2
+    exit 1
+  fi
+fi
 touch "$VENV/.torchloom-installed"
