@@ -8,11 +8,14 @@ PY=${PYTHON:-python3}
 VENV=.venv
 
 if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
   if "$PY" -c "import torch" 2>/dev/null; then
-    echo "setup: reusing the PyTorch installed for $PY"
-    "$PY" -m venv --system-site-packages "$VENV"
-  else
-    "$PY" -m venv "$VENV"
+    # Reuse that PyTorch (and the packages beside it) through a .pth file: unlike
+    # --system-site-packages this also works when $PY itself lives in a virtual environment.
+    host_site=$("$PY" -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+    venv_site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$host_site" > "$venv_site/_torchloom_host_packages.pth"
+    echo "setup: reusing the PyTorch installed in $host_site"
   fi
 fi
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
