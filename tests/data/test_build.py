@@ -18,7 +18,7 @@ def test_builtin_corpus_end_to_end(builtin_cache: Path) -> None:
     assert len(batches) == 2 and batches[0].tokens.shape == (2, 64)
     assert int(batches[0].tokens.max()) < tokenizer.vocab_size
     assert val is not None and val.num_batches >= 1
-    assert train.num_windows > 5000, train.num_windows
+    assert train.num_rows > 5000, train.num_rows
 
 
 def test_user_jsonl_with_own_tokenizer(tmp_path: Path, tiny_tokenizer) -> None:

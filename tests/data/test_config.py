@@ -10,6 +10,7 @@ from torchloom.data.config import DataConfig
 
 def test_defaults_are_valid() -> None:
     DataConfig().validate()
+    DataConfig(format="chat", sources=["builtin:chat_tasks"]).validate()
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,12 @@ def test_defaults_are_valid() -> None:
         ({"vocab_size": 200}, "--data.vocab_size=200 is too small"),
         ({"val_fraction": 1.0}, r"--data.val_fraction=1.0 must be in \[0, 1\)"),
         ({"text_field": ""}, "--data.text_field is empty"),
+        ({"format": "chat"}, "'builtin:stdlib_docs' holds text data but --data.format is chat"),
+        (
+            {"format": "chat", "sources": ["builtin:chat_tasks"], "document_mask": False},
+            "--data.document_mask false does not apply to --data.format chat",
+        ),
+        ({"sources": ["builtin:chat_tasks"]}, "use --data.format chat"),
     ],
 )
 def test_invalid_values(overrides: dict, message: str) -> None:

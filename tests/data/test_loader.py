@@ -1,4 +1,5 @@
-"""PretrainLoader/ValLoader: layout-independent steps, exact resume, epochs, errors."""
+"""TrainLoader/ValLoader over token windows: layout-independent steps, exact resume, epochs,
+errors. (tests/data/test_sft.py checks the same over packed conversations.)"""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch.testing import assert_close
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.loader import PretrainLoader, ValLoader
-from torchloom.data.packing import IGNORE_INDEX, Batch
+from torchloom.data.loader import TrainLoader, ValLoader
+from torchloom.data.packing import IGNORE_INDEX, Batch, TokenWindows
 
 EOS = 1
 T = 8
@@ -31,10 +32,10 @@ def window_indices(batches: list[Batch]) -> list[int]:
     return [int(t) // T for b in batches for t in b.tokens[:, 0]]
 
 
-def make_loader(tokens: np.ndarray, **overrides: object) -> PretrainLoader:
-    kwargs: dict = dict(eos_id=EOS, seq_len=T, global_batch_size=8, micro_batch_size=2, seed=7)
+def make_loader(tokens: np.ndarray, **overrides: object) -> TrainLoader:
+    kwargs: dict = dict(global_batch_size=8, micro_batch_size=2, seed=7)
     kwargs.update(overrides)
-    return PretrainLoader(tokens, **kwargs)
+    return TrainLoader(TokenWindows(tokens, EOS, T, document_mask=True), **kwargs)
 
 
 def global_step(tokens: np.ndarray, dp_size: int, micro_batch_size: int, steps: int) -> list:
@@ -131,18 +132,19 @@ def test_indivisible_global_batch_explains_the_fix() -> None:
 
 
 def test_too_few_tokens_for_one_window() -> None:
-    with pytest.raises(ConfigError, match="too few for one sequence of seq_len=8"):
+    with pytest.raises(ConfigError, match="one sequence of seq_len=8 needs 9"):
         make_loader(np.ones(T, dtype=np.uint16))
 
 
 def val_pass(tokens: np.ndarray, batch_size: int, dp_size: int) -> list[list[Batch]]:
-    loaders = [ValLoader(tokens, EOS, T, batch_size, r, dp_size) for r in range(dp_size)]
+    rows = TokenWindows(tokens, EOS, T, document_mask=True)
+    loaders = [ValLoader(rows, batch_size, r, dp_size) for r in range(dp_size)]
     return [list(loader) for loader in loaders]
 
 
 def test_val_is_deterministic_and_unshuffled() -> None:
     tokens = index_stream(num_windows=5)
-    loader = ValLoader(tokens, EOS, T, batch_size=2)
+    loader = ValLoader(TokenWindows(tokens, EOS, T, document_mask=True), batch_size=2)
     first, second = list(loader), list(loader)
     assert window_indices(first) == [0, 1, 2, 3, 4, 0]  # last row is padding
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, second))

@@ -13,6 +13,7 @@ from torchloom.data.corpus import builtin_corpus_path, python_tag
 from torchloom.data.sources import SourceFile, iter_documents
 from torchloom.data.tokenizer import (
     BOS_TOKEN,
+    BUILTIN_SPECIAL_TOKENS,
     EOS_TOKEN,
     Tokenizer,
     builtin_tokenizer_path,
@@ -27,6 +28,7 @@ def test_builtin_round_trip_and_special_ids(builtin_tokenizer: Tokenizer) -> Non
     tok = builtin_tokenizer
     assert tok.vocab_size == 4096
     assert (tok.eos_id, tok.bos_id, tok.pad_id) == (0, 1, 0)
+    assert [tok.backend.token_to_id(t) for t in BUILTIN_SPECIAL_TOKENS] == [0, 1, 2, 3]
     ids = tok.encode(TRICKY_TEXT)
     assert tok.decode(ids) == TRICKY_TEXT
     # The eos string inside text is plain text: documents cannot forge a boundary.
@@ -52,7 +54,7 @@ def test_builtin_training_is_deterministic(builtin_cache: Path) -> None:
 
 def test_builtin_cache_reused(builtin_cache: Path) -> None:
     path = builtin_tokenizer_path(builtin_cache, 4096)
-    assert path.name == f"stdlib_bpe-v1-{python_tag()}-V4096.json"
+    assert path.name == f"stdlib_bpe-v2-{python_tag()}-V4096.json"
     before = path.stat().st_mtime_ns
     load_tokenizer("builtin:stdlib_bpe", builtin_cache, 4096)
     assert path.stat().st_mtime_ns == before
@@ -78,10 +80,15 @@ def test_hf_folder_with_tokenizer_config(builtin_cache: Path, tmp_path: Path) ->
 def test_save_then_load_keeps_special_tokens(builtin_tokenizer: Tokenizer, tmp_path: Path) -> None:
     builtin_tokenizer.save(tmp_path / "tokenizer.json")
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config == {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    named = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
+    assert named == {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    assert config["chat_template"] == builtin_tokenizer.chat_template
+    declared = {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()}
+    assert declared == dict(enumerate(BUILTIN_SPECIAL_TOKENS))
     loaded = Tokenizer.from_file(tmp_path)
     assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (1, 0, 0)
     assert loaded.encode(TRICKY_TEXT) == builtin_tokenizer.encode(TRICKY_TEXT)
+    assert loaded.chat_template == builtin_tokenizer.chat_template
 
 
 def test_tokenizer_json_without_config_uses_known_names(tiny_tokenizer: Tokenizer) -> None:

@@ -1,20 +1,26 @@
-"""Data layer: sources -> tokenizer -> cached token arrays -> packed, resumable batches."""
+"""Data layer: sources -> tokenizer (and chat template) -> cached token arrays -> packed,
+resumable batches, for pre-training text and for SFT conversations."""
 
 from torchloom.data.build import DataLoaders, build_dataloaders, build_tokenizer
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
-from torchloom.data.loader import PretrainLoader, ValLoader
-from torchloom.data.packing import IGNORE_INDEX, Batch
+from torchloom.data.loader import RowSource, TrainLoader, ValLoader
+from torchloom.data.packing import IGNORE_INDEX, Batch, TokenWindows
+from torchloom.data.sft import ChatDataset, PackedConversations
 from torchloom.data.tokenizer import Tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
     "Batch",
+    "ChatDataset",
     "DataConfig",
     "DataLoaders",
-    "PretrainLoader",
+    "PackedConversations",
+    "RowSource",
     "TokenDataset",
+    "TokenWindows",
     "Tokenizer",
+    "TrainLoader",
     "ValLoader",
     "build_dataloaders",
     "build_tokenizer",

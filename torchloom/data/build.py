@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
+from torchloom.config.errors import ConfigError
 from torchloom.data.cache import resolve_cache_dir
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
-from torchloom.data.loader import PretrainLoader, ValLoader
-from torchloom.data.sources import resolve_sources
+from torchloom.data.loader import RowSource, TrainLoader, ValLoader
+from torchloom.data.packing import TokenWindows
+from torchloom.data.sft import ChatDataset, PackedConversations
+from torchloom.data.sources import resolve_chat_sources, resolve_sources
 from torchloom.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -16,15 +20,27 @@ class DataLoaders(NamedTuple):
     """What ``build_dataloaders`` returns; unpacks as ``tokenizer, train, val``."""
 
     tokenizer: Tokenizer
-    train: PretrainLoader
+    train: TrainLoader
     val: ValLoader | None
     """None when --data.val_fraction is 0."""
 
 
 def build_tokenizer(cfg: DataConfig) -> Tokenizer:
-    """The configured tokenizer (trained and cached on first use); its vocab_size sizes the model."""
+    """The configured tokenizer (trained and cached on first use); its vocab_size sizes the model.
+
+    With --data.chat_template the file's template replaces the tokenizer's own.
+    """
     cfg.validate()
-    return load_tokenizer(cfg.tokenizer, resolve_cache_dir(cfg.cache_dir), cfg.vocab_size)
+    tokenizer = load_tokenizer(cfg.tokenizer, resolve_cache_dir(cfg.cache_dir), cfg.vocab_size)
+    if cfg.chat_template:
+        path = Path(cfg.chat_template).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"--data.chat_template '{cfg.chat_template}' is not a file: give a .jinja file "
+                "holding a chat template, or leave it empty to use the tokenizer's own."
+            )
+        tokenizer.set_chat_template(path.read_text(encoding="utf-8"))
+    return tokenizer
 
 
 def build_dataloaders(
@@ -42,30 +58,42 @@ def build_dataloaders(
     repeat the work and agree on the result.
     """
     tokenizer = build_tokenizer(cfg)
-    cache_dir = resolve_cache_dir(cfg.cache_dir)
-    files = resolve_sources(cfg.sources, cfg.text_field, cache_dir)
-    dataset = TokenDataset.build(files, tokenizer, cfg.val_fraction, cache_dir)
-    train = PretrainLoader(
-        dataset.train_tokens,
-        eos_id=dataset.eos_id,
-        seq_len=seq_len,
+    if cfg.format == "chat":
+        train_rows, val_rows = _chat_rows(cfg, tokenizer, seq_len)
+    else:
+        train_rows, val_rows = _text_rows(cfg, tokenizer, seq_len)
+    train = TrainLoader(
+        train_rows,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=seed,
         shuffle=cfg.shuffle,
-        document_mask=cfg.document_mask,
     )
     val = None
     if cfg.val_fraction > 0:
-        val = ValLoader(
-            dataset.val_tokens,
-            eos_id=dataset.eos_id,
-            seq_len=seq_len,
-            batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            document_mask=cfg.document_mask,
-        )
+        val = ValLoader(val_rows, batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     return DataLoaders(tokenizer, train, val)
+
+
+def _text_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[RowSource, RowSource]:
+    """Pre-training: windows of the train and validation token streams."""
+    cache_dir = resolve_cache_dir(cfg.cache_dir)
+    files = resolve_sources(cfg.sources, cfg.text_field, cache_dir)
+    dataset = TokenDataset.build(files, tokenizer, cfg.val_fraction, cache_dir)
+    train = TokenWindows(dataset.train_tokens, dataset.eos_id, seq_len, cfg.document_mask)
+    val = TokenWindows(dataset.val_tokens, dataset.eos_id, seq_len, cfg.document_mask)
+    return train, val
+
+
+def _chat_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[RowSource, RowSource]:
+    """SFT: the train and validation conversations, each packed whole into rows."""
+    cache_dir = resolve_cache_dir(cfg.cache_dir)
+    files = resolve_chat_sources(cfg.sources, cache_dir)
+    dataset = ChatDataset.build(files, tokenizer, cfg.val_fraction, cache_dir)
+    pad_id = tokenizer.eos_id if tokenizer.pad_id is None else tokenizer.pad_id
+    overlong = cfg.overlong_conversations
+    train = PackedConversations(dataset.train, seq_len, pad_id, overlong, split="training")
+    val = PackedConversations(dataset.val, seq_len, pad_id, overlong, split="validation")
+    return train, val

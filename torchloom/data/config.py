@@ -3,31 +3,50 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from torchloom.config.errors import ConfigError, did_you_mean
 
 BUILTIN_CORPUS = "builtin:stdlib_docs"
+BUILTIN_CHAT = "builtin:chat_tasks"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
-# 256 byte tokens + the two special tokens; anything smaller cannot encode arbitrary text.
-MIN_BUILTIN_VOCAB = 258
+# 256 byte tokens + the four special tokens; anything smaller cannot encode arbitrary text.
+MIN_BUILTIN_VOCAB = 260
+# The builtin data set of each format.
+BUILTIN_SOURCES = {"text": BUILTIN_CORPUS, "chat": BUILTIN_CHAT}
 
 
 @dataclass
 class DataConfig:
-    """Pre-training text: where it comes from, how it is tokenized, packed and split."""
+    """Training data: where it comes from, how it is tokenized, packed and split."""
+
+    format: Literal["text", "chat"] = "text"
+    """text: documents for pre-training, loss on every token. chat: conversations for
+    supervised fine-tuning (JSONL lines {"messages": [{"role", "content"}, ...]}) rendered by
+    the tokenizer's chat template, loss only on assistant tokens, packed without splitting a
+    conversation."""
 
     sources: list[str] = field(default_factory=lambda: [BUILTIN_CORPUS])
-    """Text to train on. Each entry is builtin:stdlib_docs (English docs shipped with Python),
-    a .txt file (the whole file is one document), a .jsonl file (one document per line, text
-    in --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order)."""
+    """Data to train on. Text: builtin:stdlib_docs (English docs shipped with Python), a .txt
+    file (the whole file is one document), a .jsonl file (one document per line, text in
+    --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order). Chat:
+    builtin:chat_tasks (small synthetic tasks), .jsonl files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""
 
     tokenizer: str = BUILTIN_TOKENIZER
-    """builtin:stdlib_bpe (a byte-level BPE trained on the builtin corpus), a tokenizer.json
-    file, or a Hugging Face tokenizer folder with tokenizer.json (and optionally
-    tokenizer_config.json naming bos/eos/pad tokens)."""
+    """builtin:stdlib_bpe (a byte-level BPE trained on the builtin corpus, with a ChatML chat
+    template), a tokenizer.json file, or a Hugging Face tokenizer folder with tokenizer.json (and
+    optionally tokenizer_config.json naming bos/eos/pad tokens and the chat template)."""
+
+    chat_template: str = ""
+    """A .jinja file whose chat template replaces the tokenizer's own (empty: the tokenizer's).
+    The trained model is saved with it."""
+
+    overlong_conversations: Literal["drop", "truncate"] = "drop"
+    """Chat format: a conversation longer than seq_len + 1 tokens is dropped (and counted), or
+    truncated to its first seq_len + 1 tokens."""
 
     vocab_size: int = 4096
     """Vocabulary size of the builtin tokenizer, special tokens included (ignored otherwise)."""
@@ -51,14 +70,28 @@ class DataConfig:
         if not self.sources:
             raise ConfigError(
                 f"--data.sources is empty: give at least one source, e.g. "
-                f"'[\"{BUILTIN_CORPUS}\"]' or '[\"my.jsonl\"]'."
+                f"'[\"{BUILTIN_SOURCES[self.format]}\"]' or '[\"my.jsonl\"]'."
             )
+        builtin = BUILTIN_SOURCES[self.format]
         for source in self.sources:
-            if source.startswith("builtin:") and source != BUILTIN_CORPUS:
+            if not source.startswith("builtin:") or source == builtin:
+                continue
+            other = next((f for f, b in BUILTIN_SOURCES.items() if b == source), None)
+            if other:
                 raise ConfigError(
-                    f"Unknown builtin data source '{source}'; the builtin corpus is "
-                    f"'{BUILTIN_CORPUS}'.{did_you_mean(source, [BUILTIN_CORPUS])}"
+                    f"'{source}' holds {other} data but --data.format is {self.format}: use "
+                    f"--data.format {other}, or the {self.format} source '{builtin}'."
                 )
+            raise ConfigError(
+                f"Unknown builtin data source '{source}'."
+                f"{did_you_mean(source, BUILTIN_SOURCES.values())} The builtin "
+                f"{self.format} source is '{builtin}'."
+            )
+        if self.format == "chat" and not self.document_mask:
+            raise ConfigError(
+                "--data.document_mask false does not apply to --data.format chat: packed "
+                "conversations never attend to each other. Leave document_mask on."
+            )
         if self.tokenizer.startswith("builtin:") and self.tokenizer != BUILTIN_TOKENIZER:
             raise ConfigError(
                 f"Unknown builtin tokenizer '{self.tokenizer}'; the builtin tokenizer is "
@@ -73,7 +106,7 @@ class DataConfig:
         if self.tokenizer == BUILTIN_TOKENIZER and self.vocab_size <= MIN_BUILTIN_VOCAB:
             raise ConfigError(
                 f"--data.vocab_size={self.vocab_size} is too small: the builtin byte-level BPE "
-                f"needs more than {MIN_BUILTIN_VOCAB} (256 bytes + 2 special tokens); try 4096."
+                f"needs more than {MIN_BUILTIN_VOCAB} (256 bytes + 4 special tokens); try 4096."
             )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,6 +25,7 @@ DATASET_VERSION = 1
 # Fixed, not the training seed: the validation documents stay the same across runs.
 SPLIT_SEED = 1234
 ENCODE_CHUNK_DOCS = 1024
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,6 +72,14 @@ def num_val_docs(num_docs: int, val_fraction: float) -> int:
     return min(max(round(num_docs * val_fraction), 1), num_docs - 1)
 
 
+def held_out_mask(num_docs: int, val_fraction: float) -> np.ndarray:
+    """Which documents are validation documents: chosen by a fixed seed, not the training one."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    is_val = np.zeros(num_docs, dtype=bool)
+    is_val[rng.choice(num_docs, num_val_docs(num_docs, val_fraction), replace=False)] = True
+    return is_val
+
+
 def _cache_key(files: list[SourceFile], tokenizer: Tokenizer, val_fraction: float) -> str:
     parts = {
         "version": DATASET_VERSION,
@@ -94,14 +104,12 @@ def _tokenize_to_cache(
     num_docs = sum(1 for _ in iter_documents(files))
     if num_docs == 0:
         raise ConfigError(f"The data sources {[str(f.path) for f in files]} contain no text.")
-    rng = np.random.default_rng(SPLIT_SEED)
-    is_val = np.zeros(num_docs, dtype=bool)
-    is_val[rng.choice(num_docs, num_val_docs(num_docs, val_fraction), replace=False)] = True
+    is_val = held_out_mask(num_docs, val_fraction)
 
     dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32
     splits: dict[bool, list[np.ndarray]] = {False: [], True: []}
     doc_index = 0
-    for texts in _chunks(iter_documents(files), ENCODE_CHUNK_DOCS):
+    for texts in chunked(iter_documents(files), ENCODE_CHUNK_DOCS):
         flat: dict[bool, list[int]] = {False: [], True: []}
         for ids in tokenizer.encode_batch(texts):
             target = flat[bool(is_val[doc_index])]
@@ -136,10 +144,11 @@ def _tokenize_to_cache(
     )
 
 
-def _chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for doc in docs:
-        chunk.append(doc)
+def chunked(items: Iterator[T], size: int) -> Iterator[list[T]]:
+    """``items`` in lists of ``size`` (the last may be shorter)."""
+    chunk: list[T] = []
+    for item in items:
+        chunk.append(item)
         if len(chunk) == size:
             yield chunk
             chunk = []

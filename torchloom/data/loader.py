@@ -1,71 +1,82 @@
-"""Stateful, data-parallel aware loaders over a packed token stream.
-
-Window k of a stream is ``tokens[k*T : k*T + T + 1]`` (consecutive windows share one token, so
-every token but the first is a label exactly once per epoch).
+"""Stateful, data-parallel aware loaders over a row source: the windows of a token stream for
+pre-training, or packed conversations for SFT. One loader serves both, with the same guarantees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.packing import IGNORE_INDEX, Batch, pack_windows
+from torchloom.data.packing import IGNORE_INDEX, Batch
 
 LOADER_STATE_VERSION = 1
 
 
-def num_windows(num_tokens: int, seq_len: int) -> int:
-    """How many full windows of ``seq_len`` inputs (+1 label) a stream of tokens holds."""
-    return max(num_tokens - 1, 0) // seq_len
+class RowSource(Protocol):
+    """Rows of ``seq_len`` tokens, numbered 0..num_rows-1, that a loader batches."""
+
+    seq_len: int
+    num_rows: int
+
+    def batch(self, rows_B: np.ndarray) -> Batch:
+        """Rows ``rows_B`` (int64 indices) as one ``[B, seq_len]`` batch."""
+        ...
+
+    def identity(self) -> dict[str, int]:
+        """Values that decide the rows (e.g. their count): a resume refuses if they changed."""
+        ...
+
+    def describe(self) -> str:
+        """What the source holds, for the error when it has no row at all."""
+        ...
 
 
-class PretrainLoader:
+class TrainLoader:
     """Endless, resumable training batches, identical in content whatever the parallel layout.
 
-    Epoch e visits all windows in a permutation seeded by (seed, e). Optimizer step s takes the
-    global batch of flat windows [s*G, (s+1)*G) of that endless sequence; dp rank r takes its
-    contiguous share of G/dp_size windows, cut into micro-batches. So the union over ranks of a
-    step's micro-batches depends only on (seed, G, seq_len, data), not on dp_size or
+    Epoch e visits all rows in a permutation seeded by (seed, e). Optimizer step s takes the
+    global batch of flat rows [s*G, (s+1)*G) of that endless sequence; dp rank r takes its
+    contiguous share of G/dp_size rows, cut into micro-batches. So the union over ranks of a
+    step's micro-batches depends only on (seed, G, the rows), not on dp_size or
     micro_batch_size, and losses match across layouts.
     """
 
     def __init__(
         self,
-        tokens: np.ndarray,
-        eos_id: int,
-        seq_len: int,
+        rows: RowSource,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
-        document_mask: bool = True,
     ) -> None:
-        check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, seq_len)
-        self.num_windows = num_windows(len(tokens), seq_len)
-        if self.num_windows == 0:
+        check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, rows.seq_len)
+        if rows.num_rows == 0:
             raise ConfigError(
-                f"The training split has {len(tokens)} tokens, too few for one sequence of "
-                f"seq_len={seq_len} (needs {seq_len + 1}). Add data or lower seq_len."
+                f"The training split is too small for one sequence: {rows.describe()}. Add data "
+                "or lower seq_len."
             )
-        self.tokens = tokens
-        self.eos_id = eos_id
-        self.seq_len = seq_len
+        self.rows = rows
+        self.seq_len = rows.seq_len
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
-        self.document_mask = document_mask
         self.step = 0
         """Optimizer steps already served; the next call to next_step serves this one."""
         self._permutations: dict[int, np.ndarray] = {}
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences in one epoch."""
+        return self.rows.num_rows
 
     @property
     def grad_accum_steps(self) -> int:
@@ -74,8 +85,8 @@ class PretrainLoader:
 
     @property
     def epoch(self) -> float:
-        """Passes over the training windows so far (fractional)."""
-        return self.step * self.global_batch_size / self.num_windows
+        """Passes over the training rows so far (fractional)."""
+        return self.step * self.global_batch_size / self.num_rows
 
     @property
     def tokens_seen(self) -> int:
@@ -86,14 +97,9 @@ class PretrainLoader:
         """This rank's micro-batches for the next optimizer step (length grad_accum_steps)."""
         share = self.global_batch_size // self.dp_size
         first = self.step * self.global_batch_size + self.dp_rank * share
-        windows = self._windows(np.arange(first, first + share, dtype=np.int64))
+        rows_N = self._rows(np.arange(first, first + share, dtype=np.int64))
         self.step += 1
-        return [
-            pack_windows(
-                self.tokens, chunk * self.seq_len, self.seq_len, self.eos_id, self.document_mask
-            )
-            for chunk in np.split(windows, self.grad_accum_steps)
-        ]
+        return [self.rows.batch(chunk) for chunk in np.split(rows_N, self.grad_accum_steps)]
 
     def state_dict(self) -> dict[str, Any]:
         """Small, picklable state: the step plus what must not change for an exact resume."""
@@ -109,7 +115,7 @@ class PretrainLoader:
         if changed:
             raise ConfigError(
                 "Cannot resume the data loader exactly: " + "; ".join(changed) + ". Restore "
-                "the original settings (num_windows follows from the data, tokenizer and "
+                "the original settings (the row count follows from the data, tokenizer and "
                 "seq_len), or start without restoring the loader state."
             )
         self.step = int(state["step"])
@@ -122,79 +128,70 @@ class PretrainLoader:
             "shuffle": self.shuffle,
             "global_batch_size": self.global_batch_size,
             "seq_len": self.seq_len,
-            "num_windows": self.num_windows,
+            **self.rows.identity(),
         }
 
-    def _windows(self, flat_N: np.ndarray) -> np.ndarray:
-        """Window index of each flat position in the endless sequence of epochs."""
-        epoch_N, index_N = np.divmod(flat_N, self.num_windows)
+    def _rows(self, flat_N: np.ndarray) -> np.ndarray:
+        """Row index of each flat position in the endless sequence of epochs."""
+        epoch_N, index_N = np.divmod(flat_N, self.num_rows)
         if not self.shuffle:
             return index_N
-        windows_N = np.empty_like(index_N)
+        rows_N = np.empty_like(index_N)
         for epoch in np.unique(epoch_N):
             in_epoch = epoch_N == epoch
-            windows_N[in_epoch] = self._permutation(int(epoch))[index_N[in_epoch]]
-        return windows_N
+            rows_N[in_epoch] = self._permutation(int(epoch))[index_N[in_epoch]]
+        return rows_N
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._permutations:
             if len(self._permutations) >= 2:  # a step spans at most a few epochs; keep memory flat
                 self._permutations.pop(min(self._permutations))
             rng = np.random.default_rng([self.seed, epoch])
-            self._permutations[epoch] = rng.permutation(self.num_windows)
+            self._permutations[epoch] = rng.permutation(self.num_rows)
         return self._permutations[epoch]
 
 
 class ValLoader:
-    """The validation windows in order, the same every pass, each dp rank taking a share.
+    """The validation rows in order, the same every pass, each dp rank taking a share.
 
-    Each eval step covers batch_size * dp_size consecutive windows; rank r takes the r-th block
+    Each eval step covers batch_size * dp_size consecutive rows; rank r takes the r-th block
     of batch_size. The last step is padded with rows whose labels are all IGNORE_INDEX, so every
     rank runs the same number of batches and the token-averaged loss is the same for any layout.
     """
 
     def __init__(
-        self,
-        tokens: np.ndarray,
-        eos_id: int,
-        seq_len: int,
-        batch_size: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        document_mask: bool = True,
+        self, rows: RowSource, batch_size: int, dp_rank: int = 0, dp_size: int = 1
     ) -> None:
-        check_batch_layout(batch_size * dp_size, batch_size, dp_size, dp_rank, seq_len)
-        self.num_windows = num_windows(len(tokens), seq_len)
-        if self.num_windows == 0:
+        check_batch_layout(batch_size * dp_size, batch_size, dp_size, dp_rank, rows.seq_len)
+        if rows.num_rows == 0:
             raise ConfigError(
-                f"The validation split has {len(tokens)} tokens, too few for one sequence of "
-                f"seq_len={seq_len} (needs {seq_len + 1}). Raise --data.val_fraction, or set it "
-                "to 0 to skip validation."
+                f"The validation split is too small for one sequence: {rows.describe()}. Raise "
+                "--data.val_fraction, or set it to 0 to skip validation."
             )
-        self.tokens = tokens
-        self.eos_id = eos_id
-        self.seq_len = seq_len
+        self.rows = rows
+        self.seq_len = rows.seq_len
         self.batch_size = batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.document_mask = document_mask
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.num_rows
 
     @property
     def num_batches(self) -> int:
-        """Batches per rank for a full pass over the validation windows."""
-        return -(-self.num_windows // (self.batch_size * self.dp_size))
+        """Batches per rank for a full pass over the validation rows."""
+        return -(-self.num_rows // (self.batch_size * self.dp_size))
 
     def batches(self, max_batches: int | None = None) -> Iterator[Batch]:
         """This rank's validation batches, at most ``max_batches`` of them."""
         count = self.num_batches if max_batches is None else min(max_batches, self.num_batches)
         for step in range(count):
             first = (step * self.dp_size + self.dp_rank) * self.batch_size
-            windows_B = np.arange(first, first + self.batch_size, dtype=np.int64)
-            is_padding_B = windows_B >= self.num_windows
-            windows_B[is_padding_B] = 0  # any real window; its labels are ignored below
-            batch = pack_windows(
-                self.tokens, windows_B * self.seq_len, self.seq_len, self.eos_id, self.document_mask
-            )
+            rows_B = np.arange(first, first + self.batch_size, dtype=np.int64)
+            is_padding_B = rows_B >= self.num_rows
+            rows_B[is_padding_B] = 0  # any real row; its labels are ignored below
+            batch = self.rows.batch(rows_B)
             batch.labels[torch.from_numpy(is_padding_B)] = IGNORE_INDEX
             yield batch
 

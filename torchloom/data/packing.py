@@ -1,4 +1,9 @@
-"""Cut a token stream into training windows: inputs, next-token labels, positions, doc ids."""
+"""The batch type, and cutting a token stream into training windows: inputs, next-token labels,
+positions, doc ids.
+
+Window k of a stream is ``tokens[k*T : k*T + T + 1]`` (consecutive windows share one token, so
+every token but the first is a label exactly once per epoch).
+"""
 
 from __future__ import annotations
 
@@ -42,6 +47,38 @@ class Batch:
 
         doc_ids = None if self.doc_ids is None else move(self.doc_ids)
         return Batch(move(self.tokens), move(self.labels), move(self.positions), doc_ids, count)
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """How many full windows of ``seq_len`` inputs (+1 label) a stream of tokens holds."""
+    return max(num_tokens - 1, 0) // seq_len
+
+
+class TokenWindows:
+    """The row source of pre-training: row k is window k of a flat token stream."""
+
+    def __init__(self, tokens: np.ndarray, eos_id: int, seq_len: int, document_mask: bool) -> None:
+        self.tokens = tokens
+        self.eos_id = eos_id
+        self.seq_len = seq_len
+        self.document_mask = document_mask
+        self.num_rows = num_windows(len(tokens), seq_len)
+
+    def batch(self, rows_B: np.ndarray) -> Batch:
+        """Windows ``rows_B`` as one batch."""
+        return pack_windows(
+            self.tokens, rows_B * self.seq_len, self.seq_len, self.eos_id, self.document_mask
+        )
+
+    def identity(self) -> dict[str, int]:
+        """What decides the rows, for checking a resumed loader: the window count."""
+        return {"num_windows": self.num_rows}
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.tokens)} tokens, and one sequence of seq_len={self.seq_len} needs "
+            f"{self.seq_len + 1}"
+        )
 
 
 def pack_windows(

@@ -1,4 +1,4 @@
-"""Turn ``--data.sources`` entries into files, and files into documents."""
+"""Turn ``--data.sources`` entries into files, and files into documents (or JSON records)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchloom.config.errors import ConfigError, did_you_mean
-from torchloom.data.config import BUILTIN_CORPUS
+from torchloom.data.chat_tasks import ensure_builtin_chat
+from torchloom.data.config import BUILTIN_CHAT, BUILTIN_CORPUS
 from torchloom.data.corpus import ensure_builtin_corpus
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+MESSAGES_FIELD = "messages"
+"""The JSONL field of a chat source that holds a conversation's messages."""
 
 
 @dataclass(frozen=True)
@@ -29,33 +32,59 @@ class SourceFile:
 
 
 def resolve_sources(sources: list[str], text_field: str, cache_dir: Path) -> list[SourceFile]:
-    """The files behind ``sources``, in order; directories expand to their sorted files."""
+    """The text files behind ``sources``, in order; directories expand to their sorted files."""
     files: list[SourceFile] = []
     for source in sources:
         if source.startswith("builtin:"):
-            if source != BUILTIN_CORPUS:
-                raise ConfigError(
-                    f"Unknown builtin data source '{source}'.{did_you_mean(source, [BUILTIN_CORPUS])}"
-                    f" The builtin corpus is '{BUILTIN_CORPUS}'."
-                )
+            _check_builtin(source, BUILTIN_CORPUS)
             files.append(SourceFile(ensure_builtin_corpus(cache_dir), "text"))
-            continue
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise ConfigError(
-                f"Data source '{source}' does not exist (looked for {path.resolve()}). Give an "
-                f"existing .txt/.jsonl file or directory, or '{BUILTIN_CORPUS}'."
-            )
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-            if not found:
-                raise ConfigError(
-                    f"Data source directory '{source}' contains no .txt or .jsonl files."
-                )
-            files.extend(_source_file(p, text_field) for p in found)
         else:
-            files.append(_source_file(path, text_field))
+            files.extend(_source_file(p, text_field) for p in _expand(source, TEXT_SUFFIXES))
     return files
+
+
+def resolve_chat_sources(sources: list[str], cache_dir: Path) -> list[SourceFile]:
+    """The chat JSONL files behind ``sources``, in order; directories expand to their .jsonl."""
+    files: list[SourceFile] = []
+    for source in sources:
+        if source.startswith("builtin:"):
+            _check_builtin(source, BUILTIN_CHAT)
+            files.append(SourceFile(ensure_builtin_chat(cache_dir), MESSAGES_FIELD))
+            continue
+        for path in _expand(source, (".jsonl",)):
+            if path.suffix != ".jsonl":
+                raise ConfigError(
+                    f"Chat source '{path}' is not a .jsonl file: chats are JSONL lines like "
+                    '{"messages": [{"role": "user", "content": "..."}, ...]}.'
+                )
+            files.append(SourceFile(path, MESSAGES_FIELD))
+    return files
+
+
+def _check_builtin(source: str, builtin: str) -> None:
+    if source != builtin:
+        raise ConfigError(
+            f"Unknown builtin data source '{source}'.{did_you_mean(source, [builtin])}"
+            f" The builtin source of this data format is '{builtin}'."
+        )
+
+
+def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """``source`` itself, or the sorted files with one of ``suffixes`` under the directory."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"Data source '{source}' does not exist (looked for {path.resolve()}). Give an "
+            f"existing {'/'.join(suffixes)} file or directory, or a builtin source."
+        )
+    if not path.is_dir():
+        return [path]
+    found = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
+    if not found:
+        raise ConfigError(
+            f"Data source directory '{source}' contains no {' or '.join(suffixes)} files."
+        )
+    return found
 
 
 def _source_file(path: Path, text_field: str) -> SourceFile:
@@ -89,30 +118,36 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def iter_jsonl_records(path: Path, example: str) -> Iterator[tuple[str, object]]:
+    """``("file:line", parsed JSON)`` for each non-blank line; ``example`` shows a good line in
+    the error for a bad one."""
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             where = f"{path}:{line_number}"
             try:
-                record = json.loads(raw)
+                yield where, json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(
                     f"{where}: not a valid JSON line ({e}). Each line of a .jsonl source must "
-                    f'be one JSON object such as {{"{text_field}": "..."}}.'
+                    f"be one JSON object such as {example}."
                 ) from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = list(record) if isinstance(record, dict) else []
-                raise ConfigError(
-                    f"{where}: no field '{text_field}' (found {keys or type(record).__name__})."
-                    f"{did_you_mean(text_field, keys)} Set --data.text_field to the field "
-                    "holding the text."
-                )
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise ConfigError(
-                    f"{where}: field '{text_field}' is a {type(text).__name__}, not a string."
-                )
-            if text:
-                yield text
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    for where, record in iter_jsonl_records(path, f'{{"{text_field}": "..."}}'):
+        if not isinstance(record, dict) or text_field not in record:
+            keys = list(record) if isinstance(record, dict) else []
+            raise ConfigError(
+                f"{where}: no field '{text_field}' (found {keys or type(record).__name__})."
+                f"{did_you_mean(text_field, keys)} Set --data.text_field to the field "
+                "holding the text."
+            )
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"{where}: field '{text_field}' is a {type(text).__name__}, not a string."
+            )
+        if text:
+            yield text

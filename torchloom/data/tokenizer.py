@@ -1,4 +1,5 @@
-"""Text <-> token ids: our builtin byte-level BPE, or any Hugging Face ``tokenizer.json``."""
+"""Text <-> token ids: our builtin byte-level BPE, or a Hugging Face tokenizer folder, with the
+chat template that turns conversations into text."""
 
 from __future__ import annotations
 
@@ -14,26 +15,42 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.data.cache import atomic_write_text
+from torchloom.data.chat import (
+    CHATML_TEMPLATE,
+    DEFAULT_TEMPLATE_NAME,
+    Message,
+    read_chat_templates,
+    render_chat,
+)
 from torchloom.data.config import BUILTIN_TOKENIZER
 from torchloom.data.corpus import ensure_builtin_corpus, python_tag
 from torchloom.data.sources import SourceFile, iter_documents
 
 log = logging.getLogger(__name__)
 
-# Bump when the builtin tokenizer's training recipe changes.
-TOKENIZER_VERSION = 1
+# Bump when the builtin tokenizer's training recipe changes (v2: reserved the chat tokens).
+TOKENIZER_VERSION = 2
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|begin_of_text|>"
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# Ids 0..3 of the builtin tokenizer, reserved from the start so a pre-trained model can later be
+# fine-tuned on chats without growing its vocabulary.
+BUILTIN_SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, *CHAT_TOKENS)
+# The named special tokens transformers passes to chat templates (as ``bos_token``, ...).
+TEMPLATE_TOKEN_ROLES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # Used when no tokenizer_config.json names the special tokens: common spellings, best first.
 KNOWN_EOS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 KNOWN_BOS = (BOS_TOKEN, "<s>", "<bos>", "<|bos|>")
 
 
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` plus the special-token ids training needs.
+    """A ``tokenizers.Tokenizer`` plus the special-token ids training needs and the chat templates.
 
-    Special-token strings inside text are encoded as plain text, so a document cannot forge a
-    document boundary; ``bos``/``eos`` are only added through ``add_bos``/``add_eos``.
+    Documents and chats are encoded differently on purpose. ``encode`` treats special-token
+    strings inside text as plain text, so a document cannot forge a document boundary; bos/eos
+    only come from ``add_bos``/``add_eos``. ``encode_chat`` encodes text rendered by a chat
+    template, whose control tokens (``<|im_start|>`` ...) must become their special ids, as
+    transformers' ``apply_chat_template`` does.
     """
 
     def __init__(
@@ -43,6 +60,8 @@ class Tokenizer:
         bos_token: str | None = None,
         pad_token: str | None = None,
         path: Path | None = None,
+        chat_templates: dict[str, str] | None = None,
+        template_tokens: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.backend.encode_special_tokens = True
@@ -52,13 +71,27 @@ class Tokenizer:
         self.pad_id: int | None = self._token_id(pad_token, "pad") if pad_token else None
         # Added tokens may sit above the model vocabulary: size the embedding by the largest id.
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        self.chat_templates: dict[str, str] = dict(chat_templates or {})
+        """Jinja chat templates by name; ``default`` is the one ``apply_chat_template`` uses."""
+        self.template_tokens: dict[str, str] = template_tokens or {
+            f"{role}_token": token
+            for role, token in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token))
+            if token
+        }
+        """What templates see as ``bos_token``, ``eos_token``...: the tokens tokenizer_config.json
+        names (transformers passes exactly those), else this tokenizer's bos/eos/pad."""
+        # A second backend that matches added tokens in text; the flag is per backend object.
+        self._chat_backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._chat_backend.encode_special_tokens = False
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         """Load a ``tokenizer.json`` file or a Hugging Face folder containing one.
 
-        bos/eos/pad come from ``tokenizer_config.json`` next to it when present, else from
-        well-known token spellings such as ``<|endoftext|>`` or ``</s>``.
+        From ``tokenizer_config.json`` beside it come bos/eos/pad (else well-known spellings
+        such as ``<|endoftext|>`` or ``</s>``), tokens declared in ``added_tokens_decoder`` but
+        missing from tokenizer.json, and the chat template (also read from
+        ``chat_template.jinja``).
         """
         path = Path(path).expanduser()
         json_path = path / "tokenizer.json" if path.is_dir() else path
@@ -71,7 +104,12 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(json_path))
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
             raise ConfigError(f"Could not load tokenizer {json_path}: {e}") from None
-        special = _read_special_tokens(json_path.parent / "tokenizer_config.json")
+        config_path = json_path.parent / "tokenizer_config.json"
+        config = _read_tokenizer_config(config_path)
+        _add_declared_tokens(backend, config, config_path)
+        special = {
+            role: token for role in TEMPLATE_TOKEN_ROLES if (token := _named_token(config, role))
+        }
         vocab = backend.get_vocab(with_added_tokens=True)
         eos = special.get("eos") or next((t for t in KNOWN_EOS if t in vocab), None)
         if eos is None:
@@ -80,10 +118,19 @@ class Tokenizer:
                 'documents. Add a tokenizer_config.json beside it with {"eos_token": "..."}.'
             )
         bos = special.get("bos") or next((t for t in KNOWN_BOS if t in vocab), None)
-        return cls(backend, eos_token=eos, bos_token=bos, pad_token=special.get("pad"), path=path)
+        return cls(
+            backend,
+            eos_token=eos,
+            bos_token=bos,
+            pad_token=special.get("pad"),
+            path=path,
+            chat_templates=read_chat_templates(json_path.parent, config),
+            template_tokens={f"{r}_token": t for r, t in special.items()} if config else None,
+        )
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of ``text``, optionally framed by bos/eos."""
+        """Token ids of document ``text`` (special-token strings stay text), optionally framed
+        by bos/eos."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
@@ -94,32 +141,107 @@ class Tokenizer:
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text (no special tokens added), encoded in parallel."""
+        """Token ids of each document (no special tokens added), encoded in parallel."""
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept visible unless skipped."""
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template's source, or None when the tokenizer has none."""
+        return self.chat_templates.get(DEFAULT_TEMPLATE_NAME)
+
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` as the default chat template (also what ``save`` writes)."""
+        self.chat_templates[DEFAULT_TEMPLATE_NAME] = source
+
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = False,
+        template_name: str | None = None,
+    ) -> str:
+        """``messages`` as text, rendered like transformers' ``apply_chat_template(...,
+        tokenize=False)``; ``add_generation_prompt`` appends the header of an assistant reply."""
+        return render_chat(
+            self._template_source(template_name),
+            messages,
+            add_generation_prompt,
+            **self.template_tokens,
+        )
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of chat-template output: control-token strings become their ids."""
+        return self._chat_backend.encode(text, add_special_tokens=False).ids
+
+    def encode_chat_batch(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """``encode_chat`` of each text in parallel, with each token's character span."""
+        encodings = self._chat_backend.encode_batch(texts, add_special_tokens=False)
+        return [(e.ids, e.offsets) for e in encodings]
+
     def save(self, path: str | Path) -> None:
         """Write ``tokenizer.json`` to ``path`` and a ``tokenizer_config.json`` beside it.
 
-        The config names bos/eos/pad, so ``Tokenizer.from_file`` on the folder (or any Hugging
-        Face loader) gets the same special tokens back.
+        The config names bos/eos/pad, the added tokens and the chat template, so
+        ``Tokenizer.from_file`` on the folder, or transformers' ``AutoTokenizer``, gets the same
+        tokenizer back.
         """
         path = Path(path)
         atomic_write_text(path, self.backend.to_str())
-        config = {
-            f"{role}_token": self.backend.id_to_token(token_id)
-            for role, token_id in (("bos", self.bos_id), ("eos", self.eos_id), ("pad", self.pad_id))
-            if token_id is not None
+        config: dict[str, Any] = {
+            # Without a class name, transformers picks one from the model type, and some (e.g.
+            # Qwen2Tokenizer) replace the pre-tokenizer, which would change the ids.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{
+                f"{role}_token": self.backend.id_to_token(token_id)
+                for role, token_id in (
+                    ("bos", self.bos_id),
+                    ("eos", self.eos_id),
+                    ("pad", self.pad_id),
+                )
+                if token_id is not None
+            },
+            "clean_up_tokenization_spaces": False,  # decode must not edit spaces
+            "added_tokens_decoder": {
+                str(token_id): {
+                    "content": token.content,
+                    "lstrip": token.lstrip,
+                    "normalized": token.normalized,
+                    "rstrip": token.rstrip,
+                    "single_word": token.single_word,
+                    "special": token.special,
+                }
+                for token_id, token in sorted(self.backend.get_added_tokens_decoder().items())
+            },
         }
+        if list(self.chat_templates) == [DEFAULT_TEMPLATE_NAME]:
+            config["chat_template"] = self.chat_template
+        elif self.chat_templates:
+            config["chat_template"] = [
+                {"name": name, "template": source} for name, source in self.chat_templates.items()
+            ]
         atomic_write_text(path.parent / "tokenizer_config.json", json.dumps(config, indent=1))
 
     def fingerprint(self) -> str:
-        """Hash of everything that decides the ids: the tokenizer json and the eos choice."""
+        """Hash of everything that decides a document's ids: the tokenizer json and eos."""
         content = f"{self.backend.to_str()}\neos={self.eos_id}"
         return hashlib.sha256(content.encode("utf-8")).hexdigest()
+
+    def _template_source(self, name: str | None) -> str:
+        key = name or DEFAULT_TEMPLATE_NAME
+        if key in self.chat_templates:
+            return self.chat_templates[key]
+        if not self.chat_templates:
+            raise ConfigError(
+                f"Tokenizer {self.path} has no chat template (none in tokenizer_config.json, no "
+                "chat_template.jinja). Give one with --data.chat_template FILE.jinja."
+            )
+        raise ConfigError(
+            f"Tokenizer {self.path} has no chat template named '{key}'; it has "
+            f"{', '.join(self.chat_templates)}.{did_you_mean(key, self.chat_templates)}"
+        )
 
     def _token_id(self, token: str, role: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -137,7 +259,14 @@ def load_tokenizer(spec: str, cache_dir: Path, vocab_size: int) -> Tokenizer:
     if spec == BUILTIN_TOKENIZER:
         path = ensure_builtin_tokenizer(cache_dir, vocab_size)
         backend = tokenizers.Tokenizer.from_file(str(path))
-        return Tokenizer(backend, EOS_TOKEN, BOS_TOKEN, pad_token=EOS_TOKEN, path=path)
+        return Tokenizer(
+            backend,
+            EOS_TOKEN,
+            BOS_TOKEN,
+            pad_token=EOS_TOKEN,
+            path=path,
+            chat_templates={DEFAULT_TEMPLATE_NAME: CHATML_TEMPLATE},
+        )
     if spec.startswith("builtin:"):
         raise ConfigError(
             f"Unknown builtin tokenizer '{spec}'.{did_you_mean(spec, [BUILTIN_TOKENIZER])} "
@@ -165,7 +294,7 @@ def ensure_builtin_tokenizer(cache_dir: Path, vocab_size: int) -> Path:
 
 
 def train_byte_level_bpe(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
-    """A GPT-2-style byte-level BPE of ``vocab_size`` ids (special tokens included).
+    """A GPT-2-style byte-level BPE of ``vocab_size`` ids, the builtin special tokens first.
 
     Byte-level means every string encodes without unknown tokens and decodes back exactly.
     Training is deterministic: the same texts give the same json (tests check this).
@@ -175,7 +304,7 @@ def train_byte_level_bpe(texts: list[str], vocab_size: int) -> tokenizers.Tokeni
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, BOS_TOKEN],
+        special_tokens=list(BUILTIN_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -183,19 +312,52 @@ def train_byte_level_bpe(texts: list[str], vocab_size: int) -> tokenizers.Tokeni
     return backend
 
 
-def _read_special_tokens(config_path: Path) -> dict[str, str]:
-    """``{"bos": ..., "eos": ..., "pad": ...}`` from an HF tokenizer_config.json, if any."""
+def _read_tokenizer_config(config_path: Path) -> dict[str, Any]:
+    """An HF tokenizer_config.json as a dict; empty when there is none."""
     if not config_path.is_file():
         return {}
     try:
-        config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{config_path}: not valid JSON ({e}).") from None
-    special: dict[str, str] = {}
-    for role in ("bos", "eos", "pad"):
-        value = config.get(f"{role}_token")
-        if isinstance(value, dict):  # serialized AddedToken: {"content": "<s>", ...}
-            value = value.get("content")
-        if isinstance(value, str) and value:
-            special[role] = value
-    return special
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path}: expected a JSON object, got {type(config).__name__}.")
+    return config
+
+
+def _named_token(config: dict[str, Any], role: str) -> str | None:
+    """The ``{role}_token`` the config names, if any (a string or a serialized AddedToken)."""
+    value = config.get(f"{role}_token")
+    if isinstance(value, dict):  # serialized AddedToken: {"content": "<s>", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _add_declared_tokens(
+    backend: tokenizers.Tokenizer, config: dict[str, Any], config_path: Path
+) -> None:
+    """Add the tokens of ``added_tokens_decoder`` that tokenizer.json lacks, at their ids.
+
+    Folders converted from older formats may declare special tokens only there; transformers
+    adds them on load, so we do too and check they land on the declared ids.
+    """
+    declared = config.get("added_tokens_decoder") or {}
+    for id_text, entry in sorted(declared.items(), key=lambda item: int(item[0])):
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or backend.token_to_id(content) is not None:
+            continue
+        token = tokenizers.AddedToken(
+            content,
+            single_word=bool(entry.get("single_word", False)),
+            lstrip=bool(entry.get("lstrip", False)),
+            rstrip=bool(entry.get("rstrip", False)),
+            normalized=bool(entry.get("normalized", False)),
+            special=bool(entry.get("special", False)),
+        )
+        backend.add_tokens([token])
+        if backend.token_to_id(content) != int(id_text):
+            raise ConfigError(
+                f"{config_path}: added token {content!r} is declared with id {id_text}, but "
+                f"tokenizer.json has room for it only at id {backend.token_to_id(content)}. "
+                "Add it to tokenizer.json's added_tokens at that id."
+            )
