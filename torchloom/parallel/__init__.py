@@ -1,5 +1,22 @@
-"""Parallelism applied to single-device models from outside: mesh and degrees."""
+"""Parallelism applied to single-device models from outside: mesh, data and tensor parallel."""
 
 from torchloom.parallel.config import ParallelConfig
+from torchloom.parallel.grad import clip_grad_norm_
+from torchloom.parallel.loss_reduction import as_local, global_label_count, sum_over_data_ranks
+from torchloom.parallel.mesh import ParallelDims, build_parallel_dims, destroy, init_distributed
+from torchloom.parallel.parallelize import parallelize
+from torchloom.parallel.tensor_parallel import loss_context
 
-__all__ = ["ParallelConfig"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelDims",
+    "as_local",
+    "build_parallel_dims",
+    "clip_grad_norm_",
+    "destroy",
+    "global_label_count",
+    "init_distributed",
+    "loss_context",
+    "parallelize",
+    "sum_over_data_ranks",
+]

@@ -1,13 +1,19 @@
-"""Parallel degrees of a job and their validation against the world size."""
+"""The `parallel` section: degrees (validated against the world size) and how data parallelism
+stores and reduces parameters."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
 from torchloom.config.errors import ConfigError
 
 _AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+
+ParamDtype = Literal["auto", "bf16", "fp32"]
+ReduceDtype = Literal["fp32", "bf16"]
+ReshardPolicy = Literal["default", "always", "never"]
 
 
 @dataclass
@@ -24,6 +30,18 @@ class ParallelConfig:
     """Pipeline-parallel degree (number of stages ranks)."""
     ep: int = 1
     """Expert-parallel degree for mixture-of-experts layers (borrowed from dp_shard x cp)."""
+    mixed_precision_param: ParamDtype = "auto"
+    """Dtype data parallelism (FSDP) gathers parameters in for compute; the sharded master copy
+    and the optimizer stay fp32. auto: bf16 on the GPU, fp32 on the CPU."""
+    mixed_precision_reduce: ReduceDtype = "fp32"
+    """Dtype in which data parallelism reduces gradients across ranks."""
+    reshard_after_forward: ReshardPolicy = "default"
+    """Free gathered parameters after each block's forward (re-gather in backward): default
+    does it for every block but the last (and never under pure replication); always / never
+    trade memory for communication."""
+    loss_parallel: bool = True
+    """With tensor parallelism, keep the logits sharded over the vocabulary and compute the
+    cross-entropy in parallel (saves gathering [batch, seq, vocab]); false gathers the logits."""
 
     def validate(self) -> None:
         for axis in (*_AXES, "ep"):
@@ -33,6 +51,16 @@ class ParallelConfig:
                     f"--parallel.{axis} must be a positive integer"
                     + (" or -1 (take what is left)" if axis == "dp_shard" else "")
                     + f"; got {value}."
+                )
+        for name, kind in (
+            ("mixed_precision_param", ParamDtype),
+            ("mixed_precision_reduce", ReduceDtype),
+            ("reshard_after_forward", ReshardPolicy),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ConfigError(
+                    f"--parallel.{name} must be one of {', '.join(get_args(kind))}; "
+                    f"got {getattr(self, name)!r}."
                 )
 
     def resolve(self, world_size: int) -> ParallelConfig:

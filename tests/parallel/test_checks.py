@@ -1,0 +1,68 @@
+"""Impossible splits are refused up front with the numbers involved (no processes needed)."""
+
+import pytest
+import torch
+
+from torchloom.config import ConfigError
+from torchloom.models import ModelConfig, build_model
+from torchloom.models.components.transformer_plan import transformer_tp_plan
+from torchloom.parallel import ParallelConfig, ParallelDims, build_parallel_dims, parallelize
+from torchloom.parallel.tensor_parallel import check_sequence_parallel
+
+
+def debug_model(family: str = "llama3", **overrides):
+    with torch.device("meta"):
+        return build_model(ModelConfig(name=family, flavor="debug", overrides=overrides))
+
+
+def test_tp_must_divide_heads_kv_heads_ffn_and_vocab():
+    model = debug_model()  # 4 heads, 2 kv heads, ffn 192, vocab 4096
+    with pytest.raises(
+        ConfigError, match=r"--parallel.tp 3 does not divide the model's num_heads \(4\)"
+    ):
+        transformer_tp_plan(model, 3)
+    with pytest.raises(ConfigError, match=r"tp 4 does not divide the model's num_kv_heads \(2\)"):
+        transformer_tp_plan(model, 4)
+    odd_vocab = debug_model(vocab_size=4097)
+    with pytest.raises(ConfigError, match=r"tp 2 does not divide the model's vocab_size \(4097\)"):
+        transformer_tp_plan(odd_vocab, 2)
+    assert "layers.1.attention.q_proj" in transformer_tp_plan(model, 2)
+
+
+def test_plan_covers_qk_norms_and_the_tied_head():
+    qwen3 = debug_model("qwen3")
+    plan = transformer_tp_plan(qwen3, 2, loss_parallel=False)
+    assert "layers.0.attention.q_norm" in plan and "output" not in plan
+    assert "" in plan  # gathers the tied head's vocabulary-sharded logits at the root
+    assert "" not in transformer_tp_plan(qwen3, 2, loss_parallel=True)
+
+
+def test_sequence_parallel_needs_seq_len_divisible_by_tp():
+    check_sequence_parallel(16, 2)
+    with pytest.raises(
+        ConfigError, match=r"seq_len 15 is not divisible by --parallel.tp 2.*e.g. 16"
+    ):
+        check_sequence_parallel(15, 2)
+
+
+def test_unimplemented_axes_are_refused():
+    dims = ParallelDims(ParallelConfig(cp=2, dp_shard=1), world_size=2, rank=0, device_type="cpu")
+    with pytest.raises(ConfigError, match=r"--parallel.cp 2 is not implemented yet"):
+        parallelize(debug_model(), dims, seq_len=16)
+
+
+def test_single_process_needs_no_mesh_and_parallelize_is_a_no_op():
+    dims = build_parallel_dims(ParallelConfig(), "cpu")
+    assert (dims.world_size, dims.dp_rank, dims.dp_size, dims.is_rank0) == (1, 0, 1, True)
+    assert dims.world_mesh is None and dims.mesh("dp") is None and dims.fsdp_mesh is None
+    model = debug_model()
+    before = dict(model.named_parameters())
+    assert parallelize(model, dims, seq_len=16) is model
+    assert dict(model.named_parameters()) == before
+    with pytest.raises(KeyError, match="unknown mesh name 'dq'"):
+        dims.mesh("dq")
+
+
+def test_new_fields_are_validated():
+    with pytest.raises(ConfigError, match="--parallel.reshard_after_forward must be one of"):
+        ParallelConfig(reshard_after_forward="sometimes").resolve(1)

@@ -1,0 +1,125 @@
+"""Every parallel layout reproduces the single-process run (gloo, 2 and 4 processes).
+
+Each torchrun launch costs 5-15 s, so one launch runs several layouts (see worker.py) and the
+tests below read its results.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
+# Gradient norms are fp32 sums of ~10^5-10^6 squares; summing them in another order (per
+# shard, then across ranks) moves the result by ~1e-5 relative. A real bug (a gradient
+# counted twice, averaged instead of summed, or missing) moves it by far more.
+NORM_RTOL = 5e-5
+
+
+def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(WORKER), *names]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    if proc.returncode:
+        pytest.fail(
+            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    out: dict[str, list[dict]] = {"RESULT": [], "MESH": []}
+    for line in proc.stdout.splitlines():
+        kind, _, payload = line.partition(" ")
+        if kind in out:
+            out[kind].append(json.loads(payload))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(2, "fsdp", "replicate", "tp", "tp_loss_parallel")
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(4, "mesh", "hsdp", "fsdp_tp", "replicate_tp")
+
+
+def check(results: list[dict], layout: str) -> None:
+    rows = [r for r in results if r["layout"] == layout]
+    assert {r["family"] for r in rows} == {"llama3", "qwen3"}, rows
+    for r in rows:
+        print(
+            f"{layout:>16} {r['family']:>6}: max |loss diff| {r['loss_diff']:.1e}, "
+            f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
+            f"({r['seconds']:.1f} s)"
+        )
+        assert not r["missing"], f"parameters differ in name: {r['missing']}"
+        assert r["loss_diff"] <= LOSS_TOL, r
+        assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
+        assert r["param_diff"] <= PARAM_TOL, r
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "replicate", "tp", "tp_loss_parallel"])
+def test_two_rank_layouts_match_single_process(two_ranks, layout):
+    check(two_ranks["RESULT"], layout)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "replicate_tp"])
+def test_four_rank_layouts_match_single_process(four_ranks, layout):
+    check(four_ranks["RESULT"], layout)
+
+
+# Per layout, for ranks 0..3: the members of this rank's group on each axis / flattened name.
+EXPECTED_GROUPS = {
+    "hsdp": {  # dp_replicate x dp_shard = 2 x 2
+        "dp_replicate": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_shard": [[0, 1], [0, 1], [2, 3], [2, 3]],
+        "dp": [[0, 1, 2, 3]] * 4,
+        "dp_cp": [[0, 1, 2, 3]] * 4,
+        "tp": [None] * 4,
+        "fsdp": [[[0, 1], [2, 3]]] * 4,
+        "dp_rank": [0, 1, 2, 3],
+    },
+    "fsdp_tp": {  # dp_shard x tp = 2 x 2, tp innermost
+        "tp": [[0, 1], [0, 1], [2, 3], [2, 3]],
+        "dp_shard": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_cp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "fsdp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_rank": [0, 0, 1, 1],
+    },
+    "replicate_cp": {  # dp_replicate x cp = 2 x 2: FSDP shards over cp, replicates across
+        "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_shard_cp": [[0, 1], [0, 1], [2, 3], [2, 3]],
+        "dp_cp": [[0, 1, 2, 3]] * 4,
+        "fsdp": [[[0, 1], [2, 3]]] * 4,
+        "dp_rank": [0, 0, 1, 1],
+    },
+    "pp_tp": {  # no data parallelism: no dp groups at all
+        "pp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "tp": [[0, 1], [0, 1], [2, 3], [2, 3]],
+        "dp": [None] * 4,
+        "fsdp": [None] * 4,
+        "dp_size": [1] * 4,
+    },
+    "replicate_tp": {  # replication = HSDP over a one-rank shard group
+        "dp_replicate": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_shard": [None] * 4,
+        "fsdp": [[[0], [2]], [[1], [3]], [[0], [2]], [[1], [3]]],
+        "dp_rank": [0, 0, 1, 1],
+    },
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPECTED_GROUPS))
+def test_mesh_groups(four_ranks, layout):
+    (report,) = [m for m in four_ranks["MESH"] if m["layout"] == layout]
+    for name, expected in EXPECTED_GROUPS[layout].items():
+        got = [rank[name] for rank in report["ranks"]]
+        assert got == expected, f"{layout} {name}: got {got}, expected {expected}"

@@ -1,0 +1,122 @@
+"""Tensor- and sequence-parallel plan of the generic decoder (``Transformer``).
+
+Megatron-style: in every block q/k/v and gate/up are split column-wise (by heads, by hidden
+units) and o/down row-wise, so each block needs one all-gather before attention and before the
+MLP and one reduce-scatter after each. Between those, the residual stream stays split along the
+sequence (sequence parallel): norms and residual adds run on T / tp tokens per rank.
+
+Inside attention the local q/k/v simply hold fewer heads (the model views them with -1 heads),
+so GQA works as long as tp divides both head counts; RoPE cos/sin and doc_ids are computed from
+the full, replicated positions and pass through untouched. Qwen3's q/k norms run per head on
+the local heads with a replicated weight whose gradient is summed over tp.
+
+The model declares this plan; ``torchloom.parallel.tensor_parallel`` applies it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from torchloom.config.errors import ConfigError
+from torchloom.models.components.transformer import Transformer
+
+
+class _SequenceParallelToReplicated(ParallelStyle):
+    """A sequence-parallel norm whose output is gathered into a replicated DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        SequenceParallel(use_local_output=False)._apply(module, device_mesh)
+        gather = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+        )
+        return gather._apply(module, device_mesh)
+
+
+def check_tp_degree(model: Transformer, tp: int) -> None:
+    """Raise ConfigError when the architecture cannot be split ``tp`` ways."""
+    cfg = model.config
+    for name, value in (
+        ("num_heads", cfg.num_heads),
+        ("num_kv_heads", cfg.num_kv_heads),
+        ("ffn_dim", cfg.ffn_dim),
+        ("vocab_size", cfg.vocab_size),
+    ):
+        if value % tp:
+            raise ConfigError(
+                f"--parallel.tp {tp} does not divide the model's {name} ({value}): every "
+                f"tensor-parallel rank must hold a whole share of it. Choose a tp that divides "
+                f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
+                f"ffn_dim={cfg.ffn_dim} and vocab_size={cfg.vocab_size}."
+            )
+
+
+def transformer_tp_plan(
+    model: Transformer, tp: int, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
+    """{module path: style} for ``model`` as built now (a pipeline stage may lack layers, the
+    embedding or the head). ``""`` names the model itself. With ``loss_parallel`` the logits
+    come out as a DTensor sharded over the vocabulary (compute the loss under
+    ``torch.distributed.tensor.parallel.loss_parallel()``); otherwise as a full local tensor.
+    """
+    check_tp_degree(model, tp)
+    seq_sharded, replicated = Shard(1), Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.embed_tokens is not None:
+        # Vocabulary rows split over ranks; the partial lookups are reduce-scattered by sequence.
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=replicated, output_layouts=Shard(1))
+    for name, block in model.layers.items():
+        prefix = f"layers.{name}."
+        plan[prefix + "attention_norm"] = SequenceParallel()
+        # Gather the normed sequence; cos, sin and doc_ids are already full and replicated.
+        plan[prefix + "attention"] = PrepareModuleInput(
+            input_layouts=(seq_sharded, None, None, None),
+            desired_input_layouts=(replicated, None, None, None),
+            use_local_output=True,
+        )
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[prefix + "attention." + proj] = ColwiseParallel()
+        if block.attention.q_norm is not None:
+            # q_BTHd / k_BTKd carry the local heads on dim 2: a per-head norm is "sequence
+            # parallel" over that dim, which also sums its weight's gradient over tp.
+            for norm in ("q_norm", "k_norm"):
+                plan[prefix + "attention." + norm] = SequenceParallel(
+                    sequence_dim=2, use_local_output=True
+                )
+        plan[prefix + "attention.o_proj"] = RowwiseParallel(output_layouts=seq_sharded)
+        plan[prefix + "mlp_norm"] = SequenceParallel()
+        plan[prefix + "mlp"] = PrepareModuleInput(
+            input_layouts=(seq_sharded,), desired_input_layouts=(replicated,), use_local_output=True
+        )
+        plan[prefix + "mlp.gate_proj"] = ColwiseParallel()
+        plan[prefix + "mlp.up_proj"] = ColwiseParallel()
+        plan[prefix + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq_sharded)
+    vocab_sharded = Shard(-1)
+    if model.output is not None:
+        if model.norm is not None:
+            plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq_sharded,
+            output_layouts=vocab_sharded if loss_parallel else replicated,
+            use_local_output=not loss_parallel,
+        )
+    elif model.config.tie_embeddings and model.embed_tokens is not None:
+        # The head is F.linear(h, embed_tokens.weight) in the root's forward, with the weight
+        # split by vocabulary rows. Feeding it the full hidden state as a replicated DTensor
+        # makes that matmul produce vocabulary-sharded logits with no further communication.
+        if model.norm is not None:
+            plan["norm"] = _SequenceParallelToReplicated()
+        if not loss_parallel:
+            plan[""] = PrepareModuleOutput(
+                output_layouts=vocab_sharded, desired_output_layouts=replicated
+            )
+    return plan
