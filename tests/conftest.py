@@ -27,3 +27,56 @@ def shared_cache_dir(tmp_path_factory):
         os.environ.pop("TORCHLOOM_CACHE", None)
     else:
         os.environ["TORCHLOOM_CACHE"] = previous
+
+
+# Tiny Hugging Face checkpoints for the interop tests (tests/models/test_*_hf.py, tests/checkpoint).
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+_HF_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Build a tiny transformers model with random weights (norms included, so every weight
+    matters), ``save_pretrained`` it under tmp_path/name: returns (folder, model in eval mode)."""
+
+    def build(model_type, name="hf", max_shard_size=None, seed=0, **config):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        config_name, model_name = _HF_CLASSES[model_type]
+        hf_config = getattr(transformers, config_name)(
+            **(_HF_TINY | config), attn_implementation="eager"
+        )
+        model = getattr(transformers, model_name)(hf_config)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                noise = torch.randn(param.shape, generator=generator)
+                param.copy_(1 + 0.1 * noise if "norm" in param_name else 0.1 * noise)
+        path = tmp_path / name
+        model.save_pretrained(
+            path, **({"max_shard_size": max_shard_size} if max_shard_size else {})
+        )
+        return path, model.eval()
+
+    return build
+
+
+@pytest.fixture
+def logits_parity():
+    """Compare two logits tensors: print the max abs difference and KL(theirs || ours), and
+    assert a relative error (max abs diff / max abs logit) below ``rel``."""
+
+    def compare(label, ours, theirs, rel=1e-5):
+        diff = (ours - theirs).abs().max().item()
+        relative = diff / theirs.abs().max().item()
+        log_p, log_q = theirs.double().log_softmax(-1), ours.double().log_softmax(-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+        print(f"{label}: max abs logit diff {diff:.2e} (relative {relative:.1e}), KL {kl:.1e}")
+        assert relative < rel, f"{label}: relative logit error {relative:.2e} >= {rel}"
+
+    return compare

@@ -1,4 +1,4 @@
-"""`torchloom <command>`: train, recipes, plot.
+"""`torchloom <command>`: train, convert, recipes, plot.
 
 Every command turns bad input into one clear line on stderr and exit status 2.
 """
@@ -6,13 +6,16 @@ Every command turns bad input into one clear line on stderr and exit status 2.
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from torchloom.config import (
     ConfigError,
     apply_overrides,
+    did_you_mean,
     format_help,
     get_recipe,
     list_recipes,
@@ -26,6 +29,7 @@ _USAGE = """usage: torchloom <command> [options]
 
 commands:
   train     train a recipe:  torchloom train --recipe NAME [--section.field VALUE ...]
+  convert   Hugging Face folder <-> torchloom model folder (`torchloom convert --help`)
   recipes   list the registered recipes
   plot      draw loss and throughput curves:  torchloom plot OUTPUT_DIR
 
@@ -75,22 +79,125 @@ def cmd_train(argv: list[str]) -> int:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0
 
-    from torchloom.generate.greedy import greedy_complete
+    from torchloom.parallel import destroy
     from torchloom.train.trainer import Trainer
 
-    trainer = Trainer(job)
-    result = trainer.train()
-    print(
-        f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> {result.last_loss:.3f}, "
-        f"validation loss {result.val_loss_before:.3f} -> {result.val_loss_after:.3f}"
-    )
-    t = job.training
-    if t.sample_tokens:
-        tok = trainer.tokenizer
-        new = greedy_complete(
-            trainer.model, tok.encode(t.sample_prompt), t.sample_tokens, tok.eos_id
+    try:
+        trainer = Trainer(job)
+        result = trainer.train()
+        if trainer.is_rank0:
+            print(
+                f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
+                f"{result.last_loss:.3f}, validation loss {result.val_loss_before:.3f} -> "
+                f"{result.val_loss_after:.3f}"
+            )
+            _print_sample(trainer, result.model_dir)
+    finally:
+        destroy()
+    return 0
+
+
+def _print_sample(trainer, model_dir: Path | None) -> None:
+    """Greedy text after the recipe's prompt, from a single-device copy of the model (the saved
+    one when the run was distributed, so no other rank has to take part)."""
+    from torchloom.checkpoint.model_io import load_model
+    from torchloom.generate.greedy import greedy_complete
+
+    t = trainer.job.training
+    if not t.sample_tokens:
+        return
+    model = trainer.model
+    if trainer.dims.world_size > 1:
+        if model_dir is None:
+            return
+        model = load_model(model_dir, device=trainer.device)[0]
+    tok = trainer.tokenizer
+    stop_ids = {tok.eos_id}
+    if trainer.job.data.format == "chat":  # answer the prompt as a user turn
+        chat = [{"role": "user", "content": t.sample_prompt}]
+        prompt_ids = tok.encode_chat(tok.apply_chat_template(chat, add_generation_prompt=True))
+        end_of_turn = tok.backend.token_to_id("<|im_end|>")
+        if end_of_turn is not None:
+            stop_ids.add(end_of_turn)
+    else:
+        prompt_ids = tok.encode(t.sample_prompt)
+    new = greedy_complete(model, prompt_ids, t.sample_tokens, stop_ids)
+    print(f"sample: {t.sample_prompt!r} -> {tok.decode(new)!r}"[:400])
+
+
+_CONVERT_USAGE = """usage: torchloom convert --from-hf HF_DIR --to OUT_DIR [options]
+       torchloom convert --from MODEL_DIR --to-hf HF_DIR [--tokenizer DIR] [options]
+
+  --from-hf HF_DIR   a Hugging Face folder (config.json + safetensors) -> a torchloom model folder
+  --from MODEL_DIR   a torchloom model folder (e.g. <output_dir>/model) -> a Hugging Face folder
+  --tokenizer DIR    copy the tokenizer files from DIR (default: those of MODEL_DIR)
+  --dtype bf16|fp32  cast floating-point weights (default: keep their dtype)
+  --max-shard-size   largest weight file, e.g. 2GB, 500MB, 1GiB (default 2GiB)
+  --overwrite        replace a non-empty output folder"""
+_SIZE_UNITS = {
+    "": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--max-shard-size expects a size such as 2GB or 500MB, got {text!r}.")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "").upper()])
+
+
+def cmd_convert(argv: list[str]) -> int:
+    argv = list(argv)
+    if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
+        print(_CONVERT_USAGE)
+        return 0
+    options = {
+        name: _pop_option(argv, f"--{name}")
+        for name in ("from-hf", "to", "from", "to-hf", "tokenizer", "dtype", "max-shard-size")
+    }
+    overwrite = _pop_flag(argv, "--overwrite")
+    if argv:
+        known = [f"--{name}" for name in options] + ["--overwrite"]
+        raise ConfigError(
+            f"Unexpected argument {argv[0]!r} for convert.{did_you_mean(argv[0], known)} "
+            "Run `torchloom convert --help`."
         )
-        print(f"sample: {t.sample_prompt}{tok.decode(new)!r}"[:400])
+    from_hf, to, source, to_hf = (options[k] for k in ("from-hf", "to", "from", "to-hf"))
+    if not (
+        (from_hf and to and not (source or to_hf)) or (source and to_hf and not (from_hf or to))
+    ):
+        raise ConfigError(
+            "convert needs either --from-hf HF_DIR --to OUT_DIR or --from MODEL_DIR --to-hf HF_DIR."
+        )
+    if from_hf and options["tokenizer"]:
+        raise ConfigError("--tokenizer goes with --to-hf; --from-hf copies HF_DIR's tokenizer.")
+    max_shard = options["max-shard-size"]
+
+    from torchloom.checkpoint.convert import convert_from_hf, convert_to_hf
+    from torchloom.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+
+    shard_bytes = _parse_size(max_shard) if max_shard else DEFAULT_MAX_SHARD_BYTES
+    start = time.perf_counter()
+    if from_hf:
+        output = Path(to)
+        summary = convert_from_hf(Path(from_hf), output, options["dtype"], shard_bytes, overwrite)
+    else:
+        output = Path(to_hf)
+        tokenizer = Path(options["tokenizer"]) if options["tokenizer"] else None
+        summary = convert_to_hf(
+            Path(source), output, options["dtype"], tokenizer, shard_bytes, overwrite
+        )
+    print(
+        f"wrote {output}: {summary.num_tensors} tensors, {summary.total_bytes / 1e9:.3f} GB in "
+        f"{len(summary.files)} file(s), {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
@@ -115,6 +222,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train,
+    "convert": cmd_convert,
     "recipes": cmd_recipes,
     "plot": cmd_plot,
 }
@@ -127,8 +235,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        from torchloom.config import did_you_mean
-
         print(
             f"error: unknown command '{command}'.{did_you_mean(command, COMMANDS)}", file=sys.stderr
         )

@@ -8,77 +8,29 @@ import pytest
 import torch
 from torch import nn
 
-from torchloom.models import Transformer, TransformerConfig
+from torchloom.models import Transformer, get_model_spec
 
 HFBuilder = Callable[[Transformer, str], nn.Module]
 
 
-def _hf_rope_parameters(cfg: TransformerConfig) -> dict[str, object]:
-    rope = cfg.rope
-    params: dict[str, object] = {"rope_type": "default", "rope_theta": rope.theta}
-    if rope.scaling == "llama3":
-        params |= {
-            "rope_type": "llama3",
-            "factor": rope.factor,
-            "low_freq_factor": rope.low_freq_factor,
-            "high_freq_factor": rope.high_freq_factor,
-            "original_max_position_embeddings": rope.original_max_seq_len,
-        }
-    elif rope.scaling == "yarn":
-        params |= {
-            "rope_type": "yarn",
-            "factor": rope.factor,
-            "beta_fast": rope.beta_fast,
-            "beta_slow": rope.beta_slow,
-            "original_max_position_embeddings": rope.original_max_seq_len,
-            "truncate": rope.truncate,
-        }
-    return params
-
-
-def _hf_name(name: str) -> str:
-    """torchloom parameter name -> transformers *ForCausalLM name."""
-    if name == "output.weight":
-        return "lm_head.weight"
-    for ours, theirs in (
-        (".attention_norm.", ".input_layernorm."),
-        (".mlp_norm.", ".post_attention_layernorm."),
-        (".attention.", ".self_attn."),
-    ):
-        name = name.replace(ours, theirs)
-    return "model." + name
-
-
 @pytest.fixture
 def hf_model() -> HFBuilder:
-    """Build the transformers reference ('llama' or 'qwen3') holding ``model``'s weights."""
+    """Build the transformers reference of torchloom family ``family`` holding ``model``'s weights
+    (config and names mapped by the family's HF adapter)."""
 
     def build(model: Transformer, family: str) -> nn.Module:
         import transformers
 
-        cfg = model.config
+        adapter = get_model_spec(family).hf_adapter
         config_cls, model_cls = {
             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        }[family]
-        hf_config = config_cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.dim,
-            intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.resolved_head_dim,
-            rms_norm_eps=cfg.norm_eps,
-            max_position_embeddings=cfg.max_seq_len,
-            rope_parameters=_hf_rope_parameters(cfg),
-            tie_word_embeddings=cfg.tie_embeddings,
-            attn_implementation="eager",
-        )
+        }[adapter.model_type]
+        hf_config = config_cls(**adapter.config_to_hf(model.config), attn_implementation="eager")
         reference = model_cls(hf_config).eval()
-        state = {_hf_name(k): v for k, v in model.state_dict().items()}
+        state = {adapter.to_hf_name(k): v for k, v in model.state_dict().items()}
         missing, unexpected = reference.load_state_dict(state, strict=False)
-        tied = ["lm_head.weight"] if cfg.tie_embeddings else []
+        tied = ["lm_head.weight"] if model.config.tie_embeddings else []
         assert sorted(missing) == tied and not unexpected, (missing, unexpected)
         return reference
 

@@ -47,7 +47,7 @@ def test_logits_match_transformers(
     cfg = replace(LLAMA3_FLAVORS["debug"], rope=ROPES[rope], max_seq_len=256)
     model = build_model(cfg, "llama3").eval()
     randomize(model, 0)
-    reference = hf_model(model, "llama")
+    reference = hf_model(model, "llama3")
     tokens = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
     ours, theirs = model(tokens), reference(tokens).logits
     diff = (ours - theirs).abs().max().item()

@@ -1,1 +1,2 @@
-"""Saving and loading: the model-only export written at the end of training."""
+"""Saving and loading: streaming sharded safetensors, torchloom's model folder (written at the end
+of training), and Hugging Face import/export."""

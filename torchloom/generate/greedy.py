@@ -9,9 +9,9 @@ from torch import nn
 
 @torch.no_grad()
 def greedy_complete(
-    model: nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_id: int | None = None
+    model: nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] | None = None
 ) -> list[int]:
-    """The ``max_new_tokens`` (or fewer, at ``stop_id``) tokens that greedy decoding appends."""
+    """The ``max_new_tokens`` (or fewer: up to a stop id) tokens that greedy decoding appends."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -19,7 +19,7 @@ def greedy_complete(
     new: list[int] = []
     for _ in range(max_new_tokens):
         next_id = int(model(tokens)[0, -1].argmax())
-        if next_id == stop_id:
+        if stop_ids and next_id in stop_ids:
             break
         new.append(next_id)
         tokens = torch.cat([tokens, tokens.new_tensor([[next_id]])], dim=1)

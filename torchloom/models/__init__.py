@@ -9,11 +9,13 @@ from torchloom.models.components.norms import NORM_IMPLS, RMSNorm
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding, apply_rotary
 from torchloom.models.components.transformer import Block, Transformer, TransformerConfig
 from torchloom.models.config import ModelConfig, apply_overrides, resolve_model_config
+from torchloom.models.hf_adapter import HFAdapter
 from torchloom.models.llama3 import Llama3
 from torchloom.models.qwen3 import Qwen3
 from torchloom.models.registry import (
     ModelSpec,
     build_model,
+    get_hf_model_spec,
     get_model_spec,
     list_models,
     register_model,
@@ -25,6 +27,7 @@ __all__ = [
     "NORM_IMPLS",
     "Attention",
     "Block",
+    "HFAdapter",
     "Llama3",
     "ModelConfig",
     "ModelSpec",
@@ -39,6 +42,7 @@ __all__ = [
     "apply_rotary",
     "apply_transforms",
     "build_model",
+    "get_hf_model_spec",
     "get_model_spec",
     "list_models",
     "list_transforms",

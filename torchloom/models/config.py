@@ -39,6 +39,14 @@ def resolve_model_config(model_cfg: ModelConfig) -> TransformerConfig:
     """flavor -> overrides -> component slots -> transforms -> validate."""
     cfg = get_model_spec(model_cfg.name).flavor(model_cfg.flavor)
     cfg = apply_overrides(cfg, model_cfg.overrides)
+    return apply_component_choices(cfg, model_cfg)
+
+
+def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> TransformerConfig:
+    """The component slots, then the transforms, of ``model_cfg`` on ``cfg``; validated.
+
+    Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
+    """
     cfg = replace(cfg, attn_backend=model_cfg.attn_backend, norm_impl=model_cfg.norm_impl)
     cfg = apply_transforms(cfg, model_cfg.transforms)
     cfg.validate()

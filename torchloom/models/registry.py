@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from torchloom.models.components.transformer import Transformer, TransformerConf
 
 if TYPE_CHECKING:
     from torchloom.models.config import ModelConfig
+    from torchloom.models.hf_adapter import HFAdapter
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class ModelSpec:
     """Named architectures of this family ('debug', '8B', ...)."""
     description: str = ""
     """One line shown when listing models."""
+    hf_adapter: HFAdapter | None = None
+    """Maps Hugging Face config.json and tensor names to this family (None: no HF interop)."""
+    tp_plan: Callable[..., dict] | None = None
+    """``tp_plan(model, tp, loss_parallel) -> {module path: ParallelStyle}``: the family's
+    tensor-parallel plan, applied by torchloom.parallel (None: tensor parallelism refused)."""
 
     def flavor(self, name: str) -> TransformerConfig:
         """The named flavor, or a ConfigError listing the available ones."""
@@ -61,6 +68,19 @@ def get_model_spec(name: str) -> ModelSpec:
 def list_models() -> list[ModelSpec]:
     """All registered families, sorted by name."""
     return [_MODELS[name] for name in sorted(_MODELS)]
+
+
+def get_hf_model_spec(model_type: str | None) -> ModelSpec:
+    """The family that reads Hugging Face checkpoints of ``model_type`` ('llama' -> llama3)."""
+    by_type = {s.hf_adapter.model_type: s for s in _MODELS.values() if s.hf_adapter is not None}
+    if model_type not in by_type:
+        known = ", ".join(f"{t} ({s.name})" for t, s in sorted(by_type.items()))
+        hint = did_you_mean(str(model_type), by_type)
+        raise ConfigError(
+            f"Hugging Face model_type {model_type!r} is not supported.{hint} torchloom reads: "
+            f"{known}."
+        )
+    return by_type[model_type]
 
 
 def build_model(config: ModelConfig | TransformerConfig, family: str | None = None) -> nn.Module:

@@ -1,3 +1,3 @@
 """Built-in recipes. Importing this package registers them."""
 
-from torchloom.recipes import pretrain  # noqa: F401
+from torchloom.recipes import pretrain, sft  # noqa: F401

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
 from torchloom.job import JobConfig, OutputConfig
 from torchloom.models.config import ModelConfig
@@ -39,6 +40,8 @@ def llama3_tiny() -> JobConfig:
         ),
         optimizer=OptimizerConfig(lr=2e-3),
         lr_schedule=LRScheduleConfig(warmup_steps=10, decay="cosine"),
+        # The HF export is what the sft_tiny recipe fine-tunes.
+        checkpoint=CheckpointConfig(export_hf=True),
         output=OutputConfig(dir="outputs/llama3_tiny"),
     )
 

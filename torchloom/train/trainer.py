@@ -1,5 +1,6 @@
-"""The training loop. Collaborators (data, model, optimizer, metrics) are built in `setup`;
-`train` reads top to bottom: fetch the step's micro-batches, accumulate gradients, clip, step."""
+"""The training loop. Collaborators (mesh, data, model, optimizer, metrics) are built in
+``__init__``; ``train`` reads top to bottom: fetch the step's micro-batches, accumulate
+gradients, clip, step, log."""
 
 from __future__ import annotations
 
@@ -8,23 +9,36 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from torchloom.checkpoint.model_io import save_model
+from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf, save_hf
+from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data import build_dataloaders
 from torchloom.job import JobConfig
-from torchloom.models import build_model, resolve_model_config
+from torchloom.models import build_model, get_model_spec, resolve_model_config
+from torchloom.parallel import (
+    as_local,
+    build_parallel_dims,
+    clip_grad_norm_,
+    global_label_count,
+    init_distributed,
+    loss_context,
+    parallelize,
+    sum_over_data_ranks,
+)
+from torchloom.parallel.state import full_state_items
 from torchloom.train.loss import cross_entropy_sum
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 
 # Files a run owns in its output folder; --output.overwrite removes exactly these.
-_RUN_OUTPUTS = ("config.json", "metrics.jsonl", "tb", "model", "metrics.png")
+_RUN_OUTPUTS = ("config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png")
 
 
 class TrainingError(RuntimeError):
@@ -39,14 +53,6 @@ class TrainResult:
     val_loss_before: float
     val_loss_after: float
     model_dir: Path | None
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--training.device cuda was asked for, but no CUDA GPU is visible.")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
 
 
 def prepare_output_dir(path: Path, overwrite: bool) -> None:
@@ -66,17 +72,12 @@ def prepare_output_dir(path: Path, overwrite: bool) -> None:
 class Trainer:
     def __init__(self, job: JobConfig) -> None:
         self.job = job
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.parallel = job.parallel.resolve(world_size)
-        if world_size > 1:
-            raise ConfigError(
-                f"{world_size} processes were launched, but this build trains on one process only "
-                "(distributed layouts arrive with the parallelism work); run without torchrun."
-            )
-        self.device = pick_device(job.training.device)
+        t = job.training
+        self.device = init_distributed(t.device)
+        self.dims = build_parallel_dims(job.parallel, self.device.type)
+        self.is_rank0 = self.dims.is_rank0
         self.output_dir = Path(job.output.dir)
-        self.autocast_dtype = self._compute_dtype()
-        if job.training.deterministic:
+        if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         if job.model.attn_backend == "flex" and self.device.type == "cpu":
@@ -85,64 +86,89 @@ class Trainer:
                 "there; use --model.attn_backend sdpa on the CPU."
             )
 
-        t = job.training
         torch.manual_seed(t.seed)
+        dp_size = self.dims.dp_size
         self.tokenizer, self.train_loader, self.val_loader = build_dataloaders(
             job.data,
             seq_len=t.seq_len,
             global_batch_size=t.global_batch_sequences,
-            micro_batch_size=t.micro_batch_size
-            or t.global_batch_sequences // self.parallel.dp_size,
-            dp_rank=0,
-            dp_size=self.parallel.dp_size,
+            micro_batch_size=t.micro_batch_size or max(1, t.global_batch_sequences // dp_size),
+            dp_rank=self.dims.dp_rank,
+            dp_size=dp_size,
             seed=t.seed,
         )
-        self.model_config = resolve_model_config(job.model)
-        if self.model_config.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(
-                f"The tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
-                f"holds only {self.model_config.vocab_size}; set "
-                f"--model.overrides '{{\"vocab_size\": {self.tokenizer.vocab_size}}}' or use a "
-                "tokenizer that matches the model."
-            )
-        if t.seq_len > self.model_config.max_seq_len:
-            raise ConfigError(
-                f"--training.seq_len {t.seq_len} exceeds the model's max_seq_len "
-                f"{self.model_config.max_seq_len}; lower seq_len or set "
-                f"--model.overrides '{{\"max_seq_len\": {t.seq_len}}}'."
-            )
+        hf_dir = job.checkpoint.initial_load_hf
+        if hf_dir:
+            self.model_config = model_config_from_hf(Path(hf_dir), job.model)
+        else:
+            self.model_config = resolve_model_config(job.model)
+        self._check_fits(self.model_config)
         with torch.device("meta"):
             self.model = build_model(self.model_config, job.model.name)
         self.model.to_empty(device=self.device)
-        self.model.init_weights(generator=torch.Generator(self.device).manual_seed(t.seed))
+        # Identical full weights on every rank first: parallelize keeps rank 0's values.
+        if hf_dir:
+            load_hf_weights(self.model, Path(hf_dir))
+        else:
+            self.model.init_weights(generator=torch.Generator(self.device).manual_seed(t.seed))
+        spec = get_model_spec(job.model.name)
+        if self.dims.tp_enabled and spec.tp_plan is None:
+            raise ConfigError(
+                f"Model '{spec.name}' declares no tensor-parallel plan; set --parallel.tp 1."
+            )
+        self.model = parallelize(self.model, self.dims, seq_len=t.seq_len, tp_plan=spec.tp_plan)
         self.optimizer = build_optimizer(self.model, job.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, job.lr_schedule, t.steps)
+        # With FSDP the compute dtype is its mixed-precision policy; otherwise autocast.
+        self.autocast_dtype = None
+        if self.dims.fsdp_mesh is None and (
+            t.mixed_precision == "bf16"
+            or (t.mixed_precision == "auto" and self.device.type == "cuda")
+        ):
+            self.autocast_dtype = torch.bfloat16
         self.step = 0
 
-    def _compute_dtype(self) -> torch.dtype | None:
-        choice = self.job.training.mixed_precision
-        if choice == "bf16" or (choice == "auto" and self.device.type == "cuda"):
-            return torch.bfloat16
-        return None
+    def _check_fits(self, config) -> None:
+        t = self.job.training
+        if config.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"The tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
+                f"holds only {config.vocab_size}; set "
+                f"--model.overrides '{{\"vocab_size\": {self.tokenizer.vocab_size}}}' or use a "
+                "tokenizer that matches the model."
+            )
+        if t.seq_len > config.max_seq_len:
+            raise ConfigError(
+                f"--training.seq_len {t.seq_len} exceeds the model's max_seq_len "
+                f"{config.max_seq_len}; lower seq_len or set "
+                f"--model.overrides '{{\"max_seq_len\": {t.seq_len}}}'."
+            )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _token_loss_sum(self, batch) -> torch.Tensor:
+        with self._autocast():
+            logits = self.model(batch.tokens, batch.positions, batch.doc_ids)
+        return cross_entropy_sum(logits, batch.labels)
+
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this step's micro-batches, then clip and step.
         Returns the mean token loss of the global batch and the gradient norm (before clipping)."""
-        num_tokens = sum(b.num_label_tokens for b in batches)
+        num_tokens = global_label_count(
+            sum(b.num_label_tokens for b in batches), self.dims, self.device
+        )
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
-            with self._autocast():
-                logits = self.model(batch.tokens, batch.positions, batch.doc_ids)
-            loss = cross_entropy_sum(logits, batch.labels) / num_tokens
-            loss.backward()
-            loss_sum += loss.detach()
+            with loss_context(self.dims):
+                loss = self._token_loss_sum(batch) / num_tokens
+                loss.backward()
+            loss_sum += as_local(loss.detach())
+        loss_sum = sum_over_data_ranks(loss_sum, self.dims)  # the same value on every rank
         max_norm = self.job.training.max_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         if not torch.isfinite(loss_sum):
             if not self.job.training.skip_nonfinite:
                 raise TrainingError(
@@ -150,10 +176,9 @@ class Trainer:
                     "--optimizer.lr, lengthen --lr_schedule.warmup_steps or check the data; "
                     "--training.skip_nonfinite true skips such steps instead."
                 )
-            self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_sum, grad_norm
 
@@ -164,35 +189,33 @@ class Trainer:
             return float("nan")
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        count = 0
+        count = torch.zeros((), dtype=torch.int64, device=self.device)
         per_batch = self.val_loader.batch_size * self.val_loader.dp_size
         num_batches = -(-self.job.training.val_sequences // per_batch)
         for batch in self.val_loader.batches(num_batches):
             batch = batch.to(self.device)
-            with self._autocast():
-                logits = self.model(batch.tokens, batch.positions, batch.doc_ids)
-            total += cross_entropy_sum(logits, batch.labels)
+            with loss_context(self.dims):
+                total += as_local(self._token_loss_sum(batch))
             count += batch.num_label_tokens
         self.model.train()
-        return (total / max(count, 1)).item()
+        total, count = sum_over_data_ranks(total, self.dims), sum_over_data_ranks(count, self.dims)
+        return (total / count.clamp(min=1)).item()
 
     def train(self) -> TrainResult:
         job, t = self.job, self.job.training
-        prepare_output_dir(self.output_dir, job.output.overwrite)
-        (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
-        spec_flops = self.model_config.flops_per_token(t.seq_len)
-        metrics = MetricsLogger(self.output_dir, job.metrics, t.steps, self.device, spec_flops)
-        metrics.print(
-            f"torchloom: {job.model.name}/{job.model.flavor} "
-            f"{self.model_config.num_params() / 1e6:.2f}M params on {metrics.device_name}; "
-            f"{t.steps} steps of {t.global_batch_sequences} x {t.seq_len} tokens, "
-            f"{self.train_loader.grad_accum_steps} micro-batch(es) per step"
-            + ("" if metrics.peak_tflops else "; MFU n/a (no known peak for this device)")
+        if self.is_rank0:
+            prepare_output_dir(self.output_dir, job.output.overwrite)
+            (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
+        flops = self.model_config.flops_per_token(t.seq_len)
+        metrics = MetricsLogger(
+            self.output_dir, job.metrics, t.steps, self.device, flops, enabled=self.is_rank0
         )
+        metrics.print(self._banner(metrics))
         val_before = self.validate()
         metrics.log({"step": 0, "val_loss": val_before})
         first_loss = last_loss = float("nan")
         self.model.train()
+        tokens_per_step = t.global_batch_sequences * t.seq_len
         try:
             while self.step < t.steps:
                 start = time.perf_counter()
@@ -206,29 +229,68 @@ class Trainer:
                 last_loss = loss.item()  # syncs, so the step time below is honest
                 first_loss = last_loss if self.step == 1 else first_loss
                 if metrics.should_log(self.step):
-                    tokens = sum(b.tokens.numel() for b in batches)
+                    seconds = time.perf_counter() - start
                     metrics.log(
                         metrics.step_record(
-                            self.step,
-                            last_loss,
-                            grad_norm.item(),
-                            lr,
-                            tokens,
-                            time.perf_counter() - start,
-                            data_seconds,
+                            self.step, last_loss, grad_norm.item(), lr, tokens_per_step,
+                            seconds, data_seconds, num_devices=self.dims.world_size,
                         )
-                    )
+                    )  # fmt: skip
                 else:
                     metrics.advance(self.step)
                 if t.val_interval and self.step % t.val_interval == 0 and self.step < t.steps:
                     metrics.log({"step": self.step, "val_loss": self.validate()})
             val_after = self.validate()
             metrics.log({"step": self.step, "val_loss": val_after})
-            model_dir = None
-            if job.checkpoint.save_final_model:
-                model_dir = self.output_dir / "model"
-                save_model(self.model, job.model.name, self.model_config, model_dir, self.tokenizer)
-                metrics.print(f"saved the model to {model_dir}")
+            model_dir = self._export(metrics)
         finally:
             metrics.close()
         return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
+
+    def _banner(self, metrics: MetricsLogger) -> str:
+        job, t = self.job, self.job.training
+        hf_dir = job.checkpoint.initial_load_hf
+        name = (
+            f"{job.model.name} from {hf_dir}" if hf_dir else f"{job.model.name}/{job.model.flavor}"
+        )
+        d = self.dims.degrees
+        layout = (
+            f"{self.dims.world_size} process(es): dp_replicate {d.dp_replicate} x dp_shard "
+            f"{d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}"
+        )
+        return (
+            f"torchloom: {name} {self.model_config.num_params() / 1e6:.2f}M params on "
+            f"{metrics.device_name}, {layout}; {t.steps} steps of {t.global_batch_sequences} x "
+            f"{t.seq_len} tokens, {self.train_loader.grad_accum_steps} micro-batch(es) per step "
+            "per rank"
+            + ("" if metrics.peak_tflops else "; MFU n/a (no known peak for this device)")
+        )
+
+    def _export(self, metrics: MetricsLogger) -> Path | None:
+        """Write the final model (and an HF folder when asked). Every rank takes part in
+        gathering the full tensors; rank 0 alone writes."""
+        job = self.job
+        model_dir = self.output_dir / "model"
+        if job.checkpoint.save_final_model:
+            self._write(
+                lambda items: write_model_folder(
+                    model_dir, job.model.name, self.model_config, items, self.tokenizer
+                )
+            )
+            metrics.print(f"saved the model to {model_dir}")
+        if job.checkpoint.export_hf:
+            hf_dir = self.output_dir / "hf"
+            self._write(
+                lambda items: save_hf(
+                    hf_dir, job.model.name, self.model_config, items, self.tokenizer
+                )
+            )
+            metrics.print(f"exported a Hugging Face folder to {hf_dir}")
+        return model_dir if job.checkpoint.save_final_model else None
+
+    def _write(self, write) -> None:
+        items: Iterator = full_state_items(self.model)
+        if self.is_rank0:
+            write(items)
+        for _ in items:  # the other ranks still take part in every gather
+            pass

@@ -1,0 +1,109 @@
+"""`torchloom convert`: Hugging Face folder <-> torchloom model folder, tensor by tensor.
+
+No model is materialized: names are mapped and tensors streamed into shards, checked against
+the parameter shapes of a ``meta`` build of the architecture. Peak host memory is about one
+input file's touched pages plus one output shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchloom.checkpoint.hf import hf_architecture, iter_hf_tensors, save_hf
+from torchloom.checkpoint.model_io import parameter_shapes, read_model_folder, write_model_folder
+from torchloom.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    WriteSummary,
+    checked,
+    iter_tensors,
+    parse_dtype,
+)
+from torchloom.checkpoint.tokenizer_files import SIDE_FILES
+from torchloom.config.errors import ConfigError
+from torchloom.models import TransformerConfig
+
+
+@dataclass
+class ModelSource:
+    """A model to export: its family, architecture, and its tensors under torchloom names."""
+
+    family: str
+    config: TransformerConfig
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    """Streamed once, checked against the architecture as they come."""
+    tokenizer_dir: Path | None
+    """Where the model's tokenizer files are, if it has any."""
+
+
+def open_model_source(path: Path) -> ModelSource:
+    """The one place that reads a model to export (today a torchloom model folder; other
+    sources, such as distributed checkpoints, plug in here)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"Model folder {path} does not exist.")
+    family, config = read_model_folder(path)
+    tensors = checked(iter_tensors(path), parameter_shapes(family, config), str(path))
+    return ModelSource(family, config, tensors, path if _has_tokenizer(path) else None)
+
+
+def convert_from_hf(
+    hf_dir: Path,
+    out_dir: Path,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> WriteSummary:
+    """A Hugging Face folder -> a torchloom model folder (tokenizer files copied along)."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    _check_output(hf_dir, out_dir, overwrite)
+    spec, config = hf_architecture(hf_dir)
+    tensors = checked(
+        iter_hf_tensors(hf_dir, spec.hf_adapter, config),
+        parameter_shapes(spec.name, config),
+        str(hf_dir),
+        spec.hf_adapter.to_hf_name,
+    )
+    tokenizer = hf_dir if _has_tokenizer(hf_dir) else None
+    return write_model_folder(
+        out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, parse_dtype(dtype)
+    )
+
+
+def convert_to_hf(
+    model_dir: Path,
+    hf_dir: Path,
+    dtype: str | torch.dtype | None = None,
+    tokenizer_dir: Path | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> WriteSummary:
+    """A torchloom model -> a Hugging Face folder. The tokenizer files come from
+    ``tokenizer_dir``, else from the model folder."""
+    model_dir, hf_dir = Path(model_dir), Path(hf_dir)
+    _check_output(model_dir, hf_dir, overwrite)
+    source = open_model_source(model_dir)
+    tokenizer = tokenizer_dir if tokenizer_dir is not None else source.tokenizer_dir
+    return save_hf(
+        hf_dir, source.family, source.config, source.tensors, tokenizer, dtype, max_shard_bytes
+    )
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in SIDE_FILES)
+
+
+def _check_output(source: Path, output: Path, overwrite: bool) -> None:
+    """Never write over the source, nor over a non-empty folder unless asked to."""
+    if output.exists() and output.resolve() == source.resolve():
+        raise ConfigError(f"The output folder {output} is the source folder; choose another.")
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"The output {output} exists and is not a folder.")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"The output folder {output} is not empty; choose another or pass --overwrite to "
+            "replace it."
+        )

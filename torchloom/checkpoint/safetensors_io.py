@@ -1,0 +1,244 @@
+"""Streaming safetensors folders: sharded writing, flushed shard by shard, and reading tensor by
+tensor, so converting or saving a model holds about one shard in host memory, never the model.
+
+The layout is Hugging Face's, used for torchloom's model folder and HF import/export alike: one
+``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` mapping every tensor name to its file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+
+from torchloom.config.errors import ConfigError, did_you_mean
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None, a torch dtype, or one of DTYPES' names ('bf16', 'fp32')."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(
+            f"Unknown dtype '{dtype}'.{did_you_mean(dtype, DTYPES)} Choose {' or '.join(DTYPES)}."
+        )
+    return DTYPES[dtype]
+
+
+@dataclass
+class WriteSummary:
+    """What a ShardWriter wrote."""
+
+    num_tensors: int = 0
+    total_bytes: int = 0
+    files: list[str] = field(default_factory=list)
+    float_dtypes: set[torch.dtype] = field(default_factory=set)
+
+
+class ShardWriter:
+    """Collects tensors into a shard and writes it as soon as the next tensor would not fit.
+
+    Tensors are moved to the CPU (and floating-point ones cast to ``dtype``) one at a time, so a
+    model on a GPU or a checkpoint being converted costs about one shard of host memory.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if max_shard_bytes <= 0:
+            raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}.")
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self.dtype: torch.dtype | None = dtype
+        self.summary = WriteSummary()
+        self._shard: dict[str, torch.Tensor] = {}
+        self._shard_bytes = 0
+        self._weight_map: dict[str, int] = {}  # name -> shard number
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._weight_map or name in self._shard:
+            raise ValueError(f"tensor '{name}' written twice")
+        tensor = tensor.detach()
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
+        tensor = tensor.to("cpu", dtype=dtype).contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()  # a view into a larger buffer would save the whole buffer
+        nbytes = tensor.nbytes
+        if self._shard and self._shard_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._shard[name] = tensor
+        self._shard_bytes += nbytes
+        self.summary.num_tensors += 1
+        self.summary.total_bytes += nbytes
+        if tensor.is_floating_point():
+            self.summary.float_dtypes.add(tensor.dtype)
+
+    def _flush(self) -> None:
+        number = len(self.summary.files) + 1
+        name = f"shard-{number:05d}.safetensors"  # renamed in close(), once the count is known
+        safetensors.torch.save_file(self._shard, str(self.folder / name), metadata={"format": "pt"})
+        self._weight_map |= dict.fromkeys(self._shard, number)
+        self.summary.files.append(name)
+        self._shard, self._shard_bytes = {}, 0
+
+    def close(self) -> WriteSummary:
+        """Write the last shard, give the shards their final names and write the index."""
+        if self._shard or not self.summary.files:
+            self._flush()
+        count = len(self.summary.files)
+        if count == 1:
+            final = [SINGLE_FILE]
+        else:
+            final = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        for temporary, name in zip(self.summary.files, final):
+            (self.folder / temporary).rename(self.folder / name)
+        self.summary.files = final
+        if count > 1:
+            index = {
+                "metadata": {"total_size": self.summary.total_bytes},
+                "weight_map": {n: final[i - 1] for n, i in self._weight_map.items()},
+            }
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return self.summary
+
+
+def write_tensors(
+    folder: Path,
+    named_tensors: NamedTensors,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> WriteSummary:
+    """Stream ``named_tensors`` into sharded safetensors files (and an index) in ``folder``."""
+    writer = ShardWriter(folder, max_shard_bytes, dtype)
+    for name, tensor in named_tensors:
+        writer.add(name, tensor)
+    return writer.close()
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """{tensor name: file name} of a safetensors folder; ConfigError if it has no weights."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConfigError(f"{index} is not a valid safetensors index ({err}).") from None
+        for file in sorted(set(mapping.values())):
+            if not (folder / file).is_file():
+                raise ConfigError(f"{folder / file}, listed in {index}, does not exist.")
+        return mapping
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with _open(single) as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise ConfigError(
+        f"{folder} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are read)."
+    )
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a safetensors folder, one at a time, one file open at a time."""
+    folder = Path(folder)
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map(folder).items():
+        by_file.setdefault(file, []).append(name)
+    for file in sorted(by_file):
+        with _open(folder / file) as f:
+            for name in by_file[file]:
+                yield name, f.get_tensor(name)
+
+
+def _open(path: Path):
+    try:
+        return safetensors.safe_open(str(path), framework="pt", device="cpu")
+    except Exception as err:  # the Rust side raises its own error types
+        raise ConfigError(f"{path} is not a readable safetensors file ({err}).") from None
+
+
+def checked(
+    named_tensors: NamedTensors,
+    expected: dict[str, torch.Size],
+    source: str,
+    display: Callable[[str], str] = str,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_tensors`` passed through, checked against ``expected`` names and shapes as they
+    stream; the missing ones are reported at the end. ``display`` names a tensor as ``source``
+    spells it."""
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name not in expected:
+            shown = [display(n) for n in expected]
+            raise ConfigError(
+                f"{source} has a tensor '{display(name)}' the model does not have."
+                f"{did_you_mean(display(name), shown)}"
+            )
+        if name in seen:
+            raise ConfigError(f"{source} holds tensor '{display(name)}' twice.")
+        if tensor.shape != expected[name]:
+            raise ConfigError(
+                f"{source}: tensor '{display(name)}' has shape {list(tensor.shape)}, but the "
+                f"architecture in its config.json needs {list(expected[name])}."
+            )
+        seen.add(name)
+        yield name, tensor
+    missing = [display(name) for name in expected if name not in seen]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"{source} is missing tensor(s) {', '.join(missing[:3])}{more}.")
+
+
+@torch.no_grad()
+def load_into(
+    module: torch.nn.Module,
+    named_tensors: NamedTensors,
+    source: str,
+    display: Callable[[str], str] = str,
+) -> None:
+    """Copy every tensor into ``module``'s parameter of the same name (cast to its dtype and
+    device); every parameter must be given exactly once."""
+    targets = module.state_dict(keep_vars=True)
+    expected = {name: t.shape for name, t in targets.items()}
+    for name, tensor in checked(named_tensors, expected, source, display):
+        targets[name].copy_(tensor)
+
+
+@contextmanager
+def staged_folder(path: Path) -> Iterator[Path]:
+    """A fresh ``<path>.partial`` folder to write into, renamed to ``path`` when the block
+    succeeds (and removed when it fails), so ``path`` is never a half-written folder: an earlier
+    folder there is replaced only once the new one is complete."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)

@@ -1,0 +1,53 @@
+"""The tokenizer files that travel with a model folder (torchloom's or Hugging Face's)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torchloom.config.errors import ConfigError
+
+# Copied verbatim when present: the tokenizer in its HF forms, its chat template, and the
+# generation defaults (eos ids and sampling settings) that belong to the same release.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+
+
+def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | None]:
+    """Put the tokenizer into ``folder``; returns its (bos id, eos id) when known.
+
+    ``tokenizer`` is a torchloom Tokenizer (written with its own ``save``), a folder whose
+    SIDE_FILES are copied as they are, or None (nothing written).
+    """
+    if tokenizer is None:
+        return None, None
+    if not isinstance(tokenizer, str | Path):
+        tokenizer.save(folder / "tokenizer.json")
+        return tokenizer.bos_id, tokenizer.eos_id
+    source = Path(tokenizer)
+    if not source.is_dir():
+        raise ConfigError(f"Tokenizer folder {source} does not exist.")
+    copied = [name for name in SIDE_FILES if (source / name).is_file()]
+    if not copied:
+        raise ConfigError(f"{source} holds no tokenizer files (such as tokenizer.json).")
+    for name in copied:
+        shutil.copyfile(source / name, folder / name)
+    if "tokenizer.json" not in copied:
+        return None, None
+    from torchloom.data.tokenizer import Tokenizer
+
+    try:
+        loaded = Tokenizer.from_file(source)
+    except ConfigError:  # no recognizable special tokens: the ids are then just not recorded
+        return None, None
+    return loaded.bos_id, loaded.eos_id
