@@ -46,8 +46,8 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp():
 
 
 def test_unimplemented_axes_are_refused():
-    dims = ParallelDims(ParallelConfig(cp=2, dp_shard=1), world_size=2, rank=0, device_type="cpu")
-    with pytest.raises(ConfigError, match=r"--parallel.cp 2 is not implemented yet"):
+    dims = ParallelDims(ParallelConfig(ep=2, dp_shard=2), world_size=2, rank=0, device_type="cpu")
+    with pytest.raises(ConfigError, match=r"--parallel.ep 2 is not implemented yet"):
         parallelize(debug_model(), dims, seq_len=16)
 
 

@@ -44,8 +44,10 @@ def reference(tmp_path_factory) -> list[float]:
         (2, ["--parallel.tp", "2", "--training.micro_batch_size", "4"]),
         (4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]),
         (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
+        (2, ["--parallel.cp", "2"]),
+        (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
     ],
-    ids=["fsdp2", "tp2-accum", "fsdp2xtp2", "hsdp2x2"],
+    ids=["fsdp2", "tp2-accum", "fsdp2xtp2", "hsdp2x2", "cp2", "fsdp2xcp2"],
 )
 def test_layout_matches_single_process(tmp_path, reference, nproc, layout):
     torchrun(nproc, tmp_path / "parallel", *layout)

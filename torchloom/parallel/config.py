@@ -27,7 +27,17 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (with sequence parallel on norms)."""
     pp: int = 1
-    """Pipeline-parallel degree (number of stages ranks)."""
+    """Pipeline-parallel degree: the layers are split into stages over this many ranks."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv."""
+    pp_microbatches: int = 0
+    """Pipeline microbatches per trainer micro-batch; 0 takes the total number of stages."""
+    pp_stages_per_rank: int = 0
+    """Virtual stages per rank; 0 takes 1 for gpipe/1f1b and 2 for the other schedules."""
+    pp_layers_per_stage: list[int] | None = None
+    """Explicit split, e.g. [3, 5]: transformer layers of each stage, in order (None: balance)."""
+    pp_embedding_weight: float = 1.0
+    """How many layers the embedding and the output head each count as when balancing stages."""
     ep: int = 1
     """Expert-parallel degree for mixture-of-experts layers (borrowed from dp_shard x cp)."""
     mixed_precision_param: ParamDtype = "auto"
@@ -62,6 +72,12 @@ class ParallelConfig:
                     f"--parallel.{name} must be one of {', '.join(get_args(kind))}; "
                     f"got {getattr(self, name)!r}."
                 )
+
+        if self.pp_microbatches < 0 or self.pp_stages_per_rank < 0:
+            raise ConfigError(
+                "--parallel.pp_microbatches and --parallel.pp_stages_per_rank must be >= 0 "
+                f"(0 picks a default); got {self.pp_microbatches} and {self.pp_stages_per_rank}."
+            )
 
     def resolve(self, world_size: int) -> ParallelConfig:
         """These degrees with dp_shard=-1 filled in; refuses products that miss the world size."""

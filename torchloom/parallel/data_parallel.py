@@ -67,6 +67,21 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
             shard(model.embed_tokens, default_reshard=True)
         shard([m for m in (model.norm, model.output) if m is not None], default_reshard=False)
     shard(model, default_reshard=False)
+    _sum_gradients(model)
+
+
+def shard_pipeline_stage(stage: nn.Module, dims: ParallelDims) -> None:
+    """Make a pipeline stage's wrapper (around a model ``apply_data_parallel`` sharded) the FSDP
+    root: torch's pipeline then defers gradient reduction to the last microbatch and keeps
+    parameters gathered between the input- and weight-backward of zero-bubble schedules."""
+    if dims.fsdp_mesh is None:
+        return
+    policy = mixed_precision_policy(dims.degrees, dims.device_type)
+    fully_shard(stage, mesh=dims.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    _sum_gradients(stage)
+
+
+def _sum_gradients(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -6,6 +6,7 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.transformer_plan import transformer_tp_plan
+from torchloom.parallel.context_parallel import apply_context_parallel, check_context_parallel
 from torchloom.parallel.data_parallel import apply_data_parallel
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.tensor_parallel import (
@@ -25,14 +26,20 @@ def parallelize(
     optimizer. ``tp_plan`` is the model family's plan (the shared decoder's by default).
     """
     config = dims.degrees
-    for axis in ("cp", "pp", "ep"):
-        if getattr(config, axis) > 1:
-            raise ConfigError(
-                f"--parallel.{axis} {getattr(config, axis)} is not implemented yet; this build "
-                "supports dp_replicate, dp_shard and tp. Set it to 1."
-            )
+    # pp is applied by torchloom.parallel.pipeline, which calls this once per stage.
+    if config.ep > 1:
+        raise ConfigError(
+            f"--parallel.ep {config.ep} is not implemented yet (no mixture-of-experts family "
+            "exists yet); set it to 1."
+        )
+    if config.cp > 1:
+        # Each rank holds seq_len / cp tokens (the trainer shards every batch with shard_batch).
+        check_context_parallel(seq_len, config.cp)
+        cp_mesh = dims.mesh("cp")
+        assert cp_mesh is not None
+        apply_context_parallel(model, cp_mesh)
     if dims.tp_enabled:
-        check_sequence_parallel(seq_len, config.tp)
+        check_sequence_parallel(seq_len // config.cp, config.tp)
         tp_mesh = dims.mesh("tp")
         assert tp_mesh is not None
         apply_tensor_parallel(model, tp_mesh, tp_plan(model, config.tp, config.loss_parallel))

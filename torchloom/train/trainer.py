@@ -32,6 +32,8 @@ from torchloom.parallel import (
     parallelize,
     sum_over_data_ranks,
 )
+from torchloom.parallel.context_parallel import shard_batch
+from torchloom.parallel.pipeline import Pipeline, build_pipeline
 from torchloom.parallel.state import full_state_items
 from torchloom.train.loss import cross_entropy_sum
 from torchloom.train.metrics import MetricsLogger
@@ -116,7 +118,17 @@ class Trainer:
             raise ConfigError(
                 f"Model '{spec.name}' declares no tensor-parallel plan; set --parallel.tp 1."
             )
-        self.model = parallelize(self.model, self.dims, seq_len=t.seq_len, tp_plan=spec.tp_plan)
+        self.pipeline: Pipeline | None = None
+        if self.dims.degrees.pp > 1:
+            # The stages keep their share of the full model's modules; self.model becomes the
+            # list of this rank's stages (optimizer, clipping and train/eval modes use it).
+            self.pipeline = build_pipeline(
+                self.model, self.dims, seq_len=t.seq_len, tp_plan=spec.tp_plan, device=self.device
+            )
+            self.pipeline.check_batch_size(self.train_loader.micro_batch_size)
+            self.model = self.pipeline.stages
+        else:
+            self.model = parallelize(self.model, self.dims, seq_len=t.seq_len, tp_plan=spec.tp_plan)
         self.optimizer = build_optimizer(self.model, job.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, job.lr_schedule, t.steps)
         # With FSDP the compute dtype is its mixed-precision policy; otherwise autocast.
@@ -149,6 +161,13 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _local(self, batch):
+        """The batch on this rank's device; under context parallelism, this rank's tokens."""
+        batch = batch.to(self.device, non_blocking=True)
+        if self.dims.degrees.cp > 1:
+            batch = shard_batch(batch, self.dims.local_rank("cp"), self.dims.size("cp"))
+        return batch
+
     def _token_loss_sum(self, batch) -> torch.Tensor:
         with self._autocast():
             logits = self.model(batch.tokens, batch.positions, batch.doc_ids)
@@ -162,13 +181,18 @@ class Trainer:
         )
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
+            if self.pipeline is not None:
+                with self._autocast():
+                    loss_sum += self.pipeline.step(batch, num_tokens)
+                continue
             with loss_context(self.dims):
                 loss = self._token_loss_sum(batch) / num_tokens
                 loss.backward()
             loss_sum += as_local(loss.detach())
-        loss_sum = sum_over_data_ranks(loss_sum, self.dims)  # the same value on every rank
+        loss_sum = self._sum_over_ranks(loss_sum)  # the same value on every rank
         max_norm = self.job.training.max_norm or float("inf")
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        pp_mesh = self.dims.mesh("pp")
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
         if not torch.isfinite(loss_sum):
             if not self.job.training.skip_nonfinite:
                 raise TrainingError(
@@ -182,6 +206,11 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, grad_norm
 
+    def _sum_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum over the data ranks and, under pipeline parallelism, from the last stage."""
+        loss = sum_over_data_ranks(loss, self.dims)
+        return loss if self.pipeline is None else self.pipeline.reduce_over_stages(loss)
+
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token loss on the held-out batches (nan when there is no validation split)."""
@@ -193,12 +222,17 @@ class Trainer:
         per_batch = self.val_loader.batch_size * self.val_loader.dp_size
         num_batches = -(-self.job.training.val_sequences // per_batch)
         for batch in self.val_loader.batches(num_batches):
-            batch = batch.to(self.device)
-            with loss_context(self.dims):
-                total += as_local(self._token_loss_sum(batch))
+            batch = self._local(batch)
+            if self.pipeline is not None:
+                with self._autocast():
+                    total += self.pipeline.eval_loss_sum(batch)
+            else:
+                with loss_context(self.dims):
+                    total += as_local(self._token_loss_sum(batch))
             count += batch.num_label_tokens
         self.model.train()
-        total, count = sum_over_data_ranks(total, self.dims), sum_over_data_ranks(count, self.dims)
+        # Every rank of a data group counts the same labels, so counts sum over data ranks only.
+        total, count = self._sum_over_ranks(total), sum_over_data_ranks(count, self.dims)
         return (total / count.clamp(min=1)).item()
 
     def train(self) -> TrainResult:
@@ -219,9 +253,7 @@ class Trainer:
         try:
             while self.step < t.steps:
                 start = time.perf_counter()
-                batches = [
-                    b.to(self.device, non_blocking=True) for b in self.train_loader.next_step()
-                ]
+                batches = [self._local(b) for b in self.train_loader.next_step()]
                 data_seconds = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 loss, grad_norm = self.train_step(batches)
@@ -289,7 +321,10 @@ class Trainer:
         return model_dir if job.checkpoint.save_final_model else None
 
     def _write(self, write) -> None:
-        items: Iterator = full_state_items(self.model)
+        if self.pipeline is not None:  # rank 0 receives the other stages' tensors
+            items: Iterator = self.pipeline.full_state_items()
+        else:
+            items = full_state_items(self.model)
         if self.is_rank0:
             write(items)
         for _ in items:  # the other ranks still take part in every gather

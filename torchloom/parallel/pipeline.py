@@ -1,0 +1,339 @@
+"""Pipeline parallelism: the decoder's layers split into stages, run by a torch schedule.
+
+Each rank keeps only its stages' modules, under the single-process names (``layers.5`` stays
+``layers.5``), so checkpoints and the HF export need no renaming. A stage is wrapped in
+``_StageForward``, whose forward passes positions and document ids along with the hidden state,
+so the model code does not change. Tensor and data parallelism are applied to every stage on the
+non-pp sub-mesh before the stage is handed to ``torch.distributed.pipelining``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from torchloom.config.errors import ConfigError
+from torchloom.models.components.transformer import Transformer, TransformerConfig
+from torchloom.parallel.config import ParallelConfig
+from torchloom.parallel.data_parallel import shard_pipeline_stage
+from torchloom.parallel.loss_reduction import as_local
+from torchloom.parallel.mesh import ParallelDims
+from torchloom.parallel.parallelize import parallelize
+from torchloom.parallel.state import full_state_items
+from torchloom.parallel.tensor_parallel import TPPlan, loss_context
+from torchloom.train.loss import cross_entropy_sum
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""--parallel.pp_schedule -> class name in torch.distributed.pipelining.schedules."""
+_ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv")
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class for a name; ConfigError for unknown or unavailable ones."""
+    available = {k: v for k, v in SCHEDULES.items() if hasattr(torch_schedules, v)}
+    if name not in available:
+        raise ConfigError(
+            f"Unknown or unavailable --parallel.pp_schedule {name!r}; this torch "
+            f"({torch.__version__}) offers: {', '.join(available)}."
+        )
+    return getattr(torch_schedules, available[name])
+
+
+def stages_per_rank(config: ParallelConfig) -> int:
+    """Virtual stages each rank holds: 1 for gpipe/1f1b, >= 2 (exactly 2 for zbv) otherwise."""
+    single = config.pp_schedule in _ONE_STAGE_PER_RANK
+    per_rank = config.pp_stages_per_rank or (1 if single else 2)
+    if single and per_rank != 1:
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} runs one stage per rank; set "
+            f"--parallel.pp_stages_per_rank 1 (got {per_rank}) or pick interleaved_1f1b."
+        )
+    if not single and per_rank < 2:
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} needs >= 2 stages per rank; got "
+            f"--parallel.pp_stages_per_rank {per_rank}."
+        )
+    if config.pp_schedule == "zbv" and per_rank != 2:
+        raise ConfigError(f"zbv places exactly 2 stages per rank (V shape); got {per_rank}.")
+    return per_rank
+
+
+def split_layers(
+    num_layers: int, num_stages: int, embedding_weight: float, explicit: list[int] | None
+) -> list[int]:
+    """Transformer layers per stage. Balanced by default, counting the embedding (stage 0) and
+    the head (last stage) as ``embedding_weight`` layers each; or the user's explicit split."""
+    if explicit is not None:
+        if len(explicit) != num_stages or sum(explicit) != num_layers or min(explicit) < 0:
+            raise ConfigError(
+                f"--parallel.pp_layers_per_stage {explicit} must list {num_stages} non-negative "
+                f"counts (one per stage) summing to the model's {num_layers} layers."
+            )
+        return list(explicit)
+    total = num_layers + 2 * embedding_weight
+    counts = [0] * num_stages
+    for layer in range(num_layers):
+        # A layer goes to the stage whose share of the total weight contains its midpoint.
+        center = embedding_weight + layer + 0.5
+        counts[min(num_stages - 1, math.floor(center * num_stages / total))] += 1
+    empty = [s for s in range(1, num_stages - 1) if counts[s] == 0]
+    if empty or num_layers < num_stages - 2:
+        raise ConfigError(
+            f"{num_layers} layers cannot fill {num_stages} pipeline stages (layers per stage "
+            f"{counts}); lower pp or pp_stages_per_rank, or pass --parallel.pp_layers_per_stage."
+        )
+    return counts
+
+
+def local_stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    """Stage indices of one rank: looped (s % pp == rank) or, for zbv, V-shaped."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def stage_model(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+    """A Transformer holding (sharing, not copying) ``model``'s modules of one stage."""
+    with torch.device("meta"):  # a shell: its own blocks are replaced right away
+        stage = type(model)(model.config)
+    stage.rope = model.rope
+    stage.embed_tokens = model.embed_tokens if first else None
+    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+    stage.norm = model.norm if last else None
+    stage.output = model.output if last else None
+    return stage
+
+
+class _StageForward(nn.Module):
+    """(tokens or hidden, positions, doc_ids) -> (hidden, positions, doc_ids), or logits on the
+    last stage. doc_ids of width 1 mean "no document mask" (keeps attention's causal fast path;
+    the pipeline cannot carry None)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, x: torch.Tensor, positions_BT: torch.Tensor, doc_ids_BT: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        masked = doc_ids_BT.shape[1] == positions_BT.shape[1]
+        out = self.model(x, positions_BT, doc_ids_BT if masked else None)
+        if self.model.output is not None:
+            return out
+        return out, positions_BT, doc_ids_BT
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them; built by ``build_pipeline``."""
+
+    def __init__(
+        self,
+        stages: list[Transformer],
+        wrappers: list[nn.Module],
+        stage_ids: list[int],
+        owners: list[int],
+        dims: ParallelDims,
+        microbatches: int,
+    ) -> None:
+        self.stages = nn.ModuleList(stages)
+        """This rank's stage models (optimizer, clipping, train/eval see these)."""
+        self.wrappers = wrappers
+        """The ``_StageForward`` module around each stage (what the schedule runs)."""
+        self.stage_ids = stage_ids
+        """Pipeline index of each of this rank's stages."""
+        self.owners = owners
+        """pp rank that holds each stage of the whole pipeline."""
+        self.schedule = None
+        self.dims = dims
+        self.microbatches = microbatches
+        self.has_last = any(s.output is not None for s in stages)
+        self._divisor: torch.Tensor = torch.ones(())
+
+    def check_batch_size(self, size: int) -> None:
+        """The schedule cuts each batch into ``microbatches`` equal parts."""
+        if size % self.microbatches:
+            raise ConfigError(
+                f"The rank's batch of {size} sequences does not split into "
+                f"--parallel.pp_microbatches {self.microbatches}; choose a microbatch count "
+                f"that divides {size} (or change --training.micro_batch_size)."
+            )
+
+    @staticmethod
+    def _doc_ids(batch) -> torch.Tensor:
+        """The batch's doc_ids, or width-1 ids meaning "no document mask"."""
+        return batch.doc_ids if batch.doc_ids is not None else batch.tokens[:, :1] * 0
+
+    def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits_BTV, labels_BT) / self._divisor
+
+    def step(self, batch, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch, the loss being the token-loss sum / ``num_tokens``;
+        returns this rank's summed microbatch losses (zero on ranks without the last stage)."""
+        self.check_batch_size(batch.tokens.shape[0])
+        doc_ids = self._doc_ids(batch)
+        self._divisor = num_tokens
+        losses: list[torch.Tensor] = []
+        first = any(s.embed_tokens is not None for s in self.stages)
+        # Stages send positions on to the next one, and p2p sends need contiguous tensors.
+        args = (batch.tokens, batch.positions.contiguous(), doc_ids) if first else ()
+        target = batch.labels if self.has_last else None
+        with loss_context(self.dims):
+            self.schedule.step(*args, target=target, losses=losses)
+        total = torch.zeros((), device=batch.tokens.device)
+        for loss in losses:
+            total += as_local(loss.detach()).float()
+        return total
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch) -> torch.Tensor:
+        """Token-loss sum of one batch, forward only (zero on ranks without the last stage).
+
+        Runs the stages by hand, whole batch at once, in stage order, sending only the hidden
+        state (every rank has the batch's positions and doc_ids): simpler than the schedules'
+        ``eval``, which is not available for every schedule (zbv fails) in every torch version.
+        """
+        pp_mesh = self.dims.mesh("pp")
+        assert pp_mesh is not None
+        me, ranks = pp_mesh.get_local_rank(), pp_mesh.mesh.flatten().tolist()
+        group = pp_mesh.get_group()
+        total = torch.zeros((), device=batch.tokens.device)
+        h, doc_ids = batch.tokens, self._doc_ids(batch)
+        for s, owner in enumerate(self.owners):
+            if owner != me:
+                continue
+            previous = self.owners[s - 1] if s > 0 else me
+            if previous != me:
+                meta: list = [None]
+                dist.recv_object_list(meta, src=ranks[previous], group=group)
+                h = torch.empty(meta[0][0], dtype=meta[0][1], device=batch.tokens.device)
+                dist.recv(h, src=ranks[previous], group=group)
+            # Through the wrapper: with FSDP it is the root, which must run forward first.
+            wrapper = self.wrappers[self.stage_ids.index(s)]
+            with loss_context(self.dims):
+                out = wrapper(h, batch.positions, doc_ids)
+                h = out if s == len(self.owners) - 1 else out[0]
+                if s == len(self.owners) - 1:
+                    total += as_local(cross_entropy_sum(h, batch.labels))
+                    continue
+            following = self.owners[s + 1]
+            if following != me:
+                meta = [(tuple(h.shape), h.dtype)]
+                dist.send_object_list(meta, dst=ranks[following], group=group)
+                dist.send(h.contiguous(), dst=ranks[following], group=group)
+        return total
+
+    def reduce_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the pp ranks: the last stage's loss on every rank."""
+        value = value.clone()
+        mesh = self.dims.mesh("pp")
+        if mesh is not None:
+            dist.all_reduce(value, group=mesh.get_group())
+        return value
+
+    def full_state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every full tensor of the whole model, yielded on global rank 0 stage by stage (the
+        leader of each other stage sends its tensors one at a time). Every rank must exhaust
+        it; what ranks other than 0 yield is meaningless."""
+        pp_mesh = self.dims.mesh("pp")
+        assert pp_mesh is not None
+        pp_rank, leaders = pp_mesh.get_local_rank(), pp_mesh.mesh.flatten().tolist()
+        is_leader = leaders[0] == 0  # my pp group is global rank 0's
+        device = next(self.stages.parameters()).device
+        for p in range(len(leaders)):
+            if pp_rank == p:
+                names = [n for s in self.stages for n in s.state_dict()]
+                if p > 0 and is_leader:
+                    dist.send_object_list([names], dst=0)
+                for stage in self.stages:
+                    for name, tensor in full_state_items(stage):
+                        if p > 0 and is_leader:
+                            meta = [(tuple(tensor.shape), tensor.dtype)]
+                            dist.send_object_list(meta, dst=0)
+                            dist.send(tensor.to(device), dst=0)
+                        yield name, tensor
+            elif self.dims.is_rank0:
+                box: list = [None]
+                dist.recv_object_list(box, src=leaders[p])
+                for name in box[0]:
+                    meta: list = [None]
+                    dist.recv_object_list(meta, src=leaders[p])
+                    shape, dtype = meta[0]
+                    buffer = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(buffer, src=leaders[p])
+                    yield name, buffer.cpu()
+
+
+def layers_per_stage(model_config: TransformerConfig, config: ParallelConfig) -> list[int]:
+    """Check everything about a pipeline layout that is known before the run (tied embeddings,
+    the schedule, stages per rank, the split) and return the layers of every stage."""
+    if model_config.tie_embeddings:
+        raise ConfigError(
+            "Pipeline parallelism cannot split a model with tied embeddings (the embedding is "
+            "also the output head, on the first and last stage); set --parallel.pp 1."
+        )
+    schedule_class(config.pp_schedule)
+    data_parallel = config.dp_shard > 1 or config.dp_replicate > 1 or config.cp > 1
+    if config.pp_schedule in _SPLIT_BACKWARD and data_parallel:
+        # Measured on torch 2.13 (gloo): FSDP x zbv / interleaved_zb runs but its gradients
+        # are off by ~5% (grad-norm 0.1 of 2), so it is refused rather than silently wrong.
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} (zero-bubble, split weight backward) "
+            "does not give correct gradients with data parallelism here; use 1f1b or "
+            "interleaved_1f1b with dp_shard / dp_replicate > 1."
+        )
+    num_stages = config.pp * stages_per_rank(config)
+    return split_layers(
+        model_config.num_layers, num_stages, config.pp_embedding_weight, config.pp_layers_per_stage
+    )
+
+
+def build_pipeline(
+    model: Transformer, dims: ParallelDims, *, seq_len: int, tp_plan: TPPlan, device: torch.device
+) -> Pipeline:
+    """Split ``model`` (full, identical weights on every rank) into this rank's stages, apply TP
+    and data parallelism to each, and build the schedule. Drop ``model`` afterwards: the
+    layers of other ranks' stages are freed with it."""
+    config = dims.degrees
+    counts = layers_per_stage(model.config, config)
+    cls = schedule_class(config.pp_schedule)
+    per_rank = stages_per_rank(config)
+    num_stages = config.pp * per_rank
+    microbatches = config.pp_microbatches or num_stages
+    pp_mesh = dims.mesh("pp")
+    assert pp_mesh is not None, "build_pipeline needs --parallel.pp > 1"
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    owners = [0] * num_stages
+    for p in range(config.pp):
+        for s in local_stage_ids(p, config.pp, per_rank, config.pp_schedule):
+            owners[s] = p
+    stage_ids = local_stage_ids(pp_mesh.get_local_rank(), config.pp, per_rank, config.pp_schedule)
+    stages, wrappers, pipe_stages = [], [], []
+    for s in stage_ids:
+        layer_ids = list(range(starts[s], starts[s] + counts[s]))
+        stage = stage_model(model, layer_ids, s == 0, s == num_stages - 1)
+        parallelize(stage, dims, seq_len=seq_len, tp_plan=tp_plan)
+        stages.append(stage)
+        wrapper = _StageForward(stage)
+        shard_pipeline_stage(wrapper, dims)
+        wrappers.append(wrapper)
+        pipe_stages.append(PipelineStage(wrapper, s, num_stages, device, group=pp_mesh.get_group()))
+    pipeline = Pipeline(stages, wrappers, stage_ids, owners, dims, microbatches)
+    stage_arg = pipe_stages[0] if per_rank == 1 else pipe_stages
+    pipeline.schedule = cls(
+        stage_arg, n_microbatches=microbatches, loss_fn=pipeline._loss, scale_grads=False
+    )
+    return pipeline
