@@ -307,6 +307,13 @@ def build_pipeline(
     """Split ``model`` (full, identical weights on every rank) into this rank's stages, apply TP
     and data parallelism to each, and build the schedule. Drop ``model`` afterwards: the
     layers of other ranks' stages are freed with it."""
+    if device.type == "cuda":
+        # Measured 2026-11-29 on 2 H200s (benchmarks/parallel_parity.py): the gpipe run never
+        # finished, while every other layout matched. Refuse rather than hang a GPU job.
+        raise ConfigError(
+            "Pipeline parallelism is verified on CPU (gloo) only: on GPUs (NCCL) a 2-stage run "
+            "hung. Use --parallel.pp 1 on GPUs (FSDP, TP and CP work there) until that is fixed."
+        )
     config = dims.degrees
     counts = layers_per_stage(model.config, config)
     cls = schedule_class(config.pp_schedule)
