@@ -1,13 +1,10 @@
 """Context parallelism: sequence sharding, and cp layouts against one process (gloo)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
 from test_layouts import check  # tests/parallel is on sys.path (no packages under tests/)
 
 from torchloom.config.errors import ConfigError
@@ -19,7 +16,6 @@ from torchloom.parallel.context_parallel import (
 )
 
 WORKER = Path(__file__).with_name("cp_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 LOGITS_TOL = 1e-5
 
 
@@ -54,16 +50,7 @@ def test_indivisible_sequence_names_the_numbers():
 
 def launch(nproc: int, *names: str) -> list[dict]:
     """Run cp_worker.py on ``nproc`` processes; its RESULT lines."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), *names]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    if proc.returncode:
-        pytest.fail(
-            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    lines = (line.partition(" ") for line in proc.stdout.splitlines())
-    return [json.loads(payload) for kind, _, payload in lines if kind == "RESULT"]
+    return [result for kind, result in run_worker(WORKER, nproc, *names) if kind == "RESULT"]
 
 
 def check_cp(results: list[dict], layout: str) -> None:

@@ -4,18 +4,14 @@ Each torchrun launch costs 5-15 s, so one launch runs several layouts (see worke
 tests below read its results.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
 
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 # Gradient norms are fp32 sums of ~10^5-10^6 squares; summing them in another order (per
 # shard, then across ranks) moves the result by ~1e-5 relative. A real bug (a gradient
@@ -24,19 +20,10 @@ NORM_RTOL = 5e-5
 
 
 def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), *names]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    if proc.returncode:
-        pytest.fail(
-            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
     out: dict[str, list[dict]] = {"RESULT": [], "MESH": []}
-    for line in proc.stdout.splitlines():
-        kind, _, payload = line.partition(" ")
+    for kind, payload in run_worker(WORKER, nproc, *names):
         if kind in out:
-            out[kind].append(json.loads(payload))
+            out[kind].append(payload)
     return out
 
 

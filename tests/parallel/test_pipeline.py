@@ -1,15 +1,12 @@
 """Pipeline parallelism reproduces the single-process run (gloo, 2 and 4 processes), and the
 layouts it cannot run are refused up front with a message."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
 
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
@@ -23,27 +20,13 @@ from torchloom.parallel.pipeline import (
 )
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 NORM_RTOL = 5e-5  # see test_layouts.py: another summation order moves the norm ~1e-5 relative
 
 
 def launch(nproc: int, *names: str) -> dict[str, dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), *names]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    if proc.returncode:
-        pytest.fail(
-            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    results = {}
-    for line in proc.stdout.splitlines():
-        kind, _, payload = line.partition(" ")
-        if kind == "RESULT":
-            result = json.loads(payload)
-            results[result["layout"]] = result
-    return results
+    lines = run_worker(WORKER, nproc, *names)
+    return {result["layout"]: result for kind, result in lines if kind == "RESULT"}
 
 
 @pytest.fixture(scope="module")
