@@ -33,7 +33,6 @@ from worker import (
 )
 
 from torchloom.data.packing import Batch
-from torchloom.models.components.transformer_plan import transformer_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
     ParallelDims,
@@ -44,40 +43,21 @@ from torchloom.parallel import (
     global_label_count,
     init_distributed,
     loss_context,
+    parallelize,
     sum_over_data_ranks,
 )
 from torchloom.parallel.context_parallel import (
-    apply_context_parallel,
-    check_context_parallel,
     shard_batch,
     unshard_sequence,
 )
-from torchloom.parallel.data_parallel import apply_data_parallel
-from torchloom.parallel.tensor_parallel import apply_tensor_parallel, check_sequence_parallel
 from torchloom.train.loss import cross_entropy_sum
 
 LAYOUTS: dict[str, dict] = {
     "cp": {"cp": 2, "dp_shard": 1},
     "cp_fsdp": {"cp": 2, "dp_shard": 2},
-    "cp_tp": {"cp": 2, "tp": 2, "dp_shard": 1},
+    "cp_tp": {"cp": 2, "tp": 2, "dp_shard": 1, "loss_parallel": False},
     "cp_replicate": {"cp": 2, "dp_replicate": 2, "dp_shard": 1},
 }
-
-
-def parallelize_with_cp(model: nn.Module, dims: ParallelDims, seq_len: int) -> None:
-    """What ``torchloom.parallel.parallelize`` does once cp is wired in (see docs)."""
-    config = dims.degrees
-    if config.cp > 1:
-        check_context_parallel(seq_len, config.cp)
-        cp_mesh = dims.mesh("cp")
-        assert cp_mesh is not None
-        apply_context_parallel(model, cp_mesh)
-    if dims.tp_enabled:
-        check_sequence_parallel(seq_len // config.cp, config.tp)
-        tp_mesh = dims.mesh("tp")
-        assert tp_mesh is not None
-        apply_tensor_parallel(model, tp_mesh, transformer_tp_plan(model, config.tp, False))
-    apply_data_parallel(model, dims)
 
 
 def local_batch(batch: dict, dims: ParallelDims) -> Batch:
@@ -142,7 +122,7 @@ def main(names: list[str]) -> None:
             if family not in references:
                 references[family] = reference_run(copy.deepcopy(model), batches)
             dims = build_parallel_dims(ParallelConfig(**LAYOUTS[name]), "cpu")
-            parallelize_with_cp(model, dims, SEQ_LEN)
+            parallelize(model, dims, seq_len=SEQ_LEN)
             logits = logits_diff(model, untouched, batches[0], dims)
             runs = parallel_run(model, dims, batches)
             result = compare(name, family, references[family], runs, time.perf_counter() - start)
