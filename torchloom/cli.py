@@ -22,6 +22,7 @@ from torchloom.config import (
     to_dict,
     validate_tree,
 )
+from torchloom.job import JobConfig
 
 DEFAULT_RECIPE = "llama3_tiny"
 
@@ -57,7 +58,7 @@ def _pop_option(argv: list[str], option: str) -> str | None:
     return None
 
 
-def resolve_job(argv: list[str]):
+def resolve_job(argv: list[str]) -> tuple[str, JobConfig]:
     """(recipe name, job config) from ``--recipe NAME`` and dotted overrides, validated."""
     argv = list(argv)
     name = _pop_option(argv, "--recipe") or DEFAULT_RECIPE

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from torchloom.data.packing import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "cross_entropy_sum"]
 
 
 def cross_entropy_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

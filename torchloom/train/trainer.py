@@ -21,7 +21,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data import build_dataloaders
 from torchloom.job import JobConfig
-from torchloom.models import build_model, get_model_spec, resolve_model_config
+from torchloom.models import TransformerConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel import (
     as_local,
     build_parallel_dims,
@@ -140,7 +140,7 @@ class Trainer:
             self.autocast_dtype = torch.bfloat16
         self.step = 0
 
-    def _check_fits(self, config) -> None:
+    def _check_fits(self, config: TransformerConfig) -> None:
         t = self.job.training
         if config.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
