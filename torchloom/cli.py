@@ -83,18 +83,19 @@ def cmd_train(argv: list[str]) -> int:
     from torchloom.parallel import destroy
     from torchloom.train.trainer import Trainer
 
-    try:
-        trainer = Trainer(job)
-        result = trainer.train()
-        if trainer.is_rank0:
-            print(
-                f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
-                f"{result.last_loss:.3f}, validation loss {result.val_loss_before:.3f} -> "
-                f"{result.val_loss_after:.3f}"
-            )
-            _print_sample(trainer, result.model_dir)
-    finally:
-        destroy()
+    # No try/finally: after an error on one rank, leaving the process group would wait for
+    # the others (NCCL hangs there), so the process exits with its traceback instead and
+    # torchrun stops the other ranks.
+    trainer = Trainer(job)
+    result = trainer.train()
+    if trainer.is_rank0:
+        print(
+            f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
+            f"{result.last_loss:.3f}, validation loss {result.val_loss_before:.3f} -> "
+            f"{result.val_loss_after:.3f}"
+        )
+        _print_sample(trainer, result.model_dir)
+    destroy()
     return 0
 
 

@@ -17,6 +17,7 @@ from torchloom.parallel.pipeline import (
     layers_per_stage,
     local_stage_ids,
     split_layers,
+    zbv_runs_on,
 )
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -29,14 +30,27 @@ def launch(nproc: int, *names: str) -> dict[str, dict]:
     return {result["layout"]: result for kind, result in lines if kind == "RESULT"}
 
 
+# torch 2.11 cannot run zbv on gloo (build_pipeline refuses it there): those layouts run on
+# torch >= 2.13, which CI installs.
+ZBV_SKIP = pytest.mark.skipif(not zbv_runs_on("cpu"), reason="zbv on gloo needs torch >= 2.13")
+
+
+def runnable(*names: str) -> list[str]:
+    return [n for n in names if "zbv" not in n or zbv_runs_on("cpu")]
+
+
+def cases(*names: str) -> list:
+    return [pytest.param(n, marks=ZBV_SKIP) if "zbv" in n else n for n in names]
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, *SCHEDULES, "gpipe_nomask")
+    return launch(2, *runnable(*SCHEDULES, "gpipe_nomask"))
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return launch(4, "fsdp_pp", "tp_pp_zbv", "tp_pp")
+    return launch(4, *runnable("fsdp_pp", "tp_pp_zbv", "tp_pp"))
 
 
 def check(results: dict[str, dict], layout: str) -> None:
@@ -54,13 +68,13 @@ def check(results: dict[str, dict], layout: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [*SCHEDULES, "gpipe_nomask"])
+@pytest.mark.parametrize("layout", cases(*SCHEDULES, "gpipe_nomask"))
 def test_every_schedule_matches_single_process(two_ranks, layout):
     check(two_ranks, layout)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["fsdp_pp", "tp_pp_zbv", "tp_pp"])
+@pytest.mark.parametrize("layout", cases("fsdp_pp", "tp_pp_zbv", "tp_pp"))
 def test_pp_composes_with_fsdp_and_tp(four_ranks, layout):
     check(four_ranks, layout)
 

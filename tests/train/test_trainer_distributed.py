@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from torch.distributed.tensor import DTensor
 
-from torchloom.cli import main
+from torchloom.cli import main, resolve_job
+from torchloom.parallel import destroy
+from torchloom.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -46,8 +49,32 @@ def reference(tmp_path_factory) -> list[float]:
         (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
         (2, ["--parallel.cp", "2"]),
         (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
+        (4, ["--parallel.cp", "2", "--parallel.pp", "2"]),
+        pytest.param(
+            8,
+            [
+                "--parallel.dp_shard",
+                "2",
+                "--parallel.tp",
+                "2",
+                "--parallel.pp",
+                "2",
+                "--parallel.pp_schedule",
+                "interleaved_1f1b",
+            ],
+            marks=pytest.mark.slow,  # 8 processes on the CI's 2 cores: ~40 s
+        ),
     ],
-    ids=["fsdp2", "tp2-accum", "fsdp2xtp2", "hsdp2x2", "cp2", "fsdp2xcp2"],
+    ids=[
+        "fsdp2",
+        "tp2-accum",
+        "fsdp2xtp2",
+        "hsdp2x2",
+        "cp2",
+        "fsdp2xcp2",
+        "cp2xpp2",
+        "fsdp2xtp2xpp2",
+    ],
 )
 def test_layout_matches_single_process(tmp_path, reference, nproc, layout):
     torchrun(nproc, tmp_path / "parallel", *layout)
@@ -56,3 +83,17 @@ def test_layout_matches_single_process(tmp_path, reference, nproc, layout):
     print(f"{layout}: losses {parallel}, max |diff| vs single process {diff:.2e}")
     assert len(reference) == len(parallel) == 6  # val before, 4 steps, val after
     assert diff < 1e-5
+
+
+def test_fsdp_on_one_process_matches_plain_training(tmp_path, reference):
+    """--parallel.fsdp_always shards over a one-rank group (no torchrun needed): same losses."""
+    _, job = resolve_job([*COMMON, "--output.dir", str(tmp_path), "--parallel.fsdp_always", "true"])
+    trainer = Trainer(job)
+    try:
+        assert isinstance(next(trainer.model.parameters()), DTensor)
+        trainer.train()
+    finally:
+        destroy()
+    diff = max(abs(a - b) for a, b in zip(reference, losses(tmp_path)))
+    print(f"fsdp_always on one process: max |loss diff| vs plain {diff:.2e}")
+    assert len(losses(tmp_path)) == 6 and diff < 1e-5

@@ -49,6 +49,10 @@ class ParallelConfig:
     """Free gathered parameters after each block's forward (re-gather in backward): default
     does it for every block but the last (and never under pure replication); always / never
     trade memory for communication."""
+    fsdp_always: bool = False
+    """Apply FSDP (``fully_shard``) even when only one rank holds each shard, e.g. a single GPU:
+    its mixed precision then keeps fp32 master weights and computes in bf16 (instead of
+    autocast), and the model takes the same DTensor form as on many ranks."""
     loss_parallel: bool = True
     """With tensor parallelism, keep the logits sharded over the vocabulary and compute the
     cross-entropy in parallel (saves gathering [batch, seq, vocab]); false gathers the logits."""

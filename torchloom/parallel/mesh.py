@@ -125,15 +125,21 @@ def build_parallel_dims(config: ParallelConfig, device_type: str) -> ParallelDim
     ("cuda" or "cpu"); call it on every rank, after ``init_distributed``."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     degrees = config.resolve(world_size)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    dims = ParallelDims(degrees, world_size, rank, device_type)
-    if world_size == 1:
-        return dims
+    if world_size == 1 and not degrees.fsdp_always:
+        return ParallelDims(degrees, world_size, 0, device_type)
+    if not dist.is_initialized():
+        # FSDP on a single process still needs a process group: a one-rank one, no torchrun.
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dims = ParallelDims(degrees, world_size, dist.get_rank(), device_type)
     sizes = {axis: getattr(degrees, axis) for axis in MESH_AXES}
-    # Pure replication runs as HSDP with a one-rank shard group (see data_parallel.py), so only
-    # then a degree-1 dp_shard axis is kept.
-    replicate_only = sizes["dp_replicate"] > 1 and sizes["dp_shard"] * sizes["cp"] == 1
-    names = tuple(a for a in MESH_AXES if sizes[a] > 1 or (a == "dp_shard" and replicate_only))
+    # Data parallelism with one rank per shard (pure replication, which runs as HSDP with a
+    # one-rank shard group, see data_parallel.py; or --parallel.fsdp_always) keeps a
+    # degree-1 dp_shard axis to shard over.
+    unsharded = sizes["dp_shard"] * sizes["cp"] == 1
+    replicate_only = sizes["dp_replicate"] > 1 and unsharded
+    keep_shard_axis = unsharded and (replicate_only or degrees.fsdp_always)
+    names = tuple(a for a in MESH_AXES if sizes[a] > 1 or (a == "dp_shard" and keep_shard_axis))
     dims.world_mesh = init_device_mesh(
         device_type, tuple(sizes[a] for a in names), mesh_dim_names=names
     )
@@ -154,6 +160,9 @@ def build_parallel_dims(config: ParallelConfig, device_type: str) -> ParallelDim
 def _data_parallel_mesh(dims: ParallelDims, replicate_only: bool) -> DeviceMesh | None:
     replicate, shard = dims.degrees.dp_replicate, dims.size("dp_shard_cp")
     if replicate == 1:
+        if shard == 1 and dims.degrees.fsdp_always:
+            assert dims.world_mesh is not None
+            return dims.world_mesh["dp_shard"]
         return dims.mesh("dp_shard_cp")
     assert dims.world_mesh is not None
     if replicate_only or dims.degrees.cp == 1:

@@ -53,6 +53,14 @@ def schedule_class(name: str) -> type:
     return getattr(torch_schedules, available[name])
 
 
+def zbv_runs_on(device_type: str) -> bool:
+    """Whether this torch can run zbv here. Seen 2026-11-29: torch 2.11's multi-stage schedules
+    send the V's two neighbouring stages on one rank a message to itself while setting up,
+    which gloo cannot do (NCCL can); torch 2.13 no longer sends it."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return device_type != "cpu" or version >= (2, 13)
+
+
 def stages_per_rank(config: ParallelConfig) -> int:
     """Virtual stages each rank holds: 1 for gpipe/1f1b, >= 2 (exactly 2 for zbv) otherwise."""
     single = config.pp_schedule in _ONE_STAGE_PER_RANK
@@ -119,22 +127,19 @@ def stage_model(model: Transformer, layer_ids: list[int], first: bool, last: boo
 
 
 class _StageForward(nn.Module):
-    """(tokens or hidden, positions, doc_ids) -> (hidden, positions, doc_ids), or logits on the
-    last stage. doc_ids of width 1 mean "no document mask" (keeps attention's causal fast path;
-    the pipeline cannot carry None)."""
+    """(tokens or hidden; positions, doc_ids as keywords) -> hidden, or logits on the last
+    stage. Only the hidden state travels between stages: every pp rank holds the batch, so the
+    schedule hands each stage its microbatch's positions and doc_ids as keyword arguments
+    (torch 2.11's stages would also try to make received integer tensors require grad)."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
 
     def forward(
-        self, x: torch.Tensor, positions_BT: torch.Tensor, doc_ids_BT: torch.Tensor
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        masked = doc_ids_BT.shape[1] == positions_BT.shape[1]
-        out = self.model(x, positions_BT, doc_ids_BT if masked else None)
-        if self.model.output is not None:
-            return out
-        return out, positions_BT, doc_ids_BT
+        self, x: torch.Tensor, *, positions_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.model(x, positions_BT, doc_ids_BT)
 
 
 class Pipeline:
@@ -172,11 +177,6 @@ class Pipeline:
                 f"that divides {size} (or change --training.micro_batch_size)."
             )
 
-    @staticmethod
-    def _doc_ids(batch) -> torch.Tensor:
-        """The batch's doc_ids, or width-1 ids meaning "no document mask"."""
-        return batch.doc_ids if batch.doc_ids is not None else batch.tokens[:, :1] * 0
-
     def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         return cross_entropy_sum(logits_BTV, labels_BT) / self._divisor
 
@@ -184,15 +184,19 @@ class Pipeline:
         """Forward and backward of one batch, the loss being the token-loss sum / ``num_tokens``;
         returns this rank's summed microbatch losses (zero on ranks without the last stage)."""
         self.check_batch_size(batch.tokens.shape[0])
-        doc_ids = self._doc_ids(batch)
         self._divisor = num_tokens
         losses: list[torch.Tensor] = []
         first = any(s.embed_tokens is not None for s in self.stages)
-        # Stages send positions on to the next one, and p2p sends need contiguous tensors.
-        args = (batch.tokens, batch.positions.contiguous(), doc_ids) if first else ()
+        args = (batch.tokens,) if first else ()
         target = batch.labels if self.has_last else None
         with loss_context(self.dims):
-            self.schedule.step(*args, target=target, losses=losses)
+            self.schedule.step(
+                *args,
+                target=target,
+                losses=losses,
+                positions_BT=batch.positions,
+                doc_ids_BT=batch.doc_ids,
+            )
         total = torch.zeros((), device=batch.tokens.device)
         for loss in losses:
             total += as_local(loss.detach()).float()
@@ -211,7 +215,7 @@ class Pipeline:
         me, ranks = pp_mesh.get_local_rank(), pp_mesh.mesh.flatten().tolist()
         group = pp_mesh.get_group()
         total = torch.zeros((), device=batch.tokens.device)
-        h, doc_ids = batch.tokens, self._doc_ids(batch)
+        h = batch.tokens
         for s, owner in enumerate(self.owners):
             if owner != me:
                 continue
@@ -224,8 +228,7 @@ class Pipeline:
             # Through the wrapper: with FSDP it is the root, which must run forward first.
             wrapper = self.wrappers[self.stage_ids.index(s)]
             with loss_context(self.dims):
-                out = wrapper(h, batch.positions, doc_ids)
-                h = out if s == len(self.owners) - 1 else out[0]
+                h = wrapper(h, positions_BT=batch.positions, doc_ids_BT=batch.doc_ids)
                 if s == len(self.owners) - 1:
                     total += as_local(cross_entropy_sum(h, batch.labels))
                     continue
@@ -307,15 +310,13 @@ def build_pipeline(
     """Split ``model`` (full, identical weights on every rank) into this rank's stages, apply TP
     and data parallelism to each, and build the schedule. Drop ``model`` afterwards: the
     layers of other ranks' stages are freed with it."""
-    if device.type == "cuda":
-        # Measured 2026-11-29 on 2 H200s (benchmarks/parallel_parity.py): the gpipe run never
-        # finished, while every other layout matched. Refuse rather than hang a GPU job.
-        raise ConfigError(
-            "Pipeline parallelism is verified on CPU (gloo) only: on GPUs (NCCL) a 2-stage run "
-            "hung. Use --parallel.pp 1 on GPUs (FSDP, TP and CP work there) until that is fixed."
-        )
     config = dims.degrees
     counts = layers_per_stage(model.config, config)
+    if config.pp_schedule == "zbv" and not zbv_runs_on(device.type):
+        raise ConfigError(
+            f"--parallel.pp_schedule zbv does not run on the CPU (gloo) with torch "
+            f"{torch.__version__} (it needs torch >= 2.13 there); use interleaved_zb, or GPUs."
+        )
     cls = schedule_class(config.pp_schedule)
     per_rank = stages_per_rank(config)
     num_stages = config.pp * per_rank
