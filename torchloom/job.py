@@ -8,9 +8,11 @@ from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.data.config import DataConfig
 from torchloom.models.config import ModelConfig
 from torchloom.parallel.config import ParallelConfig
+from torchloom.train.compile import CompileConfig
 from torchloom.train.config import TrainingConfig
 from torchloom.train.metrics import MetricsConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+from torchloom.train.remat import RematConfig
 
 
 @dataclass
@@ -30,6 +32,8 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

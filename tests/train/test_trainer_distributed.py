@@ -40,40 +40,34 @@ def reference(tmp_path_factory) -> list[float]:
     return losses(output_dir)
 
 
+LAYOUTS = {
+    "fsdp2": (2, "--parallel.dp_shard 2"),
+    "tp2-accum": (2, "--parallel.tp 2 --training.micro_batch_size 4"),
+    "fsdp2xtp2": (4, "--parallel.dp_shard 2 --parallel.tp 2"),
+    "hsdp2x2": (4, "--parallel.dp_replicate 2 --parallel.dp_shard 2"),
+    "cp2": (2, "--parallel.cp 2"),
+    "fsdp2xcp2": (4, "--parallel.cp 2 --parallel.dp_shard 2"),
+    "cp2xpp2": (4, "--parallel.cp 2 --parallel.pp 2"),
+    # TP -> recomputation -> compile -> FSDP, the whole composition order.
+    "fsdp2xtp2-remat-compile": (
+        4,
+        "--parallel.dp_shard 2 --parallel.tp 2 --remat.mode selective --compile.enabled true "
+        "--compile.backend aot_eager",
+    ),
+    "fsdp2xtp2xpp2": (
+        8,
+        "--parallel.dp_shard 2 --parallel.tp 2 --parallel.pp 2 "
+        "--parallel.pp_schedule interleaved_1f1b",
+    ),
+}
+SLOW = {"fsdp2xtp2xpp2"}  # 8 processes on the CI's 2 cores: ~40 s
+
+
 @pytest.mark.parametrize(
     "nproc, layout",
     [
-        (2, ["--parallel.dp_shard", "2"]),
-        (2, ["--parallel.tp", "2", "--training.micro_batch_size", "4"]),
-        (4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]),
-        (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
-        (2, ["--parallel.cp", "2"]),
-        (4, ["--parallel.cp", "2", "--parallel.dp_shard", "2"]),
-        (4, ["--parallel.cp", "2", "--parallel.pp", "2"]),
-        pytest.param(
-            8,
-            [
-                "--parallel.dp_shard",
-                "2",
-                "--parallel.tp",
-                "2",
-                "--parallel.pp",
-                "2",
-                "--parallel.pp_schedule",
-                "interleaved_1f1b",
-            ],
-            marks=pytest.mark.slow,  # 8 processes on the CI's 2 cores: ~40 s
-        ),
-    ],
-    ids=[
-        "fsdp2",
-        "tp2-accum",
-        "fsdp2xtp2",
-        "hsdp2x2",
-        "cp2",
-        "fsdp2xcp2",
-        "cp2xpp2",
-        "fsdp2xtp2xpp2",
+        pytest.param(n, flags.split(), id=name, marks=[pytest.mark.slow] if name in SLOW else [])
+        for name, (n, flags) in LAYOUTS.items()
     ],
 )
 def test_layout_matches_single_process(tmp_path, reference, nproc, layout):

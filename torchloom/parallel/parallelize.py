@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from torchloom.config.errors import ConfigError
@@ -17,9 +19,15 @@ from torchloom.parallel.tensor_parallel import (
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, *, seq_len: int, tp_plan: TPPlan = transformer_tp_plan
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    seq_len: int,
+    tp_plan: TPPlan = transformer_tp_plan,
+    wrap_blocks: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Tensor parallel, then data parallel (FSDP / HSDP / replication), in place; returns model.
+    """Tensor parallel, then ``wrap_blocks(model)`` (the trainer's recomputation and regional
+    compile), then data parallel (FSDP / HSDP / replication), in place; returns model.
 
     Call it on every rank with the same model, after its weights are initialized identically
     on every rank (tensor parallelism keeps rank 0's values) and before building the
@@ -43,7 +51,9 @@ def parallelize(
         tp_mesh = dims.mesh("tp")
         assert tp_mesh is not None
         apply_tensor_parallel(model, tp_mesh, tp_plan(model, config.tp, config.loss_parallel))
-    # Activation checkpointing and torch.compile slot in here: per block, after TP has
-    # replaced the weights and before FSDP wraps the blocks.
+    if wrap_blocks is not None:
+        # After TP has replaced the weights (compiled code sees DTensors) and before FSDP, whose
+        # hooks then stay outside the recomputed and compiled regions.
+        wrap_blocks(model)
     apply_data_parallel(model, dims)
     return model

@@ -10,7 +10,7 @@ non-pp sub-mesh before the stage is handed to ``torch.distributed.pipelining``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -305,7 +305,13 @@ def layers_per_stage(model_config: TransformerConfig, config: ParallelConfig) ->
 
 
 def build_pipeline(
-    model: Transformer, dims: ParallelDims, *, seq_len: int, tp_plan: TPPlan, device: torch.device
+    model: Transformer,
+    dims: ParallelDims,
+    *,
+    seq_len: int,
+    tp_plan: TPPlan,
+    device: torch.device,
+    wrap_blocks: Callable[[nn.Module], None] | None = None,
 ) -> Pipeline:
     """Split ``model`` (full, identical weights on every rank) into this rank's stages, apply TP
     and data parallelism to each, and build the schedule. Drop ``model`` afterwards: the
@@ -333,7 +339,7 @@ def build_pipeline(
     for s in stage_ids:
         layer_ids = list(range(starts[s], starts[s] + counts[s]))
         stage = stage_model(model, layer_ids, s == 0, s == num_stages - 1)
-        parallelize(stage, dims, seq_len=seq_len, tp_plan=tp_plan)
+        parallelize(stage, dims, seq_len=seq_len, tp_plan=tp_plan, wrap_blocks=wrap_blocks)
         stages.append(stage)
         wrapper = _StageForward(stage)
         shard_pipeline_stage(wrapper, dims)

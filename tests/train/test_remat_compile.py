@@ -1,0 +1,148 @@
+"""Recomputation policies and regional compile change memory and speed, never the numbers."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchloom.config.errors import ConfigError
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.train.compile import CompileConfig, compile_regions
+from torchloom.train.loss import cross_entropy_sum
+from torchloom.train.remat import RematConfig, apply_remat
+
+
+def tiny(num_layers: int = 4) -> nn.Module:
+    config = resolve_model_config(
+        ModelConfig(name="llama3", flavor="debug", overrides={"num_layers": num_layers})
+    )
+    model = build_model(config, "llama3")
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model
+
+
+def loss_grads_saved(model: nn.Module) -> tuple[float, dict[str, torch.Tensor], int]:
+    """Loss, gradients, and bytes of activations autograd kept for the backward pass."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 64), generator=gen)
+    labels = torch.randint(0, model.config.vocab_size, (2, 64), generator=gen)
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if not isinstance(t, nn.Parameter):
+            saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy_sum(model(tokens), labels) / labels.numel()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, saved
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_grads_saved(tiny())
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "every_k"])
+def test_remat_gives_identical_gradients_and_keeps_less(reference, mode):
+    model = tiny()
+    apply_remat(model.layers, RematConfig(mode=mode), compile_enabled=False)
+    loss, grads, saved = loss_grads_saved(model)
+    diff = max((grads[n] - g).abs().max().item() for n, g in reference[1].items())
+    print(f"{mode}: saved {saved / 2**20:.2f} MiB vs {reference[2] / 2**20:.2f} MiB, "
+          f"max |grad diff| {diff:.1e}")  # fmt: skip
+    assert loss == reference[0] and diff == 0.0
+    assert saved < reference[2]
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(mode: str) -> Counter:
+    """aten ops the backward pass runs (recomputation shows up as extra forward ops)."""
+    model = tiny()
+    apply_remat(model.layers, RematConfig(mode=mode, every_k=2), compile_enabled=False)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 64))
+    loss = cross_entropy_sum(model(tokens), tokens) / tokens.numel()
+    with CountOps() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_what_each_policy_recomputes():
+    """4 blocks of 7 matmuls: full recomputes 6 per block in backward (the last, down, is not
+    needed: recomputation stops once the saved tensors are back), every_k (k=2) those of
+    blocks 0 and 2, selective none (it keeps matmul and attention outputs), though it redoes
+    the pointwise ops such as SiLU."""
+    ops = {mode: backward_ops(mode) for mode in ("none", "full", "every_k", "selective")}
+    extra_mm = {m: ops[m]["mm"] - ops["none"]["mm"] for m in ops}
+    extra_silu = {m: ops[m]["silu"] - ops["none"]["silu"] for m in ops}
+    print(f"matmuls recomputed {extra_mm}, silu recomputed {extra_silu}")
+    assert extra_mm == {"none": 0, "full": 24, "every_k": 12, "selective": 0}
+    assert extra_silu == {"none": 0, "full": 4, "every_k": 2, "selective": 4}
+
+
+def test_remat_config_errors():
+    with pytest.raises(ConfigError, match="unknown aten op 'mmm'.*Did you mean 'mm'"):
+        RematConfig(mode="selective", save_ops=["mmm"]).validate()
+    with pytest.raises(ConfigError, match="needs --compile.enabled true"):
+        apply_remat(tiny().layers, RematConfig(mode="budget"), compile_enabled=False)
+    with pytest.raises(ConfigError, match="memory_budget"):
+        RematConfig(mode="budget", memory_budget=0.0).validate()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_regional_compile_keeps_numbers_and_names(reference, backend):
+    model = tiny()
+    names = list(model.state_dict())
+    compiled = compile_regions(model, CompileConfig(enabled=True, backend=backend))
+    assert compiled == [f"layers.{i}" for i in range(4)]
+    loss, grads, _ = loss_grads_saved(model)
+    diff = max((grads[n] - g).abs().max().item() for n, g in reference[1].items())
+    print(f"{backend}: |loss diff| {abs(loss - reference[0]):.1e}, max |grad diff| {diff:.1e}")
+    assert list(model.state_dict()) == names
+    assert abs(loss - reference[0]) < 1e-5 and diff < 1e-5
+
+
+def test_memory_budget_with_compile_keeps_numbers(reference):
+    model = tiny()
+    # aot_eager_decomp_partition runs the same min-cut partitioner as inductor, which reads the
+    # budget, without inductor's code generation.
+    config = CompileConfig(enabled=True, backend="aot_eager_decomp_partition")
+    apply_remat(model.layers, RematConfig(mode="budget", memory_budget=0.3), compile_enabled=True)
+    try:
+        compile_regions(model, config)
+        loss, grads, _ = loss_grads_saved(model)
+    finally:
+        torch._functorch.config.activation_memory_budget = 1.0
+    diff = max((grads[n] - g).abs().max().item() for n, g in reference[1].items())
+    print(f"budget 0.3: max |grad diff| {diff:.1e}")
+    assert abs(loss - reference[0]) < 1e-5 and diff < 1e-5
+
+
+def test_compile_regions_by_name_and_errors():
+    model = tiny()
+    compiled = compile_regions(
+        model, CompileConfig(enabled=True, backend="eager", regions=["layers.1", "norm", "SwiGLU"])
+    )
+    assert compiled == ["layers.0.mlp", "layers.1", "layers.2.mlp", "layers.3.mlp", "norm"]
+    with pytest.raises(ConfigError, match="'Blok' matches no module.*Did you mean 'Block'"):
+        compile_regions(tiny(), CompileConfig(enabled=True, regions=["Blok"]))
+
+
+def test_eager_types_stay_out_of_compiled_regions():
+    compiled = compile_regions(
+        tiny(2), CompileConfig(enabled=True, backend="eager"), eager_types=("RMSNorm",)
+    )
+    assert compiled == ["layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.mlp"]

@@ -1,0 +1,77 @@
+"""Regional compilation: ``torch.compile`` on chosen modules (each transformer block by
+default), the rest eager.
+
+A region's ``forward`` is replaced by its compiled version in place, so module and parameter
+names do not change (unlike wrapping in ``torch.compile(module)``, which adds ``_orig_mod``),
+and hooks that FSDP registers on the module run eagerly around the compiled code. Identical
+blocks share one compiled graph: parameters are graph inputs, not constants.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchloom.config.errors import ConfigError, did_you_mean
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    """Compile the `regions` with torch.compile (the rest of the model stays eager)."""
+    regions: list[str] = field(default_factory=lambda: ["Block"])
+    """What to compile: module class names (Block, Attention, SwiGLU, RMSNorm, ...) or glob
+    patterns over module names (layers.*, norm, output). A module inside a region already
+    compiled is not compiled again."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor (fast code), or aot_eager / eager to debug."""
+    fullgraph: bool = True
+    """Require each region to compile to one graph (a graph break is an error, not a silent
+    slowdown)."""
+    mode: str = "default"
+    """torch.compile mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs."""
+
+
+def compile_regions(
+    model: nn.Module, config: CompileConfig, eager_types: tuple[str, ...] = ()
+) -> list[str]:
+    """Compile ``config.regions`` of ``model`` in place; returns the compiled module names.
+
+    A region holding a module whose class is in ``eager_types`` is not compiled whole: its
+    children are, recursively, and the ``eager_types`` modules stay eager.
+    """
+    if not config.enabled:
+        return []
+    modules = dict(model.named_modules())
+    class_names = {type(m).__name__ for m in modules.values()}
+    for region in config.regions:
+        if region not in class_names and not fnmatch.filter(modules, region):
+            raise ConfigError(
+                f"--compile.regions entry {region!r} matches no module class or name of this "
+                f"model.{did_you_mean(region, [*class_names, *modules])} Classes: "
+                f"{', '.join(sorted(class_names))}."
+            )
+    mode = None if config.mode == "default" else config.mode
+    compiled: list[str] = []
+
+    def visit(name: str, module: nn.Module, selected: bool) -> None:
+        selected = selected or any(
+            type(module).__name__ == r or fnmatch.fnmatchcase(name, r) for r in config.regions
+        )
+        if type(module).__name__ in eager_types:
+            return
+        has_eager = any(type(m).__name__ in eager_types for m in module.modules())
+        if selected and not has_eager:
+            module.forward = torch.compile(
+                module.forward, backend=config.backend, fullgraph=config.fullgraph, mode=mode
+            )
+            compiled.append(name)
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, selected)
+
+    visit("", model, False)
+    return compiled
