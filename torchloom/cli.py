@@ -248,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
+        from torchloom.checkpoint.storage import CheckpointError
         from torchloom.train.trainer import TrainingError
 
-        if not isinstance(err, TrainingError):
+        if not isinstance(err, TrainingError | CheckpointError):
             raise
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -168,6 +168,22 @@ class Pipeline:
         self.has_last = any(s.output is not None for s in stages)
         self._divisor: torch.Tensor = torch.ones(())
 
+    def local_model(self) -> Transformer:
+        """One Transformer shell holding (sharing) every module of this rank's stages under the
+        single-process names: what checkpoints save and load, so any layout reads them."""
+        layers = sorted(
+            ((int(name), block) for stage in self.stages for name, block in stage.layers.items()),
+            key=lambda item: item[0],
+        )
+        embed = next((s.embed_tokens for s in self.stages if s.embed_tokens is not None), None)
+        shell = stage_model(self.stages[0], [], first=False, last=False)
+        shell.embed_tokens = embed
+        shell.layers = nn.ModuleDict({str(i): block for i, block in layers})
+        has_head = [s for s in self.stages if s.output is not None]
+        shell.norm = has_head[0].norm if has_head else None
+        shell.output = has_head[0].output if has_head else None
+        return shell
+
     def check_batch_size(self, size: int) -> None:
         """The schedule cuts each batch into ``microbatches`` equal parts."""
         if size % self.microbatches:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf, save_hf
+from torchloom.checkpoint.manager import CheckpointManager
 from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
@@ -42,7 +44,7 @@ from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.remat import apply_remat
 
 # Files a run owns in its output folder; --output.overwrite removes exactly these.
-_RUN_OUTPUTS = ("config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png")
+_RUN_OUTPUTS = ("config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png", "checkpoints")
 
 
 class TrainingError(RuntimeError):
@@ -59,18 +61,33 @@ class TrainResult:
     model_dir: Path | None
 
 
-def prepare_output_dir(path: Path, overwrite: bool) -> None:
-    """Create the run folder; refuse to mix with an earlier run unless asked to replace it."""
+def prepare_output_dir(path: Path, overwrite: bool, resume: bool = False) -> None:
+    """Create the run folder; refuse to mix with an earlier run unless asked to replace it (or
+    to resume it)."""
     existing = [name for name in _RUN_OUTPUTS if (path / name).exists()]
+    if resume and not overwrite:
+        path.mkdir(parents=True, exist_ok=True)
+        return
     if existing and not overwrite:
         raise ConfigError(
             f"The output folder {path} already holds a run ({', '.join(existing)}). Choose another "
-            "--output.dir, or pass --output.overwrite true to replace those files."
+            "--output.dir, pass --output.overwrite true to replace those files, or "
+            "--checkpoint.resume true to continue it."
         )
     for name in existing:
         target = path / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     path.mkdir(parents=True, exist_ok=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the records a resumed run will write again (those after ``step``)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    if step == 0:
+        kept = []
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 class Trainer:
@@ -137,6 +154,13 @@ class Trainer:
             )  # fmt: skip
         self.optimizer = build_optimizer(self.model, job.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, job.lr_schedule, t.steps)
+        state_model = self.model if self.pipeline is None else self.pipeline.local_model()
+        self.checkpointer = CheckpointManager(
+            job.checkpoint, self.output_dir, model=state_model, optimizer=self.optimizer,
+            scheduler=self.scheduler, loader=self.train_loader, device=self.device,
+            marker_extra={"family": job.model.name, "model_config": to_dict(self.model_config)},
+            is_rank0=self.is_rank0,
+        )  # fmt: skip
         # With FSDP the compute dtype is its mixed-precision policy; otherwise autocast.
         self.autocast_dtype = None
         if self.dims.fsdp_mesh is None and (
@@ -216,6 +240,7 @@ class Trainer:
                     "--training.skip_nonfinite true skips such steps instead."
                 )
         else:
+            self.checkpointer.wait_for_staging()  # an async save still copying the weights
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -253,15 +278,25 @@ class Trainer:
     def train(self) -> TrainResult:
         job, t = self.job, self.job.training
         if self.is_rank0:
-            prepare_output_dir(self.output_dir, job.output.overwrite)
+            prepare_output_dir(self.output_dir, job.output.overwrite, job.checkpoint.resume)
             (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
+        self.step = self.checkpointer.resume()
+        if self.is_rank0 and job.checkpoint.resume:
+            truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
         flops = self.model_config.flops_per_token(t.seq_len)
         metrics = MetricsLogger(
             self.output_dir, job.metrics, t.steps, self.device, flops, enabled=self.is_rank0
         )
         metrics.print(self._banner(metrics))
-        val_before = self.validate()
-        metrics.log({"step": 0, "val_loss": val_before})
+        if self.checkpointer.loaded_step is not None:
+            metrics.print(
+                f"resumed from {self.checkpointer.storage.step_dir(self.checkpointer.loaded_step)}"
+                f" in {self.checkpointer.load_seconds:.2f} s; continuing at step {self.step + 1}"
+            )
+        val_before = float("nan")
+        if self.step == 0:  # a resumed run logged this already
+            val_before = self.validate()
+            metrics.log({"step": 0, "val_loss": val_before})
         first_loss = last_loss = float("nan")
         self.model.train()
         tokens_per_step = t.global_batch_sequences * t.seq_len
@@ -274,7 +309,7 @@ class Trainer:
                 loss, grad_norm = self.train_step(batches)
                 self.step += 1
                 last_loss = loss.item()  # syncs, so the step time below is honest
-                first_loss = last_loss if self.step == 1 else first_loss
+                first_loss = last_loss if math.isnan(first_loss) else first_loss
                 if metrics.should_log(self.step):
                     seconds = time.perf_counter() - start
                     metrics.log(
@@ -287,6 +322,12 @@ class Trainer:
                     metrics.advance(self.step)
                 if t.val_interval and self.step % t.val_interval == 0 and self.step < t.steps:
                     metrics.log({"step": self.step, "val_loss": self.validate()})
+                if self.checkpointer.should_save(self.step, t.steps):
+                    self.checkpointer.save(self.step, self.train_loader.tokens_seen)
+                for record in self.checkpointer.poll():
+                    metrics.log(record)
+            for record in self.checkpointer.finish():
+                metrics.log(record)
             val_after = self.validate()
             metrics.log({"step": self.step, "val_loss": val_after})
             model_dir = self._export(metrics)

@@ -1,0 +1,290 @@
+"""Where step checkpoints live: DCP's files in ``<root>/step-12/`` and, written last, a
+``COMPLETE.json`` marker; on a local disk or at any fsspec URL (``memory://``, ``s3://``, ...).
+
+A step folder without a readable marker is an interrupted save: never loaded, only cleaned up.
+The marker lists every file with its size (and optionally crc32), so ``verify`` names a
+truncated or damaged file before DCP fails somewhere inside unpickling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import re
+import zlib
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+MARKER = "COMPLETE.json"
+MARKER_FORMAT = "torchloom-dcp-step"
+MARKER_VERSION = 1
+DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_CRC_CHUNK_BYTES = 8 << 20
+_RECOVERY_HINT = (
+    "Resume from an older step with --checkpoint.load_step N, or pass --checkpoint.fallback "
+    "true to fall back to the previous complete checkpoint automatically."
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint operation that cannot go ahead; the message says why and what to do."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A step marked complete whose files do not match its marker."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"Checkpoint file {path} {reason}. {_RECOVERY_HINT}")
+        self.path = path
+        self.reason = reason
+
+
+def step_folder_name(step: int) -> str:
+    """``step-12`` (the documented layout, ``<output_dir>/checkpoints/step-N/``)."""
+    return f"step-{step}"
+
+
+class CheckpointStorage:
+    """Step checkpoints under one root on an fsspec filesystem (``for_path`` picks the backend).
+
+    ``fs`` and ``root`` are what fsspec calls take; ``step_dir`` is what DCP's writer and reader
+    take. The root must be storage every rank sees (the marker lists rank 0's view of it).
+    """
+
+    writer_class: type[FileSystemWriter] = FsspecWriter
+    reader_class: type[FileSystemReader] = FsspecReader
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, root_url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.root_url = root_url.rstrip("/")
+
+    @staticmethod
+    def for_path(root: str | os.PathLike[str]) -> CheckpointStorage:
+        """A local path gives the local backend; a URL (``memory://x``, ``s3://b/x``) fsspec's."""
+        root = os.fspath(root)
+        if "://" not in root:
+            return LocalCheckpointStorage(os.path.abspath(root))
+        fs, path = fsspec.core.url_to_fs(root)
+        return CheckpointStorage(fs, path, root)
+
+    def step_dir(self, step: int) -> str:
+        """Path or URL of ``step``'s folder."""
+        return f"{self.root_url}/{step_folder_name(step)}"
+
+    def _fs_dir(self, step: int) -> str:
+        return f"{self.root}/{step_folder_name(step)}"
+
+    def steps_on_disk(self) -> list[int]:
+        """Every step with a folder under the root, complete or not, ascending."""
+        self.fs.invalidate_cache(self.root)  # other ranks and processes write here too
+        if not self.fs.isdir(self.root):
+            return []
+        steps = []
+        for entry in self.fs.ls(self.root, detail=True):
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            match = _STEP_DIR.fullmatch(name)
+            if match and entry["type"] == "directory" and step_folder_name(int(match[1])) == name:
+                steps.append(int(match[1]))
+        return sorted(steps)
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a valid marker, ascending."""
+        return [step for step in self.steps_on_disk() if self._marker_or_none(step) is not None]
+
+    def incomplete_steps(self) -> list[int]:
+        """Step folders without a valid marker: interrupted saves to remove (while no save is in
+        flight, since a save in progress looks the same)."""
+        return [step for step in self.steps_on_disk() if self._marker_or_none(step) is None]
+
+    def latest_complete(self) -> int | None:
+        """The highest complete step, or None."""
+        for step in reversed(self.steps_on_disk()):
+            if self._marker_or_none(step) is not None:
+                return step
+        return None
+
+    def remove(self, step: int) -> None:
+        """Delete ``step``'s folder if there is one (an interrupted save, or keep_latest_k)."""
+        folder = self._fs_dir(step)
+        # Marker first: a removal cut short then leaves an incomplete step, not a corrupt one.
+        for path, recursive in ((f"{folder}/{MARKER}", False), (folder, True)):
+            with contextlib.suppress(FileNotFoundError):  # or another rank removed it first
+                self.fs.rm(path, recursive=recursive)
+
+    def writer(self, step: int, thread_count: int = 1, sync_files: bool = True) -> FileSystemWriter:
+        """A DCP StorageWriter into ``step``'s folder, after clearing an interrupted save there.
+
+        Safe to call on every rank before ``dcp.save``/``async_save``: DCP writes no file before
+        every rank has planned. Refuses a step that is complete already (``remove`` it first).
+        """
+        if self._marker_or_none(step) is not None:
+            raise CheckpointError(
+                f"Step {step} is already saved and complete at {self.step_dir(step)}; remove it "
+                f"first (storage.remove({step})) to save that step again."
+            )
+        self.remove(step)
+        self.fs.makedirs(self._fs_dir(step), exist_ok=True)
+        return self.writer_class(
+            self.step_dir(step),
+            single_file_per_rank=True,
+            sync_files=sync_files,
+            thread_count=thread_count,
+        )
+
+    def reader(self, step: int) -> FileSystemReader:
+        """A DCP StorageReader for ``step``, which must be complete."""
+        self.read_marker(step)
+        return self.reader_class(self.step_dir(step))
+
+    def mark_complete(
+        self, step: int, extra: dict[str, Any] | None = None, checksums: bool = False
+    ) -> dict[str, Any]:
+        """Write ``step``'s marker (rank 0, once every rank's files are written) and return it.
+
+        ``extra`` (JSON-able) is stored as-is; ``checksums`` also records each file's crc32,
+        which reads every byte back once.
+        """
+        folder = self._fs_dir(step)
+        files = self._files(folder)
+        if DCP_METADATA not in files:
+            raise CheckpointError(
+                f"{self.step_dir(step)} has no {DCP_METADATA}, so DCP's save has not finished; "
+                "call mark_complete after dcp.save returns (or async_save's future completes)."
+            )
+        missing = self._dcp_files(step) - files.keys()
+        if missing:
+            raise CheckpointError(
+                f"{self.step_dir(step)} lacks {sorted(missing)}, which DCP's {DCP_METADATA} names; "
+                "is the checkpoint root on storage that every rank (on every node) writes to?"
+            )
+        marker = {
+            "format": MARKER_FORMAT,
+            "version": MARKER_VERSION,
+            "step": step,
+            "time_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "extra": extra or {},
+            "files": files,
+        }
+        if checksums:
+            marker["crc32"] = {name: self._crc32(f"{folder}/{name}") for name in files}
+        self._write_marker(folder, json.dumps(marker, indent=2) + "\n")
+        return marker
+
+    def read_marker(self, step: int) -> dict[str, Any]:
+        """``step``'s marker; a CheckpointError when the step is not complete."""
+        marker = self._marker_or_none(step)
+        if marker is None:
+            raise CheckpointError(
+                f"{self.step_dir(step)} has no valid {MARKER}: the save of step {step} did not "
+                f"finish. Complete steps here: {self.complete_steps()}."
+            )
+        return marker
+
+    def verify(self, step: int, checksums: bool = False) -> None:
+        """Raise CheckpointCorruptError naming the first file that does not match the marker.
+
+        Checks sizes, and that every file DCP's metadata names is there; ``checksums`` also
+        compares crc32s when ``mark_complete`` recorded them (reading every byte).
+        """
+        url = self.step_dir(step)
+        marker = self._marker_or_none(step)
+        if marker is None:
+            raise CheckpointCorruptError(f"{url}/{MARKER}", "is missing or unreadable")
+        listed: dict[str, int] = marker["files"]
+        if DCP_METADATA not in listed:
+            raise CheckpointCorruptError(f"{url}/{DCP_METADATA}", f"is not listed in {MARKER}")
+        on_disk = self._files(self._fs_dir(step))
+        for name, size in listed.items():
+            if name not in on_disk:
+                raise CheckpointCorruptError(f"{url}/{name}", "is missing")
+            if on_disk[name] != size:
+                reason = f"has {on_disk[name]} bytes where {MARKER} recorded {size}"
+                raise CheckpointCorruptError(f"{url}/{name}", reason)
+        try:
+            dcp_files = self._dcp_files(step)
+        except Exception as err:  # whatever unpickling a damaged file raises
+            raise CheckpointCorruptError(
+                f"{url}/{DCP_METADATA}", f"cannot be read ({err})"
+            ) from err
+        unlisted = sorted(dcp_files - listed.keys())
+        if unlisted:
+            reason = f"is named by {DCP_METADATA} but not by {MARKER}"
+            raise CheckpointCorruptError(f"{url}/{unlisted[0]}", reason)
+        if not checksums:
+            return
+        for name, expected in marker.get("crc32", {}).items():
+            actual = self._crc32(f"{self._fs_dir(step)}/{name}")
+            if actual != expected:
+                reason = f"has crc32 {actual:#010x} where {MARKER} recorded {expected:#010x}"
+                raise CheckpointCorruptError(f"{url}/{name}", reason)
+
+    def _files(self, folder: str) -> dict[str, int]:
+        """{name relative to ``folder``: size in bytes} of the files under it, marker aside."""
+        self.fs.invalidate_cache(folder)
+        found = self.fs.find(folder, withdirs=False, detail=True)
+        sizes = {posixpath.relpath(path, folder): info["size"] for path, info in found.items()}
+        return {name: size for name, size in sorted(sizes.items()) if not name.startswith(MARKER)}
+
+    def _dcp_files(self, step: int) -> set[str]:
+        """The data files DCP's ``.metadata`` for ``step`` refers to."""
+        metadata = self.reader_class(self.step_dir(step)).read_metadata()
+        return {info.relative_path for info in (metadata.storage_data or {}).values()}
+
+    def _crc32(self, path: str) -> int:
+        crc = 0
+        with self.fs.open(path, "rb") as file:
+            while chunk := file.read(_CRC_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+        return crc
+
+    def _marker_or_none(self, step: int) -> dict[str, Any] | None:
+        try:
+            marker = json.loads(self.fs.cat_file(f"{self._fs_dir(step)}/{MARKER}"))
+        except (FileNotFoundError, ValueError):
+            # Only "absent" and "garbage" mean incomplete: an I/O or permission error must not
+            # make a good checkpoint look like one to clean up.
+            return None
+        valid = (
+            isinstance(marker, dict)
+            and marker.get("format") == MARKER_FORMAT
+            and marker.get("step") == step
+            and isinstance(marker.get("files"), dict)
+        )
+        return marker if valid else None
+
+    def _write_marker(self, folder: str, text: str) -> None:
+        self.fs.pipe_file(f"{folder}/{MARKER}", text.encode())  # one object: atomic on stores
+
+
+class LocalCheckpointStorage(CheckpointStorage):
+    """Step checkpoints under a local (or network-mounted) directory."""
+
+    writer_class = FileSystemWriter
+    reader_class = FileSystemReader
+
+    def __init__(self, root: str) -> None:
+        super().__init__(LocalFileSystem(), root, root)
+
+    def _write_marker(self, folder: str, text: str) -> None:
+        # Rename over a synced temp file, then sync the folder: after a crash the marker is
+        # either absent or whole, never a torn file that happens to parse.
+        tmp = os.path.join(folder, MARKER + ".tmp")
+        with open(tmp, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, os.path.join(folder, MARKER))
+        folder_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(folder_fd)
+        finally:
+            os.close(folder_fd)
