@@ -131,7 +131,8 @@ _CONVERT_USAGE = """usage: torchloom convert --from-hf HF_DIR --to OUT_DIR [opti
        torchloom convert --from MODEL_DIR --to-hf HF_DIR [--tokenizer DIR] [options]
 
   --from-hf HF_DIR   a Hugging Face folder (config.json + safetensors) -> a torchloom model folder
-  --from MODEL_DIR   a torchloom model folder (e.g. <output_dir>/model) -> a Hugging Face folder
+  --from MODEL_DIR   a torchloom model folder (e.g. <output_dir>/model) or a complete training
+                     checkpoint (<output_dir>/checkpoints/step-N) -> a Hugging Face folder
   --tokenizer DIR    copy the tokenizer files from DIR (default: those of MODEL_DIR)
   --dtype bf16|fp32  cast floating-point weights (default: keep their dtype)
   --max-shard-size   largest weight file, e.g. 2GB, 500MB, 1GiB (default 2GiB)

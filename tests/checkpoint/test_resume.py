@@ -121,24 +121,24 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(uninterrupted,
     cmd = [sys.executable, "-m", "torchloom", "train", *COMMON, "--output.dir", str(out),
            "--training.steps", "8", "--checkpoint.interval", "1",
            "--checkpoint.writer_threads", "1"]  # fmt: skip
-    for attempt in range(1, 6):  # noqa: B007 (reported below)
+    storage = CheckpointStorage.for_path(ckpt)
+    for attempt in range(1, 11):  # noqa: B007 (reported below)
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         caught = None
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
-            partial = [d for d in ckpt.glob("step-*") if not (d / MARKER).exists()]
-            done = [d for d in ckpt.glob("step-*") if (d / MARKER).exists()]
-            if partial and done:  # mid-save, with an earlier complete checkpoint
+            marked = {d.name: (d / MARKER).exists() for d in ckpt.glob("step-*")}
+            if not all(marked.values()) and any(marked.values()):
+                # mid-save, with an earlier complete checkpoint
                 proc.send_signal(signal.SIGKILL)
-                caught = partial[0].name
+                caught = next(name for name, done in marked.items() if not done)
                 break
             time.sleep(0.0005)
         proc.wait()
-        if caught:
+        if caught and storage.incomplete_steps():  # else the save finished before the kill
             break
     assert caught, "never caught the run in the middle of a save"
-    storage = CheckpointStorage.for_path(ckpt)
     print(f"killed during {caught} (attempt {attempt}); complete: {storage.complete_steps()}, "
           f"incomplete: {storage.incomplete_steps()}")  # fmt: skip
     assert storage.incomplete_steps() and storage.complete_steps()
@@ -148,3 +148,34 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_one(uninterrupted,
     assert losses(out) == losses(uninterrupted)
     assert storage.incomplete_steps() == [] and storage.latest_complete() == 8
     assert last_complete < 8
+
+
+def test_checkpoint_step_exports_to_hf_on_demand(uninterrupted, tmp_path):
+    """convert --from <checkpoint step> --to-hf: transformers loads it with the run's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torchloom.checkpoint.model_io import load_model
+
+    hf_dir = tmp_path / "hf"
+    step = uninterrupted / "checkpoints/step-8"
+    assert main(["convert", "--from", str(step), "--to-hf", str(hf_dir)]) == 0
+    # The run's step-8 weights, through the saved final model of a 8-step run with the same seed.
+    final = tmp_path / "final"
+    assert main(["train", *COMMON[:-4], "--output.dir", str(final), "--training.steps", "8"]) == 0
+    model, _, _ = load_model(final / "model")
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        diff = (reference(tokens).logits - model(tokens)).abs().max().item()
+    print(f"HF export of checkpoint step 8 vs the run's final model: max |logit diff| {diff:.1e}")
+    assert diff < 1e-4
+
+
+def test_resuming_an_older_step_replaces_the_newer_checkpoints(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)  # complete steps 4 and 8
+    assert train(out, "--training.steps", "8", "--checkpoint.interval", "4",
+                 "--checkpoint.resume", "true", "--checkpoint.load_step", "4") == 0  # fmt: skip
+    assert losses(out) == losses(uninterrupted)
+    assert CheckpointStorage.for_path(out / "checkpoints").complete_steps() == [4, 8]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from torchloom.checkpoint.hf import hf_architecture, iter_hf_tensors, save_hf
 from torchloom.checkpoint.model_io import parameter_shapes, read_model_folder, write_model_folder
@@ -22,8 +24,10 @@ from torchloom.checkpoint.safetensors_io import (
     iter_tensors,
     parse_dtype,
 )
+from torchloom.checkpoint.storage import MARKER, CheckpointStorage
 from torchloom.checkpoint.tokenizer_files import SIDE_FILES
 from torchloom.config.errors import ConfigError
+from torchloom.config.fields import from_dict
 from torchloom.models import TransformerConfig
 
 
@@ -40,14 +44,36 @@ class ModelSource:
 
 
 def open_model_source(path: Path) -> ModelSource:
-    """The one place that reads a model to export (today a torchloom model folder; other
-    sources, such as distributed checkpoints, plug in here)."""
+    """The one place that reads a model to export: a torchloom model folder, or one step of a
+    training checkpoint (``<output_dir>/checkpoints/step-N``)."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"Model folder {path} does not exist.")
+    if (path / MARKER).is_file():
+        return _checkpoint_source(path)
     family, config = read_model_folder(path)
     tensors = checked(iter_tensors(path), parameter_shapes(family, config), str(path))
     return ModelSource(family, config, tensors, path if _has_tokenizer(path) else None)
+
+
+def _checkpoint_source(step_dir: Path) -> ModelSource:
+    """The model part of a complete training checkpoint, read one tensor at a time."""
+    storage = CheckpointStorage.for_path(step_dir.parent)
+    step = int(step_dir.name.removeprefix("step-"))
+    storage.verify(step)
+    extra = storage.read_marker(step)["extra"]
+    family, config = extra["family"], from_dict(TransformerConfig, extra["model_config"])
+    shapes = parameter_shapes(family, config)
+    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes.items():
+            tensor = torch.empty(shape, dtype=saved[f"model.{name}"].properties.dtype)
+            dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(str(step_dir)))
+            yield name, tensor
+
+    tokenizer = step_dir.parent.parent / "model"  # the run's final model folder, if written
+    return ModelSource(family, config, tensors(), tokenizer if _has_tokenizer(tokenizer) else None)
 
 
 def convert_from_hf(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import (
+    BlockingAsyncStager,
+    DefaultStager,
+    StagingOptions,
+)
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -40,9 +43,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchloom.checkpoint.config import STATE_PARTS, CheckpointConfig
 from torchloom.checkpoint.storage import CheckpointCorruptError, CheckpointError, CheckpointStorage
-
-# A single process saves and loads without a process group, which is what DCP warns about.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
 
 
 class _Part:
@@ -104,19 +104,23 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._finished: list[_PendingSave] = []
         self._lock = threading.Lock()
-        self._stager: DefaultStager | None = None
+        self._stager: DefaultStager | BlockingAsyncStager | None = None
         self._group = None
         if config.interval and config.mode != "sync":
-            pinned = config.mode == "async_pinned" and device.type == "cuda"
-            overlap = config.mode == "async_pinned"
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=pinned,
+            if config.mode == "async_pinned" and device.type == "cuda":
+                # Reused pinned buffers, filled by a non-blocking copy on a staging thread.
+                options = StagingOptions(
+                    use_pinned_memory=True,
                     use_shared_memory=False,
-                    use_async_staging=overlap,
-                    use_non_blocking_copy=pinned,
+                    use_async_staging=True,
+                    use_non_blocking_copy=True,
                 )
-            )
+                self._stager = DefaultStager(options)
+            else:
+                # A blocking copy into host memory. On the CPU there is no device copy to
+                # overlap, so async_pinned is async there. (torch 2.11's DefaultStager without
+                # pinned memory fails: KeyError <class 'type'> in its deep copy.)
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
             if dist.is_initialized():
                 # The background writer's collectives run on their own gloo group, never
                 # interleaved with the training's collectives on the main group.
@@ -184,6 +188,13 @@ class CheckpointManager:
         dcp.load(self._state(parts), storage_reader=self.storage.reader(choice))
         self.load_seconds = time.perf_counter() - start
         self.loaded_step = choice
+        if self.is_rank0:
+            # Newer checkpoints belong to the history this run replaces (a fallback past a
+            # damaged step, or an explicit load_step); the resumed run saves those steps again.
+            for newer in self.storage.steps_on_disk():
+                if newer > choice:
+                    self.storage.remove(newer)
+        _barrier()
         if "train_state" in self.config.exclude_from_loading:
             self.step = 0
         return self.step
@@ -235,7 +246,8 @@ class CheckpointManager:
         self.step, self.tokens_seen = step, tokens_seen
         start = time.perf_counter()
         writer = self.storage.writer(step, thread_count=self.config.writer_threads)
-        state = self._state(STATE_PARTS)
+        # The state as nested dicts of tensors, taken now, before anything is copied.
+        state = {name: part.state_dict() for name, part in self._state(STATE_PARTS).items()}
         pending = _PendingSave(step, start, 0.0)
         if self._stager is None:
             dcp.save(state, storage_writer=writer)

@@ -116,7 +116,8 @@ class TrainLoader:
             raise ConfigError(
                 "Cannot resume the data loader exactly: " + "; ".join(changed) + ". Restore "
                 "the original settings (the row count follows from the data, tokenizer and "
-                "seq_len), or start without restoring the loader state."
+                "seq_len), or resume without the loader state: --checkpoint.exclude_from_loading "
+                "'[\"dataloader\"]'."
             )
         self.step = int(state["step"])
 
