@@ -1,4 +1,4 @@
-"""`torchloom <command>`: train, convert, recipes, plot.
+"""`torchloom <command>`: train, convert, generate, recipes, plot.
 
 Every command turns bad input into one clear line on stderr and exit status 2.
 """
@@ -31,6 +31,7 @@ _USAGE = """usage: torchloom <command> [options]
 commands:
   train     train a recipe:  torchloom train --recipe NAME [--section.field VALUE ...]
   convert   Hugging Face folder <-> torchloom model folder (`torchloom convert --help`)
+  generate  sample from a model: torchloom generate --from-hf DIR --prompt TEXT (`--help`)
   recipes   list the registered recipes
   plot      draw loss and throughput curves:  torchloom plot OUTPUT_DIR
 
@@ -103,7 +104,7 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
     """Greedy text after the recipe's prompt, from a single-device copy of the model (the saved
     one when the run was distributed, so no other rank has to take part)."""
     from torchloom.checkpoint.model_io import load_model
-    from torchloom.generate.greedy import greedy_complete
+    from torchloom.generate.engine import Generator, Request, SamplingParams
 
     t = trainer.job.training
     if not t.sample_tokens:
@@ -123,7 +124,12 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
             stop_ids.add(end_of_turn)
     else:
         prompt_ids = tok.encode(t.sample_prompt)
-    new = greedy_complete(model, prompt_ids, t.sample_tokens, stop_ids)
+    params = SamplingParams(t.sample_tokens, temperature=0.0, stop_ids=tuple(stop_ids))
+    was_training = model.training
+    new = Generator(model, max_batch=1).generate([Request(prompt_ids, params)])[0].tokens
+    model.train(was_training)
+    if new and new[-1] in stop_ids:
+        new = new[:-1]
     print(f"sample: {t.sample_prompt!r} -> {tok.decode(new)!r}"[:400])
 
 
@@ -204,6 +210,86 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
+_GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint DIR)
+                          (--prompt TEXT ... | --prompts-file F.jsonl) [options]
+
+  --from-hf HF_DIR        a Hugging Face model folder (config.json, safetensors, tokenizer)
+  --checkpoint DIR        a torchloom model folder (<output_dir>/model) or a training
+                          checkpoint step (<output_dir>/checkpoints/step-N)
+  --prompt TEXT           a prompt (repeatable)
+  --prompts-file F.jsonl  one object per line: {"prompt": "text"} or {"prompt_ids": [1, 2]}
+  --max-new-tokens N      tokens to generate per request (default 64)
+  --greedy                argmax decoding (same as --temperature 0)
+  --temperature T         softmax temperature (default 1.0)
+  --top-k K / --top-p P   sample among the k most likely tokens / the top-p mass
+  --seed S                request i samples with seed S + i (reproducible)
+  --max-batch N           requests decoded together (default 8; more wait their turn)
+  --dtype bf16|fp32       weights' dtype (default: as stored)
+  --device cpu|cuda       default: cuda when available
+  --output F.jsonl        one line per request, in input order: tokens, logprobs, text,
+                          finish_reason (stop | length | error) and error"""
+
+
+def cmd_generate(argv: list[str]) -> int:
+    argv = list(argv)
+    if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
+        print(_GENERATE_USAGE)
+        return 0
+    prompts = []
+    while (prompt := _pop_option(argv, "--prompt")) is not None:
+        prompts.append(prompt)
+    names = ("from-hf", "checkpoint", "prompts-file", "max-new-tokens", "temperature", "top-k",
+             "top-p", "seed", "max-batch", "dtype", "device", "output")  # fmt: skip
+    options = {name: _pop_option(argv, f"--{name}") for name in names}
+    greedy = _pop_flag(argv, "--greedy")
+    if argv:
+        known = [f"--{n}" for n in (*names, "prompt", "greedy")]
+        raise ConfigError(
+            f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
+            "Run `torchloom generate --help`."
+        )
+    if bool(options["from-hf"]) == bool(options["checkpoint"]):
+        raise ConfigError("generate needs exactly one of --from-hf HF_DIR or --checkpoint DIR.")
+
+    import torch
+
+    from torchloom.generate.engine import SamplingParams
+    from torchloom.generate.run import generate_to_file, load_model_and_tokenizer, read_prompts
+
+    def number(name: str, kind: type, default):
+        value = options[name]
+        try:
+            return default if value is None else kind(value)
+        except ValueError:
+            raise ConfigError(f"--{name} must be a {kind.__name__}; got {value!r}.") from None
+
+    params = SamplingParams(
+        max_new_tokens=number("max-new-tokens", int, 64),
+        temperature=0.0 if greedy else number("temperature", float, 1.0),
+        top_k=number("top-k", int, 0),
+        top_p=number("top-p", float, 1.0),
+        seed=number("seed", int, None),
+    )
+    problem = params.problem()
+    if problem:
+        raise ConfigError(f"Sampling settings: {problem}.")
+    device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load_model_and_tokenizer(
+        options["from-hf"], options["checkpoint"], device, options["dtype"]
+    )
+    prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
+    output = Path(options["output"]) if options["output"] else None
+    records = generate_to_file(
+        model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8)
+    )
+    if output is None:
+        for record in records:
+            print(json.dumps({k: v for k, v in record.items() if k != "logprobs"}))
+    else:
+        print(f"wrote {output}")
+    return 0
+
+
 def cmd_recipes(argv: list[str]) -> int:
     recipes = list_recipes()
     width = max(len(r.name) for r in recipes)
@@ -226,6 +312,7 @@ def cmd_plot(argv: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train,
     "convert": cmd_convert,
+    "generate": cmd_generate,
     "recipes": cmd_recipes,
     "plot": cmd_plot,
 }

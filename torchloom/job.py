@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchloom.checkpoint.config import CheckpointConfig
+from torchloom.config.errors import ConfigError
 from torchloom.data.config import DataConfig
 from torchloom.models.config import ModelConfig
 from torchloom.parallel.config import ParallelConfig
@@ -12,6 +13,7 @@ from torchloom.train.compile import CompileConfig
 from torchloom.train.config import TrainingConfig
 from torchloom.train.metrics import MetricsConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+from torchloom.train.profiling import ProfilingConfig
 from torchloom.train.remat import RematConfig
 
 
@@ -36,4 +38,14 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        """Checks that span sections (each section validates its own fields)."""
+        if self.model.loss_impl == "chunked" and (self.parallel.tp > 1 or self.parallel.pp > 1):
+            raise ConfigError(
+                "--model.loss_impl chunked fuses the whole output head on one rank; it does not "
+                "run with --parallel.tp or --parallel.pp > 1 (use loss_impl full, whose tensor-"
+                "parallel form keeps the logits sharded over the vocabulary)."
+            )

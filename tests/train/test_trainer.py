@@ -99,3 +99,13 @@ def test_nonfinite_loss_stops_or_skips(tmp_path):
 def test_vocab_mismatch_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer has 4096 tokens.*vocab_size"):
         run(tmp_path, "--model.overrides", '{"vocab_size": 1000}')
+
+
+def test_chunked_loss_trains_like_full_logits(tmp_path):
+    full = losses(run(tmp_path, "--training.steps", "6", name="full")[1].model_dir.parent)
+    chunked = run(tmp_path, "--training.steps", "6", "--model.loss_impl", "chunked", name="c")
+    diff = max(abs(a - b) for a, b in zip(full, losses(chunked[1].model_dir.parent)))
+    print(f"max |loss(full logits) - loss(chunked head)| over 6 steps = {diff:.1e}")
+    assert diff < 1e-5
+    with pytest.raises(ConfigError, match="loss_impl chunked"):
+        run(tmp_path, "--model.loss_impl", "chunked", "--parallel.pp", "2", name="pp")

@@ -42,6 +42,7 @@ def reference(tmp_path_factory) -> list[float]:
 
 LAYOUTS = {
     "fsdp2": (2, "--parallel.dp_shard 2"),
+    "fsdp2-chunked-loss": (2, "--parallel.dp_shard 2 --model.loss_impl chunked"),
     "tp2-accum": (2, "--parallel.tp 2 --training.micro_batch_size 4"),
     "fsdp2xtp2": (4, "--parallel.dp_shard 2 --parallel.tp 2"),
     "hsdp2x2": (4, "--parallel.dp_replicate 2 --parallel.dp_shard 2"),

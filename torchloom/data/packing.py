@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-"""Label value the loss skips (PyTorch's cross_entropy default ``ignore_index``)."""
+from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "Batch"]
 
 
 @dataclass

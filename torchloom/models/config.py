@@ -14,7 +14,7 @@ from torchloom.models.registry import get_model_spec
 from torchloom.models.transforms import apply_transforms
 
 # Fields chosen by their own ModelConfig slot, so there is one way to set them.
-_SLOTS = ("attn_backend", "norm_impl")
+_SLOTS = ("attn_backend", "norm_impl", "loss_impl")
 
 
 @dataclass
@@ -31,6 +31,10 @@ class ModelConfig:
     """Attention kernel: 'sdpa' or 'flex' (flex has no backward on CPU)."""
     norm_impl: str = "torch"
     """RMSNorm implementation: 'torch'."""
+    loss_impl: str = "full"
+    """Output head + loss: 'full' (logits, then cross-entropy) or 'chunked' (fused over token
+    chunks, never materializing [batch, seq, vocab] logits; not with tensor or pipeline
+    parallelism)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
 
@@ -47,7 +51,12 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
 
     Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
     """
-    cfg = replace(cfg, attn_backend=model_cfg.attn_backend, norm_impl=model_cfg.norm_impl)
+    cfg = replace(
+        cfg,
+        attn_backend=model_cfg.attn_backend,
+        norm_impl=model_cfg.norm_impl,
+        loss_impl=model_cfg.loss_impl,
+    )
     cfg = apply_transforms(cfg, model_cfg.transforms)
     cfg.validate()
     return cfg

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.linear_cross_entropy import cross_entropy_sum
 from torchloom.models.components.transformer import Transformer, TransformerConfig
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.data_parallel import shard_pipeline_stage
@@ -27,7 +28,6 @@ from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.parallelize import parallelize
 from torchloom.parallel.state import full_state_items
 from torchloom.parallel.tensor_parallel import TPPlan, loss_context
-from torchloom.train.loss import cross_entropy_sum
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",

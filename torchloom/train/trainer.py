@@ -38,13 +38,15 @@ from torchloom.parallel.context_parallel import shard_batch
 from torchloom.parallel.pipeline import Pipeline, build_pipeline
 from torchloom.parallel.state import full_state_items
 from torchloom.train.compile import compile_regions
-from torchloom.train.loss import cross_entropy_sum
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
+from torchloom.train.profiling import StepProfiler
 from torchloom.train.remat import apply_remat
 
 # Files a run owns in its output folder; --output.overwrite removes exactly these.
-_RUN_OUTPUTS = ("config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png", "checkpoints")
+_RUN_OUTPUTS = (
+    "config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png", "checkpoints", "profile",
+)  # fmt: skip
 
 
 class TrainingError(RuntimeError):
@@ -133,6 +135,7 @@ class Trainer:
         else:
             self.model.init_weights(generator=torch.Generator(self.device).manual_seed(t.seed))
         spec = get_model_spec(job.model.name)
+
         if self.dims.tp_enabled and spec.tp_plan is None:
             raise ConfigError(
                 f"Model '{spec.name}' declares no tensor-parallel plan; set --parallel.tp 1."
@@ -209,8 +212,7 @@ class Trainer:
 
     def _token_loss_sum(self, batch) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(batch.tokens, batch.positions, batch.doc_ids)
-        return cross_entropy_sum(logits, batch.labels)
+            return self.model(batch.tokens, batch.positions, batch.doc_ids, labels_BT=batch.labels)
 
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this step's micro-batches, then clip and step.
@@ -300,8 +302,10 @@ class Trainer:
         first_loss = last_loss = float("nan")
         self.model.train()
         tokens_per_step = t.global_batch_sequences * t.seq_len
+        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         try:
             while self.step < t.steps:
+                profiler.step_begins(self.step + 1)
                 start = time.perf_counter()
                 batches = [self._local(b) for b in self.train_loader.next_step()]
                 data_seconds = time.perf_counter() - start
@@ -309,6 +313,10 @@ class Trainer:
                 loss, grad_norm = self.train_step(batches)
                 self.step += 1
                 last_loss = loss.item()  # syncs, so the step time below is honest
+                profiler.step_ends(self.step)
+                for path in profiler.written:
+                    metrics.print(f"wrote {path}")
+                profiler.written.clear()
                 first_loss = last_loss if math.isnan(first_loss) else first_loss
                 if metrics.should_log(self.step):
                     seconds = time.perf_counter() - start

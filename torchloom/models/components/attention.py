@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,16 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
 """Named attention kernels (the ``attn_backend`` slot); all compute the same function."""
 
 
+class LayerCache(Protocol):
+    """One layer's view of a generation KV cache (torchloom/generate/cache.py)."""
+
+    def attend(
+        self, q_BHTd: torch.Tensor, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's rotated keys/values; attend the queries to the cached ones."""
+        ...
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with grouped kv heads, optional q/k RMSNorm (Qwen3) and RoPE.
 
@@ -143,7 +154,10 @@ class Attention(nn.Module):
         cos_BTd: torch.Tensor,
         sin_BTd: torch.Tensor,
         doc_ids_BT: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
+        """With ``cache`` (generation), this call's keys and values are stored in it and the
+        queries attend to every cached position up to their own."""
         B, T, _ = x_BTD.shape
         q_BTHd = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
         k_BTKd = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
@@ -153,7 +167,8 @@ class Attention(nn.Module):
         q_BHTd = apply_rotary(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
         k_BKTd = apply_rotary(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
         v_BKTd = v_BTKd.transpose(1, 2)
-        # Generation plugs in here: a KV cache appends k_BKTd / v_BKTd (already rotated) and
-        # returns the full keys/values; the backend then needs the query offset for causality.
-        out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
+        if cache is not None:
+            out_BHTd = cache.attend(q_BHTd, k_BKTd, v_BKTd)
+        else:
+            out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
         return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))

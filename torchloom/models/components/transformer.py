@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
-from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
+from torchloom.kernels.linear_cross_entropy import (
+    LOSS_IMPLS,
+    cross_entropy_sum,
+    linear_cross_entropy_sum,
+)
+from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention, LayerCache
 from torchloom.models.components.mlp import SwiGLU
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding
@@ -48,6 +54,9 @@ class TransformerConfig:
     """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex')."""
     norm_impl: str = "torch"
     """RMSNorm implementation, a key of NORM_IMPLS ('torch')."""
+    loss_impl: str = "full"
+    """How forward(..., labels_BT) computes the loss: 'full' (logits, then cross-entropy) or
+    'chunked' (head matmul and cross-entropy fused over token chunks; no [B, T, V] logits)."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (see Transformer.init_weights)."""
 
@@ -84,6 +93,7 @@ class TransformerConfig:
         for slot, name, registry in (
             ("attn_backend", self.attn_backend, ATTENTION_BACKENDS),
             ("norm_impl", self.norm_impl, NORM_IMPLS),
+            ("loss_impl", self.loss_impl, LOSS_IMPLS),
         ):
             if name not in registry:
                 raise ConfigError(
@@ -125,6 +135,12 @@ class TransformerConfig:
         return 6 * n_matmul + 6 * attention
 
 
+class ModelCache(Protocol):
+    """A generation KV cache as the model sees it (torchloom/generate/cache.py)."""
+
+    def layer(self, index: int) -> LayerCache: ...
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then h + mlp(norm(h))."""
 
@@ -151,8 +167,12 @@ class Block(nn.Module):
         cos_BTd: torch.Tensor,
         sin_BTd: torch.Tensor,
         doc_ids_BT: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTd, sin_BTd, doc_ids_BT)
+        # cache by keyword: tensor-parallel plans describe the four positional inputs.
+        h_BTD = x_BTD + self.attention(
+            self.attention_norm(x_BTD), cos_BTd, sin_BTd, doc_ids_BT, cache=cache
+        )
         return h_BTD + self.mlp(self.mlp_norm(h_BTD))
 
 
@@ -182,19 +202,22 @@ class Transformer(nn.Module):
         tokens_BT: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
     ) -> torch.Tensor:
         """Final hidden states h_BTD (after the final norm), before the output head.
 
         positions_BT defaults to 0..T-1 in every row; pass positions that restart at each
-        document together with doc_ids_BT for packed rows.
+        document together with doc_ids_BT for packed rows. ``cache`` (generation) gives each
+        block its layer of a KV cache; positions are then the tokens' places in their sequence.
         """
         B, T = tokens_BT.shape[:2]
         if positions_BT is None:
             positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         cos_BTd, sin_BTd = self.rope(positions_BT)
         h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
-        for block in self.layers.values():
-            h_BTD = block(h_BTD, cos_BTd, sin_BTd, doc_ids_BT)
+        for name, block in self.layers.items():
+            layer_cache = None if cache is None else cache.layer(int(name))
+            h_BTD = block(h_BTD, cos_BTd, sin_BTd, doc_ids_BT, cache=layer_cache)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 
     def forward(
@@ -202,14 +225,32 @@ class Transformer(nn.Module):
         tokens_BT: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
+        labels_BT: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab] (or the hidden state on a pipeline stage without the head)."""
-        h_BTD = self.forward_hidden(tokens_BT, positions_BT, doc_ids_BT)
+        """Logits [B, T, vocab] (or the hidden state on a pipeline stage without the head); with
+        ``labels_BT``, the fp32 sum of the token cross-entropies instead (labels equal to
+        IGNORE_INDEX skipped), computed as ``config.loss_impl`` says. ``cache``: see
+        forward_hidden."""
+        h_BTD = self.forward_hidden(tokens_BT, positions_BT, doc_ids_BT, cache)
+        if labels_BT is not None:
+            return self._loss_sum(h_BTD, labels_BT)
         if self.output is not None:
             return self.output(h_BTD)
         if self.config.tie_embeddings and self.embed_tokens is not None:
             return F.linear(h_BTD, self.embed_tokens.weight)
         return h_BTD
+
+    def _loss_sum(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        head = self.output.weight if self.output is not None else None
+        if head is None and self.config.tie_embeddings and self.embed_tokens is not None:
+            head = self.embed_tokens.weight
+        if head is None:
+            raise ValueError("labels_BT given to a model (pipeline stage) without the output head")
+        if self.config.loss_impl == "chunked":
+            return linear_cross_entropy_sum(h_BTD.flatten(0, 1), head, labels_BT.flatten())
+        logits_BTV = self.output(h_BTD) if self.output is not None else F.linear(h_BTD, head)
+        return cross_entropy_sum(logits_BTV, labels_BT)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

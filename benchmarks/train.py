@@ -1,0 +1,317 @@
+"""Training speed side by side: torchloom's training step and a Hugging Face loop, one GPU.
+
+Every row runs in this process on the same device and the same random-token batches: forward,
+token-mean cross-entropy, backward, clip to norm 1.0, AdamW (lr 3e-4, betas 0.9/0.95, weight
+decay 0.1), zero_grad; no gradient accumulation. One table, JSON to --json.
+
+    python benchmarks/train.py                                          # 1B, all rows, one GPU
+    python benchmarks/train.py --shapes 1B 8B --remat selective --batch 2
+    python benchmarks/train.py --shapes tiny --device cpu --no-compile --steps 3 --warmup 1
+
+Rows. torchloom-eager: the trainer's default on a GPU (fp32 weights under bf16 autocast; no FSDP,
+compile or recomputation). torchloom: FSDP at world size 1 (--parallel.fsdp_always: bf16
+compute, fp32 master weights and reduction), each block compiled, recomputation --remat. hf:
+transformers' LlamaForCausalLM, its config written by torchloom's HF adapter from the same
+flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 autocast over
+fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
+every row's model to bf16 with neither autocast nor FSDP (at world size 1 FSDP only supplies
+mixed precision); AdamW state is then bf16. On the CPU all is fp32 and AdamW is foreach.
+HF shifts the labels inside the model (T inputs give T-1 losses); torchloom's labels ignore the
+last position, so every row computes the same T-1 token losses from the same T inputs.
+
+FLOPs, one formula for every row: TransformerConfig.flops_per_token(seq) = 6 * N_matmul +
+6 * layers * heads * head_dim * seq (N_matmul: every weight used in a matmul, output head
+included, embedding lookup not; the second term: causal QK^T and AV, forward + backward).
+TFLOP/s = tokens/s * that / 1e12; MFU against the data-sheet bf16 peak (device_peak_tflops) and
+against a bf16 8192^3 matmul measured in this run. Step time: median of --steps steps after
+--warmup steps (compile happens there), CUDA events on GPUs. Memory: max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import get_args
+
+import torch
+import transformers
+from torch import nn
+
+from torchloom.data.packing import IGNORE_INDEX
+from torchloom.models import (
+    ModelConfig,
+    TransformerConfig,
+    build_model,
+    get_model_spec,
+    resolve_model_config,
+)
+from torchloom.parallel import (
+    ParallelConfig,
+    ParallelDims,
+    build_parallel_dims,
+    clip_grad_norm_,
+    destroy,
+    parallelize,
+)
+from torchloom.train.compile import CompileConfig, compile_regions
+from torchloom.train.loss import cross_entropy_sum
+from torchloom.train.metrics import device_peak_tflops
+from torchloom.train.optim import OptimizerConfig, build_optimizer
+from torchloom.train.remat import RematConfig, RematMode, apply_remat
+
+SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
+    "tiny": ("debug", 256, torch.float32),
+    "1B": ("1B", 4096, torch.float32),
+    "8B": ("8B", 4096, torch.bfloat16),
+}
+ROWS = ("torchloom-eager", "torchloom", "hf")
+SEED = 0
+
+Step = Callable[[torch.Tensor], torch.Tensor]  # one training step on tokens [B, T+1] -> loss
+
+
+def _mark(device: torch.device) -> torch.cuda.Event | float:
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000
+
+
+def matmul_tflops(device: torch.device) -> tuple[float, str]:
+    """Measured matmul ceiling: bf16 8192^3 on a GPU (fp32 1024^3 on the CPU), median of 10."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    marks = []
+    for _ in range(10):
+        start = _mark(device)
+        a @ b
+        marks.append((start, _mark(device)))
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    seconds = statistics.median(_seconds(s, e) for s, e in marks)
+    return 2 * n**3 / seconds / 1e12, f"{str(dtype).removeprefix('torch.')} {n}^3"
+
+
+def torchloom_step(
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seq: int,
+    dims: ParallelDims | None, compile_: bool, remat: str,
+) -> Step:  # fmt: skip
+    """The model (same init for every torchloom row) and Trainer.train_step's work on it."""
+    with torch.device("meta"):
+        model = build_model(cfg, "llama3")
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device).manual_seed(SEED))
+    model.to(dtype)
+
+    def wrap_blocks(m: nn.Module) -> None:  # as Trainer._wrap_blocks
+        apply_remat(m.layers, RematConfig(mode=remat), compile_)  # type: ignore[arg-type]
+        compile_regions(m, CompileConfig(enabled=compile_))
+
+    if dims is not None:
+        model = parallelize(model, dims, seq_len=seq, wrap_blocks=wrap_blocks)
+    else:
+        wrap_blocks(model)
+    optimizer = build_optimizer(model, OptimizerConfig(), device)
+    autocast = dims is None and dtype == torch.float32 and device.type == "cuda"
+
+    def step(x_BT1: torch.Tensor) -> torch.Tensor:
+        tokens_BT = x_BT1[:, :-1]
+        labels_BT = x_BT1[:, 1:].clone()
+        labels_BT[:, -1] = IGNORE_INDEX  # the position HF's shift drops
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits_BTV = model(tokens_BT)
+        loss = cross_entropy_sum(logits_BTV, labels_BT) / labels_BT[:, :-1].numel()  # T-1 each
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def hf_step(
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, compile_: bool
+) -> Step:
+    """LlamaForCausalLM as users train it: torch.compile(model), fused AdamW, autocast."""
+    hf_config = get_model_spec("llama3").hf_adapter.config_to_hf(cfg)
+    config = transformers.LlamaConfig(
+        **{**hf_config, "use_cache": False}, attn_implementation="sdpa"
+    )
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.train()
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=fused, foreach=not fused)  # fmt: skip
+    forward = torch.compile(model) if compile_ else model
+    autocast = dtype == torch.float32 and device.type == "cuda"
+
+    def step(x_BT1: torch.Tensor) -> torch.Tensor:
+        tokens_BT = x_BT1[:, :-1]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = forward(input_ids=tokens_BT, labels=tokens_BT).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def measure(
+    step: Step, batches: list[torch.Tensor], warmup: int, device: torch.device
+) -> tuple[float, list[float]]:
+    """(median seconds of the timed steps, every step's loss). Peak memory counts from here:
+    the weights and what training allocates, not a transient copy made while building."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    marks, losses = [], []
+    for batch in batches:
+        start = _mark(device)
+        losses.append(step(batch))
+        marks.append((start, _mark(device)))
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    seconds = statistics.median(_seconds(s, e) for s, e in marks[warmup:])
+    return seconds, [loss.item() for loss in losses]
+
+
+def run_row(
+    row: str, shape: str, args: argparse.Namespace, device: torch.device,
+    dims: ParallelDims | None, batches: list[torch.Tensor],
+) -> dict:  # fmt: skip
+    flavor, _, dtype = SHAPES[shape]
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
+    seq = batches[0].shape[1] - 1
+    record = {"row": row, "shape": shape, "flavor": flavor, "batch": args.batch, "seq": seq,
+              "weights": str(dtype).removeprefix("torch."), "error": None}  # fmt: skip
+    try:
+        compile_ = not args.no_compile
+        if row == "hf":
+            step = hf_step(cfg, device, dtype, compile_)
+        elif row == "torchloom":
+            fsdp = dims if dtype == torch.float32 else None
+            step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
+        else:
+            step = torchloom_step(cfg, device, dtype, seq, None, False, "none")
+        seconds, losses = measure(step, batches, args.warmup, device)
+    except Exception as err:  # an OOM (or anything else) becomes this row's error
+        record["error"] = (
+            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+        )
+        print(f"  {row} {shape}: {record['error']}", flush=True)
+        return record
+    tokens_per_s = args.batch * seq / seconds
+    tflops = tokens_per_s * cfg.flops_per_token(seq) / 1e12
+    record |= {"step_s": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops,
+               "losses": losses, "final_loss": losses[-1]}  # fmt: skip
+    if device.type == "cuda":
+        record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    print(f"  {row} {shape}: {seconds:.3f} s/step, loss {losses[-1]:.4f}", flush=True)
+    return record
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()  # compiled code holds on to the modules it was traced with
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + suffix
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1B"], choices=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    parser.add_argument("--remat", default="none", choices=get_args(RematMode),
+                        help="recomputation of the torchloom row")  # fmt: skip
+    parser.add_argument("--no-compile", action="store_true", help="compile nothing")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, default=Path("outputs/train_bench.json"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    peak, device_name = device_peak_tflops(device)
+    ceiling, matmul = matmul_tflops(device)
+    print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul}), data-sheet peak "
+          f"{_fmt(peak, '.1f')} TFLOP/s", flush=True)  # fmt: skip
+    dims = None
+    if "torchloom" in args.rows:  # FSDP on one process: a one-rank process group
+        dims = build_parallel_dims(ParallelConfig(fsdp_always=True), device.type)
+    rows = []
+    args.shapes = list(dict.fromkeys(args.shapes))  # each shape once: rows pair up by shape
+    for shape in args.shapes:
+        flavor, seq, _ = SHAPES[shape]
+        vocab = get_model_spec("llama3").flavor(flavor).vocab_size
+        generator, size = torch.Generator().manual_seed(SEED), (args.batch, (args.seq or seq) + 1)
+        batches = [torch.randint(0, vocab, size, generator=generator).to(device)
+                   for _ in range(args.warmup + args.steps)]  # fmt: skip
+        for row in args.rows:
+            rows.append(run_row(row, shape, args, device, dims, batches))
+            _free(device)
+
+    def find(row: str, shape: str) -> dict:
+        return next((r for r in rows if r["row"] == row and r["shape"] == shape), {})
+
+    for r in rows:
+        hf = find("hf", r["shape"])
+        if r.get("tflops") is not None:
+            r["mfu"] = 100 * r["tflops"] / peak if peak else None
+            r["pct_of_matmul"] = 100 * r["tflops"] / ceiling
+            r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else None
+    print(f"\n{'row':<16} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'% matmul':>8} {'mem GiB':>8} {'last loss':>9} {'vs hf':>6}")  # fmt: skip
+    for r in rows:
+        if r["error"]:
+            print(f"{r['row']:<16} {r['shape']:<5} error: {r['error'][:80]}")
+            continue
+        print(f"{r['row']:<16} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
+              f"{_fmt(r['mfu'], '.1f', '%'):>6} {r['pct_of_matmul']:>7.1f}% "
+              f"{_fmt(r.get('peak_mem_gib'), '.2f'):>8} {r['final_loss']:>9.4f} "
+              f"{_fmt(r['vs_hf'], '.2f', 'x'):>6}")  # fmt: skip
+    checks = {}
+    for shape in args.shapes:
+        eager, fast = find("torchloom-eager", shape), find("torchloom", shape)
+        if eager.get("losses") and fast.get("losses"):
+            diff = [abs(a - b) for a, b in zip(eager["losses"], fast["losses"])]
+            checks[shape] = {"step_1": diff[0], "first_timed_step": diff[args.warmup]}
+            print(f"|loss diff| torchloom vs torchloom-eager, {shape}: step 1 {diff[0]:.2e}, "
+                  f"first timed step {diff[args.warmup]:.2e} (bf16 tolerance ~1e-2)")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]), "loss_diff": checks, "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+    destroy()
+
+
+if __name__ == "__main__":
+    main()

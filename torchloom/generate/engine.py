@@ -1,0 +1,204 @@
+"""The generator: the trained model's own forward with a KV cache, continuous batching,
+sampling, stop tokens, and each generated token's log-probability.
+
+Requests wait in a queue; whenever cache slots are free, waiting requests are prefilled together
+(right-padded), then every active request advances one token per decode step. A request leaves
+as soon as it stops, and its slot takes the next waiting request before the following step.
+Log-probabilities are those of the model's own distribution (fp32 log-softmax of the logits,
+before temperature, top-k or top-p), so they equal a full forward pass over the sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchloom.generate.cache import KVCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    """Most tokens to generate (the stop token, when one ends the request, is included)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
+    top_p: float = 1.0
+    """Sample among the most likely tokens whose probabilities add up to p (1: all)."""
+    seed: int | None = None
+    """This request's own random stream (None: drawn from torch's global generator)."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end the request (included in its output)."""
+
+    def problem(self) -> str | None:
+        """Why these values cannot be used, or None."""
+        if self.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"
+        if not self.temperature >= 0:
+            return f"temperature must be >= 0 (0 is greedy; got {self.temperature})"
+        if self.top_k < 0:
+            return f"top_k must be >= 0 (0 keeps every token; got {self.top_k})"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1] (got {self.top_p})"
+        return None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    """Generated token ids (not the prompt)."""
+    logprobs: list[float] = field(default_factory=list)
+    """log p(token | everything before it) under the model, one per generated token."""
+    finish_reason: str = ""
+    """'stop' (a stop id), 'length' (max_new_tokens or the context), or 'error'."""
+    error: str | None = None
+    """What was wrong with the request, when finish_reason is 'error'."""
+
+
+@dataclass
+class _Active:
+    index: int
+    request: Request
+    completion: Completion
+    position: int
+    """Position the next fed token takes (prompt length + tokens generated - 1)."""
+    generator: torch.Generator | None
+
+
+class Generator:
+    """Generates with ``model`` (any torchloom decoder) in eval mode, without changing it."""
+
+    def __init__(self, model: nn.Module, max_batch: int = 8, max_len: int | None = None) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.max_len = max_len or self.config.max_seq_len
+        self.cache = KVCache(self.config, max_batch, self.max_len, self.device, self.dtype)
+
+    def _problem(self, request: Request) -> str | None:
+        prompt, params = request.prompt_ids, request.params
+        if params.problem():
+            return params.problem()
+        if not prompt:
+            return "the prompt is empty"
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            return (
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                f"{self.config.vocab_size})"
+            )
+        if len(prompt) + params.max_new_tokens > self.max_len:
+            return (
+                f"the prompt's {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"exceed the context of {self.max_len} tokens; shorten the prompt or lower "
+                "max_new_tokens"
+            )
+        return None
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """One Completion per request, in order. A bad request gets finish_reason 'error' and
+        its reason; the others run normally."""
+        results: list[Completion] = [Completion() for _ in requests]
+        waiting: deque[int] = deque()
+        for i, request in enumerate(requests):
+            problem = self._problem(request)
+            if problem is None:
+                waiting.append(i)
+            else:
+                results[i] = Completion(finish_reason="error", error=problem)
+        free = list(range(self.cache.slots))
+        active: dict[int, _Active] = {}
+        while waiting or active:
+            admitted: dict[int, _Active] = {}
+            while waiting and free:
+                i = waiting.popleft()
+                request = requests[i]
+                generator = None
+                if request.params.seed is not None:
+                    generator = torch.Generator(self.device).manual_seed(request.params.seed)
+                admitted[free.pop(0)] = _Active(
+                    i, request, results[i], len(request.prompt_ids), generator
+                )
+            if admitted:
+                self._prefill(admitted)
+                active.update(admitted)
+            elif active:
+                self._decode(active)
+            for slot in [s for s, a in active.items() if a.completion.finish_reason]:
+                del active[slot]
+                free.append(slot)
+        return results
+
+    def _prefill(self, admitted: dict[int, _Active]) -> None:
+        slots = list(admitted)
+        prompts = [admitted[s].request.prompt_ids for s in slots]
+        longest = max(map(len, prompts))
+        tokens_BT = torch.zeros(len(slots), longest, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            tokens_BT[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        positions_BT = torch.arange(longest, device=self.device).expand(len(slots), -1)
+        slot_ids_B = torch.tensor(slots, device=self.device)
+        logits_BTV = self.model(
+            tokens_BT, positions_BT, cache=self.cache.bind(slot_ids_B, positions_BT)
+        )
+        last_B = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        self._emit(admitted, logits_BTV[torch.arange(len(slots), device=self.device), last_B])
+
+    def _decode(self, active: dict[int, _Active]) -> None:
+        slots = list(active)
+        tokens_B1 = torch.tensor(
+            [[active[s].completion.tokens[-1]] for s in slots], device=self.device
+        )
+        positions_B1 = torch.tensor([[active[s].position] for s in slots], device=self.device)
+        slot_ids_B = torch.tensor(slots, device=self.device)
+        logits_B1V = self.model(
+            tokens_B1, positions_B1, cache=self.cache.bind(slot_ids_B, positions_B1)
+        )
+        self._emit(active, logits_B1V[:, 0])
+
+    def _emit(self, rows: dict[int, _Active], logits_BV: torch.Tensor) -> None:
+        """Sample each row's next token, record it with its log-probability, and end rows that
+        stop."""
+        logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
+        for row, state in enumerate(rows.values()):
+            token = sample(logprobs_BV[row], state.request.params, state.generator)
+            completion, params = state.completion, state.request.params
+            completion.tokens.append(token)
+            completion.logprobs.append(float(logprobs_BV[row, token]))
+            state.position = len(state.request.prompt_ids) + len(completion.tokens) - 1
+            if token in params.stop_ids:
+                completion.finish_reason = "stop"
+            elif len(completion.tokens) >= params.max_new_tokens:
+                completion.finish_reason = "length"
+
+
+def sample(
+    logprobs_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """One token id from a row of log-probabilities under the request's sampling settings."""
+    if params.temperature == 0:
+        return int(logprobs_V.argmax())
+    scores_V = logprobs_V / params.temperature
+    if params.top_k:
+        kth = scores_V.topk(min(params.top_k, scores_V.numel())).values[-1]
+        scores_V = scores_V.masked_fill(scores_V < kth, float("-inf"))
+    probs_V = torch.softmax(scores_V, dim=-1)
+    if params.top_p < 1:
+        sorted_V, order_V = probs_V.sort(descending=True)
+        # Keep a token if the tokens more likely than it hold less than top_p together.
+        before_V = sorted_V.cumsum(0) - sorted_V
+        sorted_V = sorted_V.masked_fill(before_V >= params.top_p, 0.0)
+        probs_V = torch.zeros_like(probs_V).scatter(0, order_V, sorted_V)
+    return int(torch.multinomial(probs_V, 1, generator=generator))

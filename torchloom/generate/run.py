@@ -1,0 +1,123 @@
+"""`torchloom generate`: load a model and its tokenizer, read prompts, write one JSON line per
+request (in input order) with the generated ids, their log-probabilities and the text."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchloom.config.errors import ConfigError
+from torchloom.generate.engine import Generator, Request, SamplingParams
+
+
+def load_model_and_tokenizer(
+    from_hf: str | None, checkpoint: str | None, device: torch.device, dtype: str | None
+) -> tuple[nn.Module, Any]:
+    """(model in eval mode, Tokenizer or None) from a Hugging Face folder, a torchloom model
+    folder, or one step of a training checkpoint."""
+    from torchloom.checkpoint.convert import open_model_source
+    from torchloom.checkpoint.hf import from_hf as load_hf
+    from torchloom.checkpoint.safetensors_io import load_into, parse_dtype
+    from torchloom.data.tokenizer import Tokenizer
+    from torchloom.models import build_model
+
+    if from_hf:
+        model, folder = load_hf(from_hf, dtype=dtype, device=device), Path(from_hf)
+    else:
+        source = open_model_source(Path(checkpoint))
+        with torch.device("meta"):
+            model = build_model(source.config, source.family)
+        model.to_empty(device=device)
+        load_into(model, source.tensors, str(checkpoint))
+        target = parse_dtype(dtype)
+        model = (model.to(target) if target is not None else model).eval()
+        folder = source.tokenizer_dir
+    tokenizer = None
+    if folder is not None and (Path(folder) / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_file(folder)
+    return model, tokenizer
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None, tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt: ``--prompt`` texts, then the lines of ``--prompts-file``
+    (objects with ``prompt`` text or ``prompt_ids``)."""
+    texts: list[str | list[int]] = list(prompts)
+    if prompts_file:
+        for number, line in enumerate(Path(prompts_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{prompts_file} line {number} is not JSON ({err}).") from None
+            if not isinstance(record, dict) or not ("prompt" in record or "prompt_ids" in record):
+                raise ConfigError(
+                    f'{prompts_file} line {number}: expected an object with "prompt" (text) '
+                    'or "prompt_ids" (a list of token ids).'
+                )
+            texts.append(record["prompt_ids"] if "prompt_ids" in record else record["prompt"])
+    if not texts:
+        raise ConfigError("No prompts: pass --prompt TEXT (repeatable) or --prompts-file F.jsonl.")
+    ids = []
+    for item in texts:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ConfigError(
+                    "Text prompts need a tokenizer, and the model folder has no tokenizer.json; "
+                    "give prompt_ids in --prompts-file instead."
+                )
+            ids.append(tokenizer.encode(item))
+        else:
+            ids.append([int(t) for t in item])
+    return ids
+
+
+def generate_to_file(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    output: Path | None,
+    max_batch: int,
+) -> list[dict[str, Any]]:
+    """Run every prompt (request i gets seed + i when a seed is given) and write the records."""
+    stop = params.stop_ids or ((tokenizer.eos_id,) if tokenizer is not None else ())
+    requests = [
+        Request(ids, _with(params, stop, None if params.seed is None else params.seed + i))
+        for i, ids in enumerate(prompt_ids)
+    ]
+    start = time.perf_counter()
+    completions = Generator(model, max_batch=max_batch).generate(requests)
+    seconds = time.perf_counter() - start
+    records = []
+    for i, (ids, completion) in enumerate(zip(prompt_ids, completions)):
+        record: dict[str, Any] = {
+            "index": i,
+            "prompt_ids": ids,
+            "tokens": completion.tokens,
+            "logprobs": completion.logprobs,
+            "finish_reason": completion.finish_reason,
+        }
+        if completion.error:
+            record["error"] = completion.error
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(completion.tokens)
+        records.append(record)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text("".join(json.dumps(r) + "\n" for r in records))
+    generated = sum(len(c.tokens) for c in completions)
+    print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
+          f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
+    return records
+
+
+def _with(params: SamplingParams, stop: tuple[int, ...], seed: int | None) -> SamplingParams:
+    return SamplingParams(
+        params.max_new_tokens, params.temperature, params.top_k, params.top_p, seed, stop
+    )
