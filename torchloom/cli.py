@@ -224,6 +224,9 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
   --top-k K / --top-p P   sample among the k most likely tokens / the top-p mass
   --seed S                request i samples with seed S + i (reproducible)
   --max-batch N           requests decoded together (default 8; more wait their turn)
+  --batch-invariant       fixed-order kernels: each request's tokens and logprobs are bitwise
+                          the same whatever shares its batch, and equal the trainer's forward
+                          with --model.batch_invariant true (slow CPU reference kernels)
   --dtype bf16|fp32       weights' dtype (default: as stored)
   --device cpu|cuda       default: cuda when available
   --output F.jsonl        one line per request, in input order: tokens, logprobs, text,
@@ -242,8 +245,9 @@ def cmd_generate(argv: list[str]) -> int:
              "top-p", "seed", "max-batch", "dtype", "device", "output")  # fmt: skip
     options = {name: _pop_option(argv, f"--{name}") for name in names}
     greedy = _pop_flag(argv, "--greedy")
+    batch_invariant = _pop_flag(argv, "--batch-invariant")
     if argv:
-        known = [f"--{n}" for n in (*names, "prompt", "greedy")]
+        known = [f"--{n}" for n in (*names, "prompt", "greedy", "batch-invariant")]
         raise ConfigError(
             f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
             "Run `torchloom generate --help`."
@@ -275,7 +279,7 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError(f"Sampling settings: {problem}.")
     device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load_model_and_tokenizer(
-        options["from-hf"], options["checkpoint"], device, options["dtype"]
+        options["from-hf"], options["checkpoint"], device, options["dtype"], batch_invariant
     )
     prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
     output = Path(options["output"]) if options["output"] else None

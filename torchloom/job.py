@@ -43,6 +43,12 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that span sections (each section validates its own fields)."""
+        p = self.parallel
+        if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
+            raise ConfigError(
+                "--model.batch_invariant true is implemented for whole-model ranks only; set "
+                "--parallel.tp, --parallel.cp and --parallel.pp to 1 (data parallelism is fine)."
+            )
         if self.model.loss_impl == "chunked" and (self.parallel.tp > 1 or self.parallel.pp > 1):
             raise ConfigError(
                 "--model.loss_impl chunked fuses the whole output head on one rank; it does not "

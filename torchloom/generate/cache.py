@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torchloom.kernels import batch_invariant
 from torchloom.models.components.transformer import TransformerConfig
 
 
@@ -26,6 +27,7 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        self.batch_invariant = config.batch_invariant
         shape = (slots, config.num_kv_heads, max_len, config.resolved_head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
@@ -62,6 +64,8 @@ class _LayerView:
         length = int(pos_BT.max()) + 1  # keys past the furthest query are never visible
         keys_BKLd = k_cache[self.slot_ids_B, :, :length]
         values_BKLd = v_cache[self.slot_ids_B, :, :length]
+        if self.cache.batch_invariant:
+            return batch_invariant.attention(q_BHTd, keys_BKLd, values_BKLd, pos_BT)
         group = q_BHTd.shape[1] // keys_BKLd.shape[1]
         keys_BHLd = keys_BKLd.repeat_interleave(group, dim=1)
         values_BHLd = values_BKLd.repeat_interleave(group, dim=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,31 +17,42 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 
 
 def load_model_and_tokenizer(
-    from_hf: str | None, checkpoint: str | None, device: torch.device, dtype: str | None
+    from_hf: str | None,
+    checkpoint: str | None,
+    device: torch.device,
+    dtype: str | None,
+    batch_invariant: bool = False,
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode, Tokenizer or None) from a Hugging Face folder, a torchloom model
-    folder, or one step of a training checkpoint."""
+    folder, or one step of a training checkpoint; ``batch_invariant`` builds it in that mode."""
     from torchloom.checkpoint.convert import open_model_source
-    from torchloom.checkpoint.hf import from_hf as load_hf
+    from torchloom.checkpoint.hf import hf_architecture, load_hf_weights
     from torchloom.checkpoint.safetensors_io import load_into, parse_dtype
     from torchloom.data.tokenizer import Tokenizer
     from torchloom.models import build_model
 
     if from_hf:
-        model, folder = load_hf(from_hf, dtype=dtype, device=device), Path(from_hf)
+        spec, config = hf_architecture(Path(from_hf))
+        family, folder, source = spec.name, Path(from_hf), None
     else:
         source = open_model_source(Path(checkpoint))
-        with torch.device("meta"):
-            model = build_model(source.config, source.family)
-        model.to_empty(device=device)
+        family, config, folder = source.family, source.config, source.tokenizer_dir
+    if batch_invariant:
+        config = replace(config, batch_invariant=True, attn_backend="batch_invariant")
+    with torch.device("meta"):
+        model = build_model(config, family)
+    target = parse_dtype(dtype)
+    if target is not None:
+        model.to(target)
+    model.to_empty(device=device)
+    if source is None:
+        load_hf_weights(model, Path(from_hf))
+    else:
         load_into(model, source.tensors, str(checkpoint))
-        target = parse_dtype(dtype)
-        model = (model.to(target) if target is not None else model).eval()
-        folder = source.tokenizer_dir
     tokenizer = None
     if folder is not None and (Path(folder) / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(folder)
-    return model, tokenizer
+    return model.eval(), tokenizer
 
 
 def read_prompts(prompts: list[str], prompts_file: str | None, tokenizer: Any) -> list[list[int]]:

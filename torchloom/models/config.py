@@ -14,7 +14,7 @@ from torchloom.models.registry import get_model_spec
 from torchloom.models.transforms import apply_transforms
 
 # Fields chosen by their own ModelConfig slot, so there is one way to set them.
-_SLOTS = ("attn_backend", "norm_impl", "loss_impl")
+_SLOTS = ("attn_backend", "norm_impl", "loss_impl", "batch_invariant")
 
 
 @dataclass
@@ -35,6 +35,10 @@ class ModelConfig:
     """Output head + loss: 'full' (logits, then cross-entropy) or 'chunked' (fused over token
     chunks, never materializing [batch, seq, vocab] logits; not with tensor or pipeline
     parallelism)."""
+    batch_invariant: bool = False
+    """Batch-invariant mode: fixed-order linears and attention, so a sequence's logits are
+    bitwise identical whatever shares its batch, in decode and in full forwards, in the trainer
+    and the generator (CPU reference kernels, slow; fp32 or bf16; no tp/cp/pp)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
 
@@ -51,11 +55,19 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
 
     Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
     """
+    if model_cfg.batch_invariant and (
+        model_cfg.attn_backend != "sdpa" or model_cfg.loss_impl != "full"
+    ):
+        raise ConfigError(
+            "--model.batch_invariant true brings its own attention and loss; leave "
+            "--model.attn_backend (sdpa) and --model.loss_impl (full) at their defaults."
+        )
     cfg = replace(
         cfg,
-        attn_backend=model_cfg.attn_backend,
+        attn_backend="batch_invariant" if model_cfg.batch_invariant else model_cfg.attn_backend,
         norm_impl=model_cfg.norm_impl,
         loss_impl=model_cfg.loss_impl,
+        batch_invariant=model_cfg.batch_invariant,
     )
     cfg = apply_transforms(cfg, model_cfg.transforms)
     cfg.validate()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels.batch_invariant import make_linears_batch_invariant
 from torchloom.models.components.transformer import Transformer, TransformerConfig
 
 if TYPE_CHECKING:
@@ -97,4 +98,7 @@ def build_model(config: ModelConfig | TransformerConfig, family: str | None = No
         family, config = config.name, resolve_model_config(config)
     config.validate()
     model_cls = Transformer if family is None else get_model_spec(family).model_cls
-    return model_cls(config)
+    model = model_cls(config)
+    if config.batch_invariant:
+        make_linears_batch_invariant(model)
+    return model

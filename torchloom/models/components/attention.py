@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torchloom.kernels import batch_invariant
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.rope import apply_rotary
 
@@ -105,6 +106,7 @@ def flex_attention_backend(
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": sdpa_attention,
     "flex": flex_attention_backend,
+    "batch_invariant": batch_invariant.causal_attention,
 }
 """Named attention kernels (the ``attn_backend`` slot); all compute the same function."""
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.linear_cross_entropy import (
     LOSS_IMPLS,
     cross_entropy_sum,
@@ -54,6 +55,9 @@ class TransformerConfig:
     """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex')."""
     norm_impl: str = "torch"
     """RMSNorm implementation, a key of NORM_IMPLS ('torch')."""
+    batch_invariant: bool = False
+    """Fixed-order (batch-invariant) linears and attention: a token's numbers do not depend on
+    its batch or on prefill vs decode (see torchloom/kernels/batch_invariant.py)."""
     loss_impl: str = "full"
     """How forward(..., labels_BT) computes the loss: 'full' (logits, then cross-entropy) or
     'chunked' (head matmul and cross-entropy fused over token chunks; no [B, T, V] logits)."""
@@ -238,8 +242,14 @@ class Transformer(nn.Module):
         if self.output is not None:
             return self.output(h_BTD)
         if self.config.tie_embeddings and self.embed_tokens is not None:
-            return F.linear(h_BTD, self.embed_tokens.weight)
+            return self._tied_head(h_BTD, self.embed_tokens.weight)
         return h_BTD
+
+    def _tied_head(self, h_BTD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+        # The embedding doubles as the head: no nn.Linear for batch-invariant mode to route.
+        if self.config.batch_invariant:
+            return batch_invariant.linear(h_BTD, weight_VD)
+        return F.linear(h_BTD, weight_VD)
 
     def _loss_sum(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         head = self.output.weight if self.output is not None else None
@@ -249,7 +259,7 @@ class Transformer(nn.Module):
             raise ValueError("labels_BT given to a model (pipeline stage) without the output head")
         if self.config.loss_impl == "chunked":
             return linear_cross_entropy_sum(h_BTD.flatten(0, 1), head, labels_BT.flatten())
-        logits_BTV = self.output(h_BTD) if self.output is not None else F.linear(h_BTD, head)
+        logits_BTV = self.output(h_BTD) if self.output is not None else self._tied_head(h_BTD, head)
         return cross_entropy_sum(logits_BTV, labels_BT)
 
     @torch.no_grad()

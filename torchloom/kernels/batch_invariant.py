@@ -1,0 +1,87 @@
+"""Batch-invariant reference ops (CPU): every output element is reduced in an order that
+depends only on its own inputs, never on how many other rows share the call or how long the
+sequence around it is. So a token's numbers do not change with the batch it is in, and a
+decode step equals the same position of a full forward pass, bit for bit.
+
+- ``linear``: each output is a contiguous dot product over the input features (an elementwise
+  product, then a last-dim sum, row by row), so no matrix-multiply blocking that depends on the
+  row count can enter.
+- ``attention``: each query is handled alone over exactly its visible keys (positions
+  ``start..p``), with scores, softmax and the weighted sum of values reduced over that span.
+
+These are slow reference implementations for small models and tests; RMSNorm and (log-)softmax
+are already row-wise reductions in PyTorch and need no variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ROWS_PER_CHUNK = 8
+
+
+def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T with one fixed reduction order per output element."""
+    rows = x_ND.reshape(-1, x_ND.shape[-1])
+    out = torch.empty(rows.shape[0], weight_MD.shape[0], dtype=x_ND.dtype, device=x_ND.device)
+    w = weight_MD.to(x_ND.dtype)
+    for start in range(0, rows.shape[0], _ROWS_PER_CHUNK):
+        chunk = rows[start : start + _ROWS_PER_CHUNK]
+        out[start : start + _ROWS_PER_CHUNK] = (chunk[:, None, :] * w[None, :, :]).sum(-1)
+    return out.reshape(*x_ND.shape[:-1], weight_MD.shape[0])
+
+
+def attention(
+    q_BHTd: torch.Tensor,
+    k_BKLd: torch.Tensor,
+    v_BKLd: torch.Tensor,
+    positions_BT: torch.Tensor,
+    starts_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention where query (b, t) sees keys ``starts[b, t] .. positions[b, t]`` of row
+    b (key index = position); softmax scale 1/sqrt(d); GQA by head groups."""
+    B, H, T, d = q_BHTd.shape
+    group = H // k_BKLd.shape[1]
+    keys_BHLd = k_BKLd.repeat_interleave(group, dim=1).to(q_BHTd.dtype)
+    values_BHLd = v_BKLd.repeat_interleave(group, dim=1).to(q_BHTd.dtype)
+    out = torch.empty_like(q_BHTd)
+    scale = d**-0.5
+    for b in range(B):
+        for t in range(T):
+            end = int(positions_BT[b, t]) + 1
+            start = 0 if starts_BT is None else int(starts_BT[b, t])
+            q_Hd = q_BHTd[b, :, t].float()
+            k_HSd = keys_BHLd[b, :, start:end].float()
+            scores_HS = (q_Hd[:, None, :] * k_HSd).sum(-1) * scale
+            weights_HS = torch.softmax(scores_HS, dim=-1)
+            v_HSd = values_BHLd[b, :, start:end].float()
+            out[b, :, t] = (weights_HS[:, :, None] * v_HSd).sum(1).to(out.dtype)
+    return out
+
+
+def causal_attention(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention backend form (training and full forwards): positions 0..T-1, each query
+    seeing its own document's earlier tokens."""
+    B, _, T, _ = q_BHTd.shape
+    positions_BT = torch.arange(T, device=q_BHTd.device).expand(B, T)
+    starts_BT = None
+    if doc_ids_BT is not None:  # index of the first token of each token's document
+        new_doc_BT = F.pad(doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1], (1, 0), value=True)
+        starts_BT = torch.where(new_doc_BT, positions_BT, 0).cummax(dim=1).values
+    return attention(q_BHTd, k_BKTd, v_BKTd, positions_BT, starts_BT)
+
+
+def make_linears_batch_invariant(model: torch.nn.Module) -> None:
+    """Route every nn.Linear of ``model`` through ``linear`` (forward patched in place, so the
+    parameter names stay)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if module.bias is not None:
+                raise ValueError("batch-invariant linear layers take no bias")
+            module.forward = lambda x, m=module: linear(x, m.weight)
