@@ -13,20 +13,21 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
 
-def invariant_model(family: str):
+def invariant_model(family: str, dtype: torch.dtype = torch.float32):
     config = resolve_model_config(ModelConfig(name=family, flavor="debug", batch_invariant=True))
     model = build_model(config, family)
     model.init_weights(torch.Generator().manual_seed(0))
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 TARGET = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, seed=11))
 OTHERS = [Request([7] * n, SamplingParams(max_new_tokens=5, seed=n)) for n in (2, 9, 4)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_bitwise_across_batches_decode_and_trainer_forward(family):
-    model = invariant_model(family)
+def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype):
+    model = invariant_model(family, dtype)
     alone = Generator(model, max_batch=1, max_len=64).generate([TARGET])[0]
     # Third of four in one batch; then last of four through two slots (joins mid-decode).
     mixed = Generator(model, max_batch=4, max_len=64).generate([*OTHERS[:2], TARGET, OTHERS[2]])[2]

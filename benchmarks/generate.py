@@ -1,0 +1,172 @@
+"""Generation speed side by side: torchloom's Generator (normal and batch-invariant) and
+Hugging Face `generate` (eager, and static cache + compiled decode) on the same model shape and
+prompts; plus a training step in normal vs batch-invariant mode. One table, JSON to --json.
+
+    python benchmarks/generate.py                                    # 1B-shaped, bf16, one GPU
+    python benchmarks/generate.py --shape tiny --device cpu --batches 1 4 --new-tokens 16 \\
+        --prompt-len 16 --rows ours ours-bi hf-eager
+
+Output tokens/s = batch x new tokens / wall time of one `generate` call (greedy, every request
+runs to --new-tokens: no stop tokens, HF with min_new_tokens), after one warm-up call of the same
+shape (compilation happens there). Weights are random (speed does not depend on them); torchloom
+and HF get the same architecture through torchloom's HF adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
+
+SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
+ROWS = ("ours", "ours-bi", "hf-eager", "hf-compiled")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(flavor: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+    config = resolve_model_config(
+        ModelConfig(name="llama3", flavor=flavor, batch_invariant=batch_invariant)
+    )
+    with torch.device("meta"):
+        model = build_model(config, "llama3")
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device).manual_seed(0))
+    return model.to(dtype).eval(), config
+
+
+def ours(model, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    max_len = len(prompts[0]) + new_tokens
+    generator = Generator(model, max_batch=len(prompts), max_len=max_len)
+    start = time.perf_counter()
+    completions = generator.generate([Request(p, params) for p in prompts])
+    _sync(next(model.parameters()).device)
+    assert all(len(c.tokens) == new_tokens for c in completions)
+    return time.perf_counter() - start
+
+
+def hf_model(config, device: torch.device, dtype: torch.dtype, compiled: bool):
+    hf_config = transformers.LlamaConfig(
+        **get_model_spec("llama3").hf_adapter.config_to_hf(config), attn_implementation="sdpa"
+    )
+    model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).eval()
+    if compiled:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return model
+
+
+def hf(model, prompts: list[list[int]], new_tokens: int) -> float:
+    input_ids = torch.tensor(prompts, device=model.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    _sync(input_ids.device)
+    assert out.shape[1] == input_ids.shape[1] + new_tokens
+    return time.perf_counter() - start
+
+
+def train_step_seconds(model, config, device: torch.device, seq: int, steps: int = 3) -> float:
+    """Median forward + backward + AdamW step on one sequence of ``seq`` tokens."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    tokens = torch.randint(0, config.vocab_size, (1, seq + 1), device=device)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        model(tokens[:, :-1], labels_BT=tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    model.eval()
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1B", choices=list(SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--bi-max-batch", type=int, default=8,
+                        help="largest batch for the (slow) batch-invariant reference kernels")  # fmt: skip
+    parser.add_argument("--train-seq", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    flavor = SHAPES[args.shape]
+    model, config = build(flavor, device, dtype, batch_invariant=False)
+    models = {"ours": model}
+    if "ours-bi" in args.rows:  # the same weights, batch-invariant kernels
+        bi_model, _ = build(flavor, device, dtype, batch_invariant=True)
+        bi_model.load_state_dict(model.state_dict())
+        models["ours-bi"] = bi_model
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for row in args.rows:
+        for batch in args.batches:
+            prompts = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=gen)
+            prompts = prompts.tolist()
+            record = {"row": row, "batch": batch}
+            try:
+                if row == "ours-bi" and batch > args.bi_max_batch:
+                    raise RuntimeError(f"skipped: batch > --bi-max-batch {args.bi_max_batch}")
+                if row.startswith("hf"):
+                    target = hf_model(config, device, dtype, compiled=row == "hf-compiled")
+                    run = lambda p, n, m=target: hf(m, p, n)  # noqa: E731
+                else:
+                    run = lambda p, n, m=models[row]: ours(m, p, n)  # noqa: E731
+                run(prompts, args.new_tokens)  # warm-up (compiles)
+                seconds = run(prompts, args.new_tokens)
+                record["tokens_per_s"] = round(batch * args.new_tokens / seconds, 1)
+            except Exception as err:  # OOM or a skipped row: recorded, the run goes on
+                record["error"] = f"{type(err).__name__}: {err}"[:200]
+            results.append(record)
+            shown = record.get("tokens_per_s", record.get("error"))
+            print(f"{row:<12} batch {batch:>3}: {shown}", flush=True)
+    train = {}
+    for name, m in models.items():
+        train[name] = train_step_seconds(m, config, device, args.train_seq)
+        print(f"train step ({name}, 1 x {args.train_seq} tokens): {train[name]:.3f} s")
+    print(f"\n{'row':<12} " + " ".join(f"{'batch ' + str(b):>12}" for b in args.batches))
+    for row in args.rows:
+        cells = []
+        for b in args.batches:
+            r = next(x for x in results if x["row"] == row and x["batch"] == b)
+            cells.append(f"{r['tokens_per_s']:>12,.0f}" if "tokens_per_s" in r else f"{'n/a':>12}")
+        print(f"{row:<12} " + " ".join(cells) + "   output tokens/s")
+    if len(train) == 2:
+        print(f"batch-invariant train step overhead: {train['ours-bi'] / train['ours']:.2f}x")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "command": " ".join(sys.argv), "shape": args.shape, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "rows": results, "train_step_s": train,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
