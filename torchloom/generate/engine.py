@@ -170,13 +170,17 @@ class Generator:
 
     def _emit(self, rows: dict[int, _Active], logits_BV: torch.Tensor) -> None:
         """Sample each row's next token, record it with its log-probability, and end rows that
-        stop."""
+        stop. Greedy rows are decided together; one host transfer per step for all rows."""
         logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
+        tokens_B = logprobs_BV.argmax(dim=-1)
         for row, state in enumerate(rows.values()):
-            token = sample(logprobs_BV[row], state.request.params, state.generator)
+            if state.request.params.temperature != 0:
+                tokens_B[row] = sample(logprobs_BV[row], state.request.params, state.generator)
+        picked_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+        for state, token, logprob in zip(rows.values(), tokens_B.tolist(), picked_B.tolist()):
             completion, params = state.completion, state.request.params
             completion.tokens.append(token)
-            completion.logprobs.append(float(logprobs_BV[row, token]))
+            completion.logprobs.append(logprob)
             state.position = len(state.request.prompt_ids) + len(completion.tokens) - 1
             if token in params.stop_ids:
                 completion.finish_reason = "stop"
