@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +82,18 @@ def logits_parity():
         assert relative < rel, f"{label}: relative logit error {relative:.2e} >= {rel}"
 
     return compare
+
+
+@pytest.fixture(scope="session")
+def torchrun_train():
+    """``run(nproc, *args)``: `torchrun --standalone -m torchloom train ARGS` on ``nproc`` gloo
+    processes (one thread each); fails the test with the end of the output if it fails."""
+
+    def run(nproc: int, *args: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "torchloom", "train", *args]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    return run

@@ -2,9 +2,6 @@
 ranks -> 1 process, FSDP x TP over 4, PP over 2; the next steps' losses match."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,24 +13,16 @@ COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sam
           "--training.device", "cpu", "--training.steps", "4"]  # fmt: skip
 
 
-def train(nproc: int, output_dir: Path, *flags: str) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}"]  # fmt: skip
-    cmd = [*launcher, "-m", "torchloom", "train", *COMMON, "--output.dir", str(output_dir), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-
 def losses(output_dir: Path) -> dict[int, float]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
-def saved_with_fsdp(tmp_path_factory) -> Path:
+def saved_with_fsdp(tmp_path_factory, torchrun_train) -> Path:
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    train(2, out, "--parallel.dp_shard", "2", "--checkpoint.interval", "2")
+    torchrun_train(2, *COMMON, "--output.dir", str(out), "--parallel.dp_shard", "2",
+                   "--checkpoint.interval", "2")  # fmt: skip
     return out
 
 
@@ -42,10 +31,13 @@ def saved_with_fsdp(tmp_path_factory) -> Path:
     [(1, []), (4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]), (2, ["--parallel.pp", "2"])],
     ids=["single", "fsdp2xtp2", "pp2"],
 )
-def test_fsdp_checkpoint_loads_into_another_layout(saved_with_fsdp, tmp_path, nproc, layout):
+def test_fsdp_checkpoint_loads_into_another_layout(
+    saved_with_fsdp, torchrun_train, tmp_path, nproc, layout
+):
     out = tmp_path / "run"
-    train(nproc, out, *layout, "--checkpoint.resume", "true", "--checkpoint.load_step", "2",
-          "--checkpoint.folder", str(saved_with_fsdp / "checkpoints"))  # fmt: skip
+    torchrun_train(nproc, *COMMON, "--output.dir", str(out), *layout, "--checkpoint.resume",
+                   "true", "--checkpoint.load_step", "2", "--checkpoint.folder",
+                   str(saved_with_fsdp / "checkpoints"))  # fmt: skip
     reference, resumed = losses(saved_with_fsdp), losses(out)
     diff = max(abs(resumed[s] - reference[s]) for s in (3, 4))
     print(f"{layout or 'one process'}: steps 3-4 {resumed}, max |diff| vs FSDP run {diff:.1e}")

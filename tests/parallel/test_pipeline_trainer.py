@@ -2,9 +2,6 @@
 and exports the same model (names, shapes, values)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
@@ -41,13 +38,10 @@ def reference(tmp_path_factory):
     ],
     ids=["pp2-1f1b", "pp2-interleaved-accum", "fsdp2xpp2-interleaved"],
 )
-def test_pipeline_trainer_matches_single_process(tmp_path, reference, nproc, layout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "torchloom", "train", *COMMON,
-           "--output.dir", str(tmp_path), *layout]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+def test_pipeline_trainer_matches_single_process(
+    tmp_path, reference, torchrun_train, nproc, layout
+):
+    torchrun_train(nproc, *COMMON, "--output.dir", str(tmp_path), *layout)
     single, parallel = losses(reference), losses(tmp_path)
     diff = max(abs(a - b) for a, b in zip(single, parallel))
     expected = load_file(reference / "model" / "model.safetensors")

@@ -1,9 +1,6 @@
 """The trainer under torchrun (gloo, CPU): every layout gives the single-process losses."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from torch.distributed.tensor import DTensor
@@ -22,15 +19,6 @@ COMMON = ["--recipe", "debug", "--training.steps", "4", "--metrics.tensorboard",
 def losses(output_dir) -> list[float]:
     records = map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
     return [r.get("loss", r.get("val_loss")) for r in records]
-
-
-def torchrun(nproc: int, output_dir, *layout: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "torchloom", "train", *COMMON,
-           "--output.dir", str(output_dir), *layout]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +59,8 @@ SLOW = {"fsdp2xtp2xpp2"}  # 8 processes on the CI's 2 cores: ~40 s
         for name, (n, flags) in LAYOUTS.items()
     ],
 )
-def test_layout_matches_single_process(tmp_path, reference, nproc, layout):
-    torchrun(nproc, tmp_path / "parallel", *layout)
+def test_layout_matches_single_process(tmp_path, reference, torchrun_train, nproc, layout):
+    torchrun_train(nproc, *COMMON, "--output.dir", str(tmp_path / "parallel"), *layout)
     parallel = losses(tmp_path / "parallel")
     diff = max(abs(a - b) for a, b in zip(reference, parallel))
     print(f"{layout}: losses {parallel}, max |diff| vs single process {diff:.2e}")
