@@ -30,6 +30,7 @@ import torch
 
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.checkpoint.manager import CheckpointManager
+from torchloom.checkpoint.storage import ParallelRead
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.remat import RematConfig, apply_remat
 
@@ -158,7 +159,7 @@ def bench_shape(
                 manager.storage.remove(save - 1)  # the disk holds one checkpoint at a time
                 manager.save(save, 0)
                 steps = 0
-                while manager._pending is not None and not manager._pending.finalized.is_set():
+                while manager.saving:
                     train_step(model, config, device, manager)
                     steps += 1
                 records += manager.poll() or manager.finish()
@@ -206,7 +207,10 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=Path("outputs/checkpoint_bench.json"))
     parser.add_argument("--no-load", action="store_true", help="skip the load measurement")
+    parser.add_argument("--read-threads", type=int, default=ParallelRead.read_threads,
+                        help="threads each rank reads its checkpoint files with")  # fmt: skip
     args = parser.parse_args()
+    ParallelRead.read_threads = args.read_threads
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)

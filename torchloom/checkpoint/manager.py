@@ -228,6 +228,11 @@ class CheckpointManager:
         interval = self.config.interval
         return bool(interval) and (step % interval == 0 or step == last_step)
 
+    @property
+    def saving(self) -> bool:
+        """Whether a save is still being written (its marker not yet written)."""
+        return self._pending is not None and not self._pending.finalized.is_set()
+
     def wait_for_staging(self) -> float:
         """Block until the pending save's copy of the state is taken (async_pinned); call it
         before the optimizer changes the parameters. Returns the seconds waited."""

@@ -42,7 +42,7 @@ _RECOVERY_HINT = (
 )
 
 
-class _ParallelRead:
+class ParallelRead:
     """DCP's file reader, reading its files on several threads at once (DCP reads them one
     after the other); each rank writes --checkpoint.writer_threads files, so a load of one
     rank's shards reads that many files in parallel."""
@@ -66,11 +66,11 @@ class _ParallelRead:
         return done
 
 
-class _LocalReader(_ParallelRead, FileSystemReader):
+class _LocalReader(ParallelRead, FileSystemReader):
     pass
 
 
-class _FsspecReader(_ParallelRead, FsspecReader):
+class _FsspecReader(ParallelRead, FsspecReader):
     pass
 
 

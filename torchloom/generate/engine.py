@@ -88,8 +88,9 @@ class Generator:
 
     def _problem(self, request: Request) -> str | None:
         prompt, params = request.prompt_ids, request.params
-        if params.problem():
-            return params.problem()
+        problem = params.problem()
+        if problem:
+            return problem
         if not prompt:
             return "the prompt is empty"
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]

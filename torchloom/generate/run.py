@@ -100,7 +100,10 @@ def generate_to_file(
     """Run every prompt (request i gets seed + i when a seed is given) and write the records."""
     stop = params.stop_ids or ((tokenizer.eos_id,) if tokenizer is not None else ())
     requests = [
-        Request(ids, _with(params, stop, None if params.seed is None else params.seed + i))
+        Request(
+            ids,
+            replace(params, stop_ids=stop, seed=None if params.seed is None else params.seed + i),
+        )
         for i, ids in enumerate(prompt_ids)
     ]
     start = time.perf_counter()
@@ -127,9 +130,3 @@ def generate_to_file(
     print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
           f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
     return records
-
-
-def _with(params: SamplingParams, stop: tuple[int, ...], seed: int | None) -> SamplingParams:
-    return SamplingParams(
-        params.max_new_tokens, params.temperature, params.top_k, params.top_p, seed, stop
-    )
