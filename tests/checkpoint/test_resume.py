@@ -179,3 +179,23 @@ def test_resuming_an_older_step_replaces_the_newer_checkpoints(uninterrupted, tm
                  "--checkpoint.resume", "true", "--checkpoint.load_step", "4") == 0  # fmt: skip
     assert losses(out) == losses(uninterrupted)
     assert CheckpointStorage.for_path(out / "checkpoints").complete_steps() == [4, 8]
+
+
+@pytest.mark.gpu
+def test_async_pinned_on_the_gpu_resumes_bitwise(tmp_path):
+    """Pinned staging (PinnedStager) saves at steps 2, 4, 6, 8 reusing its host buffers; the
+    run resumed from step 4 repeats steps 5-8 bitwise (deterministic kernels)."""
+    gpu = ["--training.device", "cuda", "--training.deterministic", "true",
+           "--checkpoint.mode", "async_pinned", "--checkpoint.interval", "2"]  # fmt: skip
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert main(["train", *COMMON, *gpu, "--output.dir", str(full), "--training.steps", "8"]) == 0
+    saves = [r for r in records(full) if "ckpt_write_s" in r]
+    assert [r["step"] for r in saves] == [2, 4, 6, 8]
+    print("blocking s:", [r["ckpt_blocking_s"] for r in saves])
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints/step-4", resumed / "checkpoints/step-4")
+    flags = [*COMMON, *gpu, "--output.dir", str(resumed), "--training.steps", "8"]
+    assert main(["train", *flags, "--checkpoint.resume", "true"]) == 0
+    expected, got = losses(full), losses(resumed)
+    print(f"uninterrupted {[expected[s] for s in got]}, resumed {list(got.values())}")
+    assert sorted(got) == [5, 6, 7, 8] and all(got[s] == expected[s] for s in got)

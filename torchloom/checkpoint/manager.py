@@ -28,11 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import (
-    BlockingAsyncStager,
-    DefaultStager,
-    StagingOptions,
-)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -42,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchloom.checkpoint.config import STATE_PARTS, CheckpointConfig
+from torchloom.checkpoint.staging import PinnedStager
 from torchloom.checkpoint.storage import CheckpointCorruptError, CheckpointError, CheckpointStorage
 
 
@@ -104,22 +101,14 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._finished: list[_PendingSave] = []
         self._lock = threading.Lock()
-        self._stager: DefaultStager | BlockingAsyncStager | None = None
+        self._stager: PinnedStager | BlockingAsyncStager | None = None
         self._group = None
         if config.interval and config.mode != "sync":
             if config.mode == "async_pinned" and device.type == "cuda":
-                # Reused pinned buffers, filled by a non-blocking copy on a staging thread.
-                options = StagingOptions(
-                    use_pinned_memory=True,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=True,
-                )
-                self._stager = DefaultStager(options)
+                self._stager = PinnedStager(device)
             else:
                 # A blocking copy into host memory. On the CPU there is no device copy to
-                # overlap, so async_pinned is async there. (torch 2.11's DefaultStager without
-                # pinned memory fails: KeyError <class 'type'> in its deep copy.)
+                # overlap, so async_pinned is async there.
                 self._stager = BlockingAsyncStager(cache_staged_state_dict=False)
             if dist.is_initialized():
                 # The background writer's collectives run on their own gloo group, never
