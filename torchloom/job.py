@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config.errors import ConfigError
 from torchloom.data.config import DataConfig
+from torchloom.models.components.transformer import TransformerConfig
 from torchloom.models.config import ModelConfig
+from torchloom.models.transforms import apply_transforms
 from torchloom.parallel.config import ParallelConfig
 from torchloom.train.compile import CompileConfig
 from torchloom.train.config import TrainingConfig
+from torchloom.train.cuda_graph import check_cuda_graph_job
 from torchloom.train.metrics import MetricsConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
 from torchloom.train.profiling import ProfilingConfig
@@ -44,6 +47,8 @@ class JobConfig:
     def validate(self) -> None:
         """Checks that span sections (each section validates its own fields)."""
         p = self.parallel
+        if self.training.cuda_graph:
+            check_cuda_graph_job(self)
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
@@ -54,4 +59,14 @@ class JobConfig:
                 "--model.loss_impl chunked fuses the whole output head on one rank; it does not "
                 "run with --parallel.tp or --parallel.pp > 1 (use loss_impl full, whose tensor-"
                 "parallel form keeps the logits sharded over the vocabulary)."
+            )
+        # The norm slot as the transforms leave it (triton_kernels sets it too).
+        slot = TransformerConfig(norm_impl=self.model.norm_impl)
+        norm_impl = apply_transforms(slot, self.model.transforms).norm_impl
+        if norm_impl == "triton" and p.tp > 1:
+            raise ConfigError(
+                "The Triton RMSNorm (norm_impl triton, also set by the triton_kernels transform) "
+                "cannot take the DTensors that sequence-parallel norms receive with --parallel.tp "
+                "> 1; keep --model.norm_impl torch and set --model.rope_impl triton --model."
+                "mlp_impl triton instead of the transform."
             )

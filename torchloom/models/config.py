@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.models.components.rope import RopeConfig
@@ -14,7 +14,9 @@ from torchloom.models.registry import get_model_spec
 from torchloom.models.transforms import apply_transforms
 
 # Fields chosen by their own ModelConfig slot, so there is one way to set them.
-_SLOTS = ("attn_backend", "norm_impl", "loss_impl", "batch_invariant")
+_SLOTS = (
+    "attn_backend", "norm_impl", "rope_impl", "mlp_impl", "loss_impl", "batch_invariant", "float8",
+)  # fmt: skip
 
 
 @dataclass
@@ -30,15 +32,29 @@ class ModelConfig:
     attn_backend: str = "sdpa"
     """Attention kernel: 'sdpa' or 'flex' (flex has no backward on CPU)."""
     norm_impl: str = "torch"
-    """RMSNorm implementation: 'torch'."""
+    """RMSNorm implementation: 'torch' (PyTorch) or 'triton' (fused forward and backward
+    kernels on CUDA, PyTorch elsewhere; not with tensor parallelism). Same parameters either way;
+    the transform triton_kernels sets this, rope_impl and mlp_impl at once."""
+    rope_impl: str = "torch"
+    """How RoPE rotates queries and keys: 'torch' (PyTorch) or 'triton' (one fused kernel
+    forward and one backward on CUDA, PyTorch elsewhere)."""
+    mlp_impl: str = "torch"
+    """The SwiGLU gate silu(gate) * up between the MLP's linears: 'torch' (PyTorch) or 'triton'
+    (fused kernels on CUDA, PyTorch elsewhere)."""
     loss_impl: str = "full"
     """Output head + loss: 'full' (logits, then cross-entropy) or 'chunked' (fused over token
     chunks, never materializing [batch, seq, vocab] logits; not with tensor or pipeline
     parallelism)."""
     batch_invariant: bool = False
-    """Batch-invariant mode: fixed-order linears and attention, so a sequence's logits are
-    bitwise identical whatever shares its batch, in decode and in full forwards, in the trainer
-    and the generator (CPU reference kernels, slow; fp32 or bf16; no tp/cp/pp)."""
+    """Batch-invariant mode: fixed-order linears, attention and RMSNorm, so a sequence's logits
+    are bitwise identical whatever shares its batch, in decode and in full forwards, in the
+    trainer and the generator (Triton kernels on CUDA, slow reference kernels on the CPU; fp32
+    or bf16; no tp/cp/pp)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 training of the transformer blocks' linears (torchao; output head and embedding
+    stay high precision): 'tensorwise' or 'rowwise' scaling, 'none' off. Needs torchao
+    (pip install 'torchloom[float8]') and a GPU of compute capability 8.9+ (the CPU runs a
+    slow reference); saved models and exports stay high precision."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
 
@@ -56,22 +72,37 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
     Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
     """
     if model_cfg.batch_invariant and (
-        model_cfg.attn_backend != "sdpa" or model_cfg.loss_impl != "full"
+        model_cfg.attn_backend != "sdpa"
+        or model_cfg.loss_impl != "full"
+        or model_cfg.float8 != "none"
     ):
         raise ConfigError(
-            "--model.batch_invariant true brings its own attention and loss; leave "
-            "--model.attn_backend (sdpa) and --model.loss_impl (full) at their defaults."
+            "--model.batch_invariant true brings its own attention, norm, linears and loss; "
+            "leave --model.attn_backend (sdpa), --model.loss_impl (full) and --model.float8 "
+            "(none) at their defaults."
         )
     cfg = replace(
         cfg,
-        attn_backend="batch_invariant" if model_cfg.batch_invariant else model_cfg.attn_backend,
+        attn_backend=model_cfg.attn_backend,
         norm_impl=model_cfg.norm_impl,
+        rope_impl=model_cfg.rope_impl,
+        mlp_impl=model_cfg.mlp_impl,
         loss_impl=model_cfg.loss_impl,
         batch_invariant=model_cfg.batch_invariant,
+        float8=model_cfg.float8,
     )
+    if model_cfg.batch_invariant:
+        cfg = batch_invariant_config(cfg)
     cfg = apply_transforms(cfg, model_cfg.transforms)
     cfg.validate()
     return cfg
+
+
+def batch_invariant_config(cfg: TransformerConfig) -> TransformerConfig:
+    """``cfg`` in batch-invariant mode: fixed-order attention and linears
+    (torchloom/kernels/batch_invariant.py) and the Triton RMSNorm, one program per row, whose
+    reduction order never depends on the number of rows (the PyTorch reference off CUDA)."""
+    return replace(cfg, batch_invariant=True, attn_backend="batch_invariant", norm_impl="triton")
 
 
 def apply_overrides(cfg: TransformerConfig, overrides: dict[str, Any]) -> TransformerConfig:

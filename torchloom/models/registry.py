@@ -10,6 +10,7 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels.batch_invariant import make_linears_batch_invariant
+from torchloom.kernels.float8 import convert_linears_to_float8
 from torchloom.models.components.transformer import Transformer, TransformerConfig
 
 if TYPE_CHECKING:
@@ -101,4 +102,6 @@ def build_model(config: ModelConfig | TransformerConfig, family: str | None = No
     model = model_cls(config)
     if config.batch_invariant:
         make_linears_batch_invariant(model)
+    if config.float8 != "none":
+        convert_linears_to_float8(model, config.float8)
     return model

@@ -72,3 +72,21 @@ def flex_attention(cfg: TransformerConfig) -> TransformerConfig:
 def sdpa_attention(cfg: TransformerConfig) -> TransformerConfig:
     """Run attention with torch's scaled_dot_product_attention."""
     return replace(cfg, attn_backend="sdpa")
+
+
+@register_transform("float8_rowwise")
+def float8_rowwise(cfg: TransformerConfig) -> TransformerConfig:
+    """Float8 training of the blocks' linears, one scale per row (torchao; GPU 8.9+)."""
+    return replace(cfg, float8="rowwise")
+
+
+@register_transform("float8_tensorwise")
+def float8_tensorwise(cfg: TransformerConfig) -> TransformerConfig:
+    """Float8 training of the blocks' linears, one scale per tensor (torchao; GPU 8.9+)."""
+    return replace(cfg, float8="tensorwise")
+
+
+@register_transform("triton_kernels")
+def triton_kernels(cfg: TransformerConfig) -> TransformerConfig:
+    """Fused Triton RMSNorm, RoPE and SwiGLU kernels on CUDA (PyTorch elsewhere; no tp > 1)."""
+    return replace(cfg, norm_impl="triton", rope_impl="triton", mlp_impl="triton")

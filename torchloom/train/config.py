@@ -37,6 +37,10 @@ class TrainingConfig:
     """Held-out sequences per validation, summed over ranks (rounded up to whole batches)."""
     deterministic: bool = False
     """Use deterministic algorithms (bitwise repeatable on the GPU, somewhat slower)."""
+    cuda_graph: bool = False
+    """Capture the whole step (forward, backward, clipping, AdamW) as one CUDA graph after 3
+    eager steps and replay it, saving the per-kernel launch cost; losses are bitwise those of
+    eager steps. One GPU, static shapes, no skip_nonfinite: see docs/performance.md."""
     sample_prompt: str = "The"
     """Prompt of the greedy text sample printed at the end of training."""
     sample_tokens: int = 32
@@ -58,6 +62,15 @@ class TrainingConfig:
             )
         if self.max_norm < 0:
             raise ConfigError("--training.max_norm must be >= 0 (0 disables clipping).")
+        if self.cuda_graph and self.device == "cpu":
+            raise ConfigError(
+                "--training.cuda_graph true needs a CUDA GPU, not --training.device cpu."
+            )
+        if self.cuda_graph and self.skip_nonfinite:
+            raise ConfigError(
+                "--training.skip_nonfinite true decides on the host whether to step, which a "
+                "captured step cannot do; drop it or --training.cuda_graph."
+            )
 
     @property
     def global_batch_sequences(self) -> int:

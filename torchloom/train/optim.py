@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,10 +105,17 @@ def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class _Float32LambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose rates are float32 values. A CUDA-graph step (train/cuda_graph.py) reads
+    its rate from a float32 tensor; rounding every run's rates alike keeps captured and eager
+    steps bitwise equal (the change is below 1e-7 relative)."""
+
+    def get_lr(self) -> list[float]:
+        return [float(np.float32(lr)) for lr in super().get_lr()]
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR (so its state saves and restores) following ``lr_multiplier``."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, total_steps, cfg)
-    )
+    """A LambdaLR (so its state saves and restores) following ``lr_multiplier``, in float32."""
+    return _Float32LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -11,7 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data import build_dataloaders
 from torchloom.job import JobConfig
+from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import TransformerConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel import (
     as_local,
@@ -38,6 +39,7 @@ from torchloom.parallel.context_parallel import shard_batch
 from torchloom.parallel.pipeline import Pipeline, build_pipeline
 from torchloom.parallel.state import full_state_items
 from torchloom.train.compile import compile_regions
+from torchloom.train.cuda_graph import StepGraph, check_cuda_graph_runtime
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.profiling import StepProfiler
@@ -126,6 +128,9 @@ class Trainer:
         else:
             self.model_config = resolve_model_config(job.model)
         self._check_fits(self.model_config)
+        check_float8_device(self.model_config.float8, self.device)
+        # What saved models record: float8 is how this run computes, not part of the model.
+        self.saved_config = replace(self.model_config, float8="none")
         with torch.device("meta"):
             self.model = build_model(self.model_config, job.model.name)
         self.model.to_empty(device=self.device)
@@ -157,11 +162,15 @@ class Trainer:
             )  # fmt: skip
         self.optimizer = build_optimizer(self.model, job.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, job.lr_schedule, t.steps)
+        self.step_graph: StepGraph | None = None
+        if t.cuda_graph:
+            check_cuda_graph_runtime(self.device, self.dims.world_size)
+            self.step_graph = StepGraph(self._captured_step, self.optimizer)
         state_model = self.model if self.pipeline is None else self.pipeline.local_model()
         self.checkpointer = CheckpointManager(
             job.checkpoint, self.output_dir, model=state_model, optimizer=self.optimizer,
             scheduler=self.scheduler, loader=self.train_loader, device=self.device,
-            marker_extra={"family": job.model.name, "model_config": to_dict(self.model_config)},
+            marker_extra={"family": job.model.name, "model_config": to_dict(self.saved_config)},
             is_rank0=self.is_rank0,
         )  # fmt: skip
         # With FSDP the compute dtype is its mixed-precision policy; otherwise autocast.
@@ -215,11 +224,38 @@ class Trainer:
             return self.model(batch.tokens, batch.positions, batch.doc_ids, labels_BT=batch.labels)
 
     def train_step(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over this step's micro-batches, then clip and step.
-        Returns the mean token loss of the global batch and the gradient norm (before clipping)."""
+        """Forward/backward over this step's micro-batches, then clip and step (all replayed from
+        one CUDA graph with --training.cuda_graph). Returns the mean token loss of the global
+        batch and the gradient norm (before clipping)."""
         num_tokens = global_label_count(
             sum(b.num_label_tokens for b in batches), self.dims, self.device
         )
+        if self.step_graph is not None:
+            self.checkpointer.wait_for_staging()  # an async save still copying the weights
+            loss_sum, grad_norm = self.step_graph(batches, num_tokens)
+            self._check_finite(loss_sum)  # after the step: a captured step cannot skip it
+        else:
+            loss_sum, grad_norm = self._backward_and_clip(batches, num_tokens)
+            if self._check_finite(loss_sum):
+                self.checkpointer.wait_for_staging()
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum, grad_norm
+
+    def _captured_step(
+        self, batches: list, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step that --training.cuda_graph captures: the same kernels as the eager step."""
+        loss_sum, grad_norm = self._backward_and_clip(batches, num_tokens)
+        self.optimizer.step()
+        return loss_sum, grad_norm
+
+    def _backward_and_clip(
+        self, batches: list, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulate the micro-batches' gradients and clip them; no host sync (a CUDA graph
+        captures this). Returns (global mean token loss, gradient norm before clipping)."""
         loss_sum = torch.zeros((), device=self.device)
         for batch in batches:
             if self.pipeline is not None:
@@ -233,20 +269,19 @@ class Trainer:
         loss_sum = self._sum_over_ranks(loss_sum)  # the same value on every rank
         max_norm = self.job.training.max_norm or float("inf")
         pp_mesh = self.dims.mesh("pp")
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
-        if not torch.isfinite(loss_sum):
-            if not self.job.training.skip_nonfinite:
-                raise TrainingError(
-                    f"The loss became {loss_sum.item()} at step {self.step + 1}. Lower "
-                    "--optimizer.lr, lengthen --lr_schedule.warmup_steps or check the data; "
-                    "--training.skip_nonfinite true skips such steps instead."
-                )
-        else:
-            self.checkpointer.wait_for_staging()  # an async save still copying the weights
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return loss_sum, grad_norm
+        return loss_sum, clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
+
+    def _check_finite(self, loss_sum: torch.Tensor) -> bool:
+        """True for a finite loss; otherwise raise, or False with --training.skip_nonfinite."""
+        if torch.isfinite(loss_sum):
+            return True
+        if not self.job.training.skip_nonfinite:
+            raise TrainingError(
+                f"The loss became {loss_sum.item()} at step {self.step + 1}. Lower "
+                "--optimizer.lr, lengthen --lr_schedule.warmup_steps or check the data; "
+                "--training.skip_nonfinite true skips such steps instead."
+            )
+        return False
 
     def _sum_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum over the data ranks and, under pipeline parallelism, from the last stage."""
@@ -370,7 +405,7 @@ class Trainer:
         if job.checkpoint.save_final_model:
             self._write(
                 lambda items: write_model_folder(
-                    model_dir, job.model.name, self.model_config, items, self.tokenizer
+                    model_dir, job.model.name, self.saved_config, items, self.tokenizer
                 )
             )
             metrics.print(f"saved the model to {model_dir}")
@@ -378,7 +413,7 @@ class Trainer:
             hf_dir = self.output_dir / "hf"
             self._write(
                 lambda items: save_hf(
-                    hf_dir, job.model.name, self.model_config, items, self.tokenizer
+                    hf_dir, job.model.name, self.saved_config, items, self.tokenizer
                 )
             )
             metrics.print(f"exported a Hugging Face folder to {hf_dir}")

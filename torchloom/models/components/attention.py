@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from torchloom.kernels import batch_invariant
 from torchloom.models.components.norms import NORM_IMPLS
-from torchloom.models.components.rope import apply_rotary
+from torchloom.models.components.rope import ROPE_IMPLS
 
 AttentionBackend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
@@ -138,6 +138,7 @@ class Attention(nn.Module):
         norm_eps: float = 1e-5,
         backend: str = "sdpa",
         norm_impl: str = "torch",
+        rope_impl: str = "torch",
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -149,6 +150,7 @@ class Attention(nn.Module):
         self.q_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
         self.k_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
         self.attend = ATTENTION_BACKENDS[backend]
+        self.rotate = ROPE_IMPLS[rope_impl]
 
     def forward(
         self,
@@ -166,8 +168,8 @@ class Attention(nn.Module):
         v_BTKd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
-        q_BHTd = apply_rotary(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
-        k_BKTd = apply_rotary(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
+        q_BHTd = self.rotate(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
+        k_BKTd = self.rotate(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
         v_BKTd = v_BTKd.transpose(1, 2)
         if cache is not None:
             out_BHTd = cache.attend(q_BHTd, k_BKTd, v_BKTd)

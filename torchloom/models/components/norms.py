@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchloom.kernels.rmsnorm import rms_norm, rms_norm_fused
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face does)."""
@@ -15,9 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -26,6 +26,14 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-NORM_IMPLS: dict[str, type[nn.Module]] = {"torch": RMSNorm}
+class TritonRMSNorm(RMSNorm):
+    """The same RMSNorm (same parameter, same numbers up to rounding) by the fused Triton
+    kernels on CUDA; the PyTorch reference elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_fused(x, self.weight, self.eps)
+
+
+NORM_IMPLS: dict[str, type[nn.Module]] = {"torch": RMSNorm, "triton": TritonRMSNorm}
 """Named RMSNorm implementations (the ``norm_impl`` slot). Each is built as ``cls(dim, eps)``,
 owns a ``weight`` of shape [dim] and a ``reset_parameters()``; fused kernels register here."""

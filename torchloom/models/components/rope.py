@@ -6,12 +6,14 @@ published for ``transformers`` load without permuting q/k weights.
 
 cos/sin are computed on the fly from a ``positions`` tensor (positions may restart at every
 document of a packed row), in fp32. No buffers are kept, so a model built on the ``meta``
-device needs no special care after ``to_empty``.
+device needs no special care after ``to_empty``. The rotation itself (``apply_rotary``) lives in
+torchloom/kernels/rope.py next to its fused Triton variant.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels.rope import apply_rotary, apply_rotary_fused
 
 RopeScaling = Literal["none", "llama3", "yarn"]
 
@@ -156,19 +159,10 @@ class RotaryEmbedding(nn.Module):
         return angles_BTd.cos() * scale, angles_BTd.sin() * scale
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dim: a 90 degree turn of every (i, i + d/2) pair."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(
-    x_BTHd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
-) -> torch.Tensor:
-    """Rotate every head of ``x`` by its token's angles.
-
-    cos/sin are cast to x's dtype first, as Hugging Face does, so bf16 runs match it too.
-    """
-    cos_BT1d = cos_BTd.to(x_BTHd.dtype).unsqueeze(2)
-    sin_BT1d = sin_BTd.to(x_BTHd.dtype).unsqueeze(2)
-    return x_BTHd * cos_BT1d + rotate_half(x_BTHd) * sin_BT1d
+ROPE_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "torch": apply_rotary,
+    "triton": apply_rotary_fused,
+}
+"""Named ways to apply the rotation (the ``rope_impl`` slot), each ``(x_BTHd, cos_BTd, sin_BTd)
+-> x rotated``: the PyTorch reference, or the fused Triton kernel (on CUDA; the reference
+elsewhere)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,15 +12,16 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.float8 import FLOAT8_RECIPES
 from torchloom.kernels.linear_cross_entropy import (
     LOSS_IMPLS,
     cross_entropy_sum,
     linear_cross_entropy_sum,
 )
 from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention, LayerCache
-from torchloom.models.components.mlp import SwiGLU
+from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.norms import NORM_IMPLS
-from torchloom.models.components.rope import RopeConfig, RotaryEmbedding
+from torchloom.models.components.rope import ROPE_IMPLS, RopeConfig, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,21 @@ class TransformerConfig:
     attn_backend: str = "sdpa"
     """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex')."""
     norm_impl: str = "torch"
-    """RMSNorm implementation, a key of NORM_IMPLS ('torch')."""
+    """RMSNorm implementation, a key of NORM_IMPLS: 'torch' (PyTorch reference) or 'triton'
+    (fused kernels on CUDA, the reference elsewhere)."""
+    rope_impl: str = "torch"
+    """How RoPE rotates q and k, a key of ROPE_IMPLS: 'torch' or 'triton' (as norm_impl)."""
+    mlp_impl: str = "torch"
+    """The SwiGLU gate silu(gate) * up, a key of MLP_IMPLS: 'torch' or 'triton' (as norm_impl)."""
     batch_invariant: bool = False
     """Fixed-order (batch-invariant) linears and attention: a token's numbers do not depend on
     its batch or on prefill vs decode (see torchloom/kernels/batch_invariant.py)."""
     loss_impl: str = "full"
     """How forward(..., labels_BT) computes the loss: 'full' (logits, then cross-entropy) or
     'chunked' (head matmul and cross-entropy fused over token chunks; no [B, T, V] logits)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 training of the blocks' linears with torchao (torchloom/kernels/float8.py):
+    'tensorwise' or 'rowwise' scaling; 'none' keeps them in the compute dtype."""
     init_std: float = 0.02
     """Standard deviation of the initial weights (see Transformer.init_weights)."""
 
@@ -97,6 +106,8 @@ class TransformerConfig:
         for slot, name, registry in (
             ("attn_backend", self.attn_backend, ATTENTION_BACKENDS),
             ("norm_impl", self.norm_impl, NORM_IMPLS),
+            ("rope_impl", self.rope_impl, ROPE_IMPLS),
+            ("mlp_impl", self.mlp_impl, MLP_IMPLS),
             ("loss_impl", self.loss_impl, LOSS_IMPLS),
         ):
             if name not in registry:
@@ -104,6 +115,15 @@ class TransformerConfig:
                     f"Unknown {slot} '{name}'.{did_you_mean(name, registry)} "
                     f"Available: {', '.join(sorted(registry))}."
                 )
+        if self.float8 not in ("none", *FLOAT8_RECIPES):
+            raise ConfigError(
+                f"Unknown float8 recipe '{self.float8}'.{did_you_mean(self.float8, FLOAT8_RECIPES)}"
+                f" Available: none, {', '.join(FLOAT8_RECIPES)}."
+            )
+        if self.float8 != "none" and self.batch_invariant:
+            raise ConfigError(
+                "float8 and batch_invariant both replace the linears; choose one of them."
+            )
         self.rope.validate()
 
     def _layer_matmul_params(self) -> int:
@@ -161,9 +181,10 @@ class Block(nn.Module):
             norm_eps=cfg.norm_eps,
             backend=cfg.attn_backend,
             norm_impl=cfg.norm_impl,
+            rope_impl=cfg.rope_impl,
         )
         self.mlp_norm = norm_cls(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim, impl=cfg.mlp_impl)
 
     def forward(
         self,

@@ -1,0 +1,181 @@
+"""The whole training step (forward, backward, gradient clipping, AdamW) as one CUDA graph.
+
+A CUDA graph records the step's kernels once and replays them with a single launch, so the host
+no longer issues thousands of small kernels per step. Replay reruns the recorded kernels on the
+same memory, so everything the step reads or writes must stay at fixed addresses: the batch is
+copied into static input buffers, the learning rate lives in a device tensor that is refilled
+before each replay, gradients are allocated once (by the captured backward, in the graph's
+memory pool), and the parameters and AdamW's moments never move. The step may not synchronize
+with the host either, which is why non-finite losses are checked after the replay and
+``--training.skip_nonfinite`` is refused.
+
+The captured kernels are the eager step's kernels: warm-up steps and replays run the same
+forward, backward, ``clip_grad_norm_`` and fused AdamW, so losses are bitwise those of an
+uncaptured run (the learning rate is a float32 either way, see ``build_lr_scheduler``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchloom.config.errors import ConfigError
+from torchloom.data.packing import Batch
+
+if TYPE_CHECKING:
+    from torchloom.job import JobConfig
+
+StepFn = Callable[[Sequence[Batch], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_cuda_graph_job(job: JobConfig) -> None:
+    """ConfigError for a job whose step cannot be captured (called with cuda_graph on)."""
+    p = job.parallel
+    if max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp) > 1 or p.fsdp_always:
+        raise ConfigError(
+            "--training.cuda_graph true captures a single-GPU step: it does not run with data, "
+            "context, tensor or pipeline parallelism or --parallel.fsdp_always (their "
+            "collectives and host-side schedules are not captured); set those degrees to 1."
+        )
+    if job.compile.enabled:
+        # Seen on an H200 (torch 2.11): under capture the compiled blocks recompiled until
+        # dynamo's limit; until that is solved the two are exclusive.
+        raise ConfigError(
+            "--training.cuda_graph true does not run with --compile.enabled true yet (the "
+            "compiled blocks recompile under capture); use one of the two."
+        )
+    if job.optimizer.implementation not in ("auto", "fused"):
+        raise ConfigError(
+            "--training.cuda_graph true captures the fused AdamW, which computes the same "
+            "captured or not; set --optimizer.implementation auto or fused."
+        )
+    if job.model.batch_invariant:
+        raise ConfigError(
+            "--training.cuda_graph true is not verified with --model.batch_invariant true; drop "
+            "one of the two."
+        )
+
+
+def check_cuda_graph_runtime(device: torch.device, world_size: int) -> None:
+    """ConfigError unless the resolved device and launch can capture a step."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"--training.cuda_graph true needs a CUDA GPU, but training runs on {device.type}; "
+            "drop --training.cuda_graph."
+        )
+    if world_size > 1:
+        raise ConfigError(
+            f"--training.cuda_graph true captures a single-GPU step, but {world_size} processes "
+            "were launched; launch one process or drop --training.cuda_graph."
+        )
+
+
+class StepGraph:
+    """Runs ``step_fn(batches, num_tokens) -> (loss_sum, grad_norm)``: eagerly for the first
+    ``warmup_steps`` calls, then captured once and replayed on every later call.
+
+    ``step_fn`` does the whole step, optimizer included, and must not sync with the host; the
+    batches of every call must have the shapes (and the doc_ids or not) of the captured ones.
+    """
+
+    def __init__(self, step_fn: StepFn, optimizer: torch.optim.Optimizer, warmup_steps: int = 3):
+        self.step_fn = step_fn
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self.eager_steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.side_stream = torch.cuda.Stream()
+        self.static_batches: list[Batch] = []
+        self.static_num_tokens: torch.Tensor | None = None
+        self.static_lrs: list[torch.Tensor] = []
+        self.static_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(
+        self, batches: Sequence[Batch], num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graph is None and self.eager_steps < self.warmup_steps:
+            self.eager_steps += 1
+            return self._eager(batches, num_tokens)
+        if self.graph is None:
+            self._capture(batches, num_tokens)
+        self._copy_in(batches, num_tokens)
+        for group, lr in zip(self.optimizer.param_groups, self.static_lrs, strict=True):
+            lr.fill_(group["lr"])  # the scheduler's rate for this step
+        self.graph.replay()
+        loss_sum, grad_norm = self.static_outputs
+        return loss_sum.clone(), grad_norm.clone()
+
+    def _eager(
+        self, batches: Sequence[Batch], num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Warm-up runs on a side stream, as capture requires: lazily created state (cuBLAS
+        # handles and workspaces, compiled kernels, AdamW's moments) must exist before capture.
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
+            outputs = self.step_fn(batches, num_tokens)
+            self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        return outputs
+
+    def _capture(self, batches: Sequence[Batch], num_tokens: torch.Tensor) -> None:
+        self.static_batches = [_clone(batch) for batch in batches]
+        self.static_num_tokens = num_tokens.clone()
+        groups = self.optimizer.param_groups
+        self.static_lrs = [
+            torch.tensor(g["lr"], dtype=torch.float32, device=num_tokens.device) for g in groups
+        ]
+        # Capture reads the rate from a tensor (a float would be frozen into the graph) and
+        # needs capturable=True; the fused AdamW computes the same either way. Both are put back
+        # afterwards, so the scheduler, checkpoints and an eager resume see the usual groups.
+        saved = [(g["lr"], g["capturable"]) for g in groups]
+        for group, lr in zip(groups, self.static_lrs, strict=True):
+            group["lr"], group["capturable"] = lr, True
+        # Grads set to None, so the captured backward allocates them from the graph's pool and
+        # every replay writes the same tensors.
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.static_outputs = self.step_fn(self.static_batches, self.static_num_tokens)
+        finally:
+            for group, (lr, capturable) in zip(groups, saved, strict=True):
+                group["lr"], group["capturable"] = lr, capturable
+        self.graph = graph
+
+    def _copy_in(self, batches: Sequence[Batch], num_tokens: torch.Tensor) -> None:
+        if len(batches) != len(self.static_batches):
+            raise RuntimeError(
+                f"a CUDA-graph step was captured for {len(self.static_batches)} micro-batches, "
+                f"got {len(batches)}"
+            )
+        for static, batch in zip(self.static_batches, batches, strict=True):
+            for name in ("tokens", "labels", "positions", "doc_ids"):
+                target, source = getattr(static, name), getattr(batch, name)
+                if (target is None) != (source is None) or (
+                    target is not None and target.shape != source.shape
+                ):
+                    raise RuntimeError(
+                        f"a CUDA-graph step needs batches of one layout; {name} changed from "
+                        f"{_shape(target)} to {_shape(source)}"
+                    )
+                if target is not None:
+                    target.copy_(source, non_blocking=True)
+        self.static_num_tokens.copy_(num_tokens, non_blocking=True)
+
+
+def _clone(batch: Batch) -> Batch:
+    doc_ids = None if batch.doc_ids is None else batch.doc_ids.clone()
+    return replace(
+        batch,
+        tokens=batch.tokens.clone(),
+        labels=batch.labels.clone(),
+        positions=batch.positions.clone(),
+        doc_ids=doc_ids,
+    )
+
+
+def _shape(tensor: torch.Tensor | None) -> str:
+    return "None" if tensor is None else str(tuple(tensor.shape))
