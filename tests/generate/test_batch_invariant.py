@@ -1,6 +1,6 @@
-"""Batch-invariant mode (CPU reference kernels): a sequence's log-probabilities are bitwise the
-same whatever shares its batch and wherever it sits, in decode and in a full forward, in the
-generator and in a training-mode forward."""
+"""Batch-invariant mode (CPU reference kernels; on a GPU the Triton kernels): a sequence's
+log-probabilities are bitwise the same whatever shares its batch and wherever it sits, in decode
+and in a full forward, in the generator and in a training-mode forward."""
 
 import json
 
@@ -13,21 +13,22 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
 
-def invariant_model(family: str, dtype: torch.dtype = torch.float32):
+def invariant_model(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     config = resolve_model_config(ModelConfig(name=family, flavor="debug", batch_invariant=True))
     model = build_model(config, family)
     model.init_weights(torch.Generator().manual_seed(0))
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 TARGET = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, seed=11))
 OTHERS = [Request([7] * n, SamplingParams(max_new_tokens=5, seed=n)) for n in (2, 9, 4)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype):
-    model = invariant_model(family, dtype)
+def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype, device):
+    model = invariant_model(family, dtype, device)
     alone = Generator(model, max_batch=1, max_len=64).generate([TARGET])[0]
     # Third of four in one batch; then last of four through two slots (joins mid-decode).
     mixed = Generator(model, max_batch=4, max_len=64).generate([*OTHERS[:2], TARGET, OTHERS[2]])[2]
@@ -36,13 +37,13 @@ def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype):
     assert alone.logprobs == mixed.logprobs == later.logprobs  # bitwise
     # The trainer's forward: train mode, a padded batch of 3 rows, the sequence in row 1.
     sequence = TARGET.prompt_ids + alone.tokens
-    batch = torch.zeros(3, len(sequence), dtype=torch.long)
+    batch = torch.zeros(3, len(sequence), dtype=torch.long, device=device)
     batch[0], batch[1], batch[2, :4] = 5, torch.tensor(sequence), 9
     model.train()
     logprobs = torch.log_softmax(model(batch).float(), -1)[1]
     prompt = len(TARGET.prompt_ids)
     trainer = [logprobs[prompt - 1 + i, t].item() for i, t in enumerate(alone.tokens)]
-    print(f"{family}: generator {alone.logprobs[:3]}..., trainer forward {trainer[:3]}...")
+    print(f"{family} {device}: generator {alone.logprobs[:3]}..., trainer {trainer[:3]}...")
     assert trainer == alone.logprobs  # bitwise
 
 

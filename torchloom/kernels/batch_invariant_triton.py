@@ -1,0 +1,299 @@
+"""Batch-invariant Triton kernels (GPU) for ``torchloom/kernels/batch_invariant.py``.
+
+A GPU kernel is batch-invariant when every output element is reduced in an order that depends
+only on the kernel's compile-time configuration, never on how many rows share the call. So:
+
+- ``matmul``: one tile configuration per dtype (never chosen from M), no split-K, fp32
+  accumulation over the K blocks in increasing order. A row's result does not depend on M or on
+  which row of its tile it lands in (a tensor-core MMA computes every row the same way).
+- ``attention``: flash-style online softmax with fixed BLOCK_M and BLOCK_N whatever the call.
+  Key blocks sit at absolute key indices (multiples of BLOCK_N from 0) and are visited in
+  increasing order; a block in which a query sees no key leaves that query's state bit for
+  bit unchanged (alpha = 1, p = 0), so a decode step (one query, a cache of any length) does
+  exactly the arithmetic, in the same order, of that query's row in a full forward.
+
+Forward passes run the kernels; backward passes use ordinary PyTorch (gradients are correct
+but not batch-invariant). Both are ``torch.library.triton_op`` custom ops, so torch.compile
+can trace them. ``batch_invariant`` calls these for CUDA tensors when Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.library import triton_op, wrap_triton
+
+from torchloom.kernels.batch_invariant import causal_positions_and_starts
+from torchloom.kernels.triton_support import jit, tl, triton
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). fp32 takes a shorter K block so that its
+# pipelined tiles fit in shared memory; it multiplies in full fp32 ("ieee"), never TF32.
+_MATMUL_CONFIGS = {
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+    torch.float32: (128, 128, 32, 8, 3),
+}
+_MATMUL_GROUP_M = 8  # tiles of 8 row blocks share their weight columns in L2
+# Attention tiles: 64 (query, head) rows against 64 keys. A decode step runs the same tile.
+ATTENTION_BLOCK_M = 64
+ATTENTION_BLOCK_N = 64
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
+
+
+@jit
+def _matmul_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] = x[M, K] @ w[N, K]^T, one [BLOCK_M, BLOCK_N] tile per program."""
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(M, BLOCK_M)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: consecutive programs walk GROUP_M row blocks before the next column block.
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block_k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - block_k * BLOCK_K
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton_op("torchloom::batch_invariant_matmul", mutates_args=())
+def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    out_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    if M == 0:
+        return out_MN
+    block_m, block_n, block_k, num_warps, num_stages = _MATMUL_CONFIGS[x_MK.dtype]
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    wrap_triton(_matmul_kernel)[grid](
+        x_MK, w_NK, out_MN, M, N, K, *x_MK.stride(), *w_NK.stride(), *out_MN.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_MATMUL_GROUP_M,
+        DOT_PRECISION=_dot_precision(x_MK.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out_MN
+
+
+def _matmul_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _matmul_backward(ctx, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x_MK, w_NK = ctx.saved_tensors
+    grad_x = grad_MN @ w_NK if ctx.needs_input_grad[0] else None
+    grad_w = grad_MN.T @ x_MK if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w
+
+
+_matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype (any leading dims) with the fixed-tile matmul."""
+    if x_ND.dtype not in _MATMUL_CONFIGS:
+        raise TypeError(f"batch-invariant linear takes bf16, fp16 or fp32, not {x_ND.dtype}")
+    rows = x_ND.reshape(-1, x_ND.shape[-1])
+    out = _matmul(rows, weight_MD.to(x_ND.dtype))
+    return out.reshape(*x_ND.shape[:-1], weight_MD.shape[0])
+
+
+@jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, start_ptr,
+    T, L, kv_heads, group, head_dim, qk_scale,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_pb, stride_pt, stride_sb, stride_st,
+    HAS_START: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M (query, head) rows of one batch row and kv head; row r is query
+    r // group of head kv_head * group + r % group, so a head group shares its key loads."""
+    tiles = tl.cdiv(T * group, BLOCK_M)  # consecutive programs: tiles of one (b, kv_head)
+    pid = tl.program_id(0).to(tl.int64)
+    b, kv_head = (pid // tiles) // kv_heads, (pid // tiles) % kv_heads
+    rows = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T * group
+    t = rows // group
+    head = kv_head * group + rows % group
+    pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=row_ok, other=-1)
+    if HAS_START:
+        start = tl.load(start_ptr + b * stride_sb + t * stride_st, mask=row_ok, other=0)
+    else:
+        start = tl.zeros_like(pos)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q_ptrs = q_ptr + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh + offs_d[:, None] * stride_kd
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh + offs_d[None, :] * stride_vd
+
+    # One fp32 scale however the scalar arrives (a compiled caller may pass it as fp64).
+    scale = tl.full((), qk_scale, tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    # From the block holding the tile's earliest visible key to the one holding its furthest
+    # query; blocks outside a row's own span are exact no-ops for that row (see below).
+    first_block = tl.min(tl.where(row_ok, start, 2**31 - 1)) // BLOCK_N  # int64, as positions
+    end_block = tl.cdiv(tl.max(pos) + 1, BLOCK_N)
+    for block in range(first_block, end_block):
+        offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < L
+        k_ptrs = k_base + offs_n[None, :] * stride_kl  # [BD, BN]
+        k = tl.load(k_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BM, BN], log2 units
+        visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= start[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # A row that sees no key here keeps its max, so alpha = exp2(0) = 1 and p = 0 exactly:
+        # its sum and accumulator come out bit for bit unchanged. The safe max avoids
+        # exp2(-inf - -inf) = NaN while a row has seen no key at all (its state stays 0).
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + offs_n[:, None] * stride_vl  # [BN, BD]
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + t[:, None] * stride_ot
+    tl.store(out_ptrs + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton_op("torchloom::batch_invariant_attention", mutates_args=())
+def _attention(
+    q_BHTd: torch.Tensor,
+    k_BKLd: torch.Tensor,
+    v_BKLd: torch.Tensor,
+    positions_BT: torch.Tensor,
+    starts_BT: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """``causal``: positions are 0..T-1 with keys 0..T-1 and no starts (for the backward)."""
+    B, H, T, d = q_BHTd.shape
+    kv_heads, L = k_BKLd.shape[1], k_BKLd.shape[2]
+    out_BHTd = torch.empty_like(q_BHTd)  # keeps q's memory layout (often a [B, T, H, d] view)
+    if T == 0:
+        return out_BHTd
+    starts = positions_BT if starts_BT is None else starts_BT  # unread without HAS_START
+    group = H // kv_heads
+    grid = (triton.cdiv(T * group, ATTENTION_BLOCK_M) * B * kv_heads,)
+    wrap_triton(_attention_kernel)[grid](
+        q_BHTd, k_BKLd, v_BKLd, out_BHTd, positions_BT, starts,
+        T, L, kv_heads, group, d, d**-0.5 * 1.4426950408889634,  # scale * log2(e), for exp2
+        *q_BHTd.stride(), *k_BKLd.stride(), *v_BKLd.stride(), *out_BHTd.stride(),
+        *positions_BT.stride(), *starts.stride(),
+        HAS_START=starts_BT is not None, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PRECISION=_dot_precision(q_BHTd.dtype),
+        num_warps=4, num_stages=2 if q_BHTd.dtype == torch.float32 else 3,
+    )  # fmt: skip
+    return out_BHTd
+
+
+def masked_attention(
+    q_BHTd: torch.Tensor,
+    k_BKLd: torch.Tensor,
+    v_BKLd: torch.Tensor,
+    positions_BT: torch.Tensor,
+    starts_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """The same function in differentiable PyTorch: SDPA with an explicit [B, 1, T, L] mask."""
+    group = q_BHTd.shape[1] // k_BKLd.shape[1]
+    index_L = torch.arange(k_BKLd.shape[2], device=q_BHTd.device)
+    visible_BTL = index_L <= positions_BT[:, :, None]
+    if starts_BT is not None:
+        visible_BTL &= index_L >= starts_BT[:, :, None]
+    return F.scaled_dot_product_attention(
+        q_BHTd,
+        k_BKLd.repeat_interleave(group, dim=1),
+        v_BKLd.repeat_interleave(group, dim=1),
+        attn_mask=visible_BTL[:, None],
+    )
+
+
+def _attention_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    q_BHTd, k_BKLd, v_BKLd, positions_BT, starts_BT, ctx.causal = inputs
+    ctx.has_starts = starts_BT is not None
+    ctx.save_for_backward(q_BHTd, k_BKLd, v_BKLd, positions_BT, starts_BT)
+
+
+def _attention_backward(ctx, grad_BHTd: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Recompute with torch's SDPA and take its gradients: the flash kernels for plain causal
+    attention, else the memory-efficient ones with an explicit mask (``masked_attention``)."""
+    q_BHTd, k_BKLd, v_BKLd, positions_BT, starts_BT = ctx.saved_tensors
+    inputs = [t.detach().requires_grad_() for t in (q_BHTd, k_BKLd, v_BKLd)]
+    with torch.enable_grad():
+        if ctx.causal:
+            out = F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+        else:
+            out = masked_attention(*inputs, positions_BT, starts_BT if ctx.has_starts else None)
+        grads = torch.autograd.grad(out, inputs, grad_BHTd)
+    return *grads, None, None, None
+
+
+_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _check_queries(q_BHTd: torch.Tensor) -> None:
+    if q_BHTd.dtype not in _MATMUL_CONFIGS:
+        raise TypeError(f"batch-invariant attention takes bf16, fp16 or fp32, not {q_BHTd.dtype}")
+    if q_BHTd.shape[-1] < 16:  # tl.dot needs every dimension >= 16
+        raise ValueError(f"batch-invariant attention needs head_dim >= 16, got {q_BHTd.shape[-1]}")
+
+
+def attention(
+    q_BHTd: torch.Tensor,
+    k_BKLd: torch.Tensor,
+    v_BKLd: torch.Tensor,
+    positions_BT: torch.Tensor,
+    starts_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention: query (b, t) sees keys ``starts[b, t] .. positions[b, t]`` of row b
+    (key index = position), softmax scale 1/sqrt(d), fp32 softmax; keys and values are cast to
+    q's dtype. Query-for-query identical whatever T, L and the other rows are."""
+    _check_queries(q_BHTd)
+    return _attention(
+        q_BHTd, k_BKLd.to(q_BHTd.dtype), v_BKLd.to(q_BHTd.dtype), positions_BT, starts_BT, False
+    )
+
+
+def causal_attention(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention-backend form (training and full forwards), as
+    ``batch_invariant.causal_attention``: positions 0..T-1, documents from ``doc_ids_BT``."""
+    _check_queries(q_BHTd)
+    B, _, T, _ = q_BHTd.shape
+    positions_BT, starts_BT = causal_positions_and_starts(B, T, doc_ids_BT, q_BHTd.device)
+    k_BKTd, v_BKTd = k_BKTd.to(q_BHTd.dtype), v_BKTd.to(q_BHTd.dtype)
+    return _attention(q_BHTd, k_BKTd, v_BKTd, positions_BT, starts_BT, doc_ids_BT is None)
