@@ -126,7 +126,10 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
         prompt_ids = tok.encode(t.sample_prompt)
     params = SamplingParams(t.sample_tokens, temperature=0.0, stop_ids=tuple(stop_ids))
     was_training = model.training
-    new = Generator(model, max_batch=1).generate([Request(prompt_ids, params)])[0].tokens
+    # One short request: graph capture would cost more than it saves.
+    max_len = min(len(prompt_ids) + t.sample_tokens, model.config.max_seq_len)
+    generator = Generator(model, max_batch=1, max_len=max_len, cuda_graphs=False)
+    new = generator.generate([Request(prompt_ids, params)])[0].tokens
     model.train(was_training)
     if new and new[-1] in stop_ids:
         new = new[:-1]
@@ -226,7 +229,8 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
   --max-batch N           requests decoded together (default 8; more wait their turn)
   --batch-invariant       fixed-order kernels: each request's tokens and logprobs are bitwise
                           the same whatever shares its batch, and equal the trainer's forward
-                          with --model.batch_invariant true (slow CPU reference kernels)
+                          with --model.batch_invariant true (Triton kernels on CUDA, slow
+                          reference kernels on the CPU)
   --dtype bf16|fp32       weights' dtype (default: as stored)
   --device cpu|cuda       default: cuda when available
   --output F.jsonl        one line per request, in input order: tokens, logprobs, text,

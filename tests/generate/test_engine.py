@@ -8,6 +8,7 @@ import torch
 
 from torchloom.cli import main
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams
+from torchloom.generate.graphs import DecodeGraphs, buckets
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
 
@@ -19,21 +20,29 @@ def tiny(family: str = "llama3"):
 
 
 def full_forward_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([prompt + tokens])).float(), -1)[0]
+        sequence = torch.tensor([prompt + tokens], device=device)
+        logprobs = torch.log_softmax(model(sequence).float(), -1)[0]
     return [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9] * 11, [4, 4, 4], [100, 200, 300, 400], [5]]
 
 
+@pytest.mark.parametrize("decode", ["gathered", "static"])
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_logprobs_equal_a_full_forward_under_continuous_batching(family):
-    """6 requests of different lengths through 3 cache slots: requests join as others end."""
+def test_logprobs_equal_a_full_forward_under_continuous_batching(family, decode):
+    """6 requests of different lengths through 3 cache slots: requests join as others end.
+    "static" runs the decode steps the GPU replays from CUDA graphs (leading slots, bucketed
+    row counts, free slots on dummy tokens), here eagerly."""
     model = tiny(family)
     requests = [Request(p, SamplingParams(max_new_tokens=4 + 2 * i, seed=i))
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
-    completions = Generator(model, max_batch=3, max_len=64).generate(requests)
+    generator = Generator(model, max_batch=3, max_len=64)
+    if decode == "static":
+        generator.graphs = DecodeGraphs(model, generator.cache, capture=False)
+    completions = generator.generate(requests)
     worst = 0.0
     for request, completion in zip(requests, completions):
         assert completion.finish_reason == "length"
@@ -55,6 +64,32 @@ def test_greedy_matches_repeated_full_forward_and_batch_does_not_matter():
             with torch.no_grad():
                 tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
         assert a.tokens == b.tokens == tokens[len(prompt) :]
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_replays_the_static_step_bitwise():
+    model = tiny().to("cuda", torch.bfloat16)
+    requests = [Request(p, SamplingParams(max_new_tokens=6 + i, seed=i))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    captured = Generator(model, max_batch=4, max_len=64, cuda_graphs=True)
+    eager = Generator(model, max_batch=4, max_len=64, cuda_graphs=False)
+    eager.graphs = DecodeGraphs(model, eager.cache, capture=False)
+    a, b = captured.generate(requests), eager.generate(requests)
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    worst = max(
+        abs(x - y)
+        for request, c in zip(requests, a)
+        for x, y in zip(full_forward_logprobs(model, request.prompt_ids, c.tokens), c.logprobs)
+    )
+    print(f"bf16 cuda graphs: max |generator - full forward| logprob = {worst:.2e}")
+    assert worst < 0.1
 
 
 def test_bad_requests_fail_alone():

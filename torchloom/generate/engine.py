@@ -10,6 +10,7 @@ before temperature, top-k or top-p), so they equal a full forward pass over the 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from torchloom.generate.cache import KVCache
+from torchloom.generate.graphs import DecodeGraphs
 
 
 @dataclass
@@ -76,15 +78,35 @@ class _Active:
 
 
 class Generator:
-    """Generates with ``model`` (any torchloom decoder) in eval mode, without changing it."""
+    """Generates with ``model`` (any torchloom decoder) in eval mode, without changing it.
 
-    def __init__(self, model: nn.Module, max_batch: int = 8, max_len: int | None = None) -> None:
+    ``max_batch`` requests run at once (cache slots), each up to ``max_len`` tokens (prompt +
+    generated; default the model's context). ``cuda_graphs`` (default: on a CUDA device)
+    replays decode steps from CUDA graphs captured here, once per batch-size bucket;
+    ``compile`` compiles those steps with inductor first (a minute or so, once per process).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_batch: int = 8,
+        max_len: int | None = None,
+        cuda_graphs: bool | None = None,
+        compile: bool = False,
+    ) -> None:
         self.model = model.eval()
         self.config = model.config
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or self.config.max_seq_len
         self.cache = KVCache(self.config, max_batch, self.max_len, self.device, self.dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+        self.graphs = None
+        if cuda_graphs or compile:
+            self.graphs = DecodeGraphs(self.model, self.cache, capture=cuda_graphs, compile=compile)
 
     def _problem(self, request: Request) -> str | None:
         prompt, params = request.prompt_ids, request.params
@@ -119,7 +141,7 @@ class Generator:
                 waiting.append(i)
             else:
                 results[i] = Completion(finish_reason="error", error=problem)
-        free = list(range(self.cache.slots))
+        free = list(range(self.cache.slots))  # a heap: the lowest free slot goes first
         active: dict[int, _Active] = {}
         while waiting or active:
             admitted: dict[int, _Active] = {}
@@ -129,7 +151,7 @@ class Generator:
                 generator = None
                 if request.params.seed is not None:
                     generator = torch.Generator(self.device).manual_seed(request.params.seed)
-                admitted[free.pop(0)] = _Active(
+                admitted[heapq.heappop(free)] = _Active(
                     i, request, results[i], len(request.prompt_ids), generator
                 )
             if admitted:
@@ -139,7 +161,7 @@ class Generator:
                 self._decode(active)
             for slot in [s for s, a in active.items() if a.completion.finish_reason]:
                 del active[slot]
-                free.append(slot)
+                heapq.heappush(free, slot)
         return results
 
     def _prefill(self, admitted: dict[int, _Active]) -> None:
@@ -159,6 +181,13 @@ class Generator:
 
     def _decode(self, active: dict[int, _Active]) -> None:
         slots = list(active)
+        if self.graphs is not None:  # slots 0..max(active): free ones run on a dummy token
+            rows = max(slots) + 1
+            tokens = [active[s].completion.tokens[-1] if s in active else 0 for s in range(rows)]
+            positions = [active[s].position if s in active else 0 for s in range(rows)]
+            logits_RV = self.graphs.step(tokens, positions)
+            self._emit(active, logits_RV[torch.tensor(slots, device=self.device)])
+            return
         tokens_B1 = torch.tensor(
             [[active[s].completion.tokens[-1]] for s in slots], device=self.device
         )

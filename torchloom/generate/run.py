@@ -30,6 +30,7 @@ def load_model_and_tokenizer(
     from torchloom.checkpoint.safetensors_io import load_into, parse_dtype
     from torchloom.data.tokenizer import Tokenizer
     from torchloom.models import build_model
+    from torchloom.models.config import batch_invariant_config
 
     if from_hf:
         spec, config = hf_architecture(Path(from_hf))
@@ -38,7 +39,7 @@ def load_model_and_tokenizer(
         source = open_model_source(Path(checkpoint))
         family, config, folder = source.family, source.config, source.tokenizer_dir
     if batch_invariant:
-        config = replace(config, batch_invariant=True, attn_backend="batch_invariant")
+        config = batch_invariant_config(config)
     with torch.device("meta"):
         model = build_model(config, family)
     target = parse_dtype(dtype)
@@ -106,8 +107,11 @@ def generate_to_file(
         )
         for i, ids in enumerate(prompt_ids)
     ]
+    # The cache holds the longest request, not the model's whole context.
+    longest = max(len(ids) for ids in prompt_ids) + params.max_new_tokens
+    generator = Generator(model, max_batch, max_len=min(longest, model.config.max_seq_len))
     start = time.perf_counter()
-    completions = Generator(model, max_batch=max_batch).generate(requests)
+    completions = generator.generate(requests)
     seconds = time.perf_counter() - start
     records = []
     for i, (ids, completion) in enumerate(zip(prompt_ids, completions)):
