@@ -1,10 +1,11 @@
-"""Generation speed side by side: torchloom's Generator (normal and batch-invariant) and
+"""Generation speed side by side: torchloom's Generator (CUDA-graph decode with the PyTorch
+kernels, with the Triton norm/RoPE/SwiGLU kernels, compiled; eager; batch-invariant) and
 Hugging Face `generate` (eager, and static cache + compiled decode) on the same model shape and
 prompts; plus a training step in normal vs batch-invariant mode. One table, JSON to --json.
 
     python benchmarks/generate.py                                    # 1B-shaped, bf16, one GPU
     python benchmarks/generate.py --shape tiny --device cpu --batches 1 4 --new-tokens 16 \\
-        --prompt-len 16 --rows ours ours-bi hf-eager
+        --prompt-len 16 --rows ours ours-bi hf-eager --bi-max-batch 4
 
 Output tokens/s = batch x new tokens / wall time of one `generate` call (greedy, every request
 runs to --new-tokens: no stop tokens, HF with min_new_tokens), after one warm-up call of the same
@@ -28,7 +29,9 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
 
 SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
-ROWS = ("ours", "ours-bi", "hf-eager", "hf-compiled")
+ROWS = ("ours", "ours-fused", "ours-compiled", "ours-fused-compiled", "ours-eager", "ours-bi",
+        "hf-eager", "hf-compiled")  # fmt: skip
+TRITON = {"norm_impl": "triton", "rope_impl": "triton", "mlp_impl": "triton"}
 
 
 def _sync(device: torch.device) -> None:
@@ -36,10 +39,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(flavor: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool):
-    config = resolve_model_config(
-        ModelConfig(name="llama3", flavor=flavor, batch_invariant=batch_invariant)
-    )
+def build(flavor: str, device: torch.device, dtype: torch.dtype, **slots):
+    config = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **slots))
     with torch.device("meta"):
         model = build_model(config, "llama3")
     model.to_empty(device=device)
@@ -47,10 +48,10 @@ def build(flavor: str, device: torch.device, dtype: torch.dtype, batch_invariant
     return model.to(dtype).eval(), config
 
 
-def ours(model, prompts: list[list[int]], new_tokens: int) -> float:
+def ours(model, prompts: list[list[int]], new_tokens: int, **options) -> float:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     max_len = len(prompts[0]) + new_tokens
-    generator = Generator(model, max_batch=len(prompts), max_len=max_len)
+    generator = Generator(model, max_batch=len(prompts), max_len=max_len, **options)
     start = time.perf_counter()
     completions = generator.generate([Request(p, params) for p in prompts])
     _sync(next(model.parameters()).device)
@@ -106,8 +107,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    parser.add_argument("--bi-max-batch", type=int, default=8,
-                        help="largest batch for the (slow) batch-invariant reference kernels")  # fmt: skip
+    parser.add_argument("--bi-max-batch", type=int, default=64,
+                        help="largest batch for the batch-invariant row (its CPU reference "
+                             "kernels are slow: use a small value there)")  # fmt: skip
     parser.add_argument("--train-seq", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
@@ -115,12 +117,12 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     flavor = SHAPES[args.shape]
-    model, config = build(flavor, device, dtype, batch_invariant=False)
+    model, config = build(flavor, device, dtype)
     models = {"ours": model}
-    if "ours-bi" in args.rows:  # the same weights, batch-invariant kernels
-        bi_model, _ = build(flavor, device, dtype, batch_invariant=True)
-        bi_model.load_state_dict(model.state_dict())
-        models["ours-bi"] = bi_model
+    for row, slots in (("ours-bi", {"batch_invariant": True}), ("ours-fused", TRITON)):
+        if row in args.rows or row + "-compiled" in args.rows:  # same weights, other kernels
+            models[row], _ = build(flavor, device, dtype, **slots)
+            models[row].load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(0)
     results = []
     for row in args.rows:
@@ -135,7 +137,11 @@ def main() -> None:
                     target = hf_model(config, device, dtype, compiled=row == "hf-compiled")
                     run = lambda p, n, m=target: hf(m, p, n)  # noqa: E731
                 else:
-                    run = lambda p, n, m=models[row]: ours(m, p, n)  # noqa: E731
+                    options = {"cuda_graphs": False} if row == "ours-eager" else {}
+                    if row.endswith("-compiled"):
+                        options = {"compile": True}
+                    m = models.get(row.removesuffix("-compiled"), model)
+                    run = lambda p, n, m=m, o=options: ours(m, p, n, **o)  # noqa: E731
                 run(prompts, args.new_tokens)  # warm-up (compiles)
                 seconds = run(prompts, args.new_tokens)
                 record["tokens_per_s"] = round(batch * args.new_tokens / seconds, 1)
@@ -146,6 +152,8 @@ def main() -> None:
             print(f"{row:<12} batch {batch:>3}: {shown}", flush=True)
     train = {}
     for name, m in models.items():
+        if name == "ours-fused":
+            continue
         train[name] = train_step_seconds(m, config, device, args.train_seq)
         print(f"train step ({name}, 1 x {args.train_seq} tokens): {train[name]:.3f} s")
     print(f"\n{'row':<12} " + " ".join(f"{'batch ' + str(b):>12}" for b in args.batches))

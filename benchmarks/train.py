@@ -10,7 +10,11 @@ decay 0.1), zero_grad; no gradient accumulation. One table, JSON to --json.
 
 Rows. torchloom-eager: the trainer's default on a GPU (fp32 weights under bf16 autocast; no FSDP,
 compile or recomputation). torchloom: FSDP at world size 1 (--parallel.fsdp_always: bf16
-compute, fp32 master weights and reduction), each block compiled, recomputation --remat. hf:
+compute, fp32 master weights and reduction), each block compiled, recomputation --remat.
+torchloom-fused: that plus the Triton RMSNorm / RoPE / SwiGLU kernels and the chunked fused
+output head + cross-entropy (--model.transforms '["triton_kernels"]' --model.loss_impl chunked).
+torchloom-float8: the torchloom row with torchao float8 linears in the blocks (--model.float8
+rowwise). hf:
 transformers' LlamaForCausalLM, its config written by torchloom's HF adapter from the same
 flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 autocast over
 fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
@@ -62,7 +66,6 @@ from torchloom.parallel import (
     parallelize,
 )
 from torchloom.train.compile import CompileConfig, compile_regions
-from torchloom.train.loss import cross_entropy_sum
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer
 from torchloom.train.remat import RematConfig, RematMode, apply_remat
@@ -72,7 +75,8 @@ SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
     "1B": ("1B", 4096, torch.float32),
     "8B": ("8B", 4096, torch.bfloat16),
 }
-ROWS = ("torchloom-eager", "torchloom", "hf")
+ROWS = ("torchloom-eager", "torchloom", "torchloom-fused", "torchloom-float8", "hf")
+FUSED = {"norm_impl": "triton", "rope_impl": "triton", "mlp_impl": "triton", "loss_impl": "chunked"}
 SEED = 0
 
 Step = Callable[[torch.Tensor], torch.Tensor]  # one training step on tokens [B, T+1] -> loss
@@ -133,8 +137,8 @@ def torchloom_step(
         labels_BT = x_BT1[:, 1:].clone()
         labels_BT[:, -1] = IGNORE_INDEX  # the position HF's shift drops
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits_BTV = model(tokens_BT)
-        loss = cross_entropy_sum(logits_BTV, labels_BT) / labels_BT[:, :-1].numel()  # T-1 each
+            loss_sum = model(tokens_BT, labels_BT=labels_BT)  # the trainer's loss path
+        loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
         loss.backward()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -197,7 +201,8 @@ def run_row(
     dims: ParallelDims | None, batches: list[torch.Tensor],
 ) -> dict:  # fmt: skip
     flavor, _, dtype = SHAPES[shape]
-    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
+    slots = {"torchloom-fused": FUSED, "torchloom-float8": {"float8": "rowwise"}}.get(row, {})
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **slots))
     seq = batches[0].shape[1] - 1
     record = {"row": row, "shape": shape, "flavor": flavor, "batch": args.batch, "seq": seq,
               "weights": str(dtype).removeprefix("torch."), "error": None}  # fmt: skip
@@ -205,7 +210,7 @@ def run_row(
         compile_ = not args.no_compile
         if row == "hf":
             step = hf_step(cfg, device, dtype, compile_)
-        elif row == "torchloom":
+        elif row in ("torchloom", "torchloom-fused", "torchloom-float8"):
             fsdp = dims if dtype == torch.float32 else None
             step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
         else:
