@@ -233,6 +233,9 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
                           reference kernels on the CPU)
   --dtype bf16|fp32       weights' dtype (default: as stored)
   --device cpu|cuda       default: cuda when available
+  --tp N                  tensor parallelism over the N processes of a torchrun job
+                          (torchrun --nproc-per-node N -m torchloom generate ... --tp N);
+                          rank 0 writes the output
   --output F.jsonl        one line per request, in input order: tokens, logprobs, text,
                           finish_reason (stop | length | error) and error"""
 
@@ -246,7 +249,7 @@ def cmd_generate(argv: list[str]) -> int:
     while (prompt := _pop_option(argv, "--prompt")) is not None:
         prompts.append(prompt)
     names = ("from-hf", "checkpoint", "prompts-file", "max-new-tokens", "temperature", "top-k",
-             "top-p", "seed", "max-batch", "dtype", "device", "output")  # fmt: skip
+             "top-p", "seed", "max-batch", "dtype", "device", "tp", "output")  # fmt: skip
     options = {name: _pop_option(argv, f"--{name}") for name in names}
     greedy = _pop_flag(argv, "--greedy")
     batch_invariant = _pop_flag(argv, "--batch-invariant")
@@ -282,14 +285,35 @@ def cmd_generate(argv: list[str]) -> int:
     if problem:
         raise ConfigError(f"Sampling settings: {problem}.")
     device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tokenizer = load_model_and_tokenizer(
-        options["from-hf"], options["checkpoint"], device, options["dtype"], batch_invariant
-    )
-    prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
-    output = Path(options["output"]) if options["output"] else None
-    records = generate_to_file(
-        model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8)
-    )
+    tp = number("tp", int, 1)
+    rank0 = True
+    if tp > 1:
+        import torch.distributed as dist
+
+        from torchloom.parallel.mesh import destroy, init_distributed
+
+        device = init_distributed(device.type)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        # Every rank must draw the same samples: one global seed for requests without --seed.
+        seed = [torch.randint(0, 2**31, ()).item()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(seed, src=0)
+        torch.manual_seed(seed[0])
+    try:
+        model, tokenizer = load_model_and_tokenizer(
+            options["from-hf"], options["checkpoint"], device, options["dtype"],
+            batch_invariant, tp,
+        )  # fmt: skip
+        prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
+        output = Path(options["output"]) if options["output"] and rank0 else None
+        records = generate_to_file(
+            model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8), rank0
+        )
+    finally:
+        if tp > 1:
+            destroy()
+    if not rank0:
+        return 0
     if output is None:
         for record in records:
             print(json.dumps({k: v for k, v in record.items() if k != "logprobs"}))

@@ -32,9 +32,11 @@ class KVCache:
         max_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_heads: int | None = None,
     ) -> None:
+        """``kv_heads``: the heads this rank holds (tensor parallelism); default all."""
         self.batch_invariant = config.batch_invariant
-        shape = (slots, config.num_kv_heads, max_len, config.resolved_head_dim)
+        shape = (slots, kv_heads or config.num_kv_heads, max_len, config.resolved_head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self.slots, self.max_len = slots, max_len

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.generate.cache import KVCache
 from torchloom.generate.graphs import DecodeGraphs
@@ -84,6 +85,9 @@ class Generator:
     generated; default the model's context). ``cuda_graphs`` (default: on a CUDA device)
     replays decode steps from CUDA graphs captured here, once per batch-size bucket;
     ``compile`` compiles those steps with inductor first (a minute or so, once per process).
+    A tensor-parallel model (DTensor weights, see torchloom/generate/run.py) works too: each
+    rank caches its own kv heads and every rank gets the whole logits, so all ranks pick the
+    same tokens; CUDA graphs are then off by default (not verified with collectives).
     """
 
     def __init__(
@@ -99,9 +103,12 @@ class Generator:
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or self.config.max_seq_len
-        self.cache = KVCache(self.config, max_batch, self.max_len, self.device, self.dtype)
+        kv_heads = _local_kv_heads(model)
+        self.cache = KVCache(
+            self.config, max_batch, self.max_len, self.device, self.dtype, kv_heads
+        )
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = self.device.type == "cuda" and kv_heads == self.config.num_kv_heads
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
         self.graphs = None
@@ -216,6 +223,14 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _local_kv_heads(model: nn.Module) -> int:
+    """The kv heads this rank computes: all of them, or its share under tensor parallelism."""
+    config = model.config
+    weight = next(iter(model.layers.values())).attention.k_proj.weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    return local.shape[0] // config.resolved_head_dim
 
 
 def sample(

@@ -22,14 +22,16 @@ def load_model_and_tokenizer(
     device: torch.device,
     dtype: str | None,
     batch_invariant: bool = False,
+    tp: int = 1,
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode, Tokenizer or None) from a Hugging Face folder, a torchloom model
-    folder, or one step of a training checkpoint; ``batch_invariant`` builds it in that mode."""
+    folder, or one step of a training checkpoint; ``batch_invariant`` builds it in that mode;
+    ``tp`` > 1 splits it over the ``tp`` ranks of the torchrun job (tensor parallelism)."""
     from torchloom.checkpoint.convert import open_model_source
     from torchloom.checkpoint.hf import hf_architecture, load_hf_weights
     from torchloom.checkpoint.safetensors_io import load_into, parse_dtype
     from torchloom.data.tokenizer import Tokenizer
-    from torchloom.models import build_model
+    from torchloom.models import build_model, get_model_spec
     from torchloom.models.config import batch_invariant_config
 
     if from_hf:
@@ -50,10 +52,34 @@ def load_model_and_tokenizer(
         load_hf_weights(model, Path(from_hf))
     else:
         load_into(model, source.tensors, str(checkpoint))
+    if tp > 1:
+        _tensor_parallel(model, get_model_spec(family), tp, device)
     tokenizer = None
     if folder is not None and (Path(folder) / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(folder)
     return model.eval(), tokenizer
+
+
+def _tensor_parallel(model: nn.Module, spec: Any, tp: int, device: torch.device) -> None:
+    """Split the loaded model's heads and hidden units over the job's ranks: the family's
+    plan without sequence parallelism (a decode step has one token per sequence)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchloom.parallel.tensor_parallel import apply_tensor_parallel
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != tp:
+        raise ConfigError(
+            f"--tp {tp} needs {tp} processes (torchrun --nproc-per-node {tp} -m torchloom "
+            f"generate ...); this job has {world}."
+        )
+    if spec.tp_plan is None:
+        raise ConfigError(f"Model family '{spec.name}' declares no tensor-parallel plan.")
+    if model.config.batch_invariant:
+        raise ConfigError("--batch-invariant runs on whole-model ranks only; drop --tp.")
+    mesh = init_device_mesh(device.type, (tp,))
+    apply_tensor_parallel(model, mesh, spec.tp_plan(model, tp, False, sequence_parallel=False))
 
 
 def read_prompts(prompts: list[str], prompts_file: str | None, tokenizer: Any) -> list[list[int]]:
@@ -97,6 +123,7 @@ def generate_to_file(
     params: SamplingParams,
     output: Path | None,
     max_batch: int,
+    verbose: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every prompt (request i gets seed + i when a seed is given) and write the records."""
     stop = params.stop_ids or ((tokenizer.eos_id,) if tokenizer is not None else ())
@@ -131,6 +158,7 @@ def generate_to_file(
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text("".join(json.dumps(r) + "\n" for r in records))
     generated = sum(len(c.tokens) for c in completions)
-    print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
-          f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
+    if verbose:
+        print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
+              f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
     return records

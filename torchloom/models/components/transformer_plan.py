@@ -10,6 +10,10 @@ so GQA works as long as tp divides both head counts; RoPE cos/sin and doc_ids ar
 the full, replicated positions and pass through untouched. Qwen3's q/k norms run per head on
 the local heads with a replicated weight whose gradient is summed over tp.
 
+Generation uses the same split without sequence parallelism (``sequence_parallel=False``): a
+decode step has one token per sequence, which cannot be split over ranks, so the residual
+stream stays replicated and o/down all-reduce instead of reduce-scattering.
+
 The model declares this plan; ``torchloom.parallel.tensor_parallel`` applies it.
 """
 
@@ -61,14 +65,17 @@ def check_tp_degree(model: Transformer, tp: int) -> None:
 
 
 def transformer_tp_plan(
-    model: Transformer, tp: int, loss_parallel: bool = True
+    model: Transformer, tp: int, loss_parallel: bool = True, sequence_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
     """{module path: style} for ``model`` as built now (a pipeline stage may lack layers, the
     embedding or the head). ``""`` names the model itself. With ``loss_parallel`` the logits
     come out as a DTensor sharded over the vocabulary (compute the loss under
     ``torch.distributed.tensor.parallel.loss_parallel()``); otherwise as a full local tensor.
+    ``sequence_parallel=False``: the replicated-stream plan generation uses (full logits).
     """
     check_tp_degree(model, tp)
+    if not sequence_parallel:
+        return _replicated_stream_plan(model)
     seq_sharded, replicated = Shard(1), Replicate()
     plan: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
@@ -119,4 +126,32 @@ def transformer_tp_plan(
             plan[""] = PrepareModuleOutput(
                 output_layouts=vocab_sharded, desired_output_layouts=replicated
             )
+    return plan
+
+
+def _replicated_stream_plan(model: Transformer) -> dict[str, ParallelStyle]:
+    """Heads and hidden units split as in training; the residual stream, norms and RoPE are
+    replicated local tensors on every rank; the logits come out whole on every rank."""
+    replicated = Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.embed_tokens is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
+    for name in model.layers:
+        prefix = f"layers.{name}."
+        for proj in ("attention.q_proj", "attention.k_proj", "attention.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):  # fmt: skip
+            plan[prefix + proj] = ColwiseParallel()
+        plan[prefix + "attention.o_proj"] = RowwiseParallel()
+        plan[prefix + "mlp.down_proj"] = RowwiseParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=replicated)
+    elif model.config.tie_embeddings and model.embed_tokens is not None:
+        # F.linear(h, the vocabulary-split embedding) with h as a replicated DTensor gives
+        # vocabulary-sharded logits; the root gathers them.
+        if model.norm is not None:
+            plan["norm"] = PrepareModuleOutput(
+                output_layouts=replicated, desired_output_layouts=replicated,
+                use_local_output=False,
+            )  # fmt: skip
+        plan[""] = PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=replicated)
     return plan

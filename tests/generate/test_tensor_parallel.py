@@ -1,0 +1,57 @@
+"""Generation with tensor parallelism (`torchloom generate --tp 2` under torchrun, gloo on the
+CPU): the same tokens and, within fp32 rounding, the same log-probabilities as one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchloom.cli import main
+
+
+def _prompts(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n"
+                               for p in ([1, 2, 3], [4] * 9, [5, 6], [7])))  # fmt: skip
+    return prompts
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("family", "tied"), [("llama", False), ("qwen3", True)], ids=["llama", "qwen3-tied"]
+)
+def test_tp2_generation_matches_one_process(tmp_path, hf_checkpoint, family, tied):
+    folder, _ = hf_checkpoint(family, tie_word_embeddings=tied)
+    prompts = _prompts(tmp_path)
+    flags = ["--from-hf", str(folder), "--prompts-file", str(prompts), "--max-new-tokens", "6",
+             "--max-batch", "2", "--device", "cpu", "--dtype", "fp32"]  # fmt: skip
+    sampled = ["--temperature", "0.9", "--seed", "3"]
+    single, single_sampled = tmp_path / "one.jsonl", tmp_path / "one_sampled.jsonl"
+    assert main(["generate", *flags, "--greedy", "--output", str(single)]) == 0
+    assert main(["generate", *flags, *sampled, "--output", str(single_sampled)]) == 0
+    for name, extra in (("tp", ["--greedy"]), ("tp_sampled", sampled)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "-m", "torchloom", "generate", *flags, *extra, "--tp", "2",
+               "--output", str(tmp_path / f"{name}.jsonl")]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for one, tp in ((single, "tp"), (single_sampled, "tp_sampled")):
+        a, b = _records(one), _records(tmp_path / f"{tp}.jsonl")
+        assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+        worst = max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r["logprobs"], s["logprobs"]))
+        print(f"{family} {tp}: max |logprob(tp 2) - logprob(1 process)| = {worst:.1e}")
+        assert worst < 1e-5
+
+
+def test_tp_needs_as_many_processes(tmp_path, hf_checkpoint, capsys):
+    folder, _ = hf_checkpoint("llama")
+    code = main(["generate", "--from-hf", str(folder), "--prompt", "x", "--tp", "2",
+                 "--device", "cpu"])  # fmt: skip
+    assert code == 2
+    assert "--tp 2 needs 2 processes" in capsys.readouterr().err
