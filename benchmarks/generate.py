@@ -6,6 +6,7 @@ prompts; plus a training step in normal vs batch-invariant mode. One table, JSON
     python benchmarks/generate.py                                    # 1B-shaped, bf16, one GPU
     python benchmarks/generate.py --shape tiny --device cpu --batches 1 4 --new-tokens 16 \\
         --prompt-len 16 --rows ours ours-bi hf-eager --bi-max-batch 4
+    torchrun --nproc-per-node 2 benchmarks/generate.py --tp 2 --rows ours ours-fused   # 2 GPUs
 
 Output tokens/s = batch x new tokens / wall time of one `generate` call (greedy, every request
 runs to --new-tokens: no stop tokens, HF with min_new_tokens), after one warm-up call of the same
@@ -26,7 +27,9 @@ import torch
 import transformers
 
 from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.run import tensor_parallel
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
+from torchloom.parallel.mesh import destroy, init_distributed
 
 SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
 ROWS = ("ours", "ours-fused", "ours-compiled", "ours-fused-compiled", "ours-eager", "ours-bi",
@@ -113,8 +116,16 @@ def main() -> None:
     parser.add_argument("--train-seq", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor parallelism over the processes of a torchrun job (ours, "
+                             "ours-eager and ours-fused rows; rank 0 reports)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
+    rank0 = True
+    if args.tp > 1:
+        device = init_distributed(device.type)
+        rank0 = torch.distributed.get_rank() == 0
+        args.rows = [r for r in args.rows if r in ("ours", "ours-eager", "ours-fused")]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     flavor = SHAPES[args.shape]
     model, config = build(flavor, device, dtype)
@@ -123,6 +134,9 @@ def main() -> None:
         if row in args.rows or row + "-compiled" in args.rows:  # same weights, other kernels
             models[row], _ = build(flavor, device, dtype, **slots)
             models[row].load_state_dict(model.state_dict())
+    if args.tp > 1:
+        for m in models.values():
+            tensor_parallel(m, get_model_spec("llama3"), args.tp, device)
     gen = torch.Generator().manual_seed(0)
     results = []
     for row in args.rows:
@@ -149,10 +163,14 @@ def main() -> None:
                 record["error"] = f"{type(err).__name__}: {err}"[:200]
             results.append(record)
             shown = record.get("tokens_per_s", record.get("error"))
-            print(f"{row:<12} batch {batch:>3}: {shown}", flush=True)
+            if rank0:
+                print(f"{row:<12} batch {batch:>3}: {shown}", flush=True)
+    if not rank0:
+        destroy()
+        return
     train = {}
     for name, m in models.items():
-        if name == "ours-fused":
+        if name == "ours-fused" or args.tp > 1:
             continue
         train[name] = train_step_seconds(m, config, device, args.train_seq)
         print(f"train step ({name}, 1 x {args.train_seq} tokens): {train[name]:.3f} s")
@@ -171,9 +189,10 @@ def main() -> None:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "command": " ".join(sys.argv), "shape": args.shape, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "rows": results, "train_step_s": train,
+        "new_tokens": args.new_tokens, "tp": args.tp, "rows": results, "train_step_s": train,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
+    destroy()
 
 
 if __name__ == "__main__":

@@ -53,14 +53,14 @@ def load_model_and_tokenizer(
     else:
         load_into(model, source.tensors, str(checkpoint))
     if tp > 1:
-        _tensor_parallel(model, get_model_spec(family), tp, device)
+        tensor_parallel(model, get_model_spec(family), tp, device)
     tokenizer = None
     if folder is not None and (Path(folder) / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(folder)
     return model.eval(), tokenizer
 
 
-def _tensor_parallel(model: nn.Module, spec: Any, tp: int, device: torch.device) -> None:
+def tensor_parallel(model: nn.Module, spec: Any, tp: int, device: torch.device) -> None:
     """Split the loaded model's heads and hidden units over the job's ranks: the family's
     plan without sequence parallelism (a decode step has one token per sequence)."""
     import torch.distributed as dist
