@@ -14,7 +14,8 @@ compute, fp32 master weights and reduction), each block compiled, recomputation 
 torchloom-fused: that plus the Triton RMSNorm / RoPE / SwiGLU kernels and the chunked fused
 output head + cross-entropy (--model.transforms '["triton_kernels"]' --model.loss_impl chunked).
 torchloom-float8: the torchloom row with torchao float8 linears in the blocks (--model.float8
-rowwise). hf:
+rowwise). torchloom-graphs: torchloom-eager's step captured once as a CUDA graph and replayed
+(--training.cuda_graph true; GPU only). hf:
 transformers' LlamaForCausalLM, its config written by torchloom's HF adapter from the same
 flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 autocast over
 fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
@@ -49,7 +50,7 @@ import torch
 import transformers
 from torch import nn
 
-from torchloom.data.packing import IGNORE_INDEX
+from torchloom.data.packing import IGNORE_INDEX, Batch
 from torchloom.models import (
     ModelConfig,
     TransformerConfig,
@@ -66,6 +67,7 @@ from torchloom.parallel import (
     parallelize,
 )
 from torchloom.train.compile import CompileConfig, compile_regions
+from torchloom.train.cuda_graph import StepGraph
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer
 from torchloom.train.remat import RematConfig, RematMode, apply_remat
@@ -75,7 +77,8 @@ SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
     "1B": ("1B", 4096, torch.float32),
     "8B": ("8B", 4096, torch.bfloat16),
 }
-ROWS = ("torchloom-eager", "torchloom", "torchloom-fused", "torchloom-float8", "hf")
+ROWS = ("torchloom-eager", "torchloom", "torchloom-fused", "torchloom-float8", "torchloom-graphs",
+        "hf")  # fmt: skip
 FUSED = {"norm_impl": "triton", "rope_impl": "triton", "mlp_impl": "triton", "loss_impl": "chunked"}
 SEED = 0
 
@@ -148,6 +151,41 @@ def torchloom_step(
     return step
 
 
+def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtype) -> Step:
+    """torchloom-eager's step replayed from one CUDA graph (--training.cuda_graph's StepGraph:
+    forward, backward, clipping and the fused AdamW captured together)."""
+    with torch.device("meta"):
+        model = build_model(cfg, "llama3")
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device).manual_seed(SEED))
+    model.to(dtype)
+    optimizer = build_optimizer(model, OptimizerConfig(), device)
+    autocast = dtype == torch.float32
+
+    def step_fn(batches: list[Batch], num_tokens: torch.Tensor):
+        (batch,) = batches
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss_sum = model(batch.tokens, batch.positions, labels_BT=batch.labels)
+        (loss_sum / num_tokens).backward()
+        grad_norm = clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss_sum.detach(), grad_norm
+
+    graph = StepGraph(step_fn, optimizer)
+
+    def step(x_BT1: torch.Tensor) -> torch.Tensor:
+        tokens_BT = x_BT1[:, :-1]
+        labels_BT = x_BT1[:, 1:].clone()
+        labels_BT[:, -1] = IGNORE_INDEX  # the position HF's shift drops
+        positions_BT = torch.arange(tokens_BT.shape[1], device=device).expand_as(tokens_BT)
+        count = labels_BT[:, :-1].numel()
+        batch = Batch(tokens_BT, labels_BT, positions_BT, None)
+        loss_sum, _ = graph([batch], torch.tensor(float(count), device=device))
+        return loss_sum / count
+
+    return step
+
+
 def hf_step(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, compile_: bool
 ) -> Step:
@@ -210,6 +248,8 @@ def run_row(
         compile_ = not args.no_compile
         if row == "hf":
             step = hf_step(cfg, device, dtype, compile_)
+        elif row == "torchloom-graphs":
+            step = graphed_step(cfg, device, dtype)
         elif row in ("torchloom", "torchloom-fused", "torchloom-float8"):
             fsdp = dims if dtype == torch.float32 else None
             step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
