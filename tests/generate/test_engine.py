@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchloom.cli import main
-from torchloom.generate.engine import Completion, Generator, Request, SamplingParams
+from torchloom.generate.engine import Completion, Generator, Request, SamplingParams, score
 from torchloom.generate.graphs import DecodeGraphs, buckets
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
@@ -41,7 +41,7 @@ def test_logprobs_equal_a_full_forward_under_continuous_batching(family, decode)
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     generator = Generator(model, max_batch=3, max_len=64)
     if decode == "static":
-        generator.graphs = DecodeGraphs(model, generator.cache, capture=False)
+        generator.graphs = DecodeGraphs(model, generator.cache, score, capture=False)
     completions = generator.generate(requests)
     worst = 0.0
     for request, completion in zip(requests, completions):
@@ -79,7 +79,7 @@ def test_cuda_graph_decode_replays_the_static_step_bitwise():
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     captured = Generator(model, max_batch=4, max_len=64, cuda_graphs=True)
     eager = Generator(model, max_batch=4, max_len=64, cuda_graphs=False)
-    eager.graphs = DecodeGraphs(model, eager.cache, capture=False)
+    eager.graphs = DecodeGraphs(model, eager.cache, score, capture=False)
     a, b = captured.generate(requests), eager.generate(requests)
     assert [c.tokens for c in a] == [c.tokens for c in b]
     assert [c.logprobs for c in a] == [c.logprobs for c in b]

@@ -113,7 +113,9 @@ class Generator:
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
         self.graphs = None
         if cuda_graphs or compile:
-            self.graphs = DecodeGraphs(self.model, self.cache, capture=cuda_graphs, compile=compile)
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, score, capture=cuda_graphs, compile=compile
+            )
 
     def _problem(self, request: Request) -> str | None:
         prompt, params = request.prompt_ids, request.params
@@ -184,7 +186,8 @@ class Generator:
             tokens_BT, positions_BT, cache=self.cache.bind(slot_ids_B, positions_BT)
         )
         last_B = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        self._emit(admitted, logits_BTV[torch.arange(len(slots), device=self.device), last_B])
+        logits_BV = logits_BTV[torch.arange(len(slots), device=self.device), last_B]
+        self._emit(admitted, score(logits_BV), list(range(len(slots))))
 
     def _decode(self, active: dict[int, _Active]) -> None:
         slots = list(active)
@@ -192,8 +195,7 @@ class Generator:
             rows = max(slots) + 1
             tokens = [active[s].completion.tokens[-1] if s in active else 0 for s in range(rows)]
             positions = [active[s].position if s in active else 0 for s in range(rows)]
-            logits_RV = self.graphs.step(tokens, positions)
-            self._emit(active, logits_RV[torch.tensor(slots, device=self.device)])
+            self._emit(active, self.graphs.step(tokens, positions), slots)  # row = slot
             return
         tokens_B1 = torch.tensor(
             [[active[s].completion.tokens[-1]] for s in slots], device=self.device
@@ -203,19 +205,24 @@ class Generator:
         logits_B1V = self.model(
             tokens_B1, positions_B1, cache=self.cache.bind(slot_ids_B, positions_B1)
         )
-        self._emit(active, logits_B1V[:, 0])
+        self._emit(active, score(logits_B1V[:, 0]), list(range(len(slots))))
 
-    def _emit(self, rows: dict[int, _Active], logits_BV: torch.Tensor) -> None:
-        """Sample each row's next token, record it with its log-probability, and end rows that
-        stop. Greedy rows are decided together; one host transfer per step for all rows."""
-        logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        tokens_B = logprobs_BV.argmax(dim=-1)
-        for row, state in enumerate(rows.values()):
-            if state.request.params.temperature != 0:
-                tokens_B[row] = sample(logprobs_BV[row], state.request.params, state.generator)
-        picked_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
-        for state, token, logprob in zip(rows.values(), tokens_B.tolist(), picked_B.tolist()):
+    def _emit(
+        self, rows: dict[int, _Active], scored: tuple[torch.Tensor, torch.Tensor], index: list[int]
+    ) -> None:
+        """Record each row's next token with its log-probability and end rows that stop.
+        ``scored`` is ``score(logits)``; row ``index[i]`` of it belongs to the i-th state. Greedy
+        rows take the argmax computed there (one host transfer for all of them); sampling rows
+        draw from their own log-probabilities."""
+        logprobs_BV, best_2B = scored
+        best_tokens, best_logprobs = best_2B.tolist()
+        for row, state in zip(index, rows.values()):
             completion, params = state.completion, state.request.params
+            if params.temperature == 0:
+                token, logprob = int(best_tokens[row]), best_logprobs[row]
+            else:
+                token = sample(logprobs_BV[row], params, state.generator)
+                logprob = logprobs_BV[row, token].item()
             completion.tokens.append(token)
             completion.logprobs.append(logprob)
             state.position = len(state.request.prompt_ids) + len(completion.tokens) - 1
@@ -223,6 +230,16 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-probabilities [B, V], [2, B] float64 of each row's argmax token and its
+    log-probability): the model's own distribution, before any sampling setting. Token ids and
+    fp32 values are exact in float64, so one host transfer carries both."""
+    logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
+    tokens_B = logprobs_BV.argmax(dim=-1)
+    picked_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
+    return logprobs_BV, torch.stack((tokens_B.double(), picked_B.double()))
 
 
 def _local_kv_heads(model: nn.Module) -> int:

@@ -7,13 +7,17 @@ bucket (1, 2, 4, ... up to the cache's slots) over the leading slots of the KV c
 bucket that covers the active slots. Rows of free slots inside a bucket compute on a dummy
 token at position 0 of their own slot, which the next prefill of that slot overwrites.
 
-The graphs replay the same kernels an eager step would launch, so the numbers are the same.
+Each graph also runs ``finish`` on the step's logits (the generator's log-softmax and argmax),
+so a step costs one replay and one small host transfer. The graphs replay the same kernels an
+eager step would launch, so the numbers are the same.
 With ``compile`` the step is first compiled by inductor (batch size dynamic, so one compile
 serves every bucket above 1), which fuses the hundreds of pointwise kernels; the graphs then
 replay the compiled kernels.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,22 +34,30 @@ def buckets(slots: int) -> list[int]:
     return [*sizes, slots]
 
 
+Finish = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
 class DecodeGraphs:
     """One captured decode step per bucket; ``step`` fills the inputs, replays, and returns
-    the logits of the first ``rows`` slots."""
+    ``finish(logits)`` of the bucket's rows (row i = slot i)."""
 
     def __init__(
-        self, model: nn.Module, cache: KVCache, capture: bool = True, compile: bool = False
+        self,
+        model: nn.Module,
+        cache: KVCache,
+        finish: Finish,
+        capture: bool = True,
+        compile: bool = False,
     ) -> None:
         """``capture=False`` runs the same static-shape steps without graphs (any device)."""
-        self.cache = cache
+        self.cache, self.finish = cache, finish
         # A compiled wrapper around the same module: the model itself is left as it is.
         self.model = torch.compile(model, dynamic=True) if compile else model
         device = cache.k[0].device
         self.sizes = buckets(cache.slots)
         self._tokens_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
         self._positions_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
-        self._logits: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture(device)
@@ -64,20 +76,21 @@ class DecodeGraphs:
             for rows in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._logits[rows] = self._forward(rows)
+                    self._outputs[rows] = self._forward(rows)
                 self._graphs[rows] = graph
         # The captures wrote dummy keys at position 0 of every slot: nothing is cached yet.
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def _forward(self, rows: int) -> tuple[torch.Tensor, ...]:
         tokens_B1, positions_B1 = self._tokens_B1[:rows], self._positions_B1[:rows]
         logits_B1V = self.model(
             tokens_B1, positions_B1, cache=self.cache.bind_leading(positions_B1)
         )
-        return logits_B1V[:, 0]
+        return self.finish(logits_B1V[:, 0])
 
-    def step(self, tokens_R: list[int], positions_R: list[int]) -> torch.Tensor:
-        """Logits [bucket, V] of one decode step of slots 0..len(tokens_R)-1 (free slots among
-        them get token 0 at position 0); rows past len(tokens_R) are padding."""
+    def step(self, tokens_R: list[int], positions_R: list[int]) -> tuple[torch.Tensor, ...]:
+        """``finish(logits)`` of one decode step of slots 0..len(tokens_R)-1 (free slots among
+        them get token 0 at position 0), over the bucket's rows (past len(tokens_R): padding).
+        Replayed outputs are the graph's static tensors: read them before the next step."""
         rows = len(tokens_R)
         bucket = next(size for size in self.sizes if size >= rows)
         pad = bucket - rows
@@ -87,6 +100,6 @@ class DecodeGraphs:
         self._positions_B1[:bucket, 0].copy_(device_values[1])
         if bucket in self._graphs:
             self._graphs[bucket].replay()
-            return self._logits[bucket]
+            return self._outputs[bucket]
         with torch.no_grad():
             return self._forward(bucket)
