@@ -68,8 +68,11 @@ def hf_model(config, device: torch.device, dtype: torch.dtype, compiled: bool):
     )
     model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).eval()
     if compiled:
+        # With a static cache, transformers' generate compiles the decoding forward itself
+        # (generation_config.compile_config: fullgraph, reduce-overhead). Wrapping forward in
+        # torch.compile as well made its CUDA graphs overwrite outputs still in use (H200,
+        # transformers 5.17 + torch 2.11).
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     return model
 
 
