@@ -233,6 +233,7 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
                           reference kernels on the CPU)
   --dtype bf16|fp32       weights' dtype (default: as stored)
   --device cpu|cuda       default: cuda when available
+  --compile               compile the decode step with inductor (GPU: about a minute first)
   --tp N                  tensor parallelism over the N processes of a torchrun job
                           (torchrun --nproc-per-node N -m torchloom generate ... --tp N);
                           rank 0 writes the output
@@ -253,8 +254,9 @@ def cmd_generate(argv: list[str]) -> int:
     options = {name: _pop_option(argv, f"--{name}") for name in names}
     greedy = _pop_flag(argv, "--greedy")
     batch_invariant = _pop_flag(argv, "--batch-invariant")
+    compile_decode = _pop_flag(argv, "--compile")
     if argv:
-        known = [f"--{n}" for n in (*names, "prompt", "greedy", "batch-invariant")]
+        known = [f"--{n}" for n in (*names, "prompt", "greedy", "batch-invariant", "compile")]
         raise ConfigError(
             f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
             "Run `torchloom generate --help`."
@@ -286,6 +288,8 @@ def cmd_generate(argv: list[str]) -> int:
         raise ConfigError(f"Sampling settings: {problem}.")
     device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
     tp = number("tp", int, 1)
+    if compile_decode and tp > 1:
+        raise ConfigError("--compile is not verified with --tp yet; drop one of the two.")
     rank0 = True
     if tp > 1:
         import torch.distributed as dist
@@ -307,8 +311,9 @@ def cmd_generate(argv: list[str]) -> int:
         prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
         output = Path(options["output"]) if options["output"] and rank0 else None
         records = generate_to_file(
-            model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8), rank0
-        )
+            model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8), rank0,
+            compile_decode,
+        )  # fmt: skip
     finally:
         if tp > 1:
             destroy()

@@ -124,6 +124,7 @@ def generate_to_file(
     output: Path | None,
     max_batch: int,
     verbose: bool = True,
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every prompt (request i gets seed + i when a seed is given) and write the records."""
     stop = params.stop_ids or ((tokenizer.eos_id,) if tokenizer is not None else ())
@@ -136,7 +137,8 @@ def generate_to_file(
     ]
     # The cache holds the longest request, not the model's whole context.
     longest = max(len(ids) for ids in prompt_ids) + params.max_new_tokens
-    generator = Generator(model, max_batch, max_len=min(longest, model.config.max_seq_len))
+    max_len = min(longest, model.config.max_seq_len)
+    generator = Generator(model, max_batch, max_len=max_len, compile=compile)
     start = time.perf_counter()
     completions = generator.generate(requests)
     seconds = time.perf_counter() - start
