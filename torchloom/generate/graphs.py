@@ -94,10 +94,9 @@ class DecodeGraphs:
         rows = len(tokens_R)
         bucket = next(size for size in self.sizes if size >= rows)
         pad = bucket - rows
-        values = torch.tensor([tokens_R + [0] * pad, positions_R + [0] * pad])
-        device_values = values.to(self._tokens_B1.device, non_blocking=True)
-        self._tokens_B1[:bucket, 0].copy_(device_values[0])
-        self._positions_B1[:bucket, 0].copy_(device_values[1])
+        values_2R = torch.tensor([tokens_R + [0] * pad, positions_R + [0] * pad])
+        self._tokens_B1[:bucket, 0].copy_(values_2R[0])  # host-to-device copies
+        self._positions_B1[:bucket, 0].copy_(values_2R[1])
         if bucket in self._graphs:
             self._graphs[bucket].replay()
             return self._outputs[bucket]
