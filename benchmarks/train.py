@@ -113,16 +113,29 @@ def matmul_tflops(device: torch.device) -> tuple[float, str]:
     return 2 * n**3 / seconds / 1e12, f"{str(dtype).removeprefix('torch.')} {n}^3"
 
 
+def _torchloom_model(cfg: TransformerConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The llama3 model every torchloom row starts from: built on meta, the same init."""
+    with torch.device("meta"):
+        model = build_model(cfg, "llama3")
+    model.to_empty(device=device)
+    model.init_weights(torch.Generator(device).manual_seed(SEED))
+    return model.to(dtype)
+
+
+def _inputs_and_labels(x_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B, T] and next-token labels, the last position ignored (HF's shift drops it), so
+    every row computes the same T-1 token losses."""
+    labels_BT = x_BT1[:, 1:].clone()
+    labels_BT[:, -1] = IGNORE_INDEX
+    return x_BT1[:, :-1], labels_BT
+
+
 def torchloom_step(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seq: int,
     dims: ParallelDims | None, compile_: bool, remat: str,
 ) -> Step:  # fmt: skip
     """The model (same init for every torchloom row) and Trainer.train_step's work on it."""
-    with torch.device("meta"):
-        model = build_model(cfg, "llama3")
-    model.to_empty(device=device)
-    model.init_weights(torch.Generator(device).manual_seed(SEED))
-    model.to(dtype)
+    model = _torchloom_model(cfg, device, dtype)
 
     def wrap_blocks(m: nn.Module) -> None:  # as Trainer._wrap_blocks
         apply_remat(m.layers, RematConfig(mode=remat), compile_)  # type: ignore[arg-type]
@@ -136,9 +149,7 @@ def torchloom_step(
     autocast = dims is None and dtype == torch.float32 and device.type == "cuda"
 
     def step(x_BT1: torch.Tensor) -> torch.Tensor:
-        tokens_BT = x_BT1[:, :-1]
-        labels_BT = x_BT1[:, 1:].clone()
-        labels_BT[:, -1] = IGNORE_INDEX  # the position HF's shift drops
+        tokens_BT, labels_BT = _inputs_and_labels(x_BT1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss_sum = model(tokens_BT, labels_BT=labels_BT)  # the trainer's loss path
         loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
@@ -154,11 +165,7 @@ def torchloom_step(
 def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtype) -> Step:
     """torchloom-eager's step replayed from one CUDA graph (--training.cuda_graph's StepGraph:
     forward, backward, clipping and the fused AdamW captured together)."""
-    with torch.device("meta"):
-        model = build_model(cfg, "llama3")
-    model.to_empty(device=device)
-    model.init_weights(torch.Generator(device).manual_seed(SEED))
-    model.to(dtype)
+    model = _torchloom_model(cfg, device, dtype)
     optimizer = build_optimizer(model, OptimizerConfig(), device)
     autocast = dtype == torch.float32
 
@@ -174,9 +181,7 @@ def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtyp
     graph = StepGraph(step_fn, optimizer)
 
     def step(x_BT1: torch.Tensor) -> torch.Tensor:
-        tokens_BT = x_BT1[:, :-1]
-        labels_BT = x_BT1[:, 1:].clone()
-        labels_BT[:, -1] = IGNORE_INDEX  # the position HF's shift drops
+        tokens_BT, labels_BT = _inputs_and_labels(x_BT1)
         positions_BT = torch.arange(tokens_BT.shape[1], device=device).expand_as(tokens_BT)
         count = labels_BT[:, :-1].numel()
         batch = Batch(tokens_BT, labels_BT, positions_BT, None)
