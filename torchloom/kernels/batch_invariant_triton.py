@@ -3,8 +3,8 @@
 A GPU kernel is batch-invariant when every output element is reduced in an order that depends
 only on the kernel's compile-time configuration, never on how many rows share the call. So:
 
-- ``matmul``: one tile configuration per dtype (never chosen from M), no split-K, fp32
-  accumulation over the K blocks in increasing order. A row's result does not depend on M or on
+- ``matmul``: one tile configuration per weight shape and dtype (``matmul_config``: never
+  chosen from M), no split-K, fp32 accumulation over the K blocks in increasing order. A row's result does not depend on M or on
   which row of its tile it lands in (a tensor-core MMA computes every row the same way).
 - ``attention``: flash-style online softmax with fixed BLOCK_M and BLOCK_N whatever the call.
   Key blocks sit at absolute key indices (multiples of BLOCK_N from 0) and are visited in
@@ -19,6 +19,8 @@ can trace them. ``batch_invariant`` calls these for CUDA tensors when Triton is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
@@ -26,13 +28,36 @@ from torch.library import triton_op, wrap_triton
 from torchloom.kernels.batch_invariant import causal_positions_and_starts
 from torchloom.kernels.triton_support import jit, tl, triton
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). fp32 takes a shorter K block so that its
-# pipelined tiles fit in shared memory; it multiplies in full fp32 ("ieee"), never TF32.
-_MATMUL_CONFIGS = {
-    torch.bfloat16: (128, 128, 64, 8, 3),
-    torch.float16: (128, 128, 64, 8, 3),
-    torch.float32: (128, 128, 32, 8, 3),
-}
+# K blocks of the narrow tiles per dtype: fp32 takes a shorter one so that its pipelined tiles
+# fit in shared memory; it multiplies in full fp32 ("ieee"), never TF32.
+_MATMUL_BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def matmul_config(N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
+    """The one tiling of every ``x[M, K] @ w[N, K]^T`` with this weight shape and dtype.
+
+    It is a function of the weight alone, never of M, so every row of any call with this
+    weight is reduced the same way. Vocabulary-sized heads (N >= 16384) take 128x128 tiles:
+    they have thousands of column tiles, so a decode step fills the GPU anyway and training
+    sizes run closest to cuBLAS. Every other weight takes 64x64 tiles with long K blocks, so
+    that a decode step (M of 1 to 64, one row block) spreads the weight over N / 64 programs
+    and wastes half as much tensor-core work on empty rows as 128-row tiles; 128x128 tiles
+    left all but 16 of an H200's 132 multiprocessors idle on a 2048-wide projection.
+    benchmarks/batch_invariant_matmul.py measured the candidates (benchmarks/RESULTS.md)."""
+    if N >= 16384:
+        return MatmulConfig(128, 128, 64 if dtype != torch.float32 else 32, 8, 3)
+    return MatmulConfig(64, 64, _MATMUL_BLOCK_K[dtype], 4, 3)
+
+
 _MATMUL_GROUP_M = 8  # tiles of 8 row blocks share their weight columns in L2
 # Attention tiles: 64 (query, head) rows against 64 keys. A decode step runs the same tile.
 ATTENTION_BLOCK_M = 64
@@ -86,14 +111,23 @@ def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     out_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out_MN
-    block_m, block_n, block_k, num_warps, num_stages = _MATMUL_CONFIGS[x_MK.dtype]
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    launch_matmul(x_MK, w_NK, out_MN, matmul_config(N, K, x_MK.dtype))
+    return out_MN
+
+
+def launch_matmul(
+    x_MK: torch.Tensor, w_NK: torch.Tensor, out_MN: torch.Tensor, config: MatmulConfig
+) -> None:
+    """Run the matmul kernel with ``config`` (benchmarks/batch_invariant_matmul.py compares
+    tilings with it; the op itself always passes ``matmul_config``)."""
+    (M, K), N = x_MK.shape, w_NK.shape[0]
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     wrap_triton(_matmul_kernel)[grid](
         x_MK, w_NK, out_MN, M, N, K, *x_MK.stride(), *w_NK.stride(), *out_MN.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_MATMUL_GROUP_M,
-        DOT_PRECISION=_dot_precision(x_MK.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=_MATMUL_GROUP_M, DOT_PRECISION=_dot_precision(x_MK.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return out_MN
 
 
 def _matmul_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
@@ -112,7 +146,7 @@ _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 
 def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in x's dtype (any leading dims) with the fixed-tile matmul."""
-    if x_ND.dtype not in _MATMUL_CONFIGS:
+    if x_ND.dtype not in _MATMUL_BLOCK_K:
         raise TypeError(f"batch-invariant linear takes bf16, fp16 or fp32, not {x_ND.dtype}")
     rows = x_ND.reshape(-1, x_ND.shape[-1])
     out = _matmul(rows, weight_MD.to(x_ND.dtype))
@@ -262,7 +296,7 @@ _attention.register_autograd(_attention_backward, setup_context=_attention_setup
 
 
 def _check_queries(q_BHTd: torch.Tensor) -> None:
-    if q_BHTd.dtype not in _MATMUL_CONFIGS:
+    if q_BHTd.dtype not in _MATMUL_BLOCK_K:
         raise TypeError(f"batch-invariant attention takes bf16, fp16 or fp32, not {q_BHTd.dtype}")
     if q_BHTd.shape[-1] < 16:  # tl.dot needs every dimension >= 16
         raise ValueError(f"batch-invariant attention needs head_dim >= 16, got {q_BHTd.shape[-1]}")
