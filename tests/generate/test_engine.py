@@ -72,10 +72,49 @@ def test_buckets():
     assert buckets(6) == [1, 2, 4, 6]
 
 
+def test_greedy_steps_launched_ahead_change_nothing():
+    """Greedy rows on the static path launch each step before the last one is read (its inputs
+    stay on the device). With requests that join, leave at their length or at a stop token, and
+    finish inside a step already launched, every request gets what the plain decode gives."""
+    model = tiny()
+
+    def run(static: bool, stop_ids: tuple[int, ...] = ()) -> tuple[list[Completion], int]:
+        generator = Generator(model, max_batch=3, max_len=64)
+        ahead = 0
+        if static:
+            graphs = DecodeGraphs(model, generator.cache, score, capture=False)
+            launch = graphs.launch
+
+            def counting_launch(*inputs):
+                nonlocal ahead
+                ahead += not inputs
+                return launch(*inputs)
+
+            graphs.launch = counting_launch
+            generator.graphs = graphs
+        params = [SamplingParams(max_new_tokens=3 + 2 * i, temperature=0.0, stop_ids=stop_ids)
+                  for i in range(len(PROMPTS))]  # fmt: skip
+        return generator.generate([Request(p, q) for p, q in zip(PROMPTS, params)]), ahead
+
+    plain, _ = run(static=False)
+    stop = plain[5].tokens[4]  # a token the longest request meets midway
+    for stop_ids in ((), (stop,)):
+        want, _ = run(static=False, stop_ids=stop_ids)
+        got, ahead = run(static=True, stop_ids=stop_ids)
+        assert ahead > 0
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        for g, w in zip(got, want):
+            assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-5
+    assert "stop" in [c.finish_reason for c in got]
+
+
 @pytest.mark.gpu
-def test_cuda_graph_decode_replays_the_static_step_bitwise():
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_cuda_graph_decode_replays_the_static_step_bitwise(greedy):
     model = tiny().to("cuda", torch.bfloat16)
-    requests = [Request(p, SamplingParams(max_new_tokens=6 + i, seed=i))
+    temperature = 0.0 if greedy else 1.0
+    requests = [Request(p, SamplingParams(max_new_tokens=6 + i, seed=i, temperature=temperature))
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     captured = Generator(model, max_batch=4, max_len=64, cuda_graphs=True)
     eager = Generator(model, max_batch=4, max_len=64, cuda_graphs=False)

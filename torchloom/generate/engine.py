@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchloom.generate.cache import KVCache
-from torchloom.generate.graphs import DecodeGraphs
+from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 
 
 @dataclass
@@ -111,7 +111,15 @@ class Generator:
             cuda_graphs = self.device.type == "cuda" and kv_heads == self.config.num_kv_heads
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+        if compile and self.config.batch_invariant:
+            raise ValueError(
+                "compile and batch-invariant mode do not mix: inductor fuses the pointwise ops "
+                "between the fixed-order kernels and rounds them differently from the trainer's "
+                "eager forward, so the log-probabilities would no longer match it bit for bit. "
+                "Drop compile (CUDA graphs still replay the decode steps)."
+            )
         self.graphs = None
+        self._ahead: DecodeStep | None = None  # a greedy step launched before the last was read
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(
                 self.model, self.cache, score, capture=cuda_graphs, compile=compile
@@ -154,6 +162,9 @@ class Generator:
         active: dict[int, _Active] = {}
         while waiting or active:
             admitted: dict[int, _Active] = {}
+            if waiting and free and self._ahead is not None:
+                self._settle(active)  # the step launched ahead comes first
+                _release(active, free)
             while waiting and free:
                 i = waiting.popleft()
                 request = requests[i]
@@ -168,9 +179,8 @@ class Generator:
                 active.update(admitted)
             elif active:
                 self._decode(active)
-            for slot in [s for s, a in active.items() if a.completion.finish_reason]:
-                del active[slot]
-                heapq.heappush(free, slot)
+            _release(active, free)
+        self._ahead = None  # launched for rows that have stopped since: nothing to read
         return results
 
     def _prefill(self, admitted: dict[int, _Active]) -> None:
@@ -187,15 +197,13 @@ class Generator:
         )
         last_B = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         logits_BV = logits_BTV[torch.arange(len(slots), device=self.device), last_B]
-        self._emit(admitted, score(logits_BV), list(range(len(slots))))
+        logprobs_BV, best_2B = score(logits_BV)
+        self._emit(admitted, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
 
     def _decode(self, active: dict[int, _Active]) -> None:
         slots = list(active)
-        if self.graphs is not None:  # slots 0..max(active): free ones run on a dummy token
-            rows = max(slots) + 1
-            tokens = [active[s].completion.tokens[-1] if s in active else 0 for s in range(rows)]
-            positions = [active[s].position if s in active else 0 for s in range(rows)]
-            self._emit(active, self.graphs.step(tokens, positions), slots)  # row = slot
+        if self.graphs is not None:
+            self._decode_static(active)
             return
         tokens_B1 = torch.tensor(
             [[active[s].completion.tokens[-1]] for s in slots], device=self.device
@@ -205,17 +213,48 @@ class Generator:
         logits_B1V = self.model(
             tokens_B1, positions_B1, cache=self.cache.bind(slot_ids_B, positions_B1)
         )
-        self._emit(active, score(logits_B1V[:, 0]), list(range(len(slots))))
+        logprobs_BV, best_2B = score(logits_B1V[:, 0])
+        self._emit(active, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
+
+    def _decode_static(self, active: dict[int, _Active]) -> None:
+        """A step over slots 0..max(active) (free ones run on a dummy token; row = slot). When
+        every row is greedy and one goes on after this step, the next step is launched before
+        this one is read: its inputs (the argmax tokens) are already on the device."""
+        assert self.graphs is not None
+        step, self._ahead = self._ahead, None
+        if step is None:
+            rows = max(active) + 1
+            tokens = [active[s].completion.tokens[-1] if s in active else 0 for s in range(rows)]
+            positions = [active[s].position if s in active else 0 for s in range(rows)]
+            step = self.graphs.launch(tokens, positions)
+        states = active.values()
+        greedy = all(a.request.params.temperature == 0 for a in states)
+        going_on = any(
+            len(a.completion.tokens) + 1 < a.request.params.max_new_tokens for a in states
+        )
+        if greedy and going_on and self.graphs.bucket_for(max(active) + 1) == self.graphs.bucket:
+            self._ahead = self.graphs.launch()
+        self._emit(active, step.logprobs_BV, step.best(), list(active))
+
+    def _settle(self, active: dict[int, _Active]) -> None:
+        """Read the step launched ahead (its rows are exactly the active ones, all greedy)."""
+        step, self._ahead = self._ahead, None
+        if step is not None:
+            self._emit(active, step.logprobs_BV, step.best(), list(active))
 
     def _emit(
-        self, rows: dict[int, _Active], scored: tuple[torch.Tensor, torch.Tensor], index: list[int]
+        self,
+        rows: dict[int, _Active],
+        logprobs_BV: torch.Tensor,
+        best: list[list[float]],
+        index: list[int],
     ) -> None:
         """Record each row's next token with its log-probability and end rows that stop.
-        ``scored`` is ``score(logits)``; row ``index[i]`` of it belongs to the i-th state. Greedy
-        rows take the argmax computed there (one host transfer for all of them); sampling rows
-        draw from their own log-probabilities."""
-        logprobs_BV, best_2B = scored
-        best_tokens, best_logprobs = best_2B.tolist()
+        ``logprobs_BV`` and ``best`` (argmax tokens and their log-probabilities, on the host)
+        come from ``score(logits)``; row ``index[i]`` belongs to the i-th state. Greedy rows
+        take the argmax (one host transfer for all of them); sampling rows draw from their own
+        log-probabilities."""
+        best_tokens, best_logprobs = best
         for row, state in zip(index, rows.values()):
             completion, params = state.completion, state.request.params
             if params.temperature == 0:
@@ -230,6 +269,13 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _release(active: dict[int, _Active], free: list[int]) -> None:
+    """Give the slots of requests that have finished back to the free heap."""
+    for slot in [s for s, a in active.items() if a.completion.finish_reason]:
+        del active[slot]
+        heapq.heappush(free, slot)
 
 
 def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,12 +7,13 @@ bucket (1, 2, 4, ... up to the cache's slots) over the leading slots of the KV c
 bucket that covers the active slots. Rows of free slots inside a bucket compute on a dummy
 token at position 0 of their own slot, which the next prefill of that slot overwrites.
 
-Each graph also runs ``finish`` on the step's logits (the generator's log-softmax and argmax),
-so a step costs one replay and one small host transfer. The graphs replay the same kernels an
-eager step would launch, so the numbers are the same.
-With ``compile`` the step is first compiled by inductor (batch size dynamic, so one compile
-serves every bucket above 1), which fuses the hundreds of pointwise kernels; the graphs then
-replay the compiled kernels.
+Each graph also runs ``finish`` on the step's logits (the generator's log-softmax and argmax)
+and writes the next step's inputs for greedy rows, so a step costs one replay and one small
+host transfer, and a run of greedy steps is launched one step ahead of the host reading them.
+The graphs replay the same kernels an eager step would launch, so the numbers are the same.
+With ``compile`` the step (model and ``finish``) is first compiled by inductor (batch size
+dynamic, so one compile serves every bucket above 1), which fuses the hundreds of pointwise
+kernels; the graphs then replay the compiled kernels.
 """
 
 from __future__ import annotations
@@ -34,12 +35,33 @@ def buckets(slots: int) -> list[int]:
     return [*sizes, slots]
 
 
-Finish = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Finish = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class DecodeStep:
+    """One launched decode step. ``logprobs_BV`` is the bucket's static output (valid until the
+    next step is launched); ``best()`` waits for the step and returns its [2][bucket] argmax
+    tokens and log-probabilities, copied to host memory as soon as the step ended."""
+
+    def __init__(
+        self, logprobs_BV: torch.Tensor, best_host: torch.Tensor, done: torch.cuda.Event | None
+    ) -> None:
+        self.logprobs_BV, self._best_host, self._done = logprobs_BV, best_host, done
+
+    def best(self) -> list[list[float]]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._best_host.tolist()
 
 
 class DecodeGraphs:
-    """One captured decode step per bucket; ``step`` fills the inputs, replays, and returns
-    ``finish(logits)`` of the bucket's rows (row i = slot i)."""
+    """One captured decode step per bucket; ``launch`` fills the inputs (or keeps the ones the
+    last step left), replays, and returns the DecodeStep of the bucket's rows (row i = slot i).
+
+    Every step also writes the next step's inputs on the device: each row's argmax token, one
+    position further on. A step of greedy rows can therefore be launched before the host has
+    read the previous one (``launch()`` without inputs), so the GPU does not wait for the
+    Python between steps."""
 
     def __init__(
         self,
@@ -51,16 +73,33 @@ class DecodeGraphs:
     ) -> None:
         """``capture=False`` runs the same static-shape steps without graphs (any device)."""
         self.cache, self.finish = cache, finish
-        # A compiled wrapper around the same module: the model itself is left as it is.
-        self.model = torch.compile(model, dynamic=True) if compile else model
         device = cache.k[0].device
         self.sizes = buckets(cache.slots)
         self._tokens_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
         self._positions_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
-        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # Two host buffers (pinned on CUDA) and events in turn: one for the step being read, one
+        # for the step launched after it.
+        pinned = device.type == "cuda"
+        self._host = [torch.empty(2 * cache.slots, dtype=torch.float64, pin_memory=pinned)
+                      for _ in range(2)]  # fmt: skip
+        self._done = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self._turn = 0
+        self._step = self._model_step(model)
+        if compile:  # a compiled wrapper around the same module: the model is left as it is
+            self._step = torch.compile(self._step, dynamic=True)
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._bucket = 0  # the bucket of the last launched step
         if capture:
             self._capture(device)
+
+    def _model_step(self, model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        def step(
+            tokens_B1: torch.Tensor, positions_B1: torch.Tensor, cache: KVCache
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.finish(model(tokens_B1, positions_B1, cache=cache)[:, 0])
+
+        return step
 
     def _capture(self, device: torch.device, warmup: int = 2) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -80,25 +119,51 @@ class DecodeGraphs:
                 self._graphs[rows] = graph
         # The captures wrote dummy keys at position 0 of every slot: nothing is cached yet.
 
-    def _forward(self, rows: int) -> tuple[torch.Tensor, ...]:
+    def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens_B1, positions_B1 = self._tokens_B1[:rows], self._positions_B1[:rows]
-        logits_B1V = self.model(
-            tokens_B1, positions_B1, cache=self.cache.bind_leading(positions_B1)
+        logprobs_BV, best_2B = self._step(
+            tokens_B1, positions_B1, self.cache.bind_leading(positions_B1)
         )
-        return self.finish(logits_B1V[:, 0])
+        # The next step's inputs if every row is greedy (the host overwrites them otherwise).
+        # Clamped: a row past its end keeps writing inside its own, by then unused, slot.
+        tokens_B1.copy_(best_2B[0, :, None].long())
+        positions_B1.add_(1).clamp_(max=self.cache.max_len - 1)
+        return logprobs_BV, best_2B
 
-    def step(self, tokens_R: list[int], positions_R: list[int]) -> tuple[torch.Tensor, ...]:
-        """``finish(logits)`` of one decode step of slots 0..len(tokens_R)-1 (free slots among
-        them get token 0 at position 0), over the bucket's rows (past len(tokens_R): padding).
-        Replayed outputs are the graph's static tensors: read them before the next step."""
-        rows = len(tokens_R)
-        bucket = next(size for size in self.sizes if size >= rows)
-        pad = bucket - rows
-        values_2R = torch.tensor([tokens_R + [0] * pad, positions_R + [0] * pad])
-        self._tokens_B1[:bucket, 0].copy_(values_2R[0])  # host-to-device copies
-        self._positions_B1[:bucket, 0].copy_(values_2R[1])
+    @property
+    def bucket(self) -> int:
+        """The bucket (row count) of the last launched step."""
+        return self._bucket
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket that holds ``rows`` rows."""
+        return next(size for size in self.sizes if size >= rows)
+
+    def launch(
+        self, tokens_R: list[int] | None = None, positions_R: list[int] | None = None
+    ) -> DecodeStep:
+        """A decode step of slots 0..len(tokens_R)-1 (free slots among them get token 0 at
+        position 0), over the smallest bucket that holds them. Without inputs: the last step's
+        bucket on the inputs it left (greedy rows, see the class). Read ``logprobs_BV`` before
+        the next launch."""
+        if tokens_R is not None and positions_R is not None:
+            rows = len(tokens_R)
+            self._bucket = self.bucket_for(rows)
+            pad = self._bucket - rows
+            values_2R = torch.tensor([tokens_R + [0] * pad, positions_R + [0] * pad])
+            self._tokens_B1[: self._bucket, 0].copy_(values_2R[0])  # host-to-device copies
+            self._positions_B1[: self._bucket, 0].copy_(values_2R[1])
+        bucket = self._bucket
         if bucket in self._graphs:
             self._graphs[bucket].replay()
-            return self._outputs[bucket]
-        with torch.no_grad():
-            return self._forward(bucket)
+            logprobs_BV, best_2B = self._outputs[bucket]
+        else:
+            with torch.no_grad():
+                logprobs_BV, best_2B = self._forward(bucket)
+        host = self._host[self._turn][: 2 * bucket].view(2, bucket)
+        done = self._done[self._turn]
+        self._turn ^= 1
+        host.copy_(best_2B, non_blocking=True)
+        if done is not None:
+            done.record()
+        return DecodeStep(logprobs_BV, host, done)
