@@ -290,6 +290,12 @@ def cmd_generate(argv: list[str]) -> int:
     tp = number("tp", int, 1)
     if compile_decode and tp > 1:
         raise ConfigError("--compile is not verified with --tp yet; drop one of the two.")
+    if compile_decode and batch_invariant:
+        raise ConfigError(
+            "--compile and --batch-invariant do not mix: inductor's fused pointwise code rounds "
+            "differently from the trainer's eager forward. Drop --compile (the decode steps "
+            "still replay from CUDA graphs)."
+        )
     rank0 = True
     if tp > 1:
         import torch.distributed as dist

@@ -54,6 +54,13 @@ class JobConfig:
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
                 "--parallel.tp, --parallel.cp and --parallel.pp to 1 (data parallelism is fine)."
             )
+        if self.model.batch_invariant and self.compile.enabled:
+            raise ConfigError(
+                "--model.batch_invariant true and --compile.enabled true do not mix: inductor "
+                "fuses the pointwise code between the fixed-order kernels and rounds it "
+                "differently from the eager generator, so the log-probabilities would no longer "
+                "match it bit for bit. Set --compile.enabled false."
+            )
         if self.model.loss_impl == "chunked" and (self.parallel.tp > 1 or self.parallel.pp > 1):
             raise ConfigError(
                 "--model.loss_impl chunked fuses the whole output head on one rank; it does not "

@@ -67,6 +67,11 @@ def test_refusals():
         resolve_model_config(ModelConfig(batch_invariant=True, attn_backend="flex"))
     with pytest.raises(ConfigError, match="whole-model ranks only"):
         resolve_job(["--recipe", "debug", "--model.batch_invariant", "true", "--parallel.tp", "2"])
+    with pytest.raises(ConfigError, match="--compile.enabled true do not mix"):
+        resolve_job(["--recipe", "debug", "--model.batch_invariant", "true",
+                     "--compile.enabled", "true"])  # fmt: skip
+    with pytest.raises(ValueError, match="compile and batch-invariant mode do not mix"):
+        Generator(invariant_model("llama3"), max_batch=1, max_len=16, compile=True)
 
 
 def test_generate_command_batch_invariant(tmp_path, hf_checkpoint):

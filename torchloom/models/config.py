@@ -101,8 +101,14 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
 def batch_invariant_config(cfg: TransformerConfig) -> TransformerConfig:
     """``cfg`` in batch-invariant mode: fixed-order attention and linears
     (torchloom/kernels/batch_invariant.py) and the Triton RMSNorm, one program per row, whose
-    reduction order never depends on the number of rows (the PyTorch reference off CUDA)."""
-    return replace(cfg, batch_invariant=True, attn_backend="batch_invariant", norm_impl="triton")
+    reduction order never depends on the number of rows (the PyTorch reference off CUDA). The
+    Triton RoPE and SwiGLU gate come along: elementwise, so invariant either way, they replace
+    a dozen small eager kernels per block in a decode step that cannot be compiled (see
+    docs/batch_invariance.md)."""
+    return replace(
+        cfg, batch_invariant=True, attn_backend="batch_invariant", norm_impl="triton",
+        rope_impl="triton", mlp_impl="triton",
+    )  # fmt: skip
 
 
 def apply_overrides(cfg: TransformerConfig, overrides: dict[str, Any]) -> TransformerConfig:
