@@ -10,7 +10,9 @@ prompts; plus a training step in normal vs batch-invariant mode. One table, JSON
 
 Output tokens/s = batch x new tokens / wall time of one `generate` call (greedy, every request
 runs to --new-tokens: no stop tokens, HF with min_new_tokens), after one warm-up call of the same
-shape (compilation happens there). Weights are random (speed does not depend on them); torchloom
+shape (compilation and CUDA-graph capture happen there; our Generator is kept for the timed
+call, as a server keeps its engine). --profile-steps adds each row's GPU kernel breakdown.
+Weights are random (speed does not depend on them); torchloom
 and HF get the same architecture through torchloom's HF adapter.
 """
 
@@ -51,10 +53,19 @@ def build(flavor: str, device: torch.device, dtype: torch.dtype, **slots):
     return model.to(dtype).eval(), config
 
 
-def ours(model, prompts: list[list[int]], new_tokens: int, **options) -> float:
+_GENERATORS: dict[tuple, Generator] = {}
+
+
+def ours(model, prompts: list[list[int]], new_tokens: int, max_len: int, **options) -> float:
+    """Seconds of one generate call; the Generator (its CUDA graphs captured, its step compiled)
+    is made by the first call of a shape and reused, as a server would keep it."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    max_len = len(prompts[0]) + new_tokens
-    generator = Generator(model, max_batch=len(prompts), max_len=max_len, **options)
+    key = (id(model), len(prompts), max_len, tuple(sorted(options.items())))
+    if key not in _GENERATORS:
+        _GENERATORS.clear()  # one at a time: each holds a KV cache and graph memory
+        _GENERATORS[key] = Generator(model, max_batch=len(prompts), max_len=max_len, **options)
+    generator = _GENERATORS[key]
+    _sync(next(model.parameters()).device)
     start = time.perf_counter()
     completions = generator.generate([Request(p, params) for p in prompts])
     _sync(next(model.parameters()).device)
@@ -89,6 +100,26 @@ def hf(model, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def kernel_profile(run, prompts: list[list[int]], steps: int, top: int = 12) -> dict:
+    """GPU kernel time of one ``run`` of ``steps`` new tokens (torch.profiler over CUPTI, CUDA
+    graph replays included): the ``top`` kernels by time per step, and the share of wall time
+    the GPU was busy (the rest is host work between steps: Python, launches, transfers)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = run(prompts, steps)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "wall_ms_per_step": 1e3 * wall / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "top": [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
+                 "us_per_step": e.self_device_time_total / steps} for e in ranked],
+    }  # fmt: skip
+
+
 def train_step_seconds(model, config, device: torch.device, seq: int, steps: int = 3) -> float:
     """Median forward + backward + AdamW step on one sequence of ``seq`` tokens."""
     model.train()
@@ -106,6 +137,14 @@ def train_step_seconds(model, config, device: torch.device, seq: int, steps: int
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+def _print_profile(row: str, batch: int, profile: dict) -> None:
+    print(f"  profile {row} batch {batch}: {profile['wall_ms_per_step']:.3f} ms/step wall, GPU "
+          f"busy {profile['gpu_busy_ms_per_step']:.3f} ms, {profile['kernels_per_step']:.0f} "
+          "kernels/step")  # fmt: skip
+    for k in profile["top"]:
+        print(f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1B", choices=list(SHAPES))
@@ -116,7 +155,11 @@ def main() -> None:
     parser.add_argument("--bi-max-batch", type=int, default=64,
                         help="largest batch for the batch-invariant row (its CPU reference "
                              "kernels are slow: use a small value there)")  # fmt: skip
-    parser.add_argument("--train-seq", type=int, default=256)
+    parser.add_argument("--train-seq", type=int, default=256,
+                        help="tokens of the normal vs batch-invariant training step (0: skip)")  # fmt: skip
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile a run of this many new tokens per row and "
+                             "batch: kernel time per step and the GPU's busy share (GPU only)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
     parser.add_argument("--tp", type=int, default=1,
@@ -158,12 +201,17 @@ def main() -> None:
                     if row.endswith("-compiled"):
                         options = {"compile": True}
                     m = models.get(row.removesuffix("-compiled"), model)
-                    run = lambda p, n, m=m, o=options: ours(m, p, n, **o)  # noqa: E731
+                    length = args.prompt_len + args.new_tokens
+                    run = lambda p, n, m=m, o=options, L=length: ours(m, p, n, L, **o)  # noqa: E731
                 run(prompts, args.new_tokens)  # warm-up (compiles)
                 seconds = run(prompts, args.new_tokens)
                 record["tokens_per_s"] = round(batch * args.new_tokens / seconds, 1)
+                if args.profile_steps and device.type == "cuda" and rank0:
+                    record["profile"] = kernel_profile(run, prompts, args.profile_steps)
+                    _print_profile(row, batch, record["profile"])
             except Exception as err:  # OOM or a skipped row: recorded, the run goes on
                 record["error"] = f"{type(err).__name__}: {err}"[:200]
+            _GENERATORS.clear()
             results.append(record)
             shown = record.get("tokens_per_s", record.get("error"))
             if rank0:
@@ -173,7 +221,7 @@ def main() -> None:
         return
     train = {}
     for name, m in models.items():
-        if name == "ours-fused" or args.tp > 1:
+        if name == "ours-fused" or args.tp > 1 or args.train_seq == 0:
             continue
         train[name] = train_step_seconds(m, config, device, args.train_seq)
         print(f"train step ({name}, 1 x {args.train_seq} tokens): {train[name]:.3f} s")
