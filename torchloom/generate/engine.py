@@ -201,10 +201,10 @@ class Generator:
         self._emit(admitted, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
 
     def _decode(self, active: dict[int, _Active]) -> None:
-        slots = list(active)
         if self.graphs is not None:
             self._decode_static(active)
             return
+        slots = list(active)
         tokens_B1 = torch.tensor(
             [[active[s].completion.tokens[-1]] for s in slots], device=self.device
         )
@@ -234,13 +234,16 @@ class Generator:
         )
         if greedy and going_on and self.graphs.bucket_for(max(active) + 1) == self.graphs.bucket:
             self._ahead = self.graphs.launch()
-        self._emit(active, step.logprobs_BV, step.best(), list(active))
+        self._read(active, step)
 
     def _settle(self, active: dict[int, _Active]) -> None:
         """Read the step launched ahead (its rows are exactly the active ones, all greedy)."""
         step, self._ahead = self._ahead, None
-        if step is not None:
-            self._emit(active, step.logprobs_BV, step.best(), list(active))
+        assert step is not None
+        self._read(active, step)
+
+    def _read(self, active: dict[int, _Active], step: DecodeStep) -> None:
+        self._emit(active, step.logprobs_BV, step.best(), list(active))  # row = slot
 
     def _emit(
         self,

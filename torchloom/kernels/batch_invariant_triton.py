@@ -4,8 +4,9 @@ A GPU kernel is batch-invariant when every output element is reduced in an order
 only on the kernel's compile-time configuration, never on how many rows share the call. So:
 
 - ``matmul``: one tile configuration per weight shape and dtype (``matmul_config``: never
-  chosen from M), no split-K, fp32 accumulation over the K blocks in increasing order. A row's result does not depend on M or on
-  which row of its tile it lands in (a tensor-core MMA computes every row the same way).
+  chosen from M), no split-K, fp32 accumulation over the K blocks in increasing order. A row's
+  result does not depend on M or on which row of its tile it lands in (a tensor-core MMA
+  computes every row the same way).
 - ``attention``: flash-style online softmax with fixed BLOCK_M and BLOCK_N whatever the call.
   Key blocks sit at absolute key indices (multiples of BLOCK_N from 0) and are visited in
   increasing order; a block in which a query sees no key leaves that query's state bit for
@@ -28,10 +29,6 @@ from torch.library import triton_op, wrap_triton
 from torchloom.kernels.batch_invariant import causal_positions_and_starts
 from torchloom.kernels.triton_support import jit, tl, triton
 
-# K blocks of the narrow tiles per dtype: fp32 takes a shorter one so that its pipelined tiles
-# fit in shared memory; it multiplies in full fp32 ("ieee"), never TF32.
-_MATMUL_BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
-
 
 @dataclass(frozen=True)
 class MatmulConfig:
@@ -40,6 +37,22 @@ class MatmulConfig:
     block_k: int
     num_warps: int
     num_stages: int
+
+
+# Per dtype: the tiling of vocabulary-sized heads and of every narrower weight. fp32 takes
+# shorter K blocks so that its pipelined tiles fit in shared memory; it multiplies in full fp32
+# ("ieee"), never TF32.
+_HEAD_TILING = {
+    torch.bfloat16: MatmulConfig(128, 128, 64, 8, 3),
+    torch.float16: MatmulConfig(128, 128, 64, 8, 3),
+    torch.float32: MatmulConfig(128, 128, 32, 8, 3),
+}
+_NARROW_TILING = {
+    torch.bfloat16: MatmulConfig(64, 64, 128, 4, 3),
+    torch.float16: MatmulConfig(64, 64, 128, 4, 3),
+    torch.float32: MatmulConfig(64, 64, 32, 4, 3),
+}
+_HEAD_COLUMNS = 16384
 
 
 def matmul_config(N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
@@ -53,9 +66,7 @@ def matmul_config(N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
     and wastes half as much tensor-core work on empty rows as 128-row tiles; 128x128 tiles
     left all but 16 of an H200's 132 multiprocessors idle on a 2048-wide projection.
     benchmarks/batch_invariant_matmul.py measured the candidates (benchmarks/RESULTS.md)."""
-    if N >= 16384:
-        return MatmulConfig(128, 128, 64 if dtype != torch.float32 else 32, 8, 3)
-    return MatmulConfig(64, 64, _MATMUL_BLOCK_K[dtype], 4, 3)
+    return (_HEAD_TILING if N >= _HEAD_COLUMNS else _NARROW_TILING)[dtype]
 
 
 _MATMUL_GROUP_M = 8  # tiles of 8 row blocks share their weight columns in L2
@@ -146,7 +157,7 @@ _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 
 def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in x's dtype (any leading dims) with the fixed-tile matmul."""
-    if x_ND.dtype not in _MATMUL_BLOCK_K:
+    if x_ND.dtype not in _NARROW_TILING:
         raise TypeError(f"batch-invariant linear takes bf16, fp16 or fp32, not {x_ND.dtype}")
     rows = x_ND.reshape(-1, x_ND.shape[-1])
     out = _matmul(rows, weight_MD.to(x_ND.dtype))
@@ -296,7 +307,7 @@ _attention.register_autograd(_attention_backward, setup_context=_attention_setup
 
 
 def _check_queries(q_BHTd: torch.Tensor) -> None:
-    if q_BHTd.dtype not in _MATMUL_BLOCK_K:
+    if q_BHTd.dtype not in _NARROW_TILING:
         raise TypeError(f"batch-invariant attention takes bf16, fp16 or fp32, not {q_BHTd.dtype}")
     if q_BHTd.shape[-1] < 16:  # tl.dot needs every dimension >= 16
         raise ValueError(f"batch-invariant attention needs head_dim >= 16, got {q_BHTd.shape[-1]}")
