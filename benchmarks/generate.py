@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.profiler import ProfilerActivity, profile
 
 from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.generate.run import tensor_parallel
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel.mesh import destroy, init_distributed
+from torchloom.train.profiling import format_kernel_summary, kernel_summary
 
 SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
 ROWS = ("ours", "ours-fused", "ours-compiled", "ours-fused-compiled", "ours-eager", "ours-bi",
@@ -100,24 +102,12 @@ def hf(model, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def kernel_profile(run, prompts: list[list[int]], steps: int, top: int = 12) -> dict:
+def kernel_profile(run, prompts: list[list[int]], steps: int) -> dict:
     """GPU kernel time of one ``run`` of ``steps`` new tokens (torch.profiler over CUPTI, CUDA
-    graph replays included): the ``top`` kernels by time per step, and the share of wall time
-    the GPU was busy (the rest is host work between steps: Python, launches, transfers)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+    graph replays included); see torchloom.train.profiling.kernel_summary."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = run(prompts, steps)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    busy_us = sum(e.self_device_time_total for e in kernels)
-    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {
-        "wall_ms_per_step": 1e3 * wall / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
-        "kernels_per_step": sum(e.count for e in kernels) / steps,
-        "top": [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
-                 "us_per_step": e.self_device_time_total / steps} for e in ranked],
-    }  # fmt: skip
+    return kernel_summary(prof, steps, wall)
 
 
 def train_step_seconds(model, config, device: torch.device, seq: int, steps: int = 3) -> float:
@@ -135,14 +125,6 @@ def train_step_seconds(model, config, device: torch.device, seq: int, steps: int
         times.append(time.perf_counter() - start)
     model.eval()
     return sorted(times[1:])[len(times[1:]) // 2]
-
-
-def _print_profile(row: str, batch: int, profile: dict) -> None:
-    print(f"  profile {row} batch {batch}: {profile['wall_ms_per_step']:.3f} ms/step wall, GPU "
-          f"busy {profile['gpu_busy_ms_per_step']:.3f} ms, {profile['kernels_per_step']:.0f} "
-          "kernels/step")  # fmt: skip
-    for k in profile["top"]:
-        print(f"    {k['us_per_step']:8.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}")
 
 
 def main() -> None:
@@ -208,7 +190,7 @@ def main() -> None:
                 record["tokens_per_s"] = round(batch * args.new_tokens / seconds, 1)
                 if args.profile_steps and device.type == "cuda" and rank0:
                     record["profile"] = kernel_profile(run, prompts, args.profile_steps)
-                    _print_profile(row, batch, record["profile"])
+                    print(format_kernel_summary(f"{row} batch {batch}", record["profile"]))
             except Exception as err:  # OOM or a skipped row: recorded, the run goes on
                 record["error"] = f"{type(err).__name__}: {err}"[:200]
             _GENERATORS.clear()

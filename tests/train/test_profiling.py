@@ -2,10 +2,17 @@ import json
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from torchloom.cli import main
 from torchloom.config.errors import ConfigError
-from torchloom.train.profiling import ProfilingConfig, StepProfiler
+from torchloom.train.profiling import (
+    ProfilingConfig,
+    StepProfiler,
+    format_kernel_summary,
+    kernel_kind,
+    kernel_summary,
+)
 
 
 def test_chosen_steps_are_traced(tmp_path):
@@ -30,3 +37,26 @@ def test_profiling_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="memory_snapshot"):
         StepProfiler(ProfilingConfig(steps=[1], memory_snapshot=True), tmp_path, 0,
                      torch.device("cpu"))  # fmt: skip
+
+
+def test_kernel_kinds_and_summary():
+    """Kernel names as CUPTI reports them map to their kinds; a CPU-only profile has no GPU
+    kernels, so its summary is empty but well formed."""
+    names = {
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "triton_poi_fused__to_copy_mul_0": "triton",
+        "_cross_entropy_grad_kernel": "triton",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda": "copy",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<": "multi_tensor",
+        "ncclDevKernel_AllGather_RING_LL": "communication",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4": "elementwise",
+        "some_unknown_thing": "other",
+    }
+    assert {name: kernel_kind(name) for name in names} == names
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.randn(8, 8) @ torch.randn(8, 8)
+    summary = kernel_summary(prof, steps=2, wall_s=0.01)
+    assert summary["gpu_busy_ms_per_step"] == 0 and summary["top"] == []
+    assert summary["wall_ms_per_step"] == 5.0
+    assert "5.000 ms/step wall" in format_kernel_summary("cpu", summary)

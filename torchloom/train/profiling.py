@@ -3,10 +3,12 @@ snapshot, written into the run folder."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from torchloom.config.errors import ConfigError
@@ -88,3 +90,54 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             self.written.append(snapshot)
+
+
+KERNEL_KINDS = (  # (kind, pattern on the kernel's name); the first match wins
+    ("attention", r"flash|fmha|attn|attention|cudnn"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|wgmma|matmul|sm90_"),
+    ("communication", r"nccl"),
+    ("multi_tensor", r"adam|multi_tensor|foreach"),  # AdamW, clipping, foreach copies
+    ("triton", r"^triton_|^_\w+_kernel$"),  # inductor's kernels, then torchloom's own
+    ("copy", r"memcpy|memset|copy|cat_|fill"),
+    ("elementwise", r"elementwise|vectorized|reduce|softmax|norm|index|embedding|scatter|gather"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A coarse label for a CUDA kernel name: matmul, attention, communication, multi_tensor, copy,
+    triton (inductor's and our own kernels), elementwise, or other."""
+    lowered = name.lower()
+    return next((kind for kind, pat in KERNEL_KINDS if re.search(pat, lowered)), "other")
+
+
+def kernel_summary(prof: profile, steps: int, wall_s: float, top: int = 16) -> dict:
+    """GPU time of a profiled run of ``steps`` steps that took ``wall_s`` seconds: busy time per
+    step (the rest of the wall time the GPU waited on the host), time per kernel kind, and the
+    ``top`` kernels by time."""
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / steps / 1e3
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "wall_ms_per_step": 1e3 * wall_s / steps, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": e.key[:120], "kind": kernel_kind(e.key), "calls_per_step": e.count / steps,
+                 "us_per_step": e.self_device_time_total / steps} for e in ranked],
+    }  # fmt: skip
+
+
+def format_kernel_summary(label: str, summary: dict) -> str:
+    """kernel_summary as printable lines."""
+    kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in summary["ms_per_step_by_kind"].items())
+    lines = [
+        f"  profile {label}: {summary['wall_ms_per_step']:.3f} ms/step wall, GPU busy "
+        f"{summary['gpu_busy_ms_per_step']:.3f} ms, {summary['kernels_per_step']:.0f} kernels/step",
+        f"    ms/step by kind: {kinds}",
+    ]
+    lines += [f"    {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}"
+              for k in summary["top"]]  # fmt: skip
+    return "\n".join(lines)
