@@ -83,6 +83,28 @@ def test_sdpa_and_flex_models_agree() -> None:
         torch.testing.assert_close(flex(tokens, None, docs), sdpa(tokens, None, docs))
 
 
+def test_flex_block_mask_is_built_once_per_forward(monkeypatch) -> None:
+    """Every layer attends with the same BlockMask: one build per forward, not one per layer."""
+    from torchloom.models.components import attention
+
+    built = []
+
+    def counting(*args, **kwargs):
+        built.append(args[3:5])  # (q_len, kv_len)
+        return create_block_mask(*args, **kwargs)
+
+    create_block_mask = attention.create_block_mask
+    monkeypatch.setattr(attention, "create_block_mask", counting)
+    sdpa = _model(replace(TINY, qk_norm=True))
+    flex = Transformer(replace(TINY, qk_norm=True, attn_backend="flex"))
+    flex.load_state_dict(sdpa.state_dict())
+    assert len(flex.layers) > 1
+    tokens, docs = _tokens(2, 20), torch.tensor([[0] * 6 + [1] * 14, [0] * 20])
+    with torch.no_grad():  # flex has no CPU backward
+        torch.testing.assert_close(flex(tokens, None, docs), sdpa(tokens, None, docs))
+    assert built == [(20, 20)]
+
+
 def test_tied_embeddings_share_one_weight() -> None:
     model = _model(replace(TINY, tie_embeddings=True))
     assert model.output is None

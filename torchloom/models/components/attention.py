@@ -4,6 +4,8 @@ A backend is a plain function ``(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT | None) -> o
 causal attention with softmax scale 1/sqrt(head_dim), where K (kv heads) divides H (query
 heads) and query head h reads kv head h // (H / K). With ``doc_ids_BT`` a token also attends
 only to tokens of its own document (packed rows). Register new kernels in ATTENTION_BACKENDS.
+The flex backend also takes, in place of ``doc_ids_BT``, the BlockMask ``flex_block_mask``
+built from it: the model builds that once per forward for all its layers.
 """
 
 from __future__ import annotations
@@ -95,10 +97,15 @@ def flex_attention_backend(
     q_BHTd: torch.Tensor,
     k_BKTd: torch.Tensor,
     v_BKTd: torch.Tensor,
-    doc_ids_BT: torch.Tensor | None,
+    doc_ids_BT: torch.Tensor | BlockMask | None,
 ) -> torch.Tensor:
-    """torch.nn.attention.flex_attention with a causal(+document) block mask."""
-    block_mask = flex_block_mask(doc_ids_BT, q_BHTd.shape[2], k_BKTd.shape[2], q_BHTd.device)
+    """torch.nn.attention.flex_attention with a causal(+document) block mask: the one given,
+    or one built here from ``doc_ids_BT``."""
+    if isinstance(doc_ids_BT, BlockMask):
+        block_mask = doc_ids_BT
+    else:
+        T, S = q_BHTd.shape[2], k_BKTd.shape[2]
+        block_mask = flex_block_mask(doc_ids_BT, T, S, q_BHTd.device)
     attend = _flex_kernel(q_BHTd.device)
     return attend(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=True)
 

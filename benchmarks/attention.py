@@ -1,0 +1,180 @@
+"""Training attention kernels side by side: forward + backward at the llama3 training shapes.
+
+    python benchmarks/attention.py                                  # 1B and 8B heads, seq 4096
+    python benchmarks/attention.py --shapes 1B --batch 4 --docs 8 --json outputs/attn.json
+
+For each shape (query heads, kv heads and head dim of a llama3 flavor), causal GQA attention on
+bf16 [B, H, T, d] inputs, forward then backward, with each kernel torch can run:
+``sdpa`` (torch's own choice), ``sdpa-flash``, ``sdpa-cudnn`` and ``sdpa-efficient`` (one SDPA
+kernel forced with torch.nn.attention.sdpa_kernel; GQA through enable_gqa where the kernel takes
+it, else kv heads repeated first, which the row's note says), and ``flex`` (FlexAttention,
+compiled, causal block mask). ``flex-docs`` packs --docs documents of equal length in each row
+and masks across them: its work is a fraction of the causal one, and the table gives its time
+against ``flex`` to show the block mask skips the masked blocks. Flex rows build their block
+mask once, outside the timed calls, as the model does (once per forward for all layers); the
+build's own time is the row's ``mask_ms``. FLOPs: the model's attention
+term (6 x heads x head_dim x T per token, causal QK^T and AV forward + backward), so TFLOP/s
+compare with benchmarks/train.py. Times: median of --iters CUDA-event timed iterations after
+warm-up. One table, JSON to --json. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchloom.models import ModelConfig, resolve_model_config
+from torchloom.models.components.attention import flex_attention_backend, flex_block_mask
+
+FORCED = {
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+ROWS = ("sdpa", *FORCED, "flex", "flex-docs")
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sdpa(backend: SDPBackend | None, gqa: bool) -> Attend:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not gqa:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return attend
+
+
+def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
+    """The flex backend with its block mask built once, and the build's median seconds."""
+    build = lambda: flex_block_mask(doc_ids_BT, T, T, torch.device("cuda"))  # noqa: E731
+    for _ in range(2):
+        build()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        block_mask = build()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    mask_s = statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flex_attention_backend(q, k, v, block_mask)
+
+    return attend, mask_s
+
+
+def time_fwd_bwd(attend: Attend, q, k, v, iters: int) -> float:
+    """Median seconds of one forward + backward (the output's gradient all ones)."""
+    grad = torch.ones_like(q)
+
+    def once() -> None:
+        out = attend(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    for _ in range(3):
+        once()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        once()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+
+
+def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=shape))
+    H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    T, B = args.seq, args.batch
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, heads, T, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for heads in (H, K, K))  # fmt: skip
+    flops = B * T * 6 * H * d * T  # the model's attention term, per layer
+    doc_ids_BT = (torch.arange(T, device="cuda") * args.docs // T).expand(B, T).contiguous()
+    reference = _sdpa(SDPBackend.FLASH_ATTENTION, True)(q, k, v)
+    rows = []
+    for row in args.rows:
+        record = {"shape": shape, "row": row, "B": B, "H": H, "K": K, "d": d, "T": T, "note": ""}
+        try:
+            if row.startswith("flex"):
+                attend, mask_s = _flex(doc_ids_BT if row == "flex-docs" else None, T)
+                record["mask_ms"] = 1e3 * mask_s
+                record["note"] = f"mask built in {1e3 * mask_s:.2f} ms"
+                if row == "flex-docs":
+                    record["note"] += f"; {args.docs} documents per row"
+            else:
+                attend = _sdpa(FORCED.get(row), True)
+                try:
+                    attend(q, k, v)
+                except RuntimeError:  # this kernel takes no enable_gqa
+                    attend = _sdpa(FORCED.get(row), False)
+                    record["note"] = "kv heads repeated (no GQA support)"
+            if row != "flex-docs":  # the same function as flash's: how close
+                out = attend(q, k, v)
+                record["max_abs_diff_vs_flash"] = (out - reference).abs().max().item()
+            seconds = time_fwd_bwd(attend, q, k, v, args.iters)
+        except Exception as err:  # a kernel this GPU or build lacks becomes the row's error
+            record["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+            rows.append(record)
+            print(f"  {shape} {row}: {record['error']}", flush=True)
+            continue
+        record |= {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
+        rows.append(record)
+        print(f"  {shape} {row}: {1e3 * seconds:.3f} ms", flush=True)
+    flex = next((r for r in rows if r["row"] == "flex" and "ms" in r), None)
+    for r in rows:
+        if flex and r["row"] == "flex-docs" and "ms" in r:
+            r["vs_flex_causal"] = r["ms"] / flex["ms"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1B", "8B"])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--docs", type=int, default=8, help="documents per row for flex-docs")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=Path("outputs/attention_bench.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py times GPU kernels; run it on a CUDA machine.")
+    rows = [r for shape in args.shapes for r in run_shape(shape, args)]
+    print(f"\n{'shape':<5} {'row':<15} {'B,H,K,d,T':<18} {'ms':>8} {'TFLOP/s':>8}  note")
+    for r in rows:
+        dims = f"{r['B']},{r['H']},{r['K']},{r['d']},{r['T']}"
+        if "error" in r:
+            print(f"{r['shape']:<5} {r['row']:<15} {dims:<18} error: {r['error'][:70]}")
+            continue
+        note = r["note"] + (f" ({r['vs_flex_causal']:.2f}x flex's time)" if "vs_flex_causal" in r
+                            else "")  # fmt: skip
+        print(f"{r['shape']:<5} {r['row']:<15} {dims:<18} {r['ms']:>8.3f} {r['tflops']:>8.1f}  "
+              f"{note}")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
