@@ -11,11 +11,16 @@ decay 0.1), zero_grad; no gradient accumulation. One table, JSON to --json.
 Rows. torchloom-eager: the trainer's default on a GPU (fp32 weights under bf16 autocast; no FSDP,
 compile or recomputation). torchloom: FSDP at world size 1 (--parallel.fsdp_always: bf16
 compute, fp32 master weights and reduction), each block compiled, recomputation --remat.
-torchloom-fused: that plus the Triton RMSNorm / RoPE / SwiGLU kernels and the chunked fused
-output head + cross-entropy (--model.transforms '["triton_kernels"]' --model.loss_impl chunked).
-torchloom-float8: the torchloom row with torchao float8 linears in the blocks (--model.float8
-rowwise). torchloom-graphs: torchloom-eager's step captured once as a CUDA graph and replayed
-(--training.cuda_graph true; GPU only). hf:
+torchloom-chunked: that with the chunked fused output head + cross-entropy (--model.loss_impl
+chunked: no [B, T, V] logits; a Triton kernel per chunk on the GPU). torchloom-autocast:
+torchloom-chunked without FSDP, i.e. the trainer's own single-GPU mixed precision (bf16 autocast
+over fp32 weights; FSDP at world size 1 only adds copies). torchloom-flex: torchloom-autocast
+attending with FlexAttention (--model.attn_backend flex, causal block mask built once per
+forward) instead of SDPA. torchloom-fused: torchloom-chunked plus
+the Triton RMSNorm / RoPE / SwiGLU kernels (--model.transforms '["triton_kernels"]').
+torchloom-float8 / torchloom-float8-tensorwise: torchloom-chunked with torchao float8 linears in
+the blocks (--model.float8 rowwise / tensorwise). torchloom-graphs: torchloom-eager's step
+captured once as a CUDA graph and replayed (--training.cuda_graph true; GPU only). hf:
 transformers' LlamaForCausalLM, its config written by torchloom's HF adapter from the same
 flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 autocast over
 fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
@@ -49,6 +54,7 @@ from typing import get_args
 import torch
 import transformers
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from torchloom.data.packing import IGNORE_INDEX, Batch
 from torchloom.models import (
@@ -70,6 +76,7 @@ from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.cuda_graph import StepGraph
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer
+from torchloom.train.profiling import format_kernel_summary, kernel_summary
 from torchloom.train.remat import RematConfig, RematMode, apply_remat
 
 SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
@@ -77,9 +84,21 @@ SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
     "1B": ("1B", 4096, torch.float32),
     "8B": ("8B", 4096, torch.bfloat16),
 }
-ROWS = ("torchloom-eager", "torchloom", "torchloom-fused", "torchloom-float8", "torchloom-graphs",
-        "hf")  # fmt: skip
-FUSED = {"norm_impl": "triton", "rope_impl": "triton", "mlp_impl": "triton", "loss_impl": "chunked"}
+CHUNKED = {"loss_impl": "chunked"}
+ROW_SLOTS = {  # the model-config slots of each torchloom row that differ from the defaults
+    "torchloom-eager": {},
+    "torchloom": {},
+    "torchloom-chunked": CHUNKED,
+    "torchloom-autocast": CHUNKED,
+    "torchloom-flex": {**CHUNKED, "attn_backend": "flex"},
+    "torchloom-fused": {**CHUNKED, "norm_impl": "triton", "rope_impl": "triton",
+                        "mlp_impl": "triton"},
+    "torchloom-float8": {**CHUNKED, "float8": "rowwise"},
+    "torchloom-float8-tensorwise": {**CHUNKED, "float8": "tensorwise"},
+    "torchloom-graphs": {},
+}  # fmt: skip
+ROWS = (*ROW_SLOTS, "hf")
+NO_FSDP = ("torchloom-autocast", "torchloom-flex")  # the trainer's single-GPU autocast instead
 SEED = 0
 
 Step = Callable[[torch.Tensor], torch.Tensor]  # one training step on tokens [B, T+1] -> loss
@@ -239,13 +258,25 @@ def measure(
     return seconds, [loss.item() for loss in losses]
 
 
+def profile_steps(step: Step, batches: list[torch.Tensor], device: torch.device) -> dict:
+    """Kernel time of a few more steps under torch.profiler (kernel_summary): GPU busy vs wall
+    time, time by kernel kind, the top kernels."""
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for batch in batches:
+            step(batch)
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    return kernel_summary(prof, len(batches), wall)
+
+
 def run_row(
     row: str, shape: str, args: argparse.Namespace, device: torch.device,
     dims: ParallelDims | None, batches: list[torch.Tensor],
 ) -> dict:  # fmt: skip
     flavor, _, dtype = SHAPES[shape]
-    slots = {"torchloom-fused": FUSED, "torchloom-float8": {"float8": "rowwise"}}.get(row, {})
-    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **slots))
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **ROW_SLOTS.get(row, {})))
     seq = batches[0].shape[1] - 1
     record = {"row": row, "shape": shape, "flavor": flavor, "batch": args.batch, "seq": seq,
               "weights": str(dtype).removeprefix("torch."), "error": None}  # fmt: skip
@@ -255,12 +286,15 @@ def run_row(
             step = hf_step(cfg, device, dtype, compile_)
         elif row == "torchloom-graphs":
             step = graphed_step(cfg, device, dtype)
-        elif row in ("torchloom", "torchloom-fused", "torchloom-float8"):
-            fsdp = dims if dtype == torch.float32 else None
+        elif row != "torchloom-eager":
+            fsdp = dims if dtype == torch.float32 and row not in NO_FSDP else None
             step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
         else:
             step = torchloom_step(cfg, device, dtype, seq, None, False, "none")
         seconds, losses = measure(step, batches, args.warmup, device)
+        if args.profile_steps and device.type == "cuda":
+            record["profile"] = profile_steps(step, batches[: args.profile_steps], device)
+            print(format_kernel_summary(f"{row} {shape}", record["profile"]), flush=True)
     except Exception as err:  # an OOM (or anything else) becomes this row's error
         record["error"] = (
             f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
@@ -299,6 +333,12 @@ def main() -> None:
     parser.add_argument("--remat", default="none", choices=get_args(RematMode),
                         help="recomputation of the torchloom row")  # fmt: skip
     parser.add_argument("--no-compile", action="store_true", help="compile nothing")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps per row (GPU kernel table)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/train_bench.json"))
     args = parser.parse_args()
@@ -311,7 +351,7 @@ def main() -> None:
     print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul}), data-sheet peak "
           f"{_fmt(peak, '.1f')} TFLOP/s", flush=True)  # fmt: skip
     dims = None
-    if "torchloom" in args.rows:  # FSDP on one process: a one-rank process group
+    if set(args.rows) - {"hf", "torchloom-eager", "torchloom-graphs"}:  # FSDP on one process
         dims = build_parallel_dims(ParallelConfig(fsdp_always=True), device.type)
     rows = []
     args.shapes = list(dict.fromkeys(args.shapes))  # each shape once: rows pair up by shape
@@ -334,23 +374,33 @@ def main() -> None:
             r["mfu"] = 100 * r["tflops"] / peak if peak else None
             r["pct_of_matmul"] = 100 * r["tflops"] / ceiling
             r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else None
-    print(f"\n{'row':<16} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"\n{'row':<27} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'% matmul':>8} {'mem GiB':>8} {'last loss':>9} {'vs hf':>6}")  # fmt: skip
     for r in rows:
         if r["error"]:
-            print(f"{r['row']:<16} {r['shape']:<5} error: {r['error'][:80]}")
+            print(f"{r['row']:<27} {r['shape']:<5} error: {r['error'][:80]}")
             continue
-        print(f"{r['row']:<16} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
+        print(f"{r['row']:<27} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
               f"{_fmt(r['mfu'], '.1f', '%'):>6} {r['pct_of_matmul']:>7.1f}% "
               f"{_fmt(r.get('peak_mem_gib'), '.2f'):>8} {r['final_loss']:>9.4f} "
               f"{_fmt(r['vs_hf'], '.2f', 'x'):>6}")  # fmt: skip
-    checks = {}
-    for shape in args.shapes:
-        eager, fast = find("torchloom-eager", shape), find("torchloom", shape)
-        if eager.get("losses") and fast.get("losses"):
-            diff = [abs(a - b) for a, b in zip(eager["losses"], fast["losses"])]
-            checks[shape] = {"step_1": diff[0], "first_timed_step": diff[args.warmup]}
-            print(f"|loss diff| torchloom vs torchloom-eager, {shape}: step 1 {diff[0]:.2e}, "
+    checks: dict[str, dict[str, dict[str, float]]] = {}
+    for shape in args.shapes:  # every torchloom row against the un-optimised (eager) step
+        eager = find("torchloom-eager", shape)
+        for r in rows:
+            if (
+                r["shape"] != shape
+                or r["row"] in ("torchloom-eager", "hf")
+                or not eager.get("losses")
+                or not r.get("losses")
+            ):
+                continue
+            diff = [abs(a - b) for a, b in zip(eager["losses"], r["losses"])]
+            checks.setdefault(shape, {})[r["row"]] = {
+                "step_1": diff[0],
+                "first_timed_step": diff[args.warmup],
+            }
+            print(f"|loss diff| {r['row']} vs torchloom-eager, {shape}: step 1 {diff[0]:.2e}, "
                   f"first timed step {diff[args.warmup]:.2e} (bf16 tolerance ~1e-2)")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
