@@ -7,9 +7,12 @@ For each weight [N, K] of the model (q, k/v, o, gate/up, down, head) and each ro
 time of ``x[M, K] @ w[N, K]^T`` with cuBLAS (torch.matmul), with the tiling the kernel uses
 (``matmul_config``) and with the candidate tilings below; and a check that every candidate
 gives each row bitwise the same bits at M = 1 and M = max (a tiling must never depend on M).
-GPU times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph), so launch cost
-is left out, as in a captured decode step. Host cost of one eager call (the custom op's
-dispatch and Triton's launcher, what an uncaptured step pays per linear) is printed apart.
+Per weight, it also checks whether tilings that share BLOCK_K give bitwise the same output
+(if they do, BLOCK_M / BLOCK_N could follow M, large tiles for training and small ones for
+decode, without breaking invariance). GPU times: medians of CUDA-graph replays
+(triton.testing.do_bench_cudagraph), so launch cost is left out, as in a captured decode
+step. Host cost of one eager call (the custom op's dispatch and Triton's launcher, what an
+uncaptured step pays per linear) is printed apart.
 Last, whole-kernel overheads at training and decode sizes: the 8192x4096x4096 matmul (bf16 and
 fp32) and causal attention forward + backward and decode attention against SDPA.
 One table, JSON to --json. GPU only.
@@ -60,6 +63,24 @@ def host_us(fn, calls: int = 200) -> float:
         fn()
     torch.cuda.synchronize()
     return 1e6 * (time.perf_counter() - start) / calls
+
+
+def same_bits_across_tilings(x: torch.Tensor, w: torch.Tensor) -> dict[int, list[str]]:
+    """For each BLOCK_K, the candidates whose output differs in any bit from the first candidate
+    with that BLOCK_K (an empty list: BLOCK_M / BLOCK_N and the launch shape change no bits, so
+    a tiling could follow M without breaking batch invariance)."""
+    out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    first: dict[int, torch.Tensor] = {}
+    differ: dict[int, list[str]] = {}
+    for label, config in CANDIDATES.items():
+        launch_matmul(x, w, out, config)
+        k = config.block_k
+        if k not in first:
+            first[k], differ[k] = out.clone(), []
+        elif not torch.equal(out, first[k]):
+            differ[k].append(label)
+    print(f"  tilings that change bits, by BLOCK_K: {differ}", flush=True)
+    return differ
 
 
 def weights(flavor: str) -> dict[str, tuple[int, int]]:
@@ -123,7 +144,7 @@ def main() -> None:
               "batch-invariant linear (custom op)": host_us(lambda: linear(x, w))}  # fmt: skip
     print("host us per eager call, M=1 2048x2048:",
           ", ".join(f"{k} {v:.1f}" for k, v in launch.items()))  # fmt: skip
-    results = []
+    results, tilings_agree = [], {}
     for name, (N, K) in weights(args.flavor).items():
         w = torch.randn(N, K, device=device, dtype=dtype) / K**0.5
         x_all = torch.randn(max(args.rows), K, device=device, dtype=dtype)
@@ -148,6 +169,7 @@ def main() -> None:
         launch_matmul(x_all[:1], w, one, chosen)
         if not torch.equal(big[:1], one):
             print(f"NOT INVARIANT: {chosen} on {name}")
+        tilings_agree[name] = same_bits_across_tilings(x_all, w)
     print("\nall candidates (us):")
     print(f"{'weight':<8} {'M':>5} {'cublas':>7} " + " ".join(f"{c:>17}" for c in CANDIDATES))
     for r in results:
@@ -166,7 +188,7 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "flavor": args.flavor, "host_us_per_call": launch,
-        "rows": results, "overheads": ratios,
+        "rows": results, "overheads": ratios, "same_bits_across_tilings": tilings_agree,
     }, indent=2) + "\n")  # fmt: skip
 
 
