@@ -9,10 +9,10 @@ largest activation of the head is one chunk's logits instead of [N, V] (2.1 GB i
 4096-token sequence of a 128k vocabulary), at the price of keeping w's gradient (one fp32 copy
 of the head) from the forward to the backward pass.
 
-On CUDA each chunk's logits stay in the matmul's dtype and one Triton kernel per chunk
-(``cross_entropy_and_grad_``) reads each row twice, writing its loss and, over the logits,
-their gradient; w's gradient accumulates in fp32 straight from the matmul. Elsewhere the same
-steps run as PyTorch ops on fp32 logits (the reference).
+Each chunk's logits stay in the matmul's dtype; ``cross_entropy_and_grad_`` computes the loss
+in fp32 and writes the gradient over them: on CUDA one Triton kernel that reads each row twice,
+elsewhere PyTorch ops on an fp32 copy (the reference). w's gradient accumulates in fp32, on CUDA
+straight from the matmul.
 """
 
 from __future__ import annotations
@@ -130,7 +130,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         device = h_ND.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         h, w = h_ND.to(dtype or h_ND.dtype), w_VD.to(dtype or h_ND.dtype)
-        fused = use_triton(h_ND)
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h = torch.empty_like(h_ND) if needs_grad else None
         grad_w = None
@@ -138,12 +137,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, h_ND.shape[0], chunk):
                 h_cD, y_c = h[start : start + chunk], labels_N[start : start + chunk]
                 logits_cV = h_cD @ w.T
-                if not fused:
-                    logits_cV = logits_cV.float()
                 loss += cross_entropy_and_grad_(logits_cV, y_c, ignore_index).sum()
                 if not needs_grad:
                     continue
-                d_logits_cV = logits_cV.to(h.dtype)  # the gradient, now over the logits
+                d_logits_cV = logits_cV  # overwritten with the gradient
                 grad_h[start : start + chunk] = d_logits_cV @ w
                 grad_w = _add_matmul_fp32(grad_w, d_logits_cV.T, h_cD)
         if needs_grad and grad_w is None:  # no tokens

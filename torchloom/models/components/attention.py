@@ -110,6 +110,20 @@ def flex_attention_backend(
     return attend(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=True)
 
 
+def shared_attention_input(
+    attend: Callable[..., torch.Tensor] | None,
+    doc_ids_BT: torch.Tensor | None,
+    T: int,
+    device: torch.device,
+) -> torch.Tensor | BlockMask | None:
+    """What every layer attending with ``attend`` takes in place of ``doc_ids_BT``, built once
+    per forward: FlexAttention's block mask (building it is a pass over the T x T mask, as
+    costly as a layer's attention); the document ids themselves for every other kernel."""
+    if attend is flex_attention_backend:
+        return flex_block_mask(doc_ids_BT, T, T, device)
+    return doc_ids_BT
+
+
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": sdpa_attention,
     "flex": flex_attention_backend,

@@ -9,7 +9,6 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels import batch_invariant
@@ -23,8 +22,7 @@ from torchloom.models.components.attention import (
     ATTENTION_BACKENDS,
     Attention,
     LayerCache,
-    flex_attention_backend,
-    flex_block_mask,
+    shared_attention_input,
 )
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.norms import NORM_IMPLS
@@ -247,22 +245,15 @@ class Transformer(nn.Module):
             positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         cos_BTd, sin_BTd = self.rope(positions_BT)
         h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
-        mask = self._shared_flex_mask(doc_ids_BT, T, tokens_BT.device) if cache is None else None
+        documents = doc_ids_BT  # what the layers' attention takes: ids, or a mask built from them
+        if cache is None:  # the layers' kernel (context parallelism may have replaced it)
+            first = next(iter(self.layers.values()), None)  # wrappers forward attribute reads
+            attend = getattr(getattr(first, "attention", None), "attend", None)
+            documents = shared_attention_input(attend, doc_ids_BT, T, tokens_BT.device)
         for name, block in self.layers.items():
             layer_cache = None if cache is None else cache.layer(int(name))
-            h_BTD = block(h_BTD, cos_BTd, sin_BTd, doc_ids_BT if mask is None else mask,
-                          cache=layer_cache)  # fmt: skip
+            h_BTD = block(h_BTD, cos_BTd, sin_BTd, documents, cache=layer_cache)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
-
-    def _shared_flex_mask(
-        self, doc_ids_BT: torch.Tensor | None, T: int, device: torch.device
-    ) -> BlockMask | None:
-        """When the blocks attend with FlexAttention: its block mask, built once for all layers
-        (building it is a pass over the T x T mask, as costly as a layer's attention)."""
-        first = next(iter(self.layers.values()), None)  # wrappers forward attribute reads
-        if getattr(getattr(first, "attention", None), "attend", None) is not flex_attention_backend:
-            return None  # another kernel, no layers, or context parallelism's own attention
-        return flex_block_mask(doc_ids_BT, T, T, device)
 
     def forward(
         self,
