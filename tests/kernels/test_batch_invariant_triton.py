@@ -9,9 +9,7 @@ printed.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -166,16 +164,8 @@ def run_checks(checks: list[Callable[[], list[str]]]) -> int:
     return failures
 
 
-def test_kernels_in_the_triton_interpreter() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.fail("Triton is not installed, so these kernels go untested: pip install triton "
-                    "(or the dev extra)")  # fmt: skip
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    print(result.stdout)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_kernels_in_the_triton_interpreter(run_in_triton_interpreter) -> None:
+    run_in_triton_interpreter(__file__)
 
 
 GPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

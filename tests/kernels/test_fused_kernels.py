@@ -8,10 +8,7 @@ the compiled kernels get the same checks, plus batch invariance and torch.compil
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -162,19 +159,8 @@ def test_triton_norm_is_refused_with_tensor_parallelism() -> None:
     JobConfig(model=ModelConfig(transforms=["triton_kernels"])).validate()
 
 
-def test_triton_kernels_in_the_interpreter() -> None:
-    if importlib.util.find_spec("triton") is None:
-        if sys.platform != "linux":
-            pytest.skip("Triton ships for Linux only")
-        pytest.fail(
-            "Triton is not installed, so its kernels go untested: pip install 'triton>=3.4'"
-        )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    print(result.stdout)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_triton_kernels_in_the_interpreter(run_in_triton_interpreter) -> None:
+    run_in_triton_interpreter(__file__)
 
 
 @pytest.mark.gpu
