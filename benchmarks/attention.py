@@ -57,20 +57,25 @@ def _sdpa(backend: SDPBackend | None, gqa: bool) -> Attend:
     return attend
 
 
-def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
-    """The flex backend with its block mask built once, and the build's median seconds."""
-    build = lambda: flex_block_mask(doc_ids_BT, T, T, torch.device("cuda"))  # noqa: E731
-    for _ in range(2):
-        build()
+def median_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for _ in range(5):
+    for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        block_mask = build()
+        fn()
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
-    mask_s = statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+
+
+def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
+    """The flex backend with its block mask built once, and the build's median seconds."""
+    block_mask = flex_block_mask(doc_ids_BT, T, T, torch.device("cuda"))
+    mask_s = median_seconds(lambda: flex_block_mask(doc_ids_BT, T, T, torch.device("cuda")), 5)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex_attention_backend(q, k, v, block_mask)
@@ -81,22 +86,7 @@ def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
 def time_fwd_bwd(attend: Attend, q, k, v, iters: int) -> float:
     """Median seconds of one forward + backward (the output's gradient all ones)."""
     grad = torch.ones_like(q)
-
-    def once() -> None:
-        out = attend(q, k, v)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    for _ in range(3):
-        once()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+    return median_seconds(lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), grad), iters)
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:

@@ -98,7 +98,9 @@ ROW_SLOTS = {  # the model-config slots of each torchloom row that differ from t
     "torchloom-graphs": {},
 }  # fmt: skip
 ROWS = (*ROW_SLOTS, "hf")
-NO_FSDP = ("torchloom-autocast", "torchloom-flex")  # the trainer's single-GPU autocast instead
+# Rows with the trainer's single-GPU autocast instead of FSDP at world size 1 (hf: neither).
+NO_FSDP = ("torchloom-eager", "torchloom-graphs", "torchloom-autocast", "torchloom-flex", "hf")
+ROW_WIDTH = max(map(len, ROWS))
 SEED = 0
 
 Step = Callable[[torch.Tensor], torch.Tensor]  # one training step on tokens [B, T+1] -> loss
@@ -287,6 +289,7 @@ def run_row(
         elif row == "torchloom-graphs":
             step = graphed_step(cfg, device, dtype)
         elif row != "torchloom-eager":
+            # bf16 weights (8B): no FSDP, whose only job at world size 1 is mixed precision
             fsdp = dims if dtype == torch.float32 and row not in NO_FSDP else None
             step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
         else:
@@ -351,7 +354,7 @@ def main() -> None:
     print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul}), data-sheet peak "
           f"{_fmt(peak, '.1f')} TFLOP/s", flush=True)  # fmt: skip
     dims = None
-    if set(args.rows) - {"hf", "torchloom-eager", "torchloom-graphs"}:  # FSDP on one process
+    if set(args.rows) - set(NO_FSDP):  # FSDP on one process: a one-rank process group
         dims = build_parallel_dims(ParallelConfig(fsdp_always=True), device.type)
     rows = []
     args.shapes = list(dict.fromkeys(args.shapes))  # each shape once: rows pair up by shape
@@ -374,34 +377,28 @@ def main() -> None:
             r["mfu"] = 100 * r["tflops"] / peak if peak else None
             r["pct_of_matmul"] = 100 * r["tflops"] / ceiling
             r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else None
-    print(f"\n{'row':<27} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"\n{'row':<{ROW_WIDTH}} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'% matmul':>8} {'mem GiB':>8} {'last loss':>9} {'vs hf':>6}")  # fmt: skip
     for r in rows:
         if r["error"]:
-            print(f"{r['row']:<27} {r['shape']:<5} error: {r['error'][:80]}")
+            print(f"{r['row']:<{ROW_WIDTH}} {r['shape']:<5} error: {r['error'][:80]}")
             continue
-        print(f"{r['row']:<27} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
+        print(f"{r['row']:<{ROW_WIDTH}} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
               f"{_fmt(r['mfu'], '.1f', '%'):>6} {r['pct_of_matmul']:>7.1f}% "
               f"{_fmt(r.get('peak_mem_gib'), '.2f'):>8} {r['final_loss']:>9.4f} "
               f"{_fmt(r['vs_hf'], '.2f', 'x'):>6}")  # fmt: skip
     checks: dict[str, dict[str, dict[str, float]]] = {}
-    for shape in args.shapes:  # every torchloom row against the un-optimised (eager) step
-        eager = find("torchloom-eager", shape)
-        for r in rows:
-            if (
-                r["shape"] != shape
-                or r["row"] in ("torchloom-eager", "hf")
-                or not eager.get("losses")
-                or not r.get("losses")
-            ):
-                continue
-            diff = [abs(a - b) for a, b in zip(eager["losses"], r["losses"])]
-            checks.setdefault(shape, {})[r["row"]] = {
-                "step_1": diff[0],
-                "first_timed_step": diff[args.warmup],
-            }
-            print(f"|loss diff| {r['row']} vs torchloom-eager, {shape}: step 1 {diff[0]:.2e}, "
-                  f"first timed step {diff[args.warmup]:.2e} (bf16 tolerance ~1e-2)")  # fmt: skip
+    for r in rows:  # every torchloom row's losses against the un-optimised (eager) step's
+        eager = find("torchloom-eager", r["shape"]).get("losses")
+        if r["row"] in ("torchloom-eager", "hf") or not eager or not r.get("losses"):
+            continue
+        diff = [abs(a - b) for a, b in zip(eager, r["losses"])]
+        checks.setdefault(r["shape"], {})[r["row"]] = {
+            "step_1": diff[0],
+            "first_timed_step": diff[args.warmup],
+        }
+        print(f"|loss diff| {r['row']} vs torchloom-eager, {r['shape']}: step 1 {diff[0]:.2e}, "
+              f"first timed step {diff[args.warmup]:.2e} (bf16 tolerance ~1e-2)")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
