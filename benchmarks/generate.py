@@ -110,21 +110,37 @@ def kernel_profile(run, prompts: list[list[int]], steps: int) -> dict:
     return kernel_summary(prof, steps, wall)
 
 
-def train_step_seconds(model, config, device: torch.device, seq: int, steps: int = 3) -> float:
-    """Median forward + backward + AdamW step on one sequence of ``seq`` tokens."""
+def train_step_seconds(
+    model,
+    config,
+    device: torch.device,
+    seq: int,
+    batch: int = 1,
+    steps: int = 3,
+    profile_kernels: bool = False,
+) -> tuple[float, dict | None]:
+    """Median forward + backward + AdamW step on ``batch`` sequences of ``seq`` tokens; with
+    ``profile_kernels``, the kernel summary of one more step."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    tokens = torch.randint(0, config.vocab_size, (1, seq + 1), device=device)
-    times = []
-    for _ in range(steps + 1):
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), device=device)
+
+    def step() -> float:
         start = time.perf_counter()
         model(tokens[:, :-1], labels_BT=tokens[:, 1:]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    times = sorted([step() for _ in range(steps + 1)][1:])  # the first is a warm-up
+    summary = None
+    if profile_kernels:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = step()
+        summary = kernel_summary(prof, 1, wall)
     model.eval()
-    return sorted(times[1:])[len(times[1:]) // 2]
+    return times[len(times) // 2], summary
 
 
 def main() -> None:
@@ -139,6 +155,8 @@ def main() -> None:
                              "kernels are slow: use a small value there)")  # fmt: skip
     parser.add_argument("--train-seq", type=int, default=256,
                         help="tokens of the normal vs batch-invariant training step (0: skip)")  # fmt: skip
+    parser.add_argument("--train-batch", type=int, default=1,
+                        help="sequences of the normal vs batch-invariant training step")  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile a run of this many new tokens per row and "
                              "batch: kernel time per step and the GPU's busy share (GPU only)")  # fmt: skip
@@ -201,12 +219,20 @@ def main() -> None:
     if not rank0:
         destroy()
         return
-    train = {}
+    train, train_profiles = {}, {}
     for name, m in models.items():
-        if name == "ours-fused" or args.tp > 1 or args.train_seq == 0:
+        if args.tp > 1 or args.train_seq == 0:
             continue
-        train[name] = train_step_seconds(m, config, device, args.train_seq)
-        print(f"train step ({name}, 1 x {args.train_seq} tokens): {train[name]:.3f} s")
+        profiled = bool(args.profile_steps) and device.type == "cuda"
+        train[name], train_profiles[name] = train_step_seconds(
+            m, config, device, args.train_seq, args.train_batch, profile_kernels=profiled
+        )
+        print(
+            f"train step ({name}, {args.train_batch} x {args.train_seq} tokens): "
+            f"{train[name]:.3f} s"
+        )
+        if profiled:
+            print(format_kernel_summary(f"train step {name}", train_profiles[name]))
     print(f"\n{'row':<12} " + " ".join(f"{'batch ' + str(b):>12}" for b in args.batches))
     for row in args.rows:
         cells = []
@@ -214,15 +240,21 @@ def main() -> None:
             r = next(x for x in results if x["row"] == row and x["batch"] == b)
             cells.append(f"{r['tokens_per_s']:>12,.0f}" if "tokens_per_s" in r else f"{'n/a':>12}")
         print(f"{row:<12} " + " ".join(cells) + "   output tokens/s")
-    if len(train) == 2:
-        print(f"batch-invariant train step overhead: {train['ours-bi'] / train['ours']:.2f}x")
+    for baseline in ("ours", "ours-fused"):
+        if "ours-bi" in train and baseline in train:
+            print(
+                f"batch-invariant train step / {baseline}: "
+                f"{train['ours-bi'] / train[baseline]:.2f}x"
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "command": " ".join(sys.argv), "shape": args.shape, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "tp": args.tp, "rows": results, "train_step_s": train,
+        "new_tokens": args.new_tokens, "tp": args.tp, "train_batch": args.train_batch,
+        "train_seq": args.train_seq, "rows": results, "train_step_s": train,
+        "train_step_profiles": train_profiles,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
     destroy()

@@ -174,8 +174,32 @@ GPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], i
 @pytest.mark.gpu
 @GPU_DTYPES
 def test_matmul_on_gpu(dtype: torch.dtype) -> None:
+    """Narrow and wide weights (their decode tilings differ), K not a multiple of any K block;
+    rows 1 and 3 take decode tiles, 40 small ones, 300 and up training-sized ones."""
     assert use_triton(torch.empty(0, device="cuda")), "Triton is not installed"
     print("\n".join(check_matmul("cuda", dtype, M=300, N=3000, K=2048)))
+    print("\n".join(check_matmul("cuda", dtype, M=40, N=5000, K=2000)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matmul_tilings_agree_on_gpu(dtype: torch.dtype) -> None:
+    """What lets the tiling follow M on Hopper: every tiling ``matmul_config`` can choose gives
+    bitwise the same output. Elsewhere the property is not assumed (one tiling per weight)."""
+    if not kernels._tiling_follows_rows(torch.cuda.current_device()):
+        pytest.skip("the tiling follows M only on sm_90; other GPUs use one tiling per weight")
+    tables = (kernels._DECODE_TILING, kernels._SMALL_TILING, kernels._LARGE_TILINGS)
+    configs = {c for table in tables for c in table[dtype]}
+    configs |= {kernels.fixed_matmul_config(N, dtype) for N in (1, kernels._HEAD_COLUMNS)}
+    x_MK = _randn(200, 2000, device="cuda", dtype=dtype)
+    w_NK = _randn(5000, 2000, device="cuda", dtype=dtype, seed=1) / 2000**0.5
+    outputs = {}
+    for config in configs:
+        outputs[config] = torch.full((200, 5000), float("nan"), device="cuda", dtype=dtype)
+        kernels.launch_matmul(x_MK, w_NK, outputs[config], config)
+    reference_config, reference = outputs.popitem()
+    for config, out in outputs.items():
+        _assert_equal(f"matmul tiling {config} vs {reference_config}", out, reference)
 
 
 @pytest.mark.gpu

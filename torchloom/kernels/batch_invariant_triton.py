@@ -3,10 +3,11 @@
 A GPU kernel is batch-invariant when every output element is reduced in an order that depends
 only on the kernel's compile-time configuration, never on how many rows share the call. So:
 
-- ``matmul``: one tile configuration per weight shape and dtype (``matmul_config``: never
-  chosen from M), no split-K, fp32 accumulation over the K blocks in increasing order. A row's
-  result does not depend on M or on which row of its tile it lands in (a tensor-core MMA
-  computes every row the same way).
+- ``matmul``: no split-K, fp32 accumulation over K in increasing order, so a row's result does
+  not depend on which row of its tile it lands in (a tensor-core MMA computes every row the
+  same way). On Hopper every tile shape chains the same 16-deep MMA steps over K and gives the
+  same bits, so the tiling follows M (small tiles for decode, large ones for training); on
+  other GPUs one tiling per weight shape and dtype serves every M (``matmul_config``).
 - ``attention``: flash-style online softmax with fixed BLOCK_M and BLOCK_N whatever the call.
   Key blocks sit at absolute key indices (multiples of BLOCK_N from 0) and are visited in
   increasing order; a block in which a query sees no key leaves that query's state bit for
@@ -20,6 +21,7 @@ can trace them. ``batch_invariant`` calls these for CUDA tensors when Triton is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +41,9 @@ class MatmulConfig:
     num_stages: int
 
 
-# Per dtype: the tiling of vocabulary-sized heads and of every narrower weight. fp32 takes
-# shorter K blocks so that its pipelined tiles fit in shared memory; it multiplies in full fp32
-# ("ieee"), never TF32.
+# The fixed tiling, a function of the weight alone (any GPU): per dtype, vocabulary-sized heads
+# and every narrower weight. fp32 takes shorter K blocks so that its pipelined tiles fit in
+# shared memory; it multiplies in full fp32 ("ieee"), never TF32.
 _HEAD_TILING = {
     torch.bfloat16: MatmulConfig(128, 128, 64, 8, 3),
     torch.float16: MatmulConfig(128, 128, 64, 8, 3),
@@ -54,19 +56,72 @@ _NARROW_TILING = {
 }
 _HEAD_COLUMNS = 16384
 
+# Tilings that follow the row count, on GPUs where every tiling gives the same bits (below).
+_16BIT = (torch.bfloat16, torch.float16)
+_DECODE_TILING = {  # M <= 16: (wide weights, narrow weights)
+    **dict.fromkeys(_16BIT, (MatmulConfig(16, 64, 256, 4, 3), MatmulConfig(64, 16, 128, 4, 3))),
+    torch.float32: (MatmulConfig(16, 64, 32, 4, 3), MatmulConfig(16, 64, 32, 4, 3)),
+}
+_SMALL_TILING = {  # M <= 64
+    **dict.fromkeys(_16BIT, (MatmulConfig(64, 64, 128, 4, 3), MatmulConfig(64, 16, 128, 4, 3))),
+    torch.float32: (MatmulConfig(64, 64, 32, 4, 3), MatmulConfig(64, 64, 32, 4, 3)),
+}
+_LARGE_TILINGS = {  # M > 64: the first with enough tiles to keep half the GPU busy
+    **dict.fromkeys(_16BIT, (
+        MatmulConfig(128, 256, 64, 8, 3), MatmulConfig(128, 128, 64, 8, 3),
+        MatmulConfig(64, 128, 64, 4, 3), MatmulConfig(64, 64, 128, 4, 3),
+        MatmulConfig(64, 16, 128, 4, 3),
+    )),
+    torch.float32: (MatmulConfig(128, 128, 32, 8, 3), MatmulConfig(64, 64, 32, 4, 3)),
+}  # fmt: skip
+_WIDE_COLUMNS = 4096
 
-def matmul_config(N: int, K: int, dtype: torch.dtype) -> MatmulConfig:
-    """The one tiling of every ``x[M, K] @ w[N, K]^T`` with this weight shape and dtype.
 
-    It is a function of the weight alone, never of M, so every row of any call with this
-    weight is reduced the same way. Vocabulary-sized heads (N >= 16384) take 128x128 tiles:
-    they have thousands of column tiles, so a decode step fills the GPU anyway and training
-    sizes run closest to cuBLAS. Every other weight takes 64x64 tiles with long K blocks, so
-    that a decode step (M of 1 to 64, one row block) spreads the weight over N / 64 programs
-    and wastes half as much tensor-core work on empty rows as 128-row tiles; 128x128 tiles
-    left all but 16 of an H200's 132 multiprocessors idle on a 2048-wide projection.
-    benchmarks/batch_invariant_matmul.py measured the candidates (benchmarks/RESULTS.md)."""
+@functools.cache
+def _tiling_follows_rows(device_index: int) -> bool:
+    """Whether the tiling may follow M on this GPU: on Hopper (sm_90: H100, H200), where every
+    tiling of the kernel gives bitwise the same output, because whatever its shape each tile
+    chains the same 16-deep tensor-core steps (FMA steps in fp32) over K in the same order.
+    benchmarks/batch_invariant_matmul.py and test_matmul_tilings_agree_on_gpu check it; on
+    other GPUs, where it is unverified, one tiling per weight serves every M."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fixed_matmul_config(N: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tiling of a weight with N output columns for every M, on any GPU. Vocabulary-sized
+    heads (N >= 16384) take 128x128 tiles: thousands of column tiles fill the GPU at any M.
+    Every other weight takes 64x64 tiles with long K blocks, so that a decode step spreads the
+    weight over N / 64 programs."""
     return (_HEAD_TILING if N >= _HEAD_COLUMNS else _NARROW_TILING)[dtype]
+
+
+def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
+    """The tiling of ``x[M, K] @ w[N, K]^T``. Where tilings agree bit for bit (sm_90) it follows
+    M: decode-sized calls take narrow tiles spread over many programs, training-sized ones the
+    largest tiles that still give half the multiprocessors a tile (measured:
+    benchmarks/batch_invariant_matmul.py, benchmarks/RESULTS.md). Elsewhere it is
+    ``fixed_matmul_config``: a function of the weight alone."""
+    if device.type != "cuda":  # Triton's interpreter
+        return fixed_matmul_config(N, dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _tiling_follows_rows(index):
+        return fixed_matmul_config(N, dtype)
+    wide = N >= _WIDE_COLUMNS
+    if M <= 16:
+        return _DECODE_TILING[dtype][0 if wide else 1]
+    if M <= 64:
+        return _SMALL_TILING[dtype][0 if wide else 1]
+    tiles_wanted = _multiprocessors(index) // 2
+    tilings = _LARGE_TILINGS[dtype]
+    for config in tilings:
+        if triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n) >= tiles_wanted:
+            return config
+    return tilings[-1]
 
 
 _MATMUL_GROUP_M = 8  # tiles of 8 row blocks share their weight columns in L2
@@ -122,7 +177,7 @@ def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     out_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
     if M == 0:
         return out_MN
-    launch_matmul(x_MK, w_NK, out_MN, matmul_config(N, K, x_MK.dtype))
+    launch_matmul(x_MK, w_NK, out_MN, matmul_config(M, N, K, x_MK.dtype, x_MK.device))
     return out_MN
 
 
