@@ -16,12 +16,14 @@ only on the kernel's compile-time configuration, never on how many rows share th
 
 Forward passes run the kernels; backward passes use ordinary PyTorch (gradients are correct
 but not batch-invariant). Both are ``torch.library.triton_op`` custom ops, so torch.compile
-can trace them. ``batch_invariant`` calls these for CUDA tensors when Triton is installed.
+can trace them; eager calls take an autograd Function twin that launches the same kernel with
+the same arguments without the dispatcher (a fraction of the host cost). ``batch_invariant`` calls these for CUDA tensors when Triton is installed.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,30 +172,40 @@ def _matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton_op("torchloom::batch_invariant_matmul", mutates_args=())
-def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    M, K = x_MK.shape
-    N = w_NK.shape[0]
-    out_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
-    if M == 0:
-        return out_MN
-    launch_matmul(x_MK, w_NK, out_MN, matmul_config(M, N, K, x_MK.dtype, x_MK.device))
-    return out_MN
+def _launcher(kernel, traceable: bool):
+    """``wrap_triton(kernel)`` inside a triton_op's body (so torch.compile traces the launch),
+    the kernel itself for eager calls. On an H200's host a bare launch took 23 us, a call of the
+    custom op 64 us, and ``wrap_triton`` outside an op 252 us (benchmarks/RESULTS.md)."""
+    return wrap_triton(kernel) if traceable else kernel
 
 
 def launch_matmul(
-    x_MK: torch.Tensor, w_NK: torch.Tensor, out_MN: torch.Tensor, config: MatmulConfig
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    out_MN: torch.Tensor,
+    config: MatmulConfig,
+    traceable: bool = False,
 ) -> None:
     """Run the matmul kernel with ``config`` (benchmarks/batch_invariant_matmul.py compares
-    tilings with it; the op itself always passes ``matmul_config``)."""
+    tilings with it; the op and its eager twin pass ``matmul_config``)."""
     (M, K), N = x_MK.shape, w_NK.shape[0]
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
-    wrap_triton(_matmul_kernel)[grid](
+    _launcher(_matmul_kernel, traceable)[grid](
         x_MK, w_NK, out_MN, M, N, K, *x_MK.stride(), *w_NK.stride(), *out_MN.stride(),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=_MATMUL_GROUP_M, DOT_PRECISION=_dot_precision(x_MK.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+
+
+def _matmul_forward(x_MK: torch.Tensor, w_NK: torch.Tensor, traceable: bool) -> torch.Tensor:
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    out_MN = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
+    if M > 0:
+        config = matmul_config(M, N, K, x_MK.dtype, x_MK.device)
+        launch_matmul(x_MK, w_NK, out_MN, config, traceable)
+    return out_MN
 
 
 def _matmul_setup(ctx, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
@@ -207,7 +219,34 @@ def _matmul_backward(ctx, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, .
     return grad_x, grad_w
 
 
+@triton_op("torchloom::batch_invariant_matmul", mutates_args=())
+def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """What torch.compile calls: it sees the kernel through the op."""
+    return _matmul_forward(x_MK, w_NK, traceable=True)
+
+
 _matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def _eager_twin(body: Callable, setup_context: Callable, backward: Callable) -> Callable:
+    """An op's eager twin: an autograd Function running ``body`` (the op's body with direct
+    kernel launches) under the op's own autograd formula, so eager calls launch the same kernel
+    with the same arguments without the dispatcher. The classic ``forward(ctx, ...)`` form: its
+    ``apply`` cost a third of the host time of the ``setup_context`` form (and of the op)."""
+
+    class Twin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            setup_context(ctx, inputs, None)
+            return body(*inputs)
+
+    Twin.backward = staticmethod(backward)
+    return Twin.apply
+
+
+_eager_matmul = _eager_twin(
+    functools.partial(_matmul_forward, traceable=False), _matmul_setup, _matmul_backward
+)
 
 
 def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
@@ -215,7 +254,8 @@ def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
     if x_ND.dtype not in _NARROW_TILING:
         raise TypeError(f"batch-invariant linear takes bf16, fp16 or fp32, not {x_ND.dtype}")
     rows = x_ND.reshape(-1, x_ND.shape[-1])
-    out = _matmul(rows, weight_MD.to(x_ND.dtype))
+    matmul = _matmul if torch.compiler.is_compiling() else _eager_matmul
+    out = matmul(rows, weight_MD.to(x_ND.dtype))
     return out.reshape(*x_ND.shape[:-1], weight_MD.shape[0])
 
 
@@ -287,6 +327,36 @@ def _attention_kernel(
     tl.store(out_ptrs + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def _attention_forward(
+    q_BHTd: torch.Tensor,
+    k_BKLd: torch.Tensor,
+    v_BKLd: torch.Tensor,
+    positions_BT: torch.Tensor,
+    starts_BT: torch.Tensor | None,
+    causal: bool,
+    traceable: bool,
+) -> torch.Tensor:
+    """The attention op's body (``causal`` matters only to its backward)."""
+    B, H, T, d = q_BHTd.shape
+    kv_heads, L = k_BKLd.shape[1], k_BKLd.shape[2]
+    out_BHTd = torch.empty_like(q_BHTd)  # keeps q's memory layout (often a [B, T, H, d] view)
+    if T == 0:
+        return out_BHTd
+    starts = positions_BT if starts_BT is None else starts_BT  # unread without HAS_START
+    group = H // kv_heads
+    grid = (triton.cdiv(T * group, ATTENTION_BLOCK_M) * B * kv_heads,)
+    _launcher(_attention_kernel, traceable)[grid](
+        q_BHTd, k_BKLd, v_BKLd, out_BHTd, positions_BT, starts,
+        T, L, kv_heads, group, d, d**-0.5 * 1.4426950408889634,  # scale * log2(e), for exp2
+        *q_BHTd.stride(), *k_BKLd.stride(), *v_BKLd.stride(), *out_BHTd.stride(),
+        *positions_BT.stride(), *starts.stride(),
+        HAS_START=starts_BT is not None, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PRECISION=_dot_precision(q_BHTd.dtype),
+        num_warps=4, num_stages=2 if q_BHTd.dtype == torch.float32 else 3,
+    )  # fmt: skip
+    return out_BHTd
+
+
 @triton_op("torchloom::batch_invariant_attention", mutates_args=())
 def _attention(
     q_BHTd: torch.Tensor,
@@ -297,24 +367,7 @@ def _attention(
     causal: bool,
 ) -> torch.Tensor:
     """``causal``: positions are 0..T-1 with keys 0..T-1 and no starts (for the backward)."""
-    B, H, T, d = q_BHTd.shape
-    kv_heads, L = k_BKLd.shape[1], k_BKLd.shape[2]
-    out_BHTd = torch.empty_like(q_BHTd)  # keeps q's memory layout (often a [B, T, H, d] view)
-    if T == 0:
-        return out_BHTd
-    starts = positions_BT if starts_BT is None else starts_BT  # unread without HAS_START
-    group = H // kv_heads
-    grid = (triton.cdiv(T * group, ATTENTION_BLOCK_M) * B * kv_heads,)
-    wrap_triton(_attention_kernel)[grid](
-        q_BHTd, k_BKLd, v_BKLd, out_BHTd, positions_BT, starts,
-        T, L, kv_heads, group, d, d**-0.5 * 1.4426950408889634,  # scale * log2(e), for exp2
-        *q_BHTd.stride(), *k_BKLd.stride(), *v_BKLd.stride(), *out_BHTd.stride(),
-        *positions_BT.stride(), *starts.stride(),
-        HAS_START=starts_BT is not None, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), DOT_PRECISION=_dot_precision(q_BHTd.dtype),
-        num_warps=4, num_stages=2 if q_BHTd.dtype == torch.float32 else 3,
-    )  # fmt: skip
-    return out_BHTd
+    return _attention_forward(q_BHTd, k_BKLd, v_BKLd, positions_BT, starts_BT, causal, True)
 
 
 def masked_attention(
@@ -361,6 +414,15 @@ def _attention_backward(ctx, grad_BHTd: torch.Tensor) -> tuple[torch.Tensor | No
 _attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
+_eager_attention = _eager_twin(
+    functools.partial(_attention_forward, traceable=False), _attention_setup, _attention_backward
+)
+
+
+def _attention_call(*args) -> torch.Tensor:
+    return (_attention if torch.compiler.is_compiling() else _eager_attention)(*args)
+
+
 def _check_queries(q_BHTd: torch.Tensor) -> None:
     if q_BHTd.dtype not in _NARROW_TILING:
         raise TypeError(f"batch-invariant attention takes bf16, fp16 or fp32, not {q_BHTd.dtype}")
@@ -379,7 +441,7 @@ def attention(
     (key index = position), softmax scale 1/sqrt(d), fp32 softmax; keys and values are cast to
     q's dtype. Query-for-query identical whatever T, L and the other rows are."""
     _check_queries(q_BHTd)
-    return _attention(
+    return _attention_call(
         q_BHTd, k_BKLd.to(q_BHTd.dtype), v_BKLd.to(q_BHTd.dtype), positions_BT, starts_BT, False
     )
 
@@ -396,4 +458,4 @@ def causal_attention(
     B, _, T, _ = q_BHTd.shape
     positions_BT, starts_BT = causal_positions_and_starts(B, T, doc_ids_BT, q_BHTd.device)
     k_BKTd, v_BKTd = k_BKTd.to(q_BHTd.dtype), v_BKTd.to(q_BHTd.dtype)
-    return _attention(q_BHTd, k_BKTd, v_BKTd, positions_BT, starts_BT, doc_ids_BT is None)
+    return _attention_call(q_BHTd, k_BKTd, v_BKTd, positions_BT, starts_BT, doc_ids_BT is None)
