@@ -11,8 +11,8 @@ and fp32, it also checks that every candidate tiling gives bitwise the chosen ti
 (what lets the tiling follow M, large tiles for training and small ones for decode, without
 breaking invariance). GPU times: medians of CUDA-graph replays
 (triton.testing.do_bench_cudagraph), so launch cost is left out, as in a captured decode
-step. Host cost of one eager call (the custom op's dispatch and Triton's launcher, what an
-uncaptured step pays per linear) is printed apart.
+step. Host cost of one eager call (what an uncaptured step pays per linear: the eager twin, the
+custom op, a bare Triton launch and one through ``wrap_triton``) is printed apart.
 Last, whole-kernel overheads at training and decode sizes: the 8192x4096x4096 matmul (bf16 and
 fp32) and causal attention forward + backward and decode attention against SDPA.
 One table, JSON to --json. GPU only.
@@ -151,8 +151,17 @@ def main() -> None:
     dtype, device = torch.bfloat16, torch.device("cuda")
     x = torch.randn(1, 2048, device=device, dtype=dtype)
     w = torch.randn(2048, 2048, device=device, dtype=dtype)
-    launch = {"torch F.linear": host_us(lambda: torch.nn.functional.linear(x, w)),
-              "batch-invariant linear (custom op)": host_us(lambda: linear(x, w))}  # fmt: skip
+    out = torch.empty(1, 2048, device=device, dtype=dtype)
+    config = matmul_config(1, 2048, 2048, dtype, device)
+    launch = {
+        "torch F.linear": host_us(lambda: torch.nn.functional.linear(x, w)),
+        "batch-invariant linear (eager twin)": host_us(lambda: linear(x, w)),
+        "its custom op (what torch.compile calls)": host_us(
+            lambda: torch.ops.torchloom.batch_invariant_matmul(x, w)
+        ),
+        "bare Triton launch": host_us(lambda: launch_matmul(x, w, out, config)),
+        "launch through wrap_triton": host_us(lambda: launch_matmul(x, w, out, config, True)),
+    }
     print("host us per eager call, M=1 2048x2048:",
           ", ".join(f"{k} {v:.1f}" for k, v in launch.items()))  # fmt: skip
     results, tilings_agree = [], {}
