@@ -188,9 +188,7 @@ def test_matmul_tilings_agree_on_gpu(dtype: torch.dtype) -> None:
     bitwise the same output. Elsewhere the property is not assumed (one tiling per weight)."""
     if not kernels._tiling_follows_rows(torch.cuda.current_device()):
         pytest.skip("the tiling follows M only on sm_90; other GPUs use one tiling per weight")
-    tables = (kernels._DECODE_TILING, kernels._SMALL_TILING, kernels._LARGE_TILINGS)
-    configs = {c for table in tables for c in table[dtype]}
-    configs |= {kernels.fixed_matmul_config(N, dtype) for N in (1, kernels._HEAD_COLUMNS)}
+    configs = kernels.possible_matmul_configs(dtype)
     x_MK = _randn(200, 2000, device="cuda", dtype=dtype)
     w_NK = _randn(5000, 2000, device="cuda", dtype=dtype, seed=1) / 2000**0.5
     outputs = {}

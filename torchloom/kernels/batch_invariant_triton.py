@@ -102,6 +102,16 @@ def fixed_matmul_config(N: int, dtype: torch.dtype) -> MatmulConfig:
     return (_HEAD_TILING if N >= _HEAD_COLUMNS else _NARROW_TILING)[dtype]
 
 
+def possible_matmul_configs(dtype: torch.dtype) -> set[MatmulConfig]:
+    """Every tiling ``matmul_config`` can choose for ``dtype``, on any GPU (what must agree bit
+    for bit for the tiling to follow M)."""
+    tables = (_DECODE_TILING, _SMALL_TILING, _LARGE_TILINGS)
+    return {c for table in tables for c in table[dtype]} | {
+        _HEAD_TILING[dtype],
+        _NARROW_TILING[dtype],
+    }
+
+
 def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
     """The tiling of ``x[M, K] @ w[N, K]^T``. Where tilings agree bit for bit (sm_90) it follows
     M: decode-sized calls take narrow tiles spread over many programs, training-sized ones the
@@ -225,14 +235,18 @@ def _matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     return _matmul_forward(x_MK, w_NK, traceable=True)
 
 
-_matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
-
-
-def _eager_twin(body: Callable, setup_context: Callable, backward: Callable) -> Callable:
-    """An op's eager twin: an autograd Function running ``body`` (the op's body with direct
-    kernel launches) under the op's own autograd formula, so eager calls launch the same kernel
-    with the same arguments without the dispatcher. The classic ``forward(ctx, ...)`` form: its
-    ``apply`` cost a third of the host time of the ``setup_context`` form (and of the op)."""
+def _with_eager_twin(
+    op: Callable, body: Callable, setup_context: Callable, backward: Callable
+) -> Callable:
+    """Register ``backward`` as ``op``'s autograd formula and return what the public functions
+    call: ``op`` while torch.compile traces (it sees the kernel through the op), else the op's
+    eager twin, an autograd Function with the same formula whose ``body`` launches the same
+    kernel with the same arguments directly. The custom-op dispatcher cost about three times a
+    bare launch's host time per eager call on an H200's host (benchmarks/RESULTS.md), which
+    dominated small eager steps. The twin takes the classic ``forward(ctx, ...)`` form, whose
+    ``apply`` measured cheaper than the ``setup_context`` form's."""
+    op.register_autograd(backward, setup_context=setup_context)
+    formula = backward
 
     class Twin(torch.autograd.Function):
         @staticmethod
@@ -240,12 +254,16 @@ def _eager_twin(body: Callable, setup_context: Callable, backward: Callable) -> 
             setup_context(ctx, inputs, None)
             return body(*inputs)
 
-    Twin.backward = staticmethod(backward)
-    return Twin.apply
+        backward = staticmethod(formula)
+
+    def call(*args):
+        return (op if torch.compiler.is_compiling() else Twin.apply)(*args)
+
+    return call
 
 
-_eager_matmul = _eager_twin(
-    functools.partial(_matmul_forward, traceable=False), _matmul_setup, _matmul_backward
+_matmul_call = _with_eager_twin(
+    _matmul, functools.partial(_matmul_forward, traceable=False), _matmul_setup, _matmul_backward
 )
 
 
@@ -254,8 +272,7 @@ def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
     if x_ND.dtype not in _NARROW_TILING:
         raise TypeError(f"batch-invariant linear takes bf16, fp16 or fp32, not {x_ND.dtype}")
     rows = x_ND.reshape(-1, x_ND.shape[-1])
-    matmul = _matmul if torch.compiler.is_compiling() else _eager_matmul
-    out = matmul(rows, weight_MD.to(x_ND.dtype))
+    out = _matmul_call(rows, weight_MD.to(x_ND.dtype))
     return out.reshape(*x_ND.shape[:-1], weight_MD.shape[0])
 
 
@@ -411,16 +428,12 @@ def _attention_backward(ctx, grad_BHTd: torch.Tensor) -> tuple[torch.Tensor | No
     return *grads, None, None, None
 
 
-_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
-
-
-_eager_attention = _eager_twin(
-    functools.partial(_attention_forward, traceable=False), _attention_setup, _attention_backward
+_attention_call = _with_eager_twin(
+    _attention,
+    functools.partial(_attention_forward, traceable=False),
+    _attention_setup,
+    _attention_backward,
 )
-
-
-def _attention_call(*args) -> torch.Tensor:
-    return (_attention if torch.compiler.is_compiling() else _eager_attention)(*args)
 
 
 def _check_queries(q_BHTd: torch.Tensor) -> None:
