@@ -26,6 +26,9 @@ flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 a
 fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
 every row's model to bf16 with neither autocast nor FSDP (at world size 1 FSDP only supplies
 mixed precision); AdamW state is then bf16. On the CPU all is fp32 and AdamW is foreach.
+--optimizer triton steps the compiled torchloom rows with --optimizer.implementation triton
+(one Triton AdamW kernel per parameter with the clip folded in; benchmarks/optimizer.py) instead
+of torch's fused AdamW after an in-place clip.
 HF shifts the labels inside the model (T inputs give T-1 losses); torchloom's labels ignore the
 last position, so every row computes the same T-1 token losses from the same T inputs.
 
@@ -68,14 +71,16 @@ from torchloom.parallel import (
     ParallelConfig,
     ParallelDims,
     build_parallel_dims,
+    clip_coefficient,
     clip_grad_norm_,
     destroy,
+    grad_norm,
     parallelize,
 )
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.cuda_graph import StepGraph
 from torchloom.train.metrics import device_peak_tflops
-from torchloom.train.optim import OptimizerConfig, build_optimizer
+from torchloom.train.optim import OptimizerConfig, TritonAdamW, build_optimizer
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
 from torchloom.train.remat import RematConfig, RematMode, apply_remat
 
@@ -153,7 +158,7 @@ def _inputs_and_labels(x_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def torchloom_step(
     cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seq: int,
-    dims: ParallelDims | None, compile_: bool, remat: str,
+    dims: ParallelDims | None, compile_: bool, remat: str, optimizer_impl: str = "fused",
 ) -> Step:  # fmt: skip
     """The model (same init for every torchloom row) and Trainer.train_step's work on it."""
     model = _torchloom_model(cfg, device, dtype)
@@ -166,7 +171,8 @@ def torchloom_step(
         model = parallelize(model, dims, seq_len=seq, wrap_blocks=wrap_blocks)
     else:
         wrap_blocks(model)
-    optimizer = build_optimizer(model, OptimizerConfig(), device)
+    impl = optimizer_impl if device.type == "cuda" else "auto"
+    optimizer = build_optimizer(model, OptimizerConfig(implementation=impl), device)
     autocast = dims is None and dtype == torch.float32 and device.type == "cuda"
 
     def step(x_BT1: torch.Tensor) -> torch.Tensor:
@@ -175,7 +181,10 @@ def torchloom_step(
             loss_sum = model(tokens_BT, labels_BT=labels_BT)  # the trainer's loss path
         loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
         loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
+        if isinstance(optimizer, TritonAdamW):  # as Trainer: the clip folded into its kernel
+            optimizer.grad_scale = clip_coefficient(grad_norm(model.parameters()), 1.0)
+        else:
+            clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -291,7 +300,9 @@ def run_row(
         elif row != "torchloom-eager":
             # bf16 weights (8B): no FSDP, whose only job at world size 1 is mixed precision
             fsdp = dims if dtype == torch.float32 and row not in NO_FSDP else None
-            step = torchloom_step(cfg, device, dtype, seq, fsdp, compile_, args.remat)
+            step = torchloom_step(
+                cfg, device, dtype, seq, fsdp, compile_, args.remat, args.optimizer
+            )
         else:
             step = torchloom_step(cfg, device, dtype, seq, None, False, "none")
         seconds, losses = measure(step, batches, args.warmup, device)
@@ -336,6 +347,8 @@ def main() -> None:
     parser.add_argument("--remat", default="none", choices=get_args(RematMode),
                         help="recomputation of the torchloom row")  # fmt: skip
     parser.add_argument("--no-compile", action="store_true", help="compile nothing")
+    parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
+                        help="the compiled torchloom rows' AdamW (--optimizer.implementation)")  # fmt: skip
     parser.add_argument(
         "--profile-steps",
         type=int,
@@ -404,7 +417,8 @@ def main() -> None:
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "loss_diff": checks, "rows": rows,
+        "command": shlex.join([sys.executable, *sys.argv]), "optimizer": args.optimizer,
+        "loss_diff": checks, "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
     destroy()

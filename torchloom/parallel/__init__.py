@@ -1,7 +1,7 @@
 """Parallelism applied to single-device models from outside: mesh, data and tensor parallel."""
 
 from torchloom.parallel.config import ParallelConfig
-from torchloom.parallel.grad import clip_grad_norm_
+from torchloom.parallel.grad import clip_coefficient, clip_grad_norm_, grad_norm
 from torchloom.parallel.loss_reduction import as_local, global_label_count, sum_over_data_ranks
 from torchloom.parallel.mesh import ParallelDims, build_parallel_dims, destroy, init_distributed
 from torchloom.parallel.parallelize import parallelize
@@ -12,9 +12,11 @@ __all__ = [
     "ParallelDims",
     "as_local",
     "build_parallel_dims",
+    "clip_coefficient",
     "clip_grad_norm_",
     "destroy",
     "global_label_count",
+    "grad_norm",
     "init_distributed",
     "loss_context",
     "parallelize",

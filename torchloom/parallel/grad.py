@@ -9,6 +9,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchloom.kernels.adamw import squared_norm_partials
+from torchloom.kernels.triton_support import use_triton
+
 
 @torch.no_grad()
 def clip_grad_norm_(
@@ -19,19 +22,37 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return that norm
     (before clipping) as a plain tensor, equal to the single-process norm of the same model.
+    See ``grad_norm`` for the meshes; an optimizer that folds the clip into its step takes
+    ``clip_coefficient(grad_norm(...), max_norm)`` instead of this pass over the gradients."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, norm_type, pp_mesh)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+@torch.no_grad()
+def grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """The global norm of the parameters' gradients as a plain tensor, equal to the
+    single-process norm of the same model; no host sync.
 
     Gradients may be DTensors on different meshes (FSDP x TP on one, FSDP only on another) or
     plain tensors; DTensor cannot combine norms across meshes, so each mesh's gradients are
     reduced on their own and the per-mesh norms combined here. With pipeline parallelism each
-    stage holds different parameters: pass ``pp_mesh`` to combine the stages' norms too.
+    stage holds different parameters: pass ``pp_mesh`` to combine the stages' norms too. Plain
+    CUDA gradients' 2-norm is summed by one Triton kernel per gradient into fp32 per-block
+    partials (kernels/adamw.py): one read of each gradient, the same total every run.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in parameters if p.grad is not None]
     by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
     for grad in grads:
         by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
     partial_norms = []
-    for group in by_mesh.values():
+    for mesh, group in by_mesh.items():
+        if mesh is None and norm_type == 2.0 and _triton_norm(group):
+            partial_norms.append(squared_norm_partials(group).sum().sqrt())
+            continue
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not partial_norms:
@@ -39,8 +60,18 @@ def clip_grad_norm_(
     total = torch.nn.utils.get_total_norm(partial_norms, norm_type)
     if pp_mesh is not None:
         total = _combine_over(total, norm_type, pp_mesh)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What ``clip_grad_norm_`` multiplies every gradient by (at most 1), as an fp32 tensor."""
+    return (max_norm / (norm.float() + 1e-6)).clamp(max=1.0)
+
+
+def _triton_norm(grads: list[torch.Tensor]) -> bool:
+    """Plain contiguous CUDA gradients on one device, and Triton to sum them."""
+    device = grads[0].device
+    return use_triton(grads[0]) and all(g.device == device and g.is_contiguous() for g in grads)
 
 
 def _combine_over(norm: torch.Tensor, norm_type: float, mesh: DeviceMesh) -> torch.Tensor:

@@ -47,10 +47,11 @@ def check_cuda_graph_job(job: JobConfig) -> None:
             "--training.cuda_graph true does not run with --compile.enabled true yet (the "
             "compiled blocks recompile under capture); use one of the two."
         )
-    if job.optimizer.implementation not in ("auto", "fused"):
+    if job.optimizer.implementation not in ("auto", "fused", "triton"):
         raise ConfigError(
-            "--training.cuda_graph true captures the fused AdamW, which computes the same "
-            "captured or not; set --optimizer.implementation auto or fused."
+            "--training.cuda_graph true captures a device-side AdamW (fused or triton), which "
+            "computes the same captured or not; set --optimizer.implementation auto, fused or "
+            "triton."
         )
     if job.model.batch_invariant:
         raise ConfigError(

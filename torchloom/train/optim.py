@@ -9,8 +9,11 @@ from typing import Literal
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.adamw import adamw_step_
+from torchloom.kernels.triton_support import triton
 
 
 @dataclass
@@ -27,8 +30,9 @@ class OptimizerConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms, biases or embeddings)."""
-    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    """AdamW kernel: auto takes fused on the GPU and foreach on the CPU."""
+    implementation: Literal["auto", "fused", "triton", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: auto takes fused on the GPU and foreach on the CPU; triton (CUDA only) is
+    one Triton kernel per parameter that also applies the gradient clip (no pass of its own)."""
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -75,14 +79,82 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
+    groups = [g for g in groups if g["params"]]
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    if impl == "triton":
+        if device.type != "cuda" or triton is None:
+            raise ConfigError(
+                "--optimizer.implementation triton runs Triton kernels on a CUDA GPU (with "
+                "Triton installed); elsewhere use auto."
+            )
+        return TritonAdamW(groups, **hyper)
+    return torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW (the same hyper-parameters, state and checkpoints) stepped by one Triton
+    kernel per parameter (kernels/adamw.py), which also multiplies each gradient by
+    ``grad_scale`` when it is set: the trainer puts the clip coefficient there
+    (``clip_coefficient``) instead of scaling every gradient in a pass of its own, as
+    ``torch.amp.GradScaler`` hands fused optimizers its ``grad_scale``. ``step`` consumes it.
+
+    The step counts live on the parameters' device and the learning rate may be a device
+    tensor, so a CUDA graph can capture the step; the state_dict is torch's (a step count loaded
+    onto the CPU moves to the device at the next step), so either optimizer resumes the other's
+    checkpoint. DTensor parameters (FSDP) are updated through their local shards: the update is
+    elementwise.
+    """
+
+    def __init__(self, params, **hyper) -> None:
+        super().__init__(params, **hyper, foreach=False, fused=False)
+        self.grad_scale: torch.Tensor | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.grad_scale = None  # it belonged to the gradients just dropped
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, self.grad_scale = self.grad_scale, None
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("TritonAdamW supports neither amsgrad nor maximize")
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+                if state["step"].device != param.device:  # loaded from a torch checkpoint
+                    state["step"] = state["step"].to(param.device, torch.float32)
+                params.append(_local(param))
+                grads.append(_local(param.grad))
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                steps.append(state["step"])
+            if not params:
+                continue
+            torch._foreach_add_(steps, 1.0)
+            beta1, beta2 = group["betas"]
+            adamw_step_(
+                params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"], beta1=beta1,
+                beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                grad_scale=grad_scale,
+            )  # fmt: skip
+        return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:

@@ -1,0 +1,141 @@
+"""The optimizer's share of a training step: gradient norm, clipping and AdamW, side by side.
+
+    python benchmarks/optimizer.py                          # 1B (fp32 weights) and 8B (bf16)
+    python benchmarks/optimizer.py --shapes 1B --iters 20 --json outputs/optimizer.json
+
+For the parameters of a llama3 flavor (their real shapes, weights in the dtype
+benchmarks/train.py trains them in, random gradients), each row times what follows backward:
+
+- ``torch``: what the trainer ran before: torch's ``get_total_norm`` over the gradients (the
+  ``_foreach_norm`` kernel), ``clip_grads_with_norm_`` scaling every gradient in place, then
+  torch's fused AdamW (``--optimizer.implementation fused``).
+- ``triton``: ``--optimizer.implementation triton``: the norm summed by a Triton kernel into
+  fp32 per-block partials (parallel/grad.py ``grad_norm``), then one Triton AdamW kernel per
+  parameter that multiplies the gradient by the clip coefficient on the way in.
+- ``torch-norm`` / ``triton-norm``: the norm alone; ``torch-adamw`` / ``triton-adamw``: the
+  AdamW step alone (no clipping).
+
+GB/s counts the bytes the step must move at least: AdamW reads parameter, gradient and both
+moments and writes parameter and moments (7 tensors of the parameters' size); the norm reads
+the gradients once; clipping in place adds a read and a write of them. Times: median of
+--iters CUDA-event timed iterations after 3 warm-up ones. One table, JSON to --json. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.parallel import clip_coefficient, grad_norm
+from torchloom.train.optim import OptimizerConfig, build_optimizer
+
+SHAPES = {"1B": torch.float32, "8B": torch.bfloat16}  # weight dtype, as benchmarks/train.py
+# Clip at a norm the gradients never reach: both paths still do all their work (torch's scales
+# by 1.0), and repeated iterations do not shrink the gradients toward zero.
+MAX_NORM = 1e6
+ROWS = ("torch", "triton", "torch-norm", "triton-norm", "torch-adamw", "triton-adamw")
+
+
+def _model(flavor: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
+    with torch.device("meta"):
+        model = build_model(cfg, "llama3")
+    model.to_empty(device=device)
+    model.to(dtype)
+    gen = torch.Generator(device).manual_seed(0)
+    for p in model.parameters():
+        p.detach().normal_(0, 0.02, generator=gen)
+        p.grad = torch.empty_like(p).normal_(0, 1e-4, generator=gen)
+    return model
+
+
+def _steps(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[], object]]:
+    params = list(model.parameters())
+    torch_opt = build_optimizer(model, OptimizerConfig(implementation="fused"), device)
+    triton_opt = build_optimizer(model, OptimizerConfig(implementation="triton"), device)
+    grads = [p.grad for p in params]
+
+    def torch_norm() -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads)
+
+    def triton_norm() -> torch.Tensor:
+        return grad_norm(params)
+
+    def torch_step() -> None:
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, torch_norm())
+        torch_opt.step()
+
+    def triton_step() -> None:
+        triton_opt.grad_scale = clip_coefficient(triton_norm(), MAX_NORM)
+        triton_opt.step()
+
+    return {"torch": torch_step, "triton": triton_step, "torch-norm": torch_norm,
+            "triton-norm": triton_norm, "torch-adamw": torch_opt.step,
+            "triton-adamw": triton_opt.step}  # fmt: skip
+
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=Path("outputs/optimizer_bench.json"))
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    records = []
+    for shape in args.shapes:
+        dtype = SHAPES[shape]
+        model = _model(shape, dtype, device)
+        numel = sum(p.numel() for p in model.parameters())
+        size = numel * dtype.itemsize
+        moved = {"torch": 10 * size, "triton": 8 * size, "torch-norm": size,
+                 "triton-norm": size, "torch-adamw": 7 * size, "triton-adamw": 7 * size}  # fmt: skip
+        steps = _steps(model, device)
+        for row in args.rows:
+            ms = median_ms(steps[row], args.iters)
+            records.append({"shape": shape, "row": row, "params": numel,
+                            "dtype": str(dtype).removeprefix("torch."), "ms": ms,
+                            "gb_per_s": moved[row] / ms / 1e6})  # fmt: skip
+            print(f"  {shape} {row}: {ms:.2f} ms", flush=True)
+        del model, steps
+        torch.cuda.empty_cache()
+    print(
+        f"\n{'shape':<5} {'row':<13} {'params':>7} {'dtype':<9} {'ms':>8} {'GB/s':>7} {'vs torch':>8}"
+    )
+    for r in records:
+        base = next((b["ms"] for b in records if b["shape"] == r["shape"]
+                     and b["row"] == r["row"].replace("triton", "torch")), None)  # fmt: skip
+        ratio = f"{base / r['ms']:.2f}x" if base else ""
+        print(f"{r['shape']:<5} {r['row']:<13} {r['params'] / 1e9:>6.2f}B {r['dtype']:<9} "
+              f"{r['ms']:>8.2f} {r['gb_per_s']:>7.0f} {ratio:>8}")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": records,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
