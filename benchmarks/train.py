@@ -259,6 +259,7 @@ def measure(
     the weights and what training allocates, not a transient copy made while building."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)  # counts allocator retries from here
     marks, losses = [], []
     for batch in batches:
         start = _mark(device)
@@ -319,9 +320,13 @@ def run_row(
     tflops = tokens_per_s * cfg.flops_per_token(seq) / 1e12
     record |= {"step_s": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops,
                "losses": losses, "final_loss": losses[-1]}  # fmt: skip
+    retries = ""
     if device.type == "cuda":
         record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    print(f"  {row} {shape}: {seconds:.3f} s/step, loss {losses[-1]:.4f}", flush=True)
+        # Each retry freed the allocator's cache to fit an allocation: a device-wide sync.
+        record["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        retries = f", {record['alloc_retries']} allocator retries"
+    print(f"  {row} {shape}: {seconds:.3f} s/step, loss {losses[-1]:.4f}{retries}", flush=True)
     return record
 
 
