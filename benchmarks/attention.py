@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import median_seconds
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchloom.models import ModelConfig, resolve_model_config
@@ -55,21 +55,6 @@ def _sdpa(backend: SDPBackend | None, gqa: bool) -> Attend:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     return attend
-
-
-def median_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
 
 
 def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:

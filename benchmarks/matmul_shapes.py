@@ -20,29 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from torchloom.models import ModelConfig, resolve_model_config
 
 TOKENS = {"1B": 8 * 4096, "8B": 4 * 4096}  # the measured steps of benchmarks/RESULTS.md
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    marks = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        marks.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in marks)
 
 
 def layer_shapes(flavor: str) -> tuple[list[tuple[str, int, int, int]], int]:
@@ -62,14 +47,17 @@ def time_linear(m: int, k: int, n: int, iters: int, fp32_wgrad: bool = False) ->
     """ms of forward, input-gradient and weight-gradient matmuls of x [m, k] @ w[n, k]^T."""
     dev, bf = "cuda", torch.bfloat16
     x, w, dy = (torch.randn(s, device=dev, dtype=bf) for s in ((m, k), (n, k), (m, n)))
-    out = {"fwd": median_ms(lambda: x @ w.t(), iters), "dgrad": median_ms(lambda: dy @ w, iters)}
+    out = {
+        "fwd": 1e3 * median_seconds(lambda: x @ w.t(), iters),
+        "dgrad": 1e3 * median_seconds(lambda: dy @ w, iters),
+    }
     if fp32_wgrad:
         acc = torch.zeros(n, k, device=dev, dtype=torch.float32)
-        out["wgrad"] = median_ms(
+        out["wgrad"] = 1e3 * median_seconds(
             lambda: torch.addmm(acc, dy.t(), x, out_dtype=torch.float32), iters
         )  # as kernels/linear_cross_entropy.py accumulates the head's gradient
     else:
-        out["wgrad"] = median_ms(lambda: dy.t() @ x, iters)
+        out["wgrad"] = 1e3 * median_seconds(lambda: dy.t() @ x, iters)
     return out
 
 

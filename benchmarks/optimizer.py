@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.parallel import clip_coefficient, grad_norm
@@ -81,20 +81,6 @@ def _steps(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[
             "triton-adamw": triton_opt.step}  # fmt: skip
 
 
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -113,7 +99,7 @@ def main() -> None:
                  "triton-norm": size, "torch-adamw": 7 * size, "triton-adamw": 7 * size}  # fmt: skip
         steps = _steps(model, device)
         for row in args.rows:
-            ms = median_ms(steps[row], args.iters)
+            ms = 1e3 * median_seconds(steps[row], args.iters)
             records.append({"shape": shape, "row": row, "params": numel,
                             "dtype": str(dtype).removeprefix("torch."), "ms": ms,
                             "gb_per_s": moved[row] / ms / 1e6})  # fmt: skip
