@@ -182,11 +182,15 @@ def test_resuming_an_older_step_replaces_the_newer_checkpoints(uninterrupted, tm
 
 
 @pytest.mark.gpu
-def test_async_pinned_on_the_gpu_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("optimizer", ["auto", "triton"])
+def test_async_pinned_on_the_gpu_resumes_bitwise(tmp_path, optimizer):
     """Pinned staging (PinnedStager) saves at steps 2, 4, 6, 8 reusing its host buffers; the
-    run resumed from step 4 repeats steps 5-8 bitwise (deterministic kernels)."""
+    run resumed from step 4 repeats steps 5-8 bitwise (deterministic kernels), with torch's
+    fused AdamW and with the Triton one (whose step counts live on the GPU). The fused run's
+    checkpoint also resumes under the Triton AdamW: the same state, other roundings."""
     gpu = ["--training.device", "cuda", "--training.deterministic", "true",
-           "--checkpoint.mode", "async_pinned", "--checkpoint.interval", "2"]  # fmt: skip
+           "--checkpoint.mode", "async_pinned", "--checkpoint.interval", "2",
+           "--optimizer.implementation", optimizer]  # fmt: skip
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert main(["train", *COMMON, *gpu, "--output.dir", str(full), "--training.steps", "8"]) == 0
     saves = [r for r in records(full) if "ckpt_write_s" in r]
@@ -199,3 +203,14 @@ def test_async_pinned_on_the_gpu_resumes_bitwise(tmp_path):
     expected, got = losses(full), losses(resumed)
     print(f"uninterrupted {[expected[s] for s in got]}, resumed {list(got.values())}")
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == expected[s] for s in got)
+    if optimizer == "auto":
+        switched = tmp_path / "switched"
+        (switched / "checkpoints").mkdir(parents=True)
+        shutil.copytree(full / "checkpoints/step-4", switched / "checkpoints/step-4")
+        flags = [*COMMON, *gpu[:-1], "triton", "--output.dir", str(switched),
+                 "--training.steps", "8", "--checkpoint.resume", "true"]  # fmt: skip
+        assert main(["train", *flags]) == 0
+        got = losses(switched)
+        print(f"resumed with the Triton AdamW {list(got.values())}")
+        assert sorted(got) == [5, 6, 7, 8]
+        assert all(got[s] == pytest.approx(expected[s], rel=1e-4) for s in got)
