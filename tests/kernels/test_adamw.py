@@ -124,6 +124,16 @@ def test_clipping_in_place_is_the_coefficient_times_the_gradient() -> None:
     assert clip_coefficient(norm, 2 * norm.item()).item() == 1.0
 
 
+def test_non_contiguous_parameters_get_one_clear_error() -> None:
+    from torchloom.kernels.adamw import adamw_step_
+
+    param = torch.zeros(4, 6).t()  # a transposed view
+    state = [torch.zeros_like(param) for _ in range(3)]
+    with pytest.raises(ValueError, match="contiguous .* Use --optimizer.implementation fused"):
+        adamw_step_([param], *([s] for s in state), [torch.ones(())], lr=1e-3, beta1=0.9,
+                    beta2=0.95, eps=1e-8, weight_decay=0.0)  # fmt: skip
+
+
 def test_triton_adamw_is_refused_off_the_gpu() -> None:
     with pytest.raises(ConfigError, match="runs Triton kernels on a CUDA GPU"):
         build_optimizer(

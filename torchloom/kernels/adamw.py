@@ -81,9 +81,14 @@ def adamw_step_(
     lr_on_device = isinstance(lr, torch.Tensor)
     for tensors in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True):
         param = tensors[0]
-        for t in tensors[1:4]:
+        for t in tensors[:4]:
             if t.shape != param.shape or not t.is_contiguous():
-                raise ValueError("adamw_step_ needs contiguous tensors of the parameter's shape")
+                raise ValueError(
+                    f"the Triton AdamW needs each parameter, its gradient and moments contiguous "
+                    f"and of its shape; got a {tuple(param.shape)} parameter with a "
+                    f"{tuple(t.shape)} tensor of strides {t.stride()}. Use "
+                    "--optimizer.implementation fused for such parameters."
+                )
         n = param.numel()
         if n == 0:
             continue
