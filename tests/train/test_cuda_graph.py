@@ -33,7 +33,6 @@ COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sam
         (["--parallel.tp", "2"], "captures a single-GPU step"),
         (["--parallel.pp", "2"], "captures a single-GPU step"),
         (["--parallel.fsdp_always", "true"], "captures a single-GPU step"),
-        (["--compile.enabled", "true"], "does not run with --compile.enabled true yet"),
         (["--optimizer.implementation", "foreach"], "captures a device-side AdamW"),
         (["--model.batch_invariant", "true"], "not verified with --model.batch_invariant"),
     ],
@@ -90,8 +89,10 @@ def _numbers(records: list[dict]) -> list[tuple]:
         [],
         ["--training.micro_batch_size", "4"],
         ["--optimizer.implementation", "triton"],
+        ["--compile.enabled", "true"],
+        ["--compile.enabled", "true", "--training.micro_batch_size", "4"],
     ],
-    ids=["one-micro-batch", "two-micro-batches", "triton-adamw"],
+    ids=["one-micro-batch", "two-micro-batches", "triton-adamw", "compiled", "compiled-two-micro"],
 )
 def test_captured_steps_give_bitwise_the_eager_losses(tmp_path, overrides: list[str]) -> None:
     _, eager = _run(tmp_path, "eager", *overrides)

@@ -10,8 +10,9 @@ with the host either, which is why non-finite losses are checked after the repla
 ``--training.skip_nonfinite`` is refused.
 
 The captured kernels are the eager step's kernels: warm-up steps and replays run the same
-forward, backward, ``clip_grad_norm_`` and fused AdamW, so losses are bitwise those of an
-uncaptured run (the learning rate is a float32 either way, see ``build_lr_scheduler``).
+forward, backward, gradient clipping and AdamW (fused or Triton), so losses are bitwise those of
+an uncaptured run (the learning rate is a float32 either way, see ``build_lr_scheduler``).
+Compiled regions are compiled during the warm-up steps and captured like any other kernels.
 """
 
 from __future__ import annotations
@@ -39,13 +40,6 @@ def check_cuda_graph_job(job: JobConfig) -> None:
             "--training.cuda_graph true captures a single-GPU step: it does not run with data, "
             "context, tensor or pipeline parallelism or --parallel.fsdp_always (their "
             "collectives and host-side schedules are not captured); set those degrees to 1."
-        )
-    if job.compile.enabled:
-        # Seen on an H200 (torch 2.11): under capture the compiled blocks recompiled until
-        # dynamo's limit; until that is solved the two are exclusive.
-        raise ConfigError(
-            "--training.cuda_graph true does not run with --compile.enabled true yet (the "
-            "compiled blocks recompile under capture); use one of the two."
         )
     if job.optimizer.implementation not in ("auto", "fused", "triton"):
         raise ConfigError(
