@@ -11,9 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(worker: Path, nproc: int, *names: str) -> list[tuple[str, dict]]:
-    """(KIND, payload) for every ``KIND {json}`` line the worker printed (RESULT, MESH, ...)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_worker(
+    worker: Path, nproc: int, *names: str, env: dict[str, str] | None = None
+) -> list[tuple[str, dict]]:
+    """(KIND, payload) for every ``KIND {json}`` line the worker printed (RESULT, MESH, ...);
+    ``env`` adds variables to the workers' environment."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(worker), *names]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)

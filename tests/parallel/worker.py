@@ -27,9 +27,11 @@ from torchloom.models import ModelConfig, build_model
 from torchloom.parallel import (
     ParallelConfig,
     build_parallel_dims,
+    clip_coefficient,
     clip_grad_norm_,
     destroy,
     global_label_count,
+    grad_norm,
     init_distributed,
     loss_context,
     parallelize,
@@ -37,6 +39,7 @@ from torchloom.parallel import (
 )
 from torchloom.parallel.mesh import FLATTENED, MESH_AXES
 from torchloom.train.loss import IGNORE_INDEX, cross_entropy_sum
+from torchloom.train.optim import TritonAdamW
 
 LAYOUTS: dict[str, dict] = {
     "fsdp": {"dp_shard": 2},
@@ -46,6 +49,9 @@ LAYOUTS: dict[str, dict] = {
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
     "fsdp_tp": {"dp_shard": 2, "tp": 2, "reshard_after_forward": "always"},
     "replicate_tp": {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
+    # The Triton AdamW on DTensor shards (the kernels run in Triton's interpreter: the launch
+    # sets TRITON_INTERPRET=1), the clip folded into it instead of scaling the gradients.
+    "fsdp_tp_triton_adamw": {"dp_shard": 2, "tp": 2, "triton_adamw": True},
 }
 MESH_LAYOUTS: dict[str, dict] = {
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
@@ -109,9 +115,12 @@ def reference_run(model: nn.Module, batches: list) -> list[dict]:
 
 
 def parallel_run(model: nn.Module, layout: dict, batches: list) -> list[dict]:
+    layout = dict(layout)
+    triton_adamw = layout.pop("triton_adamw", False)
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
     parallelize(model, dims, seq_len=SEQ_LEN)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
+    adamw = TritonAdamW if triton_adamw else torch.optim.AdamW
+    optimizer = adamw(model.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
     share = BATCH // dims.dp_size
     rows = slice(dims.dp_rank * share, (dims.dp_rank + 1) * share)
     steps = []
@@ -122,7 +131,11 @@ def parallel_run(model: nn.Module, layout: dict, batches: list) -> list[dict]:
         with loss_context(dims):
             loss = cross_entropy_sum(logits, local["labels"]) / count
             loss.backward()
-        norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+        if triton_adamw:  # as the Trainer does for it
+            norm = grad_norm(model.parameters())
+            optimizer.grad_scale = clip_coefficient(norm, MAX_NORM)
+        else:
+            norm = clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = sum_over_data_ranks(loss, dims).item()
