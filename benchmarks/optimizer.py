@@ -66,7 +66,7 @@ def _steps(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[
         return torch.nn.utils.get_total_norm(grads)
 
     def triton_norm() -> torch.Tensor:
-        return grad_norm(params)
+        return grad_norm(params, triton_kernel=True)
 
     def torch_step() -> None:
         torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, torch_norm())

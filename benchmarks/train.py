@@ -182,7 +182,8 @@ def torchloom_step(
         loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
         loss.backward()
         if isinstance(optimizer, TritonAdamW):  # as Trainer: the clip folded into its kernel
-            optimizer.grad_scale = clip_coefficient(grad_norm(model.parameters()), 1.0)
+            norm = grad_norm(model.parameters(), triton_kernel=True)
+            optimizer.grad_scale = clip_coefficient(norm, 1.0)
         else:
             clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -151,7 +151,7 @@ def test_triton_adamw_matches_torch_on_gpu() -> None:
     params = _params(torch.bfloat16, "cuda")
     for p in params:
         p.grad = torch.randn_like(p)
-    ours = grad_norm(params)  # the Triton partials on CUDA
+    ours = grad_norm(params, triton_kernel=True)  # the Triton partials on CUDA
     torch.testing.assert_close(
         ours, torch.nn.utils.get_total_norm([p.grad.float() for p in params]), rtol=1e-6, atol=0
     )

@@ -132,7 +132,7 @@ def parallel_run(model: nn.Module, layout: dict, batches: list) -> list[dict]:
             loss = cross_entropy_sum(logits, local["labels"]) / count
             loss.backward()
         if triton_adamw:  # as the Trainer does for it
-            norm = grad_norm(model.parameters())
+            norm = grad_norm(model.parameters(), triton_kernel=True)  # DTensors: torch's
             optimizer.grad_scale = clip_coefficient(norm, MAX_NORM)
         else:
             norm = clip_grad_norm_(model.parameters(), MAX_NORM)

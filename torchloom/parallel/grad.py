@@ -32,7 +32,10 @@ def clip_grad_norm_(
 
 @torch.no_grad()
 def grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    pp_mesh: DeviceMesh | None = None,
+    triton_kernel: bool = False,
 ) -> torch.Tensor:
     """The global norm of the parameters' gradients as a plain tensor, equal to the
     single-process norm of the same model; no host sync.
@@ -40,9 +43,10 @@ def grad_norm(
     Gradients may be DTensors on different meshes (FSDP x TP on one, FSDP only on another) or
     plain tensors; DTensor cannot combine norms across meshes, so each mesh's gradients are
     reduced on their own and the per-mesh norms combined here. With pipeline parallelism each
-    stage holds different parameters: pass ``pp_mesh`` to combine the stages' norms too. Plain
-    CUDA gradients' 2-norm is summed by one Triton kernel per gradient into fp32 per-block
-    partials (kernels/adamw.py): one read of each gradient, the same total every run.
+    stage holds different parameters: pass ``pp_mesh`` to combine the stages' norms too. With
+    ``triton_kernel`` (the Triton AdamW's companion), plain CUDA gradients' 2-norm is summed by
+    one Triton kernel per gradient into fp32 per-block partials (kernels/adamw.py): one read of
+    each gradient, the same total every run; otherwise torch's ``get_total_norm``.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
@@ -50,7 +54,7 @@ def grad_norm(
         by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
     partial_norms = []
     for mesh, group in by_mesh.items():
-        if mesh is None and norm_type == 2.0 and _triton_norm(group):
+        if triton_kernel and mesh is None and norm_type == 2.0 and _triton_norm(group):
             partial_norms.append(squared_norm_partials(group).sum().sqrt())
             continue
         norm = torch.nn.utils.get_total_norm(group, norm_type)

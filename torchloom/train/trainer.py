@@ -238,7 +238,7 @@ class Trainer:
         max_norm = self.job.training.max_norm or float("inf")
         pp_mesh = self.dims.mesh("pp")
         if isinstance(self.optimizer, TritonAdamW):  # it applies the clip in its own pass
-            norm = grad_norm(self.model.parameters(), pp_mesh=pp_mesh)
+            norm = grad_norm(self.model.parameters(), pp_mesh=pp_mesh, triton_kernel=True)
             self.optimizer.grad_scale = clip_coefficient(norm, max_norm)
             return loss_sum, norm
         return loss_sum, clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
