@@ -320,6 +320,10 @@ def cmd_generate(argv: list[str]) -> int:
             model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8), rank0,
             compile_decode,
         )  # fmt: skip
+        if tp > 1 and dist.is_initialized():
+            # Leave together: a rank tearing gloo down while a peer is still finishing (rank 0
+            # writes the output) was seen to abort ("terminate called") on the CPU.
+            dist.barrier()
     finally:
         if tp > 1:
             destroy()
