@@ -21,14 +21,12 @@ warm-up. One table, JSON to --json. GPU only.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import median_seconds
+from gpu_bench import median_seconds, write_report
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchloom.models import ModelConfig, resolve_model_config
@@ -143,12 +141,7 @@ def main() -> None:
                             else "")  # fmt: skip
         print(f"{r['shape']:<5} {r['row']:<15} {dims:<18} {r['ms']:>8.3f} {r['tflops']:>8.1f}  "
               f"{note}")  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": rows,
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.json}")
+    write_report(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ table, JSON to --json. GPU only.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from pathlib import Path
 
 import torch
-from timing import median_seconds
+from gpu_bench import median_seconds, write_report
 
 from torchloom.models import ModelConfig, resolve_model_config
 
@@ -99,12 +97,7 @@ def main() -> None:
             f"{shape}: the step's matmuls alone {unfused:.1f} ms; with q/k/v and gate/up "
             f"fused {fused:.1f} ms"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": records,
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.json}")
+    write_report(args.json, records)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
 For the parameters of a llama3 flavor (their real shapes, weights in the dtype
 benchmarks/train.py trains them in, random gradients), each row times what follows backward:
 
-- ``torch``: what the trainer ran before: torch's ``get_total_norm`` over the gradients (the
-  ``_foreach_norm`` kernel), ``clip_grads_with_norm_`` scaling every gradient in place, then
-  torch's fused AdamW (``--optimizer.implementation fused``).
+- ``torch``: the Trainer's step with ``--optimizer.implementation fused``: torch's
+  ``get_total_norm`` over the gradients (the ``_foreach_norm`` kernel), every gradient scaled
+  in place (``clip_grad_norm_``), then torch's fused AdamW.
 - ``triton``: ``--optimizer.implementation triton``: the norm summed by a Triton kernel into
   fp32 per-block partials (parallel/grad.py ``grad_norm``), then one Triton AdamW kernel per
   parameter that multiplies the gradient by the clip coefficient on the way in.
@@ -24,17 +24,15 @@ the gradients once; clipping in place adds a read and a write of them. Times: me
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import median_seconds
+from gpu_bench import median_seconds, write_report
 
 from torchloom.models import ModelConfig, build_model, resolve_model_config
-from torchloom.parallel import clip_coefficient, grad_norm
-from torchloom.train.optim import OptimizerConfig, build_optimizer
+from torchloom.parallel import grad_norm
+from torchloom.train.optim import OptimizerConfig, build_optimizer, clip_gradients
 
 SHAPES = {"1B": torch.float32, "8B": torch.bfloat16}  # weight dtype, as benchmarks/train.py
 # Clip at a norm the gradients never reach: both paths still do all their work (torch's scales
@@ -57,28 +55,23 @@ def _model(flavor: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Mo
 
 
 def _steps(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[], object]]:
+    """Each row's work, as the Trainer does it (``clip_gradients`` then ``step``)."""
     params = list(model.parameters())
-    torch_opt = build_optimizer(model, OptimizerConfig(implementation="fused"), device)
-    triton_opt = build_optimizer(model, OptimizerConfig(implementation="triton"), device)
-    grads = [p.grad for p in params]
+    optimizers = {impl: build_optimizer(model, OptimizerConfig(implementation=impl), device)
+                  for impl in ("fused", "triton")}  # fmt: skip
 
-    def torch_norm() -> torch.Tensor:
-        return torch.nn.utils.get_total_norm(grads)
+    def clip_and_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        def step() -> None:
+            clip_gradients(optimizer, params, MAX_NORM)
+            optimizer.step()
 
-    def triton_norm() -> torch.Tensor:
-        return grad_norm(params, triton_kernel=True)
+        return step
 
-    def torch_step() -> None:
-        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, torch_norm())
-        torch_opt.step()
-
-    def triton_step() -> None:
-        triton_opt.grad_scale = clip_coefficient(triton_norm(), MAX_NORM)
-        triton_opt.step()
-
-    return {"torch": torch_step, "triton": triton_step, "torch-norm": torch_norm,
-            "triton-norm": triton_norm, "torch-adamw": torch_opt.step,
-            "triton-adamw": triton_opt.step}  # fmt: skip
+    fused, triton = optimizers["fused"], optimizers["triton"]
+    return {"torch": clip_and_step(fused), "triton": clip_and_step(triton),
+            "torch-norm": lambda: grad_norm(params),
+            "triton-norm": lambda: grad_norm(params, triton_kernel=True),
+            "torch-adamw": fused.step, "triton-adamw": triton.step}  # fmt: skip
 
 
 def main() -> None:
@@ -115,12 +108,7 @@ def main() -> None:
         ratio = f"{base / r['ms']:.2f}x" if base else ""
         print(f"{r['shape']:<5} {r['row']:<13} {r['params'] / 1e9:>6.2f}B {r['dtype']:<9} "
               f"{r['ms']:>8.2f} {r['gb_per_s']:>7.0f} {ratio:>8}")  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": records,
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"wrote {args.json}")
+    write_report(args.json, records)
 
 
 if __name__ == "__main__":

@@ -71,16 +71,13 @@ from torchloom.parallel import (
     ParallelConfig,
     ParallelDims,
     build_parallel_dims,
-    clip_coefficient,
-    clip_grad_norm_,
     destroy,
-    grad_norm,
     parallelize,
 )
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.cuda_graph import StepGraph
 from torchloom.train.metrics import device_peak_tflops
-from torchloom.train.optim import OptimizerConfig, TritonAdamW, build_optimizer
+from torchloom.train.optim import OptimizerConfig, build_optimizer, clip_gradients
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
 from torchloom.train.remat import RematConfig, RematMode, apply_remat
 
@@ -181,11 +178,7 @@ def torchloom_step(
             loss_sum = model(tokens_BT, labels_BT=labels_BT)  # the trainer's loss path
         loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
         loss.backward()
-        if isinstance(optimizer, TritonAdamW):  # as Trainer: the clip folded into its kernel
-            norm = grad_norm(model.parameters(), triton_kernel=True)
-            optimizer.grad_scale = clip_coefficient(norm, 1.0)
-        else:
-            clip_grad_norm_(model.parameters(), 1.0)
+        clip_gradients(optimizer, model.parameters(), 1.0)  # as the Trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -205,7 +198,7 @@ def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtyp
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss_sum = model(batch.tokens, batch.positions, labels_BT=batch.labels)
         (loss_sum / num_tokens).backward()
-        grad_norm = clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = clip_gradients(optimizer, model.parameters(), 1.0)
         optimizer.step()
         return loss_sum.detach(), grad_norm
 

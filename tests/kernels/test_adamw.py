@@ -15,9 +15,10 @@ import torch
 
 from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
-from torchloom.kernels.adamw import squared_norm_partials
+from torchloom.kernels.adamw import adamw_step_, squared_norm_partials
 from torchloom.parallel import clip_coefficient, clip_grad_norm_, grad_norm
 from torchloom.train.optim import OptimizerConfig, TritonAdamW, build_optimizer
+from torchloom.train.trainer import Trainer
 
 SHAPES = [(37,), (5, 129), (3000,), (2,)]  # 3000 spans two programs; odd sizes end mid-block
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
@@ -125,8 +126,6 @@ def test_clipping_in_place_is_the_coefficient_times_the_gradient() -> None:
 
 
 def test_non_contiguous_parameters_get_one_clear_error() -> None:
-    from torchloom.kernels.adamw import adamw_step_
-
     param = torch.zeros(4, 6).t()  # a transposed view
     state = [torch.zeros_like(param) for _ in range(3)]
     with pytest.raises(ValueError, match="contiguous .* Use --optimizer.implementation fused"):
@@ -169,8 +168,6 @@ def test_trainer_with_triton_adamw_tracks_fused(tmp_path) -> None:
              "--training.steps", "12", "--training.max_norm", "0.05", "--output.dir",
              str(tmp_path / impl), "--optimizer.implementation", impl]
         )  # fmt: skip
-        from torchloom.train.trainer import Trainer
-
         trainer = Trainer(job)
         assert isinstance(trainer.optimizer, TritonAdamW) == (impl == "triton")
         trainer.train()

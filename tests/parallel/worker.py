@@ -27,11 +27,8 @@ from torchloom.models import ModelConfig, build_model
 from torchloom.parallel import (
     ParallelConfig,
     build_parallel_dims,
-    clip_coefficient,
-    clip_grad_norm_,
     destroy,
     global_label_count,
-    grad_norm,
     init_distributed,
     loss_context,
     parallelize,
@@ -39,7 +36,7 @@ from torchloom.parallel import (
 )
 from torchloom.parallel.mesh import FLATTENED, MESH_AXES
 from torchloom.train.loss import IGNORE_INDEX, cross_entropy_sum
-from torchloom.train.optim import TritonAdamW
+from torchloom.train.optim import TritonAdamW, clip_gradients
 
 LAYOUTS: dict[str, dict] = {
     "fsdp": {"dp_shard": 2},
@@ -131,11 +128,7 @@ def parallel_run(model: nn.Module, layout: dict, batches: list) -> list[dict]:
         with loss_context(dims):
             loss = cross_entropy_sum(logits, local["labels"]) / count
             loss.backward()
-        if triton_adamw:  # as the Trainer does for it
-            norm = grad_norm(model.parameters(), triton_kernel=True)  # DTensors: torch's
-            optimizer.grad_scale = clip_coefficient(norm, MAX_NORM)
-        else:
-            norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = clip_gradients(optimizer, model.parameters(), MAX_NORM)  # as the Trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = sum_over_data_ranks(loss, dims).item()

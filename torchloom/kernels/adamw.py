@@ -108,7 +108,9 @@ def squared_norm_partials(tensors: list[torch.Tensor]) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("squared_norm_partials needs Triton: pip install triton (Linux)")
     blocks = [triton.cdiv(t.numel(), _BLOCK) for t in tensors]
-    out = torch.zeros(max(1, sum(blocks)), dtype=torch.float32, device=tensors[0].device)
+    total = sum(blocks)  # every block writes its own slot; nothing to sum gives one zero
+    make = torch.empty if total else torch.zeros
+    out = make(max(1, total), dtype=torch.float32, device=tensors[0].device)
     start = 0
     for t, count in zip(tensors, blocks, strict=True):
         if not t.is_contiguous():

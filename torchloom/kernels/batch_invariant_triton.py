@@ -17,7 +17,8 @@ only on the kernel's compile-time configuration, never on how many rows share th
 Forward passes run the kernels; backward passes use ordinary PyTorch (gradients are correct
 but not batch-invariant). Both are ``torch.library.triton_op`` custom ops, so torch.compile
 can trace them; eager calls take an autograd Function twin that launches the same kernel with
-the same arguments without the dispatcher (a fraction of the host cost). ``batch_invariant`` calls these for CUDA tensors when Triton is installed.
+the same arguments without the dispatcher (a fraction of the host cost). ``batch_invariant``
+calls these for CUDA tensors when Triton is installed.
 """
 
 from __future__ import annotations

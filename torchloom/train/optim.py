@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.adamw import adamw_step_
 from torchloom.kernels.triton_support import triton
+from torchloom.parallel import clip_coefficient, clip_grad_norm_, grad_norm
 
 
 @dataclass
@@ -155,6 +158,23 @@ class TritonAdamW(torch.optim.AdamW):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_gradients(
+    optimizer: torch.optim.Optimizer,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """Clip the gradients' global norm to ``max_norm`` for ``optimizer``'s next step and return
+    the norm before clipping. For ``TritonAdamW`` the clip is its ``grad_scale`` (its kernel
+    applies it, and the norm is summed by the Triton kernel); for torch's AdamW every gradient is
+    scaled in place (``clip_grad_norm_``)."""
+    if isinstance(optimizer, TritonAdamW):
+        norm = grad_norm(parameters, pp_mesh=pp_mesh, triton_kernel=True)
+        optimizer.grad_scale = clip_coefficient(norm, max_norm)
+        return norm
+    return clip_grad_norm_(parameters, max_norm, pp_mesh=pp_mesh)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:

@@ -27,10 +27,7 @@ from torchloom.models import TransformerConfig, build_model, get_model_spec, res
 from torchloom.parallel import (
     as_local,
     build_parallel_dims,
-    clip_coefficient,
-    clip_grad_norm_,
     global_label_count,
-    grad_norm,
     init_distributed,
     loss_context,
     parallelize,
@@ -42,7 +39,7 @@ from torchloom.parallel.state import full_state_items
 from torchloom.train.compile import compile_regions
 from torchloom.train.cuda_graph import StepGraph, check_cuda_graph_runtime
 from torchloom.train.metrics import MetricsLogger
-from torchloom.train.optim import TritonAdamW, build_lr_scheduler, build_optimizer
+from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
 from torchloom.train.output import prepare_output_dir, truncate_metrics
 from torchloom.train.profiling import StepProfiler
 from torchloom.train.remat import apply_remat
@@ -242,11 +239,8 @@ class Trainer:
         loss_sum = self._sum_over_ranks(loss_sum)  # the same value on every rank
         max_norm = self.job.training.max_norm or float("inf")
         pp_mesh = self.dims.mesh("pp")
-        if isinstance(self.optimizer, TritonAdamW):  # it applies the clip in its own pass
-            norm = grad_norm(self.model.parameters(), pp_mesh=pp_mesh, triton_kernel=True)
-            self.optimizer.grad_scale = clip_coefficient(norm, max_norm)
-            return loss_sum, norm
-        return loss_sum, clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
+        norm = clip_gradients(self.optimizer, self.model.parameters(), max_norm, pp_mesh)
+        return loss_sum, norm
 
     def _check_finite(self, loss_sum: torch.Tensor) -> bool:
         """True for a finite loss; otherwise raise, or False with --training.skip_nonfinite."""

@@ -1,0 +1,41 @@
+"""What the GPU micro-benchmarks share: CUDA-event timing and the JSON report (imported as a
+sibling module: the scripts run as ``python benchmarks/<name>.py``, which puts this folder on
+sys.path)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
+
+
+def write_report(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON at ``path``, with the device, torch version, date and command."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]), "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {path}")
