@@ -4,7 +4,8 @@
     python benchmarks/attention.py --shapes 1B --batch 4 --docs 8 --json outputs/attn.json
 
 For each shape (query heads, kv heads and head dim of a llama3 flavor), causal GQA attention on
-bf16 [B, H, T, d] inputs, forward then backward, with each kernel torch can run:
+bf16 [B, H, T, d] inputs (``--layout bthd``: transposed views of [B, T, H, d], as the model
+passes them), forward then backward, with each kernel torch can run:
 ``sdpa`` (torch's own choice), ``sdpa-flash``, ``sdpa-cudnn`` and ``sdpa-efficient`` (one SDPA
 kernel forced with torch.nn.attention.sdpa_kernel; GQA through enable_gqa where the kernel takes
 it, else kv heads repeated first, which the row's note says), and ``flex`` (FlexAttention,
@@ -67,8 +68,10 @@ def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
 
 
 def time_fwd_bwd(attend: Attend, q, k, v, iters: int) -> float:
-    """Median seconds of one forward + backward (the output's gradient all ones)."""
-    grad = torch.ones_like(q)
+    """Median seconds of one forward + backward; the output's gradient is random normal with
+    q's strides, as a real one is."""
+    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype,
+                       generator=torch.Generator(q.device).manual_seed(1)).as_strided(q.shape, q.stride())  # fmt: skip
     return median_seconds(lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), grad), iters)
 
 
@@ -77,14 +80,19 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
     H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     T, B = args.seq, args.batch
     gen = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, heads, T, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-               .requires_grad_() for heads in (H, K, K))  # fmt: skip
+    if args.layout == "bhtd":
+        q, k, v = (torch.randn(B, heads, T, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for heads in (H, K, K))  # fmt: skip
+    else:  # the model's layout: q/k/v projected as [B, T, heads, d], attention on transposed views
+        q, k, v = (torch.randn(B, T, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   .transpose(1, 2).detach().requires_grad_() for heads in (H, K, K))  # fmt: skip
     flops = B * T * 6 * H * d * T  # the model's attention term, per layer
     doc_ids_BT = (torch.arange(T, device="cuda") * args.docs // T).expand(B, T).contiguous()
     reference = _sdpa(SDPBackend.FLASH_ATTENTION, True)(q, k, v)
     rows = []
     for row in args.rows:
-        record = {"shape": shape, "row": row, "B": B, "H": H, "K": K, "d": d, "T": T, "note": ""}
+        record = {"shape": shape, "row": row, "B": B, "H": H, "K": K, "d": d, "T": T, "note": "",
+                  "layout": args.layout}  # fmt: skip
         try:
             if row.startswith("flex"):
                 attend, mask_s = _flex(doc_ids_BT if row == "flex-docs" else None, T)
@@ -125,6 +133,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--docs", type=int, default=8, help="documents per row for flex-docs")
+    parser.add_argument("--layout", default="bhtd", choices=["bhtd", "bthd"],
+                        help="q/k/v contiguous as [B, H, T, d], or views of [B, T, H, d] (the "
+                        "model's; the gradient then has the same strides)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", type=Path, default=Path("outputs/attention_bench.json"))
     args = parser.parse_args()

@@ -41,6 +41,15 @@ def layer_shapes(flavor: str) -> tuple[list[tuple[str, int, int, int]], int]:
     ], cfg.vocab_size  # fmt: skip
 
 
+def step_rows(flavor: str, tokens: int, chunk: int) -> list[tuple[str, int, int, int, int, bool]]:
+    """(name, m, k, n, count per step, fp32 weight gradient) of every matmul row: each linear
+    at ``tokens`` tokens (the fused ones too), then the head in chunks of ``chunk`` tokens."""
+    layers, vocab = layer_shapes(flavor)
+    rows = [(name, tokens, k, n, count, False) for name, k, n, count in layers]
+    rows.append(("head (chunk)", chunk, layers[0][1], vocab, tokens // chunk, True))
+    return rows
+
+
 def time_linear(m: int, k: int, n: int, iters: int, fp32_wgrad: bool = False) -> dict[str, float]:
     """ms of forward, input-gradient and weight-gradient matmuls of x [m, k] @ w[n, k]^T."""
     dev, bf = "cuda", torch.bfloat16
@@ -70,10 +79,7 @@ def main() -> None:
     records = []
     for shape in args.shapes:
         tokens = args.tokens or TOKENS[shape]
-        layers, vocab = layer_shapes(shape)
-        rows = [(name, tokens, k, n, count, False) for name, k, n, count in layers]
-        rows.append(("head (chunk)", args.chunk, layers[0][1], vocab, tokens // args.chunk, True))
-        for name, m, k, n, count, fp32_wgrad in rows:
+        for name, m, k, n, count, fp32_wgrad in step_rows(shape, tokens, args.chunk):
             times = time_linear(m, k, n, args.iters, fp32_wgrad)
             for kind, ms in times.items():
                 records.append({"shape": shape, "layer": name, "matmul": kind, "m": m, "k": k,

@@ -1,10 +1,14 @@
 """The training and generation benchmarks run end to end on the CPU at the tiny shape (their
-GPU numbers are in benchmarks/RESULTS.md): each writes its JSON, rows agree where they must."""
+GPU numbers are in benchmarks/RESULTS.md): each writes its JSON, rows agree where they must.
+The GPU-only step floor is checked for its memory model and its refusal without a GPU."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from torchloom.models import ModelConfig, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +50,31 @@ def test_generate_benchmark_runs(tmp_path):
          "0", "--json", str(out))  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert {r["row"] for r in rows} == {"ours", "hf-eager"}
+
+
+def test_step_floor_memory_model(monkeypatch):
+    """benchmarks/step_floor.py's memory-bound term: the parameter counts are llama3's, the
+    optimizer's bytes per parameter are AdamW's plus the norm's read, and every activation term
+    grows with the tokens while the optimizer's does not."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import step_floor
+
+    cfg = {s: resolve_model_config(ModelConfig(name="llama3", flavor=s)) for s in ("1B", "8B")}
+    params = {s: step_floor.parameter_count(c) for s, c in cfg.items()}
+    assert params == {"1B": 1_235_814_400, "8B": 8_030_261_248}  # 1B ties the head
+    bf16 = step_floor.memory_traffic(cfg["8B"], 16384, params["8B"], fp32_master=False)
+    fp32 = step_floor.memory_traffic(cfg["1B"], 32768, params["1B"], fp32_master=True)
+    assert bf16["optimizer"] == 16 * params["8B"] and fp32["optimizer"] == 38 * params["1B"]
+    assert bf16["swiglu"] == 2 * 8 * 16384 * 14336 * 32  # bf16 gate, up, product and grads
+    assert bf16["loss"] == 2 * 2 * 16384 * 128256  # each logit read once, its gradient written
+    twice = step_floor.memory_traffic(cfg["8B"], 32768, params["8B"], fp32_master=False)
+    assert all(twice[k] == 2 * v for k, v in bf16.items() if k != "optimizer")
+    assert twice["optimizer"] == bf16["optimizer"]
+    assert round(sum(bf16.values()) / 1e9, 1) == 348.3  # as benchmarks/RESULTS.md quotes
+
+
+def test_step_floor_refuses_without_a_gpu():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_floor.py")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert result.returncode == 1 and "run it on a CUDA machine" in result.stderr
