@@ -5,7 +5,8 @@
 
 For each shape (query heads, kv heads and head dim of a llama3 flavor), causal GQA attention on
 bf16 [B, H, T, d] inputs (``--layout bthd``: transposed views of [B, T, H, d], as the model
-passes them), forward then backward, with each kernel torch can run:
+passes them; ``--load N``: N bf16 8192^3 matmuls ahead of each timed call, as a step's matmuls
+load the GPU), forward then backward, with each kernel torch can run:
 ``sdpa`` (torch's own choice), ``sdpa-flash``, ``sdpa-cudnn`` and ``sdpa-efficient`` (one SDPA
 kernel forced with torch.nn.attention.sdpa_kernel; GQA through enable_gqa where the kernel takes
 it, else kv heads repeated first, which the row's note says), and ``flex`` (FlexAttention,
@@ -67,12 +68,30 @@ def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
     return attend, mask_s
 
 
-def time_fwd_bwd(attend: Attend, q, k, v, iters: int) -> float:
+def matmul_load(count: int) -> Callable[[], None] | None:
+    """``count`` bf16 8192^3 matmuls, run ahead of each timed call: the load a training step's
+    matmuls put on the GPU (its clocks drop under it), or None for no load."""
+    if count == 0:
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def load() -> None:
+        for _ in range(count):
+            a @ a
+
+    return load
+
+
+def time_fwd_bwd(
+    attend: Attend, q, k, v, iters: int, before: Callable[[], None] | None = None
+) -> float:
     """Median seconds of one forward + backward; the output's gradient is random normal with
     q's strides, as a real one is."""
     grad = torch.randn(q.shape, device=q.device, dtype=q.dtype,
                        generator=torch.Generator(q.device).manual_seed(1)).as_strided(q.shape, q.stride())  # fmt: skip
-    return median_seconds(lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), grad), iters)
+    return median_seconds(
+        lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), grad), iters, before=before
+    )
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
@@ -92,7 +111,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
     rows = []
     for row in args.rows:
         record = {"shape": shape, "row": row, "B": B, "H": H, "K": K, "d": d, "T": T, "note": "",
-                  "layout": args.layout}  # fmt: skip
+                  "layout": args.layout, "load": args.load}  # fmt: skip
         try:
             if row.startswith("flex"):
                 attend, mask_s = _flex(doc_ids_BT if row == "flex-docs" else None, T)
@@ -110,7 +129,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
             if row != "flex-docs":  # the same function as flash's: how close
                 out = attend(q, k, v)
                 record["max_abs_diff_vs_flash"] = (out - reference).abs().max().item()
-            seconds = time_fwd_bwd(attend, q, k, v, args.iters)
+            seconds = time_fwd_bwd(attend, q, k, v, args.iters, matmul_load(args.load))
         except Exception as err:  # a kernel this GPU or build lacks becomes the row's error
             record["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
             rows.append(record)
@@ -136,6 +155,8 @@ def main() -> None:
     parser.add_argument("--layout", default="bhtd", choices=["bhtd", "bthd"],
                         help="q/k/v contiguous as [B, H, T, d], or views of [B, T, H, d] (the "
                         "model's; the gradient then has the same strides)")  # fmt: skip
+    parser.add_argument("--load", type=int, default=0,
+                        help="bf16 8192^3 matmuls run (untimed) before each timed call")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", type=Path, default=Path("outputs/attention_bench.json"))
     args = parser.parse_args()

@@ -15,12 +15,20 @@ from pathlib import Path
 import torch
 
 
-def median_seconds(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones."""
+def median_seconds(
+    fn: Callable[[], object],
+    iters: int,
+    warmup: int = 3,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones;
+    ``before``, if given, runs (untimed) ahead of every call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
