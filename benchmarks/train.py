@@ -23,7 +23,12 @@ the blocks (--model.float8 rowwise / tensorwise). torchloom-graphs: torchloom-ea
 captured once as a CUDA graph and replayed (--training.cuda_graph true; GPU only). hf:
 transformers' LlamaForCausalLM, its config written by torchloom's HF adapter from the same
 flavor, sdpa attention, use_cache off, torch.compile(model), fused AdamW, bf16 autocast over
-fp32 weights, loss = model(input_ids=..., labels=...).loss. Shapes with bf16 weights (8B) cast
+fp32 weights, loss = model(input_ids=..., labels=...).loss. hf-layers: that loop with each
+decoder layer compiled (layer.compile()) and the rest eager. The difference matters: with
+torch < 2.14 transformers never skips its causal mask under torch.compile (its masking_utils
+says so), so compiling the whole model hands SDPA a dense [T, T] mask and it runs masked
+attention; built eagerly, the mask is skipped and SDPA runs its causal kernel (is_causal).
+Shapes with bf16 weights (8B) cast
 every row's model to bf16 with neither autocast nor FSDP (at world size 1 FSDP only supplies
 mixed precision); AdamW state is then bf16. On the CPU all is fp32 and AdamW is foreach.
 --optimizer triton steps the compiled torchloom rows with --optimizer.implementation triton
@@ -99,9 +104,10 @@ ROW_SLOTS = {  # the model-config slots of each torchloom row that differ from t
     "torchloom-float8-tensorwise": {**CHUNKED, "float8": "tensorwise"},
     "torchloom-graphs": {},
 }  # fmt: skip
-ROWS = (*ROW_SLOTS, "hf")
+ROWS = (*ROW_SLOTS, "hf", "hf-layers")
 # Rows with the trainer's single-GPU autocast instead of FSDP at world size 1 (hf: neither).
-NO_FSDP = ("torchloom-eager", "torchloom-graphs", "torchloom-autocast", "torchloom-flex", "hf")
+NO_FSDP = ("torchloom-eager", "torchloom-graphs", "torchloom-autocast", "torchloom-flex", "hf",
+           "hf-layers")  # fmt: skip
 ROW_WIDTH = max(map(len, ROWS))
 SEED = 0
 
@@ -216,9 +222,11 @@ def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtyp
 
 
 def hf_step(
-    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, compile_: bool
-) -> Step:
-    """LlamaForCausalLM as users train it: torch.compile(model), fused AdamW, autocast."""
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, compile_: bool,
+    layers_only: bool = False,
+) -> Step:  # fmt: skip
+    """LlamaForCausalLM as users train it: torch.compile(model), fused AdamW, autocast. With
+    ``layers_only`` each decoder layer is compiled instead and the rest runs eager."""
     hf_config = get_model_spec("llama3").hf_adapter.config_to_hf(cfg)
     config = transformers.LlamaConfig(
         **{**hf_config, "use_cache": False}, attn_implementation="sdpa"
@@ -230,7 +238,10 @@ def hf_step(
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
                                   weight_decay=0.1, fused=fused, foreach=not fused)  # fmt: skip
-    forward = torch.compile(model) if compile_ else model
+    forward = torch.compile(model) if compile_ and not layers_only else model
+    if compile_ and layers_only:
+        for layer in model.model.layers:
+            layer.compile()
     autocast = dtype == torch.float32 and device.type == "cuda"
 
     def step(x_BT1: torch.Tensor) -> torch.Tensor:
@@ -288,8 +299,8 @@ def run_row(
               "weights": str(dtype).removeprefix("torch."), "error": None}  # fmt: skip
     try:
         compile_ = not args.no_compile
-        if row == "hf":
-            step = hf_step(cfg, device, dtype, compile_)
+        if row in ("hf", "hf-layers"):
+            step = hf_step(cfg, device, dtype, compile_, layers_only=row == "hf-layers")
         elif row == "torchloom-graphs":
             step = graphed_step(cfg, device, dtype)
         elif row != "torchloom-eager":
@@ -383,14 +394,17 @@ def main() -> None:
     def find(row: str, shape: str) -> dict:
         return next((r for r in rows if r["row"] == row and r["shape"] == shape), {})
 
+    def ratio(r: dict, baseline: str) -> float | None:
+        base = find(baseline, r["shape"]).get("tokens_per_s")
+        return r["tokens_per_s"] / base if base else None
+
     for r in rows:
-        hf = find("hf", r["shape"])
         if r.get("tflops") is not None:
             r["mfu"] = 100 * r["tflops"] / peak if peak else None
             r["pct_of_matmul"] = 100 * r["tflops"] / ceiling
-            r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"] if hf.get("tokens_per_s") else None
+            r["vs_hf"], r["vs_hf_layers"] = ratio(r, "hf"), ratio(r, "hf-layers")
     print(f"\n{'row':<{ROW_WIDTH}} {'shape':<5} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'% matmul':>8} {'mem GiB':>8} {'last loss':>9} {'vs hf':>6}")  # fmt: skip
+          f"{'% matmul':>8} {'mem GiB':>8} {'last loss':>9} {'vs hf':>6} {'vs hf-layers':>12}")  # fmt: skip
     for r in rows:
         if r["error"]:
             print(f"{r['row']:<{ROW_WIDTH}} {r['shape']:<5} error: {r['error'][:80]}")
@@ -398,11 +412,11 @@ def main() -> None:
         print(f"{r['row']:<{ROW_WIDTH}} {r['shape']:<5} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.2f} "
               f"{_fmt(r['mfu'], '.1f', '%'):>6} {r['pct_of_matmul']:>7.1f}% "
               f"{_fmt(r.get('peak_mem_gib'), '.2f'):>8} {r['final_loss']:>9.4f} "
-              f"{_fmt(r['vs_hf'], '.2f', 'x'):>6}")  # fmt: skip
+              f"{_fmt(r['vs_hf'], '.2f', 'x'):>6} {_fmt(r['vs_hf_layers'], '.2f', 'x'):>12}")  # fmt: skip
     checks: dict[str, dict[str, dict[str, float]]] = {}
     for r in rows:  # every torchloom row's losses against the un-optimised (eager) step's
         eager = find("torchloom-eager", r["shape"]).get("losses")
-        if r["row"] in ("torchloom-eager", "hf") or not eager or not r.get("losses"):
+        if r["row"] in ("torchloom-eager", "hf", "hf-layers") or not eager or not r.get("losses"):
             continue
         diff = [abs(a - b) for a, b in zip(eager, r["losses"])]
         checks.setdefault(r["shape"], {})[r["row"]] = {

@@ -26,14 +26,17 @@ def test_train_benchmark_rows_and_loss_check(tmp_path):
     out = tmp_path / "train.json"
     stdout = _run("train.py", "--shapes", "tiny", "--device", "cpu", "--no-compile", "--steps",
                   "2", "--warmup", "1", "--rows", "torchloom-eager", "torchloom",
-                  "torchloom-chunked", "torchloom-autocast", "hf", "--json", str(out))  # fmt: skip
+                  "torchloom-chunked", "torchloom-autocast", "hf", "hf-layers", "--json",
+                  str(out))  # fmt: skip
     print(stdout)
     report = json.loads(out.read_text())
     rows = {r["row"]: r for r in report["rows"]}
     assert set(rows) == {"torchloom-eager", "torchloom", "torchloom-chunked",
-                         "torchloom-autocast", "hf"}  # fmt: skip
+                         "torchloom-autocast", "hf", "hf-layers"}  # fmt: skip
     assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows.values())
-    assert rows["hf"]["vs_hf"] == 1.0
+    assert rows["hf"]["vs_hf"] == 1.0 and rows["hf-layers"]["vs_hf_layers"] == 1.0
+    # Uncompiled, the two HF loops are one model: the same init, the same losses.
+    assert rows["hf-layers"]["losses"] == rows["hf"]["losses"]
     # Same init, same batches, fp32 on the CPU: the torchloom rows agree with the eager step
     # (chunked only reorders the loss's sums). HF's model has its own init: only the scale of
     # its first loss (about log(vocab)) agrees.
