@@ -239,7 +239,17 @@ class CheckpointManager:
         self._wait_for_upload(stalls_training=True)  # one save in flight at a time
         self.step, self.tokens_seen = step, tokens_seen
         start = time.perf_counter()
-        writer = self.storage.writer(step, thread_count=self.config.writer_threads)
+        # Rank 0 alone clears and creates the step's folder; the broadcast holds the others
+        # back until it has (and carries a refusal to every rank, not to rank 0 alone).
+        problem = None
+        if self.is_rank0:
+            try:
+                self.storage.prepare(step)
+            except CheckpointError as err:
+                problem = str(err)
+        if (problem := _broadcast(problem)) is not None:
+            raise CheckpointError(problem)
+        writer = self.storage.writer(step, thread_count=self.config.writer_threads, prepare=False)
         # The state as nested dicts of tensors, taken now, before anything is copied.
         state = {name: part.state_dict() for name, part in self._state(STATE_PARTS).items()}
         pending = _PendingSave(step, start, 0.0)

@@ -160,18 +160,27 @@ class CheckpointStorage:
             with contextlib.suppress(FileNotFoundError):  # or another rank removed it first
                 self.fs.rm(path, recursive=recursive)
 
-    def writer(self, step: int, thread_count: int = 1, sync_files: bool = True) -> FileSystemWriter:
-        """A DCP StorageWriter into ``step``'s folder, after clearing an interrupted save there.
-
-        Safe to call on every rank before ``dcp.save``/``async_save``: DCP writes no file before
-        every rank has planned. Refuses a step that is complete already (``remove`` it first).
-        """
+    def prepare(self, step: int) -> None:
+        """Make ``step``'s folder ready for a save: clear an interrupted save there and create
+        it. Refuses a step that is complete already (``remove`` it first). One process does
+        this (rank 0 of a multi-rank save, the others waiting): a rank clearing the folder
+        while another creates it can fail on the half-made folder."""
         if self._marker_or_none(step) is not None:
             raise CheckpointError(
                 f"Step {step} is already saved and complete at {self.step_dir(step)}; remove it "
                 f"first (storage.remove({step})) to save that step again."
             )
         self.remove(step)
+        self.fs.makedirs(self._fs_dir(step), exist_ok=True)
+
+    def writer(
+        self, step: int, thread_count: int = 1, sync_files: bool = True, prepare: bool = True
+    ) -> FileSystemWriter:
+        """A DCP StorageWriter into ``step``'s folder, ``prepare``-d first unless told not to
+        (every rank of a multi-rank save calls this with ``prepare=False`` after rank 0 has
+        prepared the folder; DCP writes no file before every rank has planned)."""
+        if prepare:
+            self.prepare(step)
         self.fs.makedirs(self._fs_dir(step), exist_ok=True)
         return self.writer_class(
             self.step_dir(step),
