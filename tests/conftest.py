@@ -94,6 +94,6 @@ def torchrun_train():
                f"--nproc-per-node={nproc}", "-m", "torchloom", "train", *args]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-16000:]
 
     return run

@@ -22,7 +22,7 @@ def run_worker(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     if proc.returncode:
         pytest.fail(
-            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            f"torchrun exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-16000:]}"
         )
     lines = (line.partition(" ") for line in proc.stdout.splitlines())
     return [(kind, json.loads(payload)) for kind, _, payload in lines if kind.isupper() and payload]
