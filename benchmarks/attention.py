@@ -106,6 +106,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
         q, k, v = (torch.randn(B, T, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                    .transpose(1, 2).detach().requires_grad_() for heads in (H, K, K))  # fmt: skip
     flops = B * T * 6 * H * d * T  # the model's attention term, per layer
+    load = matmul_load(args.load)
     doc_ids_BT = (torch.arange(T, device="cuda") * args.docs // T).expand(B, T).contiguous()
     reference = _sdpa(SDPBackend.FLASH_ATTENTION, True)(q, k, v)
     rows = []
@@ -129,7 +130,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
             if row != "flex-docs":  # the same function as flash's: how close
                 out = attend(q, k, v)
                 record["max_abs_diff_vs_flash"] = (out - reference).abs().max().item()
-            seconds = time_fwd_bwd(attend, q, k, v, args.iters, matmul_load(args.load))
+            seconds = time_fwd_bwd(attend, q, k, v, args.iters, load)
         except Exception as err:  # a kernel this GPU or build lacks becomes the row's error
             record["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
             rows.append(record)

@@ -92,9 +92,10 @@ def copy_bandwidth(iters: int, gib: int = 2) -> float:
     return 2 * src.nbytes / seconds
 
 
-def overlap(m: int, k: int, n: int, reps: int, iters: int) -> dict[str, float]:
+def overlap(m: int, k: int, n: int, reps: int, iters: int, bandwidth: float) -> dict[str, float]:
     """``reps`` matmuls x [m, k] @ w[n, k]^T on the current stream and a copy of about as long
-    on a second one: each alone, then together; how many ms of the copy hid under them."""
+    on a second one (sized from ``bandwidth``, bytes/s): each alone, then together; how many ms
+    of the copy hid under them."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
 
@@ -103,7 +104,7 @@ def overlap(m: int, k: int, n: int, reps: int, iters: int) -> dict[str, float]:
             x @ w.t()
 
     mm = median_seconds(matmuls, iters)
-    src = torch.empty(int(mm * copy_bandwidth(3) / 4), device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(int(mm * bandwidth / 4), device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy = median_seconds(lambda: dst.copy_(src), iters)
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -152,6 +153,7 @@ def floor(shape: str, batch: int, seq: int, chunk: int, iters: int, bandwidth: f
         "attention_ms": attention_ms, "memory_bytes": traffic, "memory_ms": memory_ms,
         "step_ms": step_ms, "tokens_per_s": tokens_per_s,
         "tflops": tokens_per_s * cfg.flops_per_token(seq) / 1e12,
+        "overlap": overlap(tokens, cfg.dim, cfg.ffn_dim, 4, iters, bandwidth),
     }  # fmt: skip
 
 
@@ -176,8 +178,6 @@ def main() -> None:
     for shape in args.shapes:
         batch = args.batch or SHAPES[shape][1]
         r = floor(shape, batch, args.seq, args.chunk, args.iters, bandwidth)
-        cfg = resolve_model_config(ModelConfig(name="llama3", flavor=SHAPES[shape][0]))
-        r["overlap"] = overlap(batch * args.seq, cfg.dim, cfg.ffn_dim, 4, args.iters)
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
         r["measured"] = [
             {"row": m["row"], "tokens_per_s": m["tokens_per_s"],

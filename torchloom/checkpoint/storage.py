@@ -181,7 +181,6 @@ class CheckpointStorage:
         prepared the folder; DCP writes no file before every rank has planned)."""
         if prepare:
             self.prepare(step)
-        self.fs.makedirs(self._fs_dir(step), exist_ok=True)
         return self.writer_class(
             self.step_dir(step),
             single_file_per_rank=True,

@@ -201,14 +201,15 @@ class Trainer:
             self._check_finite(loss_sum)  # after the step: a captured step cannot skip it
         else:
             loss_sum, grad_norm = self._backward_and_clip(batches, num_tokens)
-            if self.job.training.skip_nonfinite:  # decide before stepping: a host sync
-                if self._check_finite(loss_sum):
-                    self.checkpointer.wait_for_staging()
-                    self.optimizer.step()
-            else:  # queue the step first, so its launches overlap the GPU's backward
+            # With skip_nonfinite the check decides before the step (a host sync); otherwise
+            # the step is queued first, so its launches overlap the GPU's backward, and the
+            # check after it raises (the run stops before any save).
+            skip = self.job.training.skip_nonfinite
+            if not skip or self._check_finite(loss_sum):
                 self.checkpointer.wait_for_staging()
                 self.optimizer.step()
-                self._check_finite(loss_sum)  # raises; the run stops before any save
+            if not skip:
+                self._check_finite(loss_sum)
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss_sum, grad_norm
