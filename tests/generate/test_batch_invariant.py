@@ -2,7 +2,9 @@
 log-probabilities are bitwise the same whatever shares its batch and wherever it sits, in decode
 and in a full forward, in the generator and in a training-mode forward."""
 
+import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -10,12 +12,24 @@ import torch
 from torchloom.cli import main, resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.kernels import batch_invariant
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
+# The debug flavors, and a shape where nothing is a multiple of 16: one kv head of head_dim 20
+# (the GPU kernels need head_dim >= 16), widths 100 and 150, a vocabulary of 1000.
+SHAPES = {
+    "debug": {},
+    "odd": {"dim": 100, "num_heads": 5, "num_kv_heads": 1, "head_dim": 20, "ffn_dim": 150,
+            "vocab_size": 1000},
+}  # fmt: skip
 
-def invariant_model(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    config = resolve_model_config(ModelConfig(name=family, flavor="debug", batch_invariant=True))
-    model = build_model(config, family)
+
+def invariant_model(
+    family: str, dtype: torch.dtype = torch.float32, device: str = "cpu", shape: str = "debug"
+):
+    model_cfg = ModelConfig(name=family, flavor="debug", batch_invariant=True,
+                            overrides=SHAPES[shape])  # fmt: skip
+    model = build_model(resolve_model_config(model_cfg), family)
     model.init_weights(torch.Generator().manual_seed(0))
     return model.to(device=device, dtype=dtype).eval()
 
@@ -24,11 +38,57 @@ TARGET = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=8, seed=11))
 OTHERS = [Request([7] * n, SamplingParams(max_new_tokens=5, seed=n)) for n in (2, 9, 4)]
 
 
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """The defined order, written out here: lane i + lane i + half over the last dim zero-padded
+    to a power of two, halving until one lane is left."""
+    x = torch.nn.functional.pad(x, (0, (1 << (x.shape[-1] - 1).bit_length()) - x.shape[-1]))
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+    return x[..., 0]
+
+
+def assert_fixed_order_arithmetic(model, dtype: torch.dtype) -> None:
+    """The CPU mode computes what docs/batch_invariance.md defines, bit for bit: linears as fp32
+    products summed by the pairwise tree, attention per query over its own keys. A host whose
+    BLAS happens to give the same bits for any row count (bf16 here) cannot show a swapped-in
+    ``F.linear`` or another summation order through batch comparisons; this check can, given
+    enough outputs that some round differently in bf16."""
+    generator = torch.Generator().manual_seed(2)
+    block = model.layers["0"]
+    for name, linear in (("q_proj", block.attention.q_proj), ("down_proj", block.mlp.down_proj)):
+        x = torch.randn(64, linear.weight.shape[1], generator=generator).to(dtype)
+        want = _tree_sum(x.float()[:, None, :] * linear.weight.float()[None]).to(dtype)
+        diff = (linear(x).float() - want.float()).abs().max().item()
+        assert torch.equal(linear(x), want), f"{name}: not the fixed order, max |diff| {diff:.2e}"
+    # Attention in fp32 whatever the case's dtype: it accumulates in fp32 for either, and a
+    # bf16 output rounds most order differences away.
+    B, H, K, T, d = 2, 4, 2, 48, 20
+    q, k, v = (torch.randn(B, h, T, d, generator=generator) for h in (H, K, K))
+    got = batch_invariant.causal_attention(q, k, v, None)
+    want = torch.empty_like(got)
+    for b, h, t in itertools.product(range(B), range(H), range(T)):
+        keys, values = k[b, h // 2, : t + 1], v[b, h // 2, : t + 1]
+        scores = _tree_sum(q[b, h, t] * keys) * d**-0.5
+        weights = batch_invariant.pointwise(torch.exp, scores - scores.max())
+        want[b, h, t] = _tree_sum((weights / _tree_sum(weights))[None, :] * values.T)
+    diff = (got.float() - want.float()).abs().max().item()
+    assert torch.equal(got, want), f"attention: not the fixed order, max |diff| {diff:.2e}"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype, device):
-    model = invariant_model(family, dtype, device)
+def test_bitwise_across_batches_decode_and_trainer_forward(family, shape, dtype, device):
+    model = invariant_model(family, dtype, device, shape)
+    check_bitwise_across_batches(model, device, f"{family} {shape}")
+    if device == "cpu":
+        assert_fixed_order_arithmetic(model, dtype)
+
+
+def check_bitwise_across_batches(model, device: str, label: str) -> None:
+    """The generator alone, in a batch and joining mid-decode, the trainer's forward, and every
+    logit of a full forward alone and in a batch: bitwise the same."""
     alone = Generator(model, max_batch=1, max_len=64).generate([TARGET])[0]
     # Third of four in one batch; then last of four through two slots (joins mid-decode).
     mixed = Generator(model, max_batch=4, max_len=64).generate([*OTHERS[:2], TARGET, OTHERS[2]])[2]
@@ -36,15 +96,57 @@ def test_bitwise_across_batches_decode_and_trainer_forward(family, dtype, device
     assert alone.tokens == mixed.tokens == later.tokens
     assert alone.logprobs == mixed.logprobs == later.logprobs  # bitwise
     # The trainer's forward: train mode, a padded batch of 3 rows, the sequence in row 1.
-    sequence = TARGET.prompt_ids + alone.tokens
+    sequence = torch.tensor(TARGET.prompt_ids + alone.tokens, device=device)
     batch = torch.zeros(3, len(sequence), dtype=torch.long, device=device)
-    batch[0], batch[1], batch[2, :4] = 5, torch.tensor(sequence), 9
+    batch[0], batch[1], batch[2, :4] = 5, sequence, 9
     model.train()
     logprobs = torch.log_softmax(model(batch).float(), -1)[1]
     prompt = len(TARGET.prompt_ids)
     trainer = [logprobs[prompt - 1 + i, t].item() for i, t in enumerate(alone.tokens)]
-    print(f"{family} {device}: generator {alone.logprobs[:3]}..., trainer {trainer[:3]}...")
+    print(f"{label} {device}: generator {alone.logprobs[:3]}..., trainer {trainer[:3]}...")
     assert trainer == alone.logprobs  # bitwise
+    # Every logit of every position: the sequence alone, and fourth of five longer rows.
+    rows = torch.randint(
+        0, 1000, (5, len(sequence) + 7), generator=torch.Generator().manual_seed(1)
+    )
+    rows = rows.to(device)
+    rows[3, : len(sequence)] = sequence
+    with torch.no_grad():
+        alone_TV, batch_TV = model(sequence[None])[0], model(rows)[3, : len(sequence)]
+    diff = (alone_TV.float() - batch_TV.float()).abs().max().item()
+    assert torch.equal(alone_TV, batch_TV), f"logits alone vs in a batch: max |diff| {diff:.2e}"
+
+
+def test_random_shapes_bitwise_on_cpu():
+    """Any head_dim (even), kv heads, group size and width, fp32 and bf16: the generator alone,
+    in a batch and joining mid-decode, and the trainer's forward, agree bit for bit."""
+    rng = random.Random(0)
+    target = Request([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_new_tokens=5, seed=11))
+    for _ in range(6):
+        kv_heads, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 3])
+        overrides = {"dim": rng.randint(20, 130), "num_heads": kv_heads * group,
+                     "num_kv_heads": kv_heads, "head_dim": rng.choice([6, 10, 14, 18, 22]),
+                     "ffn_dim": rng.randint(30, 300), "vocab_size": rng.randint(200, 1500)}  # fmt: skip
+        family, dtype = rng.choice(["llama3", "qwen3"]), rng.choice([torch.float32, torch.bfloat16])
+        config = ModelConfig(name=family, batch_invariant=True, overrides=overrides)
+        model = build_model(resolve_model_config(config), family)
+        model.init_weights(torch.Generator().manual_seed(0))
+        model = model.to(dtype).eval()
+        runs = [
+            Generator(model, max_batch=1, max_len=48).generate([target])[0],
+            Generator(model, max_batch=4, max_len=48).generate([*OTHERS[:2], target])[2],
+            Generator(model, max_batch=2, max_len=48).generate([*OTHERS, target])[3],
+        ]
+        sequence = target.prompt_ids + runs[0].tokens
+        rows = torch.randint(0, 200, (3, len(sequence) + 5), generator=torch.Generator())
+        rows[1, : len(sequence)] = torch.tensor(sequence)
+        logprobs = torch.log_softmax(model.train()(rows).float(), -1)[1]
+        prompt = len(target.prompt_ids)
+        trainer = [logprobs[prompt - 1 + i, t].item() for i, t in enumerate(runs[0].tokens)]
+        label = f"{family} {dtype} {overrides}"
+        assert all(r.tokens == runs[0].tokens for r in runs), label
+        assert all(r.logprobs == runs[0].logprobs for r in runs), label
+        assert trainer == runs[0].logprobs, f"{label}: trainer {trainer} vs {runs[0].logprobs}"
 
 
 def test_normal_mode_is_not_bitwise_there(capsys):

@@ -4,7 +4,10 @@ The same checks run twice: on the CPU in Triton's interpreter, all in one subpro
 run as a script with TRITON_INTERPRET=1, which Triton reads when it is imported), with tiny fp32
 shapes; and on a CUDA GPU with realistic sizes in fp32 and bf16. Every call uses the kernels'
 one fixed configuration. Bitwise means ``torch.equal``; on failure the measured difference is
-printed.
+printed. In the interpreter ``tl.dot`` is emulated in a fixed order (every row of a tile sums
+over K the same way, as tensor cores do), so the bitwise checks test our kernels' tiling and
+masking on any host instead of the host BLAS behind NumPy's matmul; the GPU tests make the
+same bitwise claims about the real kernels.
 """
 
 from __future__ import annotations
@@ -142,12 +145,10 @@ def check_model_end_to_end() -> list[str]:
     op on these kernels (CPU tensors routed to them): a debug llama3's generator outputs bitwise
     the same across batch compositions and equal to the trainer's forward."""
     sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, as pytest imports it
-    from generate.test_batch_invariant import (
-        test_bitwise_across_batches_decode_and_trainer_forward as test_model,
-    )
+    from generate.test_batch_invariant import check_bitwise_across_batches, invariant_model
 
     reference._triton_kernels = lambda x: kernels  # this subprocess only
-    test_model("llama3", torch.float32, "cpu")
+    check_bitwise_across_batches(invariant_model("llama3"), "cpu", "llama3 debug")
     return ["llama3 debug model on the kernels: generator and trainer forward bitwise equal"]
 
 
@@ -248,9 +249,29 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _fixed_order_dot_in_interpreter() -> None:
+    """``tl.dot`` as a GPU's tensor cores compute it for the purpose of these checks: every row
+    of a tile accumulates over K in the same increasing order. The interpreter's own dot is
+    ``np.matmul``, whose rounding follows the host's BLAS kernel (a row's place in the tile,
+    the CPU vendor, OPENBLAS_CORETYPE), so the bitwise checks below would test the host's BLAS
+    rather than our kernels. Elementwise NumPy float32 multiplies and adds round alike on every
+    host."""
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc_MN = d.data
+        a_MK, b_KN = a.data.astype(acc_MN.dtype), b.data.astype(acc_MN.dtype)
+        for k in range(a_MK.shape[-1]):  # k = 0, 1, ...: one rounding order for every row
+            acc_MN = acc_MN + a_MK[..., :, k : k + 1] * b_KN[..., k : k + 1, :]
+        return interpreter.TensorHandle(acc_MN, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 if __name__ == "__main__":  # run by test_kernels_in_the_triton_interpreter
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 on CPU"
     _patch_interpreter_for_numpy_2_4()
+    _fixed_order_dot_in_interpreter()
     fp32 = torch.float32  # the interpreter has no bf16 matmul
     sys.exit(run_checks([
         lambda: check_matmul("cpu", fp32, M=37, N=150, K=200),

@@ -74,7 +74,9 @@ def test_bad_overrides_name_the_problem(overrides: dict[str, Any], message: str)
 def test_bad_slots_and_names() -> None:
     with pytest.raises(ConfigError, match=r"Unknown attn_backend 'flax'\. Did you mean 'flex'"):
         resolve_model_config(ModelConfig(attn_backend="flax"))
-    with pytest.raises(ConfigError, match=r"Unknown norm_impl 'fused'.*Available: torch, triton"):
+    with pytest.raises(
+        ConfigError, match=r"Unknown norm_impl 'fused'.*Available: batch_invariant, torch, triton"
+    ):
         resolve_model_config(ModelConfig(norm_impl="fused"))
     with pytest.raises(ConfigError, match=r"Unknown flavor '0.6b'.*Did you mean '0.6B'"):
         resolve_model_config(ModelConfig(name="qwen3", flavor="0.6b"))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from torchloom.kernels.batch_invariant import causal_positions_and_starts
+from torchloom.kernels.batch_invariant import causal_positions_and_starts, masked_attention
 from torchloom.kernels.triton_support import jit, tl, triton
 
 
@@ -386,27 +386,6 @@ def _attention(
 ) -> torch.Tensor:
     """``causal``: positions are 0..T-1 with keys 0..T-1 and no starts (for the backward)."""
     return _attention_forward(q_BHTd, k_BKLd, v_BKLd, positions_BT, starts_BT, causal, True)
-
-
-def masked_attention(
-    q_BHTd: torch.Tensor,
-    k_BKLd: torch.Tensor,
-    v_BKLd: torch.Tensor,
-    positions_BT: torch.Tensor,
-    starts_BT: torch.Tensor | None,
-) -> torch.Tensor:
-    """The same function in differentiable PyTorch: SDPA with an explicit [B, 1, T, L] mask."""
-    group = q_BHTd.shape[1] // k_BKLd.shape[1]
-    index_L = torch.arange(k_BKLd.shape[2], device=q_BHTd.device)
-    visible_BTL = index_L <= positions_BT[:, :, None]
-    if starts_BT is not None:
-        visible_BTL &= index_L >= starts_BT[:, :, None]
-    return F.scaled_dot_product_attention(
-        q_BHTd,
-        k_BKLd.repeat_interleave(group, dim=1),
-        v_BKLd.repeat_interleave(group, dim=1),
-        attn_mask=visible_BTL[:, None],
-    )
 
 
 def _attention_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:

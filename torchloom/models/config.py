@@ -99,15 +99,14 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
 
 
 def batch_invariant_config(cfg: TransformerConfig) -> TransformerConfig:
-    """``cfg`` in batch-invariant mode: fixed-order attention and linears
-    (torchloom/kernels/batch_invariant.py) and the Triton RMSNorm, one program per row, whose
-    reduction order never depends on the number of rows (the PyTorch reference off CUDA). The
-    Triton RoPE and SwiGLU gate come along: elementwise, so invariant either way, they replace
-    a dozen small eager kernels per block in a decode step that cannot be compiled (see
-    docs/batch_invariance.md)."""
+    """``cfg`` in batch-invariant mode: fixed-order attention, linears, RMSNorm and SwiGLU gate
+    (torchloom/kernels/batch_invariant.py: Triton kernels on CUDA, fixed-order references
+    elsewhere) and the Triton RoPE (elementwise IEEE arithmetic, so invariant either way; on
+    CUDA it replaces a dozen small eager kernels per block in a decode step that cannot be
+    compiled; see docs/batch_invariance.md)."""
     return replace(
-        cfg, batch_invariant=True, attn_backend="batch_invariant", norm_impl="triton",
-        rope_impl="triton", mlp_impl="triton",
+        cfg, batch_invariant=True, attn_backend="batch_invariant", norm_impl="batch_invariant",
+        rope_impl="triton", mlp_impl="batch_invariant",
     )  # fmt: skip
 
 

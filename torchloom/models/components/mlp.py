@@ -7,14 +7,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.swiglu import swiglu, swiglu_fused
 
 MLP_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "torch": swiglu,
     "triton": swiglu_fused,
+    "batch_invariant": batch_invariant.swiglu,
 }
 """Named implementations of the gate silu(gate) * up between the linears (the ``mlp_impl``
-slot): the PyTorch reference, or the fused Triton kernel (on CUDA; the reference elsewhere)."""
+slot): the PyTorch reference, the fused Triton kernel (on CUDA; the reference elsewhere), or
+batch-invariant mode's (the Triton kernel on CUDA; elsewhere a silu whose every element takes
+the same code path)."""
 
 
 class SwiGLU(nn.Module):

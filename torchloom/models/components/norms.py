@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.rmsnorm import rms_norm, rms_norm_fused
 
 
@@ -34,6 +35,18 @@ class TritonRMSNorm(RMSNorm):
         return rms_norm_fused(x, self.weight, self.eps)
 
 
-NORM_IMPLS: dict[str, type[nn.Module]] = {"torch": RMSNorm, "triton": TritonRMSNorm}
+class BatchInvariantRMSNorm(RMSNorm):
+    """The same RMSNorm with each row's statistics in a fixed order: the Triton kernel on CUDA,
+    a fixed-order reference elsewhere (torchloom/kernels/batch_invariant.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.rms_norm(x, self.weight, self.eps)
+
+
+NORM_IMPLS: dict[str, type[nn.Module]] = {
+    "torch": RMSNorm,
+    "triton": TritonRMSNorm,
+    "batch_invariant": BatchInvariantRMSNorm,
+}
 """Named RMSNorm implementations (the ``norm_impl`` slot). Each is built as ``cls(dim, eps)``,
 owns a ``weight`` of shape [dim] and a ``reset_parameters()``; fused kernels register here."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels.batch_invariant import pointwise
 from torchloom.kernels.rope import apply_rotary, apply_rotary_fused
 
 RopeScaling = Literal["none", "llama3", "yarn"]
@@ -146,17 +147,24 @@ def _yarn_attention_factor(cfg: RopeConfig) -> float:
 class RotaryEmbedding(nn.Module):
     """Maps token positions to the cos/sin tables that `apply_rotary` consumes."""
 
-    def __init__(self, cfg: RopeConfig, head_dim: int) -> None:
+    def __init__(self, cfg: RopeConfig, head_dim: int, batch_invariant: bool = False) -> None:
+        """``batch_invariant``: take cos and sin through ``batch_invariant.pointwise``, so a
+        position's values do not depend on the other positions of the call (on the CPU)."""
         super().__init__()
         self.cfg = cfg
         self.head_dim = head_dim
+        self.batch_invariant = batch_invariant
 
     def forward(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_BTd, sin_BTd in fp32, each pair's angle repeated in both halves of head_dim."""
         inv_freq_F, scale = inverse_frequencies(self.cfg, self.head_dim, positions_BT.device)
         angles_BTF = positions_BT[..., None].float() * inv_freq_F
         angles_BTd = torch.cat((angles_BTF, angles_BTF), dim=-1)
-        return angles_BTd.cos() * scale, angles_BTd.sin() * scale
+        if self.batch_invariant:
+            cos_BTd, sin_BTd = (pointwise(f, angles_BTd) for f in (torch.cos, torch.sin))
+        else:
+            cos_BTd, sin_BTd = angles_BTd.cos(), angles_BTd.sin()
+        return cos_BTd * scale, sin_BTd * scale
 
 
 ROPE_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {

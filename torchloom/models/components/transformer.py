@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.rope, cfg.resolved_head_dim)
+        self.rope = RotaryEmbedding(cfg.rope, cfg.resolved_head_dim, cfg.batch_invariant)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = NORM_IMPLS[cfg.norm_impl](cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = None
