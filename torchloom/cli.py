@@ -6,11 +6,15 @@ Every command turns bad input into one clear line on stderr and exit status 2.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from torchloom.config import (
     ConfigError,
@@ -23,6 +27,9 @@ from torchloom.config import (
     validate_tree,
 )
 from torchloom.job import JobConfig
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_RECIPE = "llama3_tiny"
 
@@ -82,13 +89,20 @@ def cmd_train(argv: list[str]) -> int:
         return 0
 
     from torchloom.parallel import destroy
-    from torchloom.train.trainer import Trainer
+    from torchloom.train.trainer import Trainer, TrainingInterrupted
 
     # No try/finally: after an error on one rank, leaving the process group would wait for
     # the others (NCCL hangs there), so the process exits with its traceback instead and
     # torchrun stops the other ranks.
     trainer = Trainer(job)
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except TrainingInterrupted as err:
+        if not trainer.is_rank0:  # rank 0 says where the run stopped
+            return 130
+        if err.checkpoint:
+            err.args = (f"{err} Resume with: {_resume_command(argv)}",)
+        raise
     if trainer.is_rank0:
         print(
             f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
@@ -98,6 +112,24 @@ def cmd_train(argv: list[str]) -> int:
         _print_sample(trainer, result.model_dir)
     destroy()
     return 0
+
+
+def _resume_command(argv: list[str]) -> str:
+    """This train command with --checkpoint.resume true, loading the newest checkpoint."""
+    dropped = ("checkpoint.resume", "checkpoint.load_step")
+    kept, i = [], 0
+    while i < len(argv):
+        name, has_value = argv[i][2:].split("=", 1)[0].replace("-", "_"), "=" in argv[i]
+        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if name in dropped:
+            i += 2 if takes_next else 1
+            continue
+        kept.append(argv[i])
+        i += 1
+    launcher = ["torchloom"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        launcher = ["torchrun", "<the same torchrun options>", "-m", "torchloom"]
+    return shlex.join([*launcher, "train", *kept, "--checkpoint.resume", "true"])
 
 
 def _print_sample(trainer, model_dir: Path | None) -> None:
@@ -115,16 +147,10 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
             return
         model = load_model(model_dir, device=trainer.device)[0]
     tok = trainer.tokenizer
-    stop_ids = {tok.eos_id}
-    if trainer.job.data.format == "chat":  # answer the prompt as a user turn
-        chat = [{"role": "user", "content": t.sample_prompt}]
-        prompt_ids = tok.encode_chat(tok.apply_chat_template(chat, add_generation_prompt=True))
-        end_of_turn = tok.backend.token_to_id("<|im_end|>")
-        if end_of_turn is not None:
-            stop_ids.add(end_of_turn)
-    else:
-        prompt_ids = tok.encode(t.sample_prompt)
-    params = SamplingParams(t.sample_tokens, temperature=0.0, stop_ids=tuple(stop_ids))
+    chat = trainer.job.data.format == "chat"  # answer the prompt as a user turn
+    prompt_ids = tok.encode_prompt(t.sample_prompt, chat)
+    stop_ids = tok.stop_ids(chat)
+    params = SamplingParams(t.sample_tokens, temperature=0.0, stop_ids=stop_ids)
     was_training = model.training
     # One short request: graph capture would cost more than it saves.
     max_len = min(len(prompt_ids) + t.sample_tokens, model.config.max_seq_len)
@@ -220,7 +246,11 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
   --checkpoint DIR        a torchloom model folder (<output_dir>/model) or a training
                           checkpoint step (<output_dir>/checkpoints/step-N)
   --prompt TEXT           a prompt (repeatable)
-  --prompts-file F.jsonl  one object per line: {"prompt": "text"} or {"prompt_ids": [1, 2]}
+  --prompts-file F.jsonl  one object per line: {"prompt": "text"}, {"prompt_ids": [1, 2]} or,
+                          with --chat, {"messages": [{"role": "user", "content": "..."}]}
+  --chat                  apply the model's chat template (each text is one user message) and
+                          open the assistant's reply; stop at the template's end-of-turn token
+                          (e.g. <|im_end|>) as well as eos: for models tuned on chats (SFT)
   --max-new-tokens N      tokens to generate per request (default 64)
   --greedy                argmax decoding (same as --temperature 0)
   --temperature T         softmax temperature (default 1.0)
@@ -238,7 +268,63 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
                           (torchrun --nproc-per-node N -m torchloom generate ... --tp N);
                           rank 0 writes the output
   --output F.jsonl        one line per request, in input order: tokens, logprobs, text,
-                          finish_reason (stop | length | error) and error"""
+                          finish_reason (stop | length | error) and error
+
+A request that fails (say, a prompt longer than the context) gets finish_reason error and a
+warning; when every request fails, nothing is written and the exit status is 1."""
+_GENERATE_FLAGS = ("greedy", "batch-invariant", "compile", "chat")
+# Each numeric option: its type, its default, the values it takes, and those in words.
+_GENERATE_NUMBERS: dict[str, tuple[type, Any, Callable[[Any], bool], str]] = {
+    "max-new-tokens": (int, 64, lambda v: v >= 1, "an integer >= 1"),
+    "temperature": (float, 1.0, lambda v: 0 <= v < math.inf, "a number >= 0 (0 is greedy)"),
+    "top-k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 keeps every token)"),
+    "top-p": (float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "seed": (int, None, lambda v: 0 <= v < 2**63, "an integer >= 0"),
+    "max-batch": (int, 8, lambda v: v >= 1, "an integer >= 1"),
+    "tp": (int, 1, lambda v: v >= 1, "an integer >= 1"),
+}
+_GENERATE_OPTIONS = ("from-hf", "checkpoint", "prompts-file", "dtype", "device", "output",
+                     *_GENERATE_NUMBERS)  # fmt: skip
+
+
+def _number(options: dict[str, str | None], name: str) -> Any:
+    """The value of the numeric option ``--name``, or a ConfigError saying what it takes."""
+    kind, default, allowed, requirement = _GENERATE_NUMBERS[name]
+    text = options[name]
+    if text is None:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not allowed(value):  # nan fails every comparison, so it lands here
+        raise ConfigError(f"--{name} must be {requirement}; got {text!r}.")
+    return value
+
+
+def _generate_device(name: str | None) -> torch.device:
+    """The torch device of ``--device``, refused when this machine has no such device."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ConfigError(
+            f"--device must be cpu, cuda or cuda:N; got {name!r}."
+            f"{did_you_mean(name, ['cpu', 'cuda'])}"
+        )
+    if name != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {name}: this machine has no CUDA device (torch.cuda.is_available() is "
+            "False); use --device cpu."
+        )
+    device = torch.device(name)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}."
+        )
+    return device
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -249,14 +335,10 @@ def cmd_generate(argv: list[str]) -> int:
     prompts = []
     while (prompt := _pop_option(argv, "--prompt")) is not None:
         prompts.append(prompt)
-    names = ("from-hf", "checkpoint", "prompts-file", "max-new-tokens", "temperature", "top-k",
-             "top-p", "seed", "max-batch", "dtype", "device", "tp", "output")  # fmt: skip
-    options = {name: _pop_option(argv, f"--{name}") for name in names}
-    greedy = _pop_flag(argv, "--greedy")
-    batch_invariant = _pop_flag(argv, "--batch-invariant")
-    compile_decode = _pop_flag(argv, "--compile")
+    options = {name: _pop_option(argv, f"--{name}") for name in _GENERATE_OPTIONS}
+    flags = {name: _pop_flag(argv, f"--{name}") for name in _GENERATE_FLAGS}
     if argv:
-        known = [f"--{n}" for n in (*names, "prompt", "greedy", "batch-invariant", "compile")]
+        known = [f"--{n}" for n in (*_GENERATE_OPTIONS, "prompt", *_GENERATE_FLAGS)]
         raise ConfigError(
             f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
             "Run `torchloom generate --help`."
@@ -267,27 +349,25 @@ def cmd_generate(argv: list[str]) -> int:
     import torch
 
     from torchloom.generate.engine import SamplingParams
-    from torchloom.generate.run import generate_to_file, load_model_and_tokenizer, read_prompts
-
-    def number(name: str, kind: type, default):
-        value = options[name]
-        try:
-            return default if value is None else kind(value)
-        except ValueError:
-            raise ConfigError(f"--{name} must be a {kind.__name__}; got {value!r}.") from None
+    from torchloom.generate.run import (
+        check_output,
+        encode_prompts,
+        generate_records,
+        load_model_and_tokenizer,
+        read_prompts,
+    )
 
     params = SamplingParams(
-        max_new_tokens=number("max-new-tokens", int, 64),
-        temperature=0.0 if greedy else number("temperature", float, 1.0),
-        top_k=number("top-k", int, 0),
-        top_p=number("top-p", float, 1.0),
-        seed=number("seed", int, None),
+        max_new_tokens=_number(options, "max-new-tokens"),
+        temperature=0.0 if flags["greedy"] else _number(options, "temperature"),
+        top_k=_number(options, "top-k"),
+        top_p=_number(options, "top-p"),
+        seed=_number(options, "seed"),
     )
-    problem = params.problem()
-    if problem:
-        raise ConfigError(f"Sampling settings: {problem}.")
-    device = torch.device(options["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tp = number("tp", int, 1)
+    device = _generate_device(options["device"])
+    tp, max_batch = _number(options, "tp"), _number(options, "max-batch")
+    chat, compile_decode = flags["chat"], flags["compile"]
+    batch_invariant = flags["batch-invariant"]
     if compile_decode and tp > 1:
         raise ConfigError("--compile is not verified with --tp yet; drop one of the two.")
     if compile_decode and batch_invariant:
@@ -296,6 +376,9 @@ def cmd_generate(argv: list[str]) -> int:
             "differently from the trainer's eager forward. Drop --compile (the decode steps "
             "still replay from CUDA graphs)."
         )
+    # Everything the user typed is checked before the model loads and before anything is written.
+    items = read_prompts(prompts, options["prompts-file"], chat)
+    check_output(options["output"], options["prompts-file"])
     rank0 = True
     if tp > 1:
         import torch.distributed as dist
@@ -314,12 +397,10 @@ def cmd_generate(argv: list[str]) -> int:
             options["from-hf"], options["checkpoint"], device, options["dtype"],
             batch_invariant, tp,
         )  # fmt: skip
-        prompt_ids = read_prompts(prompts, options["prompts-file"], tokenizer)
-        output = Path(options["output"]) if options["output"] and rank0 else None
-        records = generate_to_file(
-            model, tokenizer, prompt_ids, params, output, number("max-batch", int, 8), rank0,
-            compile_decode,
-        )  # fmt: skip
+        prompt_ids = encode_prompts(items, tokenizer, chat)
+        records = generate_records(
+            model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat
+        )
         if tp > 1 and dist.is_initialized():
             # Leave together: a rank tearing gloo down while a peer is still finishing (rank 0
             # writes the output) was seen to abort ("terminate called") on the CPU.
@@ -329,10 +410,27 @@ def cmd_generate(argv: list[str]) -> int:
             destroy()
     if not rank0:
         return 0
+    return _report_generation(records, [item.where for item in items], options["output"])
+
+
+def _report_generation(records: list[dict[str, Any]], where: list[str], output: str | None) -> int:
+    """Write (or print) the records; when every request failed, write nothing and return 1.
+    ``where[i]`` says where request i came from, to point at the first failure."""
+    from torchloom.generate.run import write_records
+
+    failed = [r for r in records if "error" in r]
+    if failed:
+        summary = f"{len(failed)} of {len(records)} requests failed"
+        first = f"the first ({where[failed[0]['index']]}): {failed[0]['error']}"
+        if len(failed) == len(records):
+            print(f"error: {summary}, so nothing was written; {first}.", file=sys.stderr)
+            return 1
+        print(f"warning: {summary} (see their records' error); {first}.", file=sys.stderr)
     if output is None:
         for record in records:
             print(json.dumps({k: v for k, v in record.items() if k != "logprobs"}))
     else:
+        write_records(Path(output), records)
         print(f"wrote {output}")
     return 0
 
@@ -382,14 +480,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {command} was interrupted (Ctrl-C).", file=sys.stderr)
+        return 130  # the shell's code for a SIGINT
     except RuntimeError as err:
         from torchloom.checkpoint.storage import CheckpointError
-        from torchloom.train.trainer import TrainingError
+        from torchloom.train.trainer import TrainingError, TrainingInterrupted
 
         if not isinstance(err, TrainingError | CheckpointError):
             raise
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 130 if isinstance(err, TrainingInterrupted) else 1
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ class CheckpointConfig:
     waits, if at all, before the next optimizer step."""
     resume: bool = False
     """Continue from the newest complete checkpoint in the checkpoint folder (or
-    --checkpoint.load_step) up to --training.steps; starts fresh when there is none."""
+    --checkpoint.load_step) up to --training.steps. With none there it starts fresh, unless the
+    output folder holds an earlier run: that is refused without --output.overwrite true."""
     folder: str = "checkpoints"
     """Where checkpoints go: relative to --output.dir, an absolute path, or an fsspec URL
     (memory://..., s3://..., gs://...). Each step is a folder step-N, complete only once its
     COMPLETE.json marker exists."""
     load_step: int = -1
-    """With resume: the step to load (-1: the newest complete one)."""
+    """With resume (refused without it): the step to load (-1: the newest complete one)."""
     keep_latest_k: int = 0
     """Keep only the newest k complete checkpoints, deleting older ones (0: keep all)."""
     exclude_from_loading: list[str] = field(default_factory=list)
@@ -72,6 +73,11 @@ class CheckpointConfig:
             )
         if self.load_step < -1:
             raise ConfigError(f"--checkpoint.load_step must be a step or -1; got {self.load_step}.")
+        if self.load_step >= 0 and not self.resume:
+            raise ConfigError(
+                f"--checkpoint.load_step {self.load_step} applies only when resuming; add "
+                "--checkpoint.resume true (or drop load_step to start afresh)."
+            )
         for part in self.exclude_from_loading:
             if part not in STATE_PARTS:
                 raise ConfigError(

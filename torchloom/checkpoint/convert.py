@@ -24,10 +24,11 @@ from torchloom.checkpoint.safetensors_io import (
     iter_tensors,
     parse_dtype,
 )
-from torchloom.checkpoint.storage import MARKER, CheckpointStorage
+from torchloom.checkpoint.storage import MARKER, CheckpointError, CheckpointStorage
 from torchloom.checkpoint.tokenizer_files import SIDE_FILES
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import from_dict
+from torchloom.config.paths import check_can_create
 from torchloom.models import TransformerConfig
 
 
@@ -58,10 +59,15 @@ def open_model_source(path: Path) -> ModelSource:
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
     """The model part of a complete training checkpoint, read one tensor at a time."""
-    storage = CheckpointStorage.for_path(step_dir.parent)
-    step = int(step_dir.name.removeprefix("step-"))
+    # The step comes from the marker, so a step folder copied under another name works too.
+    storage, step = CheckpointStorage.for_step_folder(step_dir)
     storage.verify(step)
     extra = storage.read_marker(step)["extra"]
+    if "family" not in extra or "model_config" not in extra:
+        raise CheckpointError(
+            f"{step_dir}/{MARKER} records no model (family, model_config); export the run's "
+            "model folder (<output_dir>/model) instead."
+        )
     family, config = extra["family"], from_dict(TransformerConfig, extra["model_config"])
     shapes = parameter_shapes(family, config)
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
@@ -85,7 +91,7 @@ def convert_from_hf(
 ) -> WriteSummary:
     """A Hugging Face folder -> a torchloom model folder (tokenizer files copied along)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    _check_output(hf_dir, out_dir, overwrite)
+    _check_output({"source folder": hf_dir}, out_dir, overwrite)
     spec, config = hf_architecture(hf_dir)
     tensors = checked(
         iter_hf_tensors(hf_dir, spec.hf_adapter, config),
@@ -110,9 +116,10 @@ def convert_to_hf(
     """A torchloom model -> a Hugging Face folder. The tokenizer files come from
     ``tokenizer_dir``, else from the model folder."""
     model_dir, hf_dir = Path(model_dir), Path(hf_dir)
-    _check_output(model_dir, hf_dir, overwrite)
-    source = open_model_source(model_dir)
+    source = open_model_source(model_dir)  # reads no tensor yet
     tokenizer = tokenizer_dir if tokenizer_dir is not None else source.tokenizer_dir
+    inputs = {"source folder": model_dir, "tokenizer folder": tokenizer}
+    _check_output(inputs, hf_dir, overwrite)
     return save_hf(
         hf_dir, source.family, source.config, source.tensors, tokenizer, dtype, max_shard_bytes
     )
@@ -122,14 +129,46 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in SIDE_FILES)
 
 
-def _check_output(source: Path, output: Path, overwrite: bool) -> None:
-    """Never write over the source, nor over a non-empty folder unless asked to."""
-    if output.exists() and output.resolve() == source.resolve():
-        raise ConfigError(f"The output folder {output} is the source folder; choose another.")
+def _check_output(inputs: dict[str, Path | None], output: Path, overwrite: bool) -> None:
+    """Never write over, into or around an input folder (``inputs``: what it is -> folder), nor
+    over a non-empty folder unless asked to; refuse an output folder that cannot be created.
+    All before anything is written."""
+    for what, folder in inputs.items():
+        if folder is not None:
+            _check_apart(Path(folder), output, what)
     if output.exists() and not output.is_dir():
-        raise ConfigError(f"The output {output} exists and is not a folder.")
+        raise ConfigError(f"The output {output} exists and is not a folder; choose another path.")
+    check_can_create(output)
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise ConfigError(
             f"The output folder {output} is not empty; choose another or pass --overwrite to "
             "replace it."
         )
+
+
+def _check_apart(source: Path, output: Path, what: str) -> None:
+    """Refuse an output folder that is, holds or sits inside ``source`` (symlinks resolved), or
+    whose staging folders (``<output>.partial``, ``<output>.old``, deleted by the write) hold it:
+    writing would delete the input, or change it while it is read."""
+    src, out = source.resolve(), output.resolve()
+    staging = [out.with_name(out.name + suffix) for suffix in (".partial", ".old")]
+    if src == out:
+        message = f"The output folder {output} is the {what}; choose another output folder."
+    elif src.is_relative_to(out):
+        message = (
+            f"The output folder {output} contains the {what} {source}, which writing the output "
+            "would delete; choose an output folder that does not hold it."
+        )
+    elif out.is_relative_to(src):
+        message = (
+            f"The output folder {output} is inside the {what} {source}; choose an output folder "
+            "outside it."
+        )
+    elif any(src.is_relative_to(folder) for folder in staging):
+        message = (
+            f"The {what} {source} is where the output {output} is staged ({out.name}.partial, "
+            f"{out.name}.old), which writing it deletes; rename it or choose another output folder."
+        )
+    else:
+        return
+    raise ConfigError(message)

@@ -9,18 +9,22 @@ from the global step), so one copy serves any number of data ranks. Every rank s
 nothing draws per-rank random numbers, so one RNG state does too.
 
 A save is complete only when rank 0 has written ``COMPLETE.json`` after DCP's own finish step
-(which waits for every rank's files, written and fsynced); anything else is an interrupted save,
-removed at the next start and never loaded.
+(which waits for every rank's files, written and fsynced); a step folder without one is an
+interrupted save, removed at the next start and never loaded. A marker that does not read as
+one is damage: refused (or, with fallback, skipped), never taken for an interrupted save.
+Every removal is printed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -39,7 +44,14 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchloom.checkpoint.config import STATE_PARTS, CheckpointConfig
 from torchloom.checkpoint.staging import PinnedStager
-from torchloom.checkpoint.storage import CheckpointCorruptError, CheckpointError, CheckpointStorage
+from torchloom.checkpoint.storage import (
+    MARKER,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStorage,
+)
+from torchloom.config.errors import ConfigError
+from torchloom.models.config import ModelConfig
 
 
 class _Part:
@@ -63,9 +75,10 @@ class _PendingSave:
 
 
 class CheckpointManager:
-    """Saves and restores one training run's state; the trainer calls ``resume`` once, then
-    ``wait_for_staging`` before each optimizer step, ``maybe_save`` after it, ``poll`` for
-    finished saves to log, and ``finish`` at the end."""
+    """Saves and restores one training run's state; the trainer calls ``choose``,
+    ``clean_interrupted`` and ``load`` (or ``resume``, all three) once, then
+    ``wait_for_staging`` before each optimizer step, ``save`` when ``should_save``, ``poll``
+    for finished saves to log, and ``finish`` at the end."""
 
     def __init__(
         self,
@@ -158,58 +171,132 @@ class CheckpointManager:
 
     def resume(self) -> int:
         """Clean up interrupted saves and, with ``resume``, load the chosen checkpoint; returns
-        the step to continue from (0 for a fresh start)."""
-        self.step = 0
-        if self.is_rank0:
-            for step in self.storage.incomplete_steps():
-                self.storage.remove(step)
+        the step to continue from (0: a fresh start). The Trainer calls these parts itself, to
+        check its output folder before anything is removed or loaded."""
+        step = self.choose()
+        self.clean_interrupted()
+        return 0 if step is None else self.load(step)
+
+    def choose(self, last_step: int | None = None) -> int | None:
+        """The step ``resume`` loads (None: start fresh) to train up to ``last_step``, chosen on
+        rank 0 and known to every rank. Raises CheckpointError on every rank for a damaged
+        checkpoint (without fallback), a load_step that is not there, or a checkpoint of another
+        model than this run's; ConfigError for one past ``last_step``."""
         if not self.config.resume:
-            _barrier()
-            return 0
-        choice = self._choose_step() if self.is_rank0 else None
-        choice = _broadcast(choice)
-        if isinstance(choice, str):
-            raise CheckpointError(choice)
-        if choice is None:
-            return 0
-        parts = tuple(p for p in STATE_PARTS if p not in self.config.exclude_from_loading)
+            return None
+        step = on_rank0(self.is_rank0, self._choose_step)
+        past = last_step is not None and step is not None and step > last_step
+        if past and "train_state" not in self._excluded:
+            raise ConfigError(
+                f"The checkpoint to resume ({self.storage.step_dir(step)}) is at step {step}, "
+                f"past --training.steps {last_step}: there is nothing to train. Pass "
+                f"--training.steps above {step} to train further, or --checkpoint.load_step N "
+                f"with N <= {last_step} to redo steps from an older checkpoint."
+            )
+        return step
+
+    def load(self, step: int) -> int:
+        """Load ``step`` (every rank); returns the step to continue from."""
+        parts = tuple(p for p in STATE_PARTS if p not in self._excluded)
         start = time.perf_counter()
-        dcp.load(self._state(parts), storage_reader=self.storage.reader(choice))
+        try:
+            dcp.load(self._state(parts), storage_reader=self.storage.reader(step))
+        except (ConfigError, CheckpointError):  # already one line that says what to do
+            raise
+        except (Exception, CheckpointException) as err:  # one line instead of pages
+            raise CheckpointError(
+                f"Loading the checkpoint {self.storage.step_dir(step)} failed: "
+                f"{_one_line(_root_error(err))}"
+            ) from err
         self.load_seconds = time.perf_counter() - start
-        self.loaded_step = choice
+        self.loaded_step = step
         if self.is_rank0:
             # Newer checkpoints belong to the history this run replaces (a fallback past a
             # damaged step, or an explicit load_step); the resumed run saves those steps again.
             for newer in self.storage.steps_on_disk():
-                if newer > choice:
-                    self.storage.remove(newer)
+                if newer > step:
+                    self._remove(newer, f"newer than the loaded step {step}, replaced by this run")
         _barrier()
-        if "train_state" in self.config.exclude_from_loading:
+        if "train_state" in self._excluded:
             self.step = 0
         return self.step
 
-    def _choose_step(self) -> int | str | None:
-        """Rank 0: the step to load, None for none, or an error message."""
-        steps = self.storage.complete_steps()
+    @property
+    def _excluded(self) -> list[str]:
+        return self.config.exclude_from_loading
+
+    def latest_step_dir(self) -> str | None:
+        """Rank 0: the newest complete checkpoint's folder, or None."""
+        step = self.storage.latest_complete()
+        return None if step is None else self.storage.step_dir(step)
+
+    def clean_interrupted(self) -> None:
+        """Rank 0: remove step folders that have no marker (saves cut short)."""
+        if self.is_rank0:
+            for step in self.storage.interrupted_steps():
+                self._remove(step, f"an interrupted save (no {MARKER})")
+        _barrier()
+
+    def check_unused(self) -> None:
+        """Rank 0: refuse a folder holding checkpoints (complete or damaged) that this run would
+        mix its own saves into; for a run that neither resumes them nor deletes them."""
+        steps = self.storage.marked_steps()
+        if steps:
+            raise CheckpointError(
+                f"The checkpoint folder {self.storage.root_url} already holds checkpoints of "
+                f"another run (steps {', '.join(map(str, steps))}); pass --checkpoint.resume "
+                "true to continue that run, or choose an empty --checkpoint.folder."
+            )
+
+    def _remove(self, step: int, why: str) -> None:
+        print(f"removed checkpoint {self.storage.step_dir(step)}: {why}", flush=True)
+        self.storage.remove(step)
+
+    def _choose_step(self) -> int | None:
+        """Rank 0: the newest usable step (or load_step), None when there is none."""
+        steps = self.storage.marked_steps()  # complete or damaged; interrupted saves aside
         wanted = self.config.load_step
         if wanted >= 0:
             if wanted not in steps:
-                return (
+                complete = self.storage.complete_steps()
+                raise CheckpointError(
                     f"--checkpoint.load_step {wanted} has no complete checkpoint in "
-                    f"{self.storage.root_url}; complete steps: {steps or 'none'}."
+                    f"{self.storage.root_url}; complete steps: {complete or 'none'}."
                 )
             steps = [s for s in steps if s <= wanted]
         for step in reversed(steps):
             try:
                 self.storage.verify(step, checksums=self.config.checksums)
-                return step
             except CheckpointCorruptError as err:
                 if not self.config.fallback:
-                    return str(err)
-                print(f"checkpoint step {step} is damaged ({err.reason}): trying an older one")
+                    raise
+                name = err.path.rsplit("/", 1)[-1]
+                print(
+                    f"checkpoint step {step} is damaged ({name} {err.reason}): trying an older one"
+                )
+                continue
+            self._check_model(step)
+            return step
         if steps:
-            return f"No undamaged checkpoint in {self.storage.root_url} (tried steps {steps})."
+            raise CheckpointError(
+                f"No undamaged checkpoint in {self.storage.root_url} (tried steps {steps})."
+            )
         return None
+
+    def _check_model(self, step: int) -> None:
+        """Refuse a checkpoint whose marker records another architecture than this run's."""
+        if "model" in self._excluded:
+            return
+        saved = self.storage.read_marker(step).get("extra", {})
+        differences = model_differences(saved, self.marker_extra)
+        if differences:
+            step_dir = self.storage.step_dir(step)
+            raise CheckpointError(
+                f"The checkpoint {step_dir} holds another model than this run builds: "
+                f"{'; '.join(differences)}. Resume with the checkpoint's --model settings, or "
+                f"start a new run from its weights (torchloom convert --from {step_dir} --to-hf "
+                "DIR, then --checkpoint.initial_load_hf DIR)."
+            )
 
     # -- save -------------------------------------------------------------------------------
 
@@ -241,23 +328,19 @@ class CheckpointManager:
         start = time.perf_counter()
         # Rank 0 alone clears and creates the step's folder; the broadcast holds the others
         # back until it has (and carries a refusal to every rank, not to rank 0 alone).
-        problem = None
-        if self.is_rank0:
-            try:
-                self.storage.prepare(step)
-            except CheckpointError as err:
-                problem = str(err)
-        if (problem := _broadcast(problem)) is not None:
-            raise CheckpointError(problem)
+        on_rank0(self.is_rank0, lambda: self._prepare(step))
         writer = self.storage.writer(step, thread_count=self.config.writer_threads, prepare=False)
         # The state as nested dicts of tensors, taken now, before anything is copied.
         state = {name: part.state_dict() for name, part in self._state(STATE_PARTS).items()}
         pending = _PendingSave(step, start, 0.0)
         if self._stager is None:
-            dcp.save(state, storage_writer=writer)
-            pending.blocking_s = time.perf_counter() - start
-            pending.done_at = time.perf_counter()
-            self._complete(pending)
+            try:
+                dcp.save(state, storage_writer=writer)
+                pending.blocking_s = time.perf_counter() - start
+                pending.done_at = time.perf_counter()
+                self._complete(pending)
+            except (Exception, CheckpointException) as err:  # one line instead of pages
+                raise CheckpointError(self._save_failed(step, err)) from err
             return
         response = dcp.async_save(
             state,
@@ -276,6 +359,22 @@ class CheckpointManager:
         pending.blocking_s = time.perf_counter() - start
         self._pending = pending
         pending.upload.add_done_callback(lambda future: self._uploaded(pending, future))
+
+    def _prepare(self, step: int) -> None:
+        try:
+            self.storage.prepare(step)
+        except OSError as err:
+            raise CheckpointError(self._save_failed(step, err)) from err
+
+    def _save_failed(self, step: int, err: BaseException) -> str:
+        cause = _root_error(err)
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        fix = "Free space there or choose another --checkpoint.folder" if full else "Fix that"
+        return (
+            f"Saving the checkpoint of step {step} to {self.storage.step_dir(step)} failed: "
+            f"{_one_line(cause)}. {fix}, then run again with --checkpoint.resume true to "
+            "continue from the last complete checkpoint."
+        )
 
     def _uploaded(self, pending: _PendingSave, future: Future) -> None:
         """Runs in the writer thread when this rank's part (and on rank 0, DCP's metadata after
@@ -298,7 +397,7 @@ class CheckpointManager:
             keep = self.config.keep_latest_k
             if keep:
                 for old in self.storage.complete_steps()[:-keep]:
-                    self.storage.remove(old)
+                    self._remove(old, f"--checkpoint.keep_latest_k {keep}")
         with self._lock:
             self._finished.append(pending)
         pending.finalized.set()
@@ -320,10 +419,9 @@ class CheckpointManager:
         records = []
         for pending in finished:
             if pending.error is not None:
-                raise CheckpointError(
-                    f"Saving the checkpoint of step {pending.step} to "
-                    f"{self.storage.step_dir(pending.step)} failed: {pending.error}"
-                ) from pending.error
+                raise CheckpointError(self._save_failed(pending.step, pending.error)) from (
+                    pending.error
+                )
             records.append(
                 {
                     "step": pending.step,
@@ -333,11 +431,77 @@ class CheckpointManager:
             )
         return records
 
+    def wait(self) -> None:
+        """Wait for the save in flight without meeting the other ranks (after Ctrl-C)."""
+        self._wait_for_upload(stalls_training=False)
+
     def finish(self) -> list[dict[str, Any]]:
         """Wait for the save in flight; its record (and any others not yet polled)."""
         self._wait_for_upload(stalls_training=False)  # training is over: no step waits
         _barrier()
         return self.poll()
+
+
+def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'field is A there and B here' for each architecture field in which the model recorded in
+    a marker's extra (``family``, ``model_config``) differs from the current one. The fields a
+    job's model section chooses per run (attention backend, kernels, float8, ...) change how the
+    model computes, not what it is, and init_std only the weights a checkpoint replaces."""
+    if "model_config" not in saved or "model_config" not in current:
+        return []  # a marker from before the model was recorded
+    if saved.get("family") != current.get("family"):
+        return [f"the model family is {saved.get('family')} there and {current.get('family')} here"]
+    per_run = {f.name for f in fields(ModelConfig)} | {"init_std"}
+    before = _flat(saved["model_config"])
+    now = _flat(json.loads(json.dumps(current["model_config"])))  # as a marker stores it
+    return [
+        f"{name} is {before.get(name)!r} there and {now.get(name)!r} here"
+        for name in sorted(before.keys() | now.keys())
+        if name.split(".")[0] not in per_run and before.get(name) != now.get(name)
+    ]
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _root_error(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (whose text holds every
+    rank's traceback), or ``err`` itself."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(err).__name__
+
+
+def on_rank0(is_rank0: bool, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 and its result on every rank. A ConfigError or CheckpointError it
+    raises is raised on every rank, so no rank waits for a peer that has stopped."""
+    outcome: tuple[Any, type[Exception] | None, str] = (None, None, "")
+    if is_rank0:
+        try:
+            outcome = (fn(), None, "")
+        except (ConfigError, CheckpointError) as err:
+            if not dist.is_initialized():
+                raise
+            _broadcast(
+                (None, ConfigError if isinstance(err, ConfigError) else CheckpointError, str(err))
+            )
+            raise
+    result, error, message = _broadcast(outcome)
+    if error is not None:
+        raise error(message)
+    return result
 
 
 def _barrier() -> None:

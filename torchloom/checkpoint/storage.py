@@ -1,9 +1,10 @@
 """Where step checkpoints live: DCP's files in ``<root>/step-12/`` and, written last, a
 ``COMPLETE.json`` marker; on a local disk or at any fsspec URL (``memory://``, ``s3://``, ...).
 
-A step folder without a readable marker is an interrupted save: never loaded, only cleaned up.
-The marker lists every file with its size (and optionally crc32), so ``verify`` names a
-truncated or damaged file before DCP fails somewhere inside unpickling.
+A step folder without a marker is an interrupted save: never loaded, only cleaned up. A marker
+that exists but does not read as one is damage (the marker is written atomically), never
+cleaned up. The marker lists every file with its size (and optionally crc32), so ``verify``
+names a truncated or damaged file before DCP fails somewhere inside unpickling.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import json
 import os
 import posixpath
 import re
+import threading
 import warnings
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
@@ -25,7 +28,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 # A single process saves and loads without a process group, which is what DCP warns about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
@@ -74,6 +79,56 @@ class _FsspecReader(ParallelRead, FsspecReader):
     pass
 
 
+# DCP runs a writer's extra threads (thread_count > 1) on this function.
+_DCP_WRITER_THREAD = "_write_files_from_queue"
+
+
+@contextlib.contextmanager
+def _writer_thread_errors() -> Iterator[list[BaseException]]:
+    """Collect the exceptions of DCP's extra writer threads. Left alone, each failing thread
+    prints its own traceback (one per thread when a disk fills up) and its files silently drop
+    out of the save while the save carries on; collected, the save fails once, in its caller.
+    The hook is process-wide only while a save writes, and passes every other thread on."""
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+    before = set(threading.enumerate())
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and args.thread.name.endswith(f"({_DCP_WRITER_THREAD})"):
+            errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield errors
+    finally:
+        # When the calling thread's own share failed, DCP raised without joining its threads.
+        for thread in set(threading.enumerate()) - before:
+            if thread.name.endswith(f"({_DCP_WRITER_THREAD})"):
+                thread.join()
+        threading.excepthook = previous
+
+
+class CollectThreadErrors:
+    """A DCP writer whose writer threads' errors fail the save once (``_writer_thread_errors``)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with _writer_thread_errors() as errors:
+            written = super().write_data(plan, planner)
+        if errors:
+            raise errors[0]
+        return written
+
+
+class _LocalWriter(CollectThreadErrors, FileSystemWriter):
+    pass
+
+
+class _FsspecWriter(CollectThreadErrors, FsspecWriter):
+    pass
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint operation that cannot go ahead; the message says why and what to do."""
 
@@ -99,13 +154,15 @@ class CheckpointStorage:
     take. The root must be storage every rank sees (the marker lists rank 0's view of it).
     """
 
-    writer_class: type[FileSystemWriter] = FsspecWriter
+    writer_class: type[FileSystemWriter] = _FsspecWriter
     reader_class: type[FileSystemReader] = _FsspecReader
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, root_url: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.root_url = root_url.rstrip("/")
+        self._folder_names: dict[int, str] = {}
+        """Steps whose folder is not named step-N (see ``for_step_folder``)."""
 
     @staticmethod
     def for_path(root: str | os.PathLike[str]) -> CheckpointStorage:
@@ -116,12 +173,36 @@ class CheckpointStorage:
         fs, path = fsspec.core.url_to_fs(root)
         return CheckpointStorage(fs, path, root)
 
+    @staticmethod
+    def for_step_folder(folder: str | os.PathLike[str]) -> tuple[CheckpointStorage, int]:
+        """The storage holding one step folder, whatever the folder is called (a copy named
+        ``mycopy`` works too), and the step its marker records."""
+        folder = os.fspath(folder).rstrip("/")
+        storage = CheckpointStorage.for_path(os.path.dirname(folder) or ".")
+        name = os.path.basename(folder)
+        marker_path = f"{storage.root}/{name}/{MARKER}"
+        try:
+            marker = json.loads(storage.fs.cat_file(marker_path))
+            step = marker["step"]
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
+            step = None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise CheckpointError(
+                f"{folder} has no readable {MARKER} recording its step, so it is not a complete "
+                "training checkpoint step; pass a complete <output_dir>/checkpoints/step-N folder."
+            )
+        storage._folder_names[step] = name
+        return storage, step
+
+    def _folder_name(self, step: int) -> str:
+        return self._folder_names.get(step, step_folder_name(step))
+
     def step_dir(self, step: int) -> str:
         """Path or URL of ``step``'s folder."""
-        return f"{self.root_url}/{step_folder_name(step)}"
+        return f"{self.root_url}/{self._folder_name(step)}"
 
     def _fs_dir(self, step: int) -> str:
-        return f"{self.root}/{step_folder_name(step)}"
+        return f"{self.root}/{self._folder_name(step)}"
 
     def steps_on_disk(self) -> list[int]:
         """Every step with a folder under the root, complete or not, ascending."""
@@ -141,9 +222,17 @@ class CheckpointStorage:
         return [step for step in self.steps_on_disk() if self._marker_or_none(step) is not None]
 
     def incomplete_steps(self) -> list[int]:
-        """Step folders without a valid marker: interrupted saves to remove (while no save is in
-        flight, since a save in progress looks the same)."""
+        """Step folders without a valid marker: interrupted saves and damaged markers."""
         return [step for step in self.steps_on_disk() if self._marker_or_none(step) is None]
+
+    def marked_steps(self) -> list[int]:
+        """Step folders with a marker file, valid (complete) or not (damaged), ascending."""
+        return [step for step in self.steps_on_disk() if self._has_marker_file(step)]
+
+    def interrupted_steps(self) -> list[int]:
+        """Step folders with no marker file at all: saves cut short, safe to remove (while no
+        save is in flight, since a save in progress looks the same)."""
+        return [step for step in self.steps_on_disk() if not self._has_marker_file(step)]
 
     def latest_complete(self) -> int | None:
         """The highest complete step, or None."""
@@ -245,8 +334,13 @@ class CheckpointStorage:
         """
         url = self.step_dir(step)
         marker = self._marker_or_none(step)
+        if marker is None and self._has_marker_file(step):
+            reason = (
+                f"is not a valid marker: unreadable, or not written by torchloom for step {step}"
+            )
+            raise CheckpointCorruptError(f"{url}/{MARKER}", reason)
         if marker is None:
-            raise CheckpointCorruptError(f"{url}/{MARKER}", "is missing or unreadable")
+            raise CheckpointCorruptError(f"{url}/{MARKER}", "is missing")
         listed: dict[str, int] = marker["files"]
         if DCP_METADATA not in listed:
             raise CheckpointCorruptError(f"{url}/{DCP_METADATA}", f"is not listed in {MARKER}")
@@ -294,6 +388,11 @@ class CheckpointStorage:
                 crc = zlib.crc32(chunk, crc)
         return crc
 
+    def _has_marker_file(self, step: int) -> bool:
+        folder = self._fs_dir(step)
+        self.fs.invalidate_cache(folder)
+        return self.fs.exists(f"{folder}/{MARKER}")
+
     def _marker_or_none(self, step: int) -> dict[str, Any] | None:
         try:
             marker = json.loads(self.fs.cat_file(f"{self._fs_dir(step)}/{MARKER}"))
@@ -316,7 +415,7 @@ class CheckpointStorage:
 class LocalCheckpointStorage(CheckpointStorage):
     """Step checkpoints under a local (or network-mounted) directory."""
 
-    writer_class = FileSystemWriter
+    writer_class = _LocalWriter
     reader_class = _LocalReader
 
     def __init__(self, root: str) -> None:

@@ -176,6 +176,40 @@ class Tokenizer:
         """Token ids of chat-template output: control-token strings become their ids."""
         return self._chat_backend.encode(text, add_special_tokens=False).ids
 
+    def encode_chat_prompt(self, messages: list[Message]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template with the assistant's reply
+        opened (``add_generation_prompt``): the prompt a chat model answers."""
+        return self.encode_chat(self.apply_chat_template(messages, add_generation_prompt=True))
+
+    def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of a generation prompt: ``text`` as a document, or with ``chat`` as one user
+        message in the chat template, so a chat-tuned model answers in its own format."""
+        if chat:
+            return self.encode_chat_prompt([{"role": "user", "content": text}])
+        return self.encode(text)
+
+    def stop_ids(self, chat: bool = False) -> tuple[int, ...]:
+        """The ids that end a generated reply: eos, and after a chat prompt also the special token
+        the chat template closes an assistant turn with (``<|im_end|>``, ``<|eot_id|>``)."""
+        end_of_turn = self._end_of_turn_id() if chat else None
+        return tuple(dict.fromkeys(i for i in (self.eos_id, end_of_turn) if i is not None))
+
+    def _end_of_turn_id(self) -> int | None:
+        """The first special token after the reply of a rendered exchange: found this way for any
+        template rather than by name; None when the template closes a turn without one."""
+        reply = "Sure."
+        exchange = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": reply}]
+        try:
+            text = self.apply_chat_template(exchange)
+        except ConfigError:  # a template that refuses this exchange: stop at eos alone
+            return None
+        at = text.rfind(reply)
+        if at < 0:
+            return None
+        added = self.backend.get_added_tokens_decoder()
+        special = {token_id for token_id, token in added.items() if token.special}
+        return next((i for i in self.encode_chat(text[at + len(reply) :]) if i in special), None)
+
     def encode_chat_batch(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """``encode_chat`` of each text in parallel, with each token's character span."""
         encodings = self._chat_backend.encode_batch(texts, add_special_tokens=False)

@@ -98,6 +98,11 @@ class Generator:
         cuda_graphs: bool | None = None,
         compile: bool = False,
     ) -> None:
+        # Without a cache slot no request is ever admitted: generate() would loop forever.
+        if not _is_positive_int(max_batch):
+            raise ValueError(f"max_batch (cache slots) must be an integer >= 1; got {max_batch!r}")
+        if max_len is not None and not _is_positive_int(max_len):
+            raise ValueError(f"max_len must be None or an integer >= 1; got {max_len!r}")
         self.model = model.eval()
         self.config = model.config
         parameter = next(model.parameters())
@@ -272,6 +277,10 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _release(active: dict[int, _Active], free: list[int]) -> None:

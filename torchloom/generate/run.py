@@ -1,18 +1,23 @@
-"""`torchloom generate`: load a model and its tokenizer, read prompts, write one JSON line per
-request (in input order) with the generated ids, their log-probabilities and the text."""
+"""`torchloom generate`: load a model and its tokenizer, read and check prompts, write one JSON
+line per request (in input order) with the generated ids, their log-probabilities and the text."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchloom.config.errors import ConfigError
+from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.paths import check_can_create
+from torchloom.data.cache import atomic_write_text
+from torchloom.data.chat import Message
+from torchloom.data.conversations import ROLES
+from torchloom.data.sources import MESSAGES_FIELD, iter_jsonl_records
 from torchloom.generate.engine import Generator, Request, SamplingParams
 
 
@@ -82,52 +87,166 @@ def tensor_parallel(model: nn.Module, spec: Any, tp: int, device: torch.device) 
     apply_tensor_parallel(model, mesh, spec.tp_plan(model, tp, False, sequence_parallel=False))
 
 
-def read_prompts(prompts: list[str], prompts_file: str | None, tokenizer: Any) -> list[list[int]]:
-    """Token ids of every prompt: ``--prompt`` texts, then the lines of ``--prompts-file``
-    (objects with ``prompt`` text or ``prompt_ids``)."""
-    texts: list[str | list[int]] = list(prompts)
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as given, before tokenization: text, token ids, or chat messages."""
+
+    where: str
+    """Where it came from (``--prompt #2``, ``file:line``), for error messages."""
+    text: str | None = None
+    ids: list[int] | None = None
+    messages: list[Message] | None = None
+
+
+_PROMPT_KEYS = ("prompt", "prompt_ids", MESSAGES_FIELD)
+_EXAMPLE = '{"prompt": "text"} or {"prompt_ids": [1, 2]}'
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None, chat: bool = False) -> list[Prompt]:
+    """Every prompt, checked before any model is loaded: the ``--prompt`` texts, then the lines
+    of ``--prompts-file`` (``{"messages": [...]}`` lines only with ``chat``)."""
+    items = [Prompt(f"--prompt #{i}", text=text) for i, text in enumerate(prompts, 1)]
     if prompts_file:
-        for number, line in enumerate(Path(prompts_file).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{prompts_file} line {number} is not JSON ({err}).") from None
-            if not isinstance(record, dict) or not ("prompt" in record or "prompt_ids" in record):
-                raise ConfigError(
-                    f'{prompts_file} line {number}: expected an object with "prompt" (text) '
-                    'or "prompt_ids" (a list of token ids).'
-                )
-            texts.append(record["prompt_ids"] if "prompt_ids" in record else record["prompt"])
-    if not texts:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file {prompts_file} does not exist or is not a file.")
+        records = iter_jsonl_records(path, _EXAMPLE)
+        items += [_parse_prompt(record, where, chat) for where, record in records]
+    if not items:
         raise ConfigError("No prompts: pass --prompt TEXT (repeatable) or --prompts-file F.jsonl.")
-    ids = []
-    for item in texts:
-        if isinstance(item, str):
-            if tokenizer is None:
-                raise ConfigError(
-                    "Text prompts need a tokenizer, and the model folder has no tokenizer.json; "
-                    "give prompt_ids in --prompts-file instead."
-                )
-            ids.append(tokenizer.encode(item))
-        else:
-            ids.append([int(t) for t in item])
-    return ids
+    return items
 
 
-def generate_to_file(
+def _parse_prompt(record: Any, where: str, chat: bool) -> Prompt:
+    keys = [key for key in _PROMPT_KEYS if isinstance(record, dict) and key in record]
+    if len(keys) != 1:
+        raise ConfigError(
+            f'{where}: expected an object with exactly one of "prompt" (text), "prompt_ids" '
+            f'(token ids) or "{MESSAGES_FIELD}" (a chat, with --chat); got {_shown(record)}.'
+        )
+    value = record[keys[0]]
+    if keys[0] == "prompt":
+        if not isinstance(value, str):
+            raise ConfigError(
+                f'{where}: "prompt" must be text (a string); got {_shown(value)}. Token ids go '
+                'in "prompt_ids".'
+            )
+        return Prompt(where, text=value)
+    if keys[0] == "prompt_ids":
+        return Prompt(where, ids=_token_ids(value, where))
+    if not chat:
+        raise ConfigError(
+            f'{where}: a "{MESSAGES_FIELD}" line is a chat for the model\'s chat template; add '
+            "--chat to apply it."
+        )
+    return Prompt(where, messages=_messages(value, where))
+
+
+def _token_ids(value: object, where: str) -> list[int]:
+    """``value`` if it is a list of token ids (JSON integers >= 0; booleans are not ids)."""
+    if not isinstance(value, list):
+        raise ConfigError(
+            f'{where}: "prompt_ids" must be a list of token ids; got {_shown(value)}.'
+        )
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConfigError(
+                f'{where}: "prompt_ids" must hold token ids (integers >= 0); item {i} is '
+                f"{_shown(token)}."
+            )
+    return value
+
+
+def _messages(value: object, where: str) -> list[Message]:
+    """``value`` if it is a non-empty list of ``{"role", "content"}`` messages with known roles."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(
+            f'{where}: "{MESSAGES_FIELD}" must be a non-empty list of {{"role": ..., '
+            f'"content": ...}} objects; got {_shown(value)}.'
+        )
+    for i, message in enumerate(value):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ConfigError(
+                f'{where}: message {i} must be an object with "role" and "content" strings; '
+                f"got {_shown(message)}."
+            )
+        if message["role"] not in ROLES:
+            raise ConfigError(
+                f"{where}: message {i} has role {message['role']!r}; roles are "
+                f"{', '.join(ROLES)}.{did_you_mean(message['role'], ROLES)}"
+            )
+    return value
+
+
+def _shown(value: object) -> str:
+    """``value`` as JSON, cut short for an error line."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def encode_prompts(items: list[Prompt], tokenizer: Any, chat: bool = False) -> list[list[int]]:
+    """Token ids of every prompt; with ``chat``, texts (each one user message) and messages go
+    through the tokenizer's chat template with the assistant's reply opened."""
+    if tokenizer is None and (chat or any(item.ids is None for item in items)):
+        what = "--chat needs" if chat else "Text prompts need"
+        raise ConfigError(
+            f"{what} the model's tokenizer, and the model folder has no tokenizer.json; give "
+            "prompt_ids in --prompts-file (without --chat) instead."
+        )
+    if chat and tokenizer.chat_template is None:
+        raise ConfigError(
+            f"--chat needs a chat template, and the tokenizer in {tokenizer.path} has none (no "
+            "chat_template in tokenizer_config.json, no chat_template.jinja); drop --chat to "
+            "give the prompts as plain text."
+        )
+    return [_encode(item, tokenizer, chat) for item in items]
+
+
+def _encode(item: Prompt, tokenizer: Any, chat: bool) -> list[int]:
+    if item.ids is not None:
+        return item.ids
+    try:
+        if item.messages is not None:
+            return tokenizer.encode_chat_prompt(item.messages)
+        return tokenizer.encode_prompt(item.text, chat)
+    except ConfigError as err:  # the template refused this conversation
+        raise ConfigError(f"{item.where}: {err}") from None
+
+
+def check_output(output: str | None, prompts_file: str | None) -> None:
+    """Refuse an ``--output`` that cannot be written, before any work: the prompts file itself,
+    a folder, or a path under a file or in a folder that is not writable."""
+    if output is None:
+        return
+    path = Path(output)
+    if prompts_file and path.resolve() == Path(prompts_file).resolve():
+        raise ConfigError(
+            f"--output {output} is the prompts file, which writing would replace; choose "
+            "another output file."
+        )
+    if path.is_dir():
+        raise ConfigError(f"--output {output} is a folder; give a file such as {path}/out.jsonl.")
+    check_can_create(path)
+
+
+def generate_records(
     model: nn.Module,
     tokenizer: Any,
     prompt_ids: list[list[int]],
     params: SamplingParams,
-    output: Path | None,
     max_batch: int,
     verbose: bool = True,
     compile: bool = False,
+    chat: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every prompt (request i gets seed + i when a seed is given) and write the records."""
-    stop = params.stop_ids or ((tokenizer.eos_id,) if tokenizer is not None else ())
+    """Run every prompt (request i gets seed + i when a seed is given) and return one record
+    each. Requests stop at ``params.stop_ids``, else at the tokenizer's eos (and, after
+    ``chat`` prompts, the template's end-of-turn token)."""
+    stop = params.stop_ids or (tokenizer.stop_ids(chat) if tokenizer is not None else ())
     requests = [
         Request(
             ids,
@@ -135,10 +254,12 @@ def generate_to_file(
         )
         for i, ids in enumerate(prompt_ids)
     ]
-    # The cache holds the longest request, not the model's whole context.
+    # The cache holds the longest request, not the model's whole context, and no more slots
+    # than there are requests.
     longest = max(len(ids) for ids in prompt_ids) + params.max_new_tokens
     max_len = min(longest, model.config.max_seq_len)
-    generator = Generator(model, max_batch, max_len=max_len, compile=compile)
+    slots = min(max_batch, len(requests))
+    generator = Generator(model, slots, max_len=max_len, compile=compile)
     start = time.perf_counter()
     completions = generator.generate(requests)
     seconds = time.perf_counter() - start
@@ -156,11 +277,13 @@ def generate_to_file(
         if tokenizer is not None:
             record["text"] = tokenizer.decode(completion.tokens)
         records.append(record)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text("".join(json.dumps(r) + "\n" for r in records))
     generated = sum(len(c.tokens) for c in completions)
     if verbose:
         print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
               f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
     return records
+
+
+def write_records(output: Path, records: list[dict[str, Any]]) -> None:
+    """One JSON line per record, written whole or not at all."""
+    atomic_write_text(output, "".join(json.dumps(r) + "\n" for r in records))

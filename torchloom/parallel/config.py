@@ -82,6 +82,27 @@ class ParallelConfig:
                 "--parallel.pp_microbatches and --parallel.pp_stages_per_rank must be >= 0 "
                 f"(0 picks a default); got {self.pp_microbatches} and {self.pp_stages_per_rank}."
             )
+        self._validate_pipeline_options()
+
+    def _validate_pipeline_options(self) -> None:
+        """The pipeline options' own values, whatever pp is: a typo must not wait for the run
+        that turns pipelining on."""
+        # Imported here: pipeline.py imports this module.
+        from torchloom.parallel.pipeline import schedule_class, stages_per_rank
+
+        schedule_class(self.pp_schedule)
+        per_rank = stages_per_rank(self)
+        split = self.pp_layers_per_stage
+        if split is not None and (min(split, default=0) < 0 or len(split) != self.pp * per_rank):
+            raise ConfigError(
+                f"--parallel.pp_layers_per_stage {split} must list {self.pp * per_rank} "
+                f"non-negative layer counts, one per pipeline stage (pp {self.pp} x "
+                f"{per_rank} stage(s) per rank)."
+            )
+        if self.pp_embedding_weight < 0:
+            raise ConfigError(
+                f"--parallel.pp_embedding_weight must be >= 0; got {self.pp_embedding_weight}."
+            )
 
     def resolve(self, world_size: int) -> ParallelConfig:
         """These degrees with dp_shard=-1 filled in; refuses products that miss the world size."""

@@ -17,6 +17,9 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
+
 
 @dataclass
 class CompileConfig:
@@ -33,6 +36,27 @@ class CompileConfig:
     slowdown)."""
     mode: str = "default"
     """torch.compile mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs."""
+
+    def validate(self) -> None:
+        """Checked whether or not compile is enabled: a typo must not wait for the run that
+        turns it on. (Regions are matched against the model when it is built.)"""
+        if self.mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"--compile.mode must be one of {', '.join(COMPILE_MODES)}; got {self.mode!r}."
+                f"{did_you_mean(self.mode, COMPILE_MODES)}"
+            )
+        if not self.regions:
+            raise ConfigError("--compile.regions is empty; name at least one region, e.g. Block.")
+        if self.backend not in _COMMON_BACKENDS:
+            import torch._dynamo  # only for a backend out of the ordinary: importing costs 0.5 s
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.backend not in backends:
+                raise ConfigError(
+                    f"Unknown --compile.backend {self.backend!r}."
+                    f"{did_you_mean(self.backend, backends)} Common ones: "
+                    f"{', '.join(_COMMON_BACKENDS)}."
+                )
 
 
 def compile_regions(

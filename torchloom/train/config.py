@@ -62,6 +62,14 @@ class TrainingConfig:
             )
         if self.max_norm < 0:
             raise ConfigError("--training.max_norm must be >= 0 (0 disables clipping).")
+        for name in ("val_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--training.{name} must be >= 0; got {getattr(self, name)}.")
+        if self.val_sequences < 1:
+            raise ConfigError(
+                f"--training.val_sequences must be at least 1; got {self.val_sequences} (set "
+                "--data.val_fraction 0 to turn validation off)."
+            )
         if self.cuda_graph and self.device == "cpu":
             raise ConfigError(
                 "--training.cuda_graph true needs a CUDA GPU, not --training.device cpu."

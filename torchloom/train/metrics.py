@@ -30,6 +30,10 @@ class MetricsConfig:
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError("--metrics.log_interval must be at least 1.")
+        if self.peak_tflops < 0:
+            raise ConfigError(
+                f"--metrics.peak_tflops must be >= 0 (0 looks the device up); got {self.peak_tflops}."
+            )
 
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
@@ -187,6 +191,28 @@ class MetricsLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl. A line that is not a record (the torn last line of a run
+    killed mid-write, or cut short by a full disk) is skipped with a warning naming it."""
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            print(
+                f"warning: skipping line {number} of {path}: not a metrics record (a write cut "
+                "short by a kill or a full disk)",
+                file=sys.stderr,
+            )
+            continue
+        records.append(record)
+    return records
 
 
 def _fmt(value: Any) -> str:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torchloom.config.errors import ConfigError
+from torchloom.train.metrics import read_records
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
     path = output_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass the --output.dir of a training run.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def plot_metrics(output_dir: Path) -> Path:

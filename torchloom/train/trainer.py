@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf, save_hf
-from torchloom.checkpoint.manager import CheckpointManager
+from torchloom.checkpoint.manager import CheckpointManager, on_rank0
 from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
@@ -40,13 +40,32 @@ from torchloom.train.compile import compile_regions
 from torchloom.train.cuda_graph import StepGraph, check_cuda_graph_runtime
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
-from torchloom.train.output import prepare_output_dir, truncate_metrics
+from torchloom.train.output import (
+    check_output_dir,
+    check_writable,
+    remove_outputs,
+    truncate_metrics,
+)
 from torchloom.train.profiling import StepProfiler
 from torchloom.train.remat import apply_remat
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (for example a non-finite loss); the message says what to change."""
+
+
+class TrainingInterrupted(TrainingError):
+    """Ctrl-C stopped the run after ``step``; ``checkpoint`` is the newest complete one (None:
+    nothing to resume from)."""
+
+    def __init__(self, step: int, steps: int, checkpoint: str | None) -> None:
+        where = (
+            f"the last complete checkpoint is {checkpoint}"
+            if checkpoint
+            else "there is no complete checkpoint to resume from"
+        )
+        super().__init__(f"Interrupted at step {step} of {steps}; {where}.")
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -67,6 +86,8 @@ class Trainer:
         self.dims = build_parallel_dims(job.parallel, self.device.type)
         self.is_rank0 = self.dims.is_rank0
         self.output_dir = Path(job.output.dir)
+        # Before the data and the model are built: those may take minutes.
+        on_rank0(self.is_rank0, lambda: check_writable(self.output_dir))
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -285,27 +306,35 @@ class Trainer:
         return (total / count.clamp(min=1)).item()
 
     def train(self) -> TrainResult:
+        """Run the job; Ctrl-C ends it with TrainingInterrupted, saying how to continue."""
+        try:
+            return self._train()
+        except KeyboardInterrupt:
+            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C stops the wait
+                self.checkpointer.wait()  # a save in flight completes (or fails) first
+            latest = self.checkpointer.latest_step_dir() if self.is_rank0 else None
+            raise TrainingInterrupted(self.step, self.job.training.steps, latest) from None
+
+    def _train(self) -> TrainResult:
         job, t = self.job, self.job.training
-        if self.is_rank0:
-            prepare_output_dir(self.output_dir, job.output.overwrite, job.checkpoint.resume)
-            (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
-        self.step = self.checkpointer.resume()
-        if self.is_rank0 and job.checkpoint.resume:
-            truncate_metrics(self.output_dir / "metrics.jsonl", self.step)
+        self.step, kept = self._start()
+        start_step = self.step
         flops = self.model_config.flops_per_token(t.seq_len)
         metrics = MetricsLogger(
             self.output_dir, job.metrics, t.steps, self.device, flops, enabled=self.is_rank0
         )
         metrics.print(self._banner(metrics))
         if self.checkpointer.loaded_step is not None:
+            then = f"continuing at step {self.step + 1}" if self.step < t.steps else "no steps left"
             metrics.print(
                 f"resumed from {self.checkpointer.storage.step_dir(self.checkpointer.loaded_step)}"
-                f" in {self.checkpointer.load_seconds:.2f} s; continuing at step {self.step + 1}"
+                f" in {self.checkpointer.load_seconds:.2f} s; {then}"
             )
-        val_before = float("nan")
-        if self.step == 0:  # a resumed run logged this already
-            val_before = self.validate()
+        val_before = self.validate()
+        if self.step == 0:
             metrics.log({"step": 0, "val_loss": val_before})
+        else:  # printed only: metrics.jsonl reads as the uninterrupted run's did
+            metrics.print(f"step {self.step}  val_loss {val_before:.4g} (resumed weights)")
         first_loss = last_loss = float("nan")
         self.model.train()
         tokens_per_step = t.global_batch_sequences * t.seq_len
@@ -343,12 +372,47 @@ class Trainer:
                     metrics.log(record)
             for record in self.checkpointer.finish():
                 metrics.log(record)
-            val_after = self.validate()
-            metrics.log({"step": self.step, "val_loss": val_after})
+            val_after = self.validate() if self.step > start_step else val_before
+            # A run resumed at its last step may have logged this record already.
+            if not any(r["step"] == self.step and "val_loss" in r for r in kept):
+                metrics.log({"step": self.step, "val_loss": val_after})
             model_dir = self._export(metrics)
         finally:
             metrics.close()
         return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
+
+    def _start(self) -> tuple[int, list[dict]]:
+        """Choose the checkpoint and check the folders before any file is written or removed;
+        then clean up, load, and record the resolved config. Returns the step to continue from
+        and the metrics records kept from before it."""
+        job, ckpt = self.job, self.checkpointer
+        step = ckpt.choose(job.training.steps)
+        replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step is not None))
+        if self.is_rank0:
+            remove_outputs(self.output_dir, replaced)
+        if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
+            ckpt.clean_interrupted()
+        kept: list[dict] = []
+        if step is not None:
+            step = ckpt.load(step)
+            if self.is_rank0:
+                kept = truncate_metrics(self.output_dir / "metrics.jsonl", step)
+        if self.is_rank0:  # only now: a refused resume must not replace the run's config
+            (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
+        return step or 0, kept
+
+    def _check_folders(self, resuming: bool) -> list[str]:
+        """Rank 0: refuse an output or checkpoint folder this run may not write into; returns
+        the earlier run's outputs that --output.overwrite replaces."""
+        job, storage = self.job, self.checkpointer.storage
+        replaced = check_output_dir(
+            self.output_dir, job.output.overwrite, resuming, job.checkpoint.resume, storage.root_url
+        )
+        # The output folder's own checkpoints/ is the output rules' (refused or replaced).
+        own = storage.root_url == os.path.abspath(self.output_dir / "checkpoints")
+        if job.checkpoint.interval and not job.checkpoint.resume and not own:
+            self.checkpointer.check_unused()
+        return replaced
 
     def _banner(self, metrics: MetricsLogger) -> str:
         job, t = self.job, self.job.training

@@ -1,0 +1,132 @@
+"""`torchloom convert` never deletes or changes its input: an output folder that is, holds or lies
+inside the source (or the tokenizer folder), symlinks resolved, or whose staging folder is the
+source, is refused with one line and exit 2 before anything is written; so is an output that
+cannot be created. Every file under the test folder is byte-compared before and after."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchloom.checkpoint.model_io import save_model
+from torchloom.cli import main
+from torchloom.models import TransformerConfig, build_model
+
+CONFIG = TransformerConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                           ffn_dim=64, max_seq_len=32)  # fmt: skip
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file and symlink under ``folder`` with its bytes (a link by its target)."""
+    return {
+        str(p.relative_to(folder)): str(p.readlink()).encode() if p.is_symlink() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() or p.is_symlink()
+    }
+
+
+def refused(capsys, tmp_path: Path, pattern: str, *args: object) -> None:
+    before = files_of(tmp_path)
+    assert main(["convert", *map(str, args)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert re.search(pattern, err), err
+    assert files_of(tmp_path) == before
+
+
+@pytest.fixture
+def hf_source(tmp_path, hf_checkpoint) -> Path:
+    """A tiny Hugging Face llama folder at tmp_path/work/src, with a tokenizer file."""
+    path, _ = hf_checkpoint("llama", name="work/src")
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+@pytest.fixture
+def model_source(tmp_path) -> Path:
+    """A tiny torchloom model folder at tmp_path/work/model."""
+    model = build_model(CONFIG, "llama3")
+    model.init_weights(torch.Generator().manual_seed(0))
+    path = tmp_path / "work" / "model"
+    save_model(model, "llama3", CONFIG, path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+def test_from_hf_output_holding_the_source_is_refused(tmp_path, hf_source, capsys) -> None:
+    work = hf_source.parent
+    (tmp_path / "alias").symlink_to(work)
+    contains = "contains the source folder .*src, which writing the output would delete"
+    refused(capsys, tmp_path, contains, "--from-hf", hf_source, "--to", work, "--overwrite")
+    refused(capsys, tmp_path, contains, "--from-hf", hf_source, "--to", tmp_path, "--overwrite")
+    refused(capsys, tmp_path, contains, "--from-hf", hf_source, "--to", tmp_path / "alias",
+            "--overwrite")  # fmt: skip
+    refused(capsys, tmp_path, re.escape(f"The output folder {hf_source} is the source folder;"),
+            "--from-hf", hf_source, "--to", hf_source, "--overwrite")  # fmt: skip
+    refused(capsys, tmp_path, "is the source folder", "--from-hf", hf_source, "--to",
+            tmp_path / "alias" / "src" / ".." / "src", "--overwrite")  # fmt: skip
+    inside = re.escape(f"is inside the source folder {hf_source}; choose an output folder outside")
+    refused(capsys, tmp_path, inside, "--from-hf", hf_source, "--to", hf_source / "tl")
+
+
+def test_to_hf_output_holding_the_source_or_tokenizer_is_refused(
+    tmp_path, model_source, hf_source, capsys
+) -> None:
+    work = model_source.parent
+    refused(capsys, tmp_path, "contains the source folder .*model", "--from", model_source,
+            "--to-hf", work, "--overwrite")  # fmt: skip
+    refused(capsys, tmp_path, "is inside the source folder", "--from", model_source,
+            "--to-hf", model_source / "hf")  # fmt: skip
+    tokenizer = tmp_path / "outer" / "tok"
+    tokenizer.mkdir(parents=True)
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    refused(capsys, tmp_path, "is the tokenizer folder", "--from", model_source, "--to-hf",
+            tokenizer, "--tokenizer", tokenizer, "--overwrite")  # fmt: skip
+    refused(capsys, tmp_path, "contains the tokenizer folder .*tok, which writing", "--from",
+            model_source, "--to-hf", tokenizer.parent, "--tokenizer", tokenizer,
+            "--overwrite")  # fmt: skip
+    refused(capsys, tmp_path, "is inside the tokenizer folder", "--from", model_source,
+            "--to-hf", tokenizer / "hf", "--tokenizer", tokenizer)  # fmt: skip
+
+
+def test_source_in_the_staging_folder_is_refused(tmp_path, hf_checkpoint, capsys) -> None:
+    """`<out>.partial` is cleared before the write and `<out>.old` after it."""
+    staged, _ = hf_checkpoint("llama", name="out.partial")
+    refused(capsys, tmp_path, re.escape(f"The source folder {staged} is where the output "),
+            "--from-hf", staged, "--to", tmp_path / "out")  # fmt: skip
+    old = staged.rename(tmp_path / "out.old")
+    (tmp_path / "out").mkdir()
+    refused(capsys, tmp_path, "out.partial, out.old\\), which writing it deletes", "--from-hf",
+            old, "--to", tmp_path / "out", "--overwrite")  # fmt: skip
+
+
+def test_output_that_cannot_be_created_is_refused(tmp_path, hf_source, model_source, capsys):
+    (tmp_path / "afile").write_text("mine")
+    for args in (["--from-hf", hf_source, "--to"], ["--from", model_source, "--to-hf"]):
+        refused(capsys, tmp_path, re.escape(f"Cannot create {tmp_path}/afile/out: {tmp_path}/"
+                "afile is a file, not a folder; choose another path."), *args,
+                tmp_path / "afile" / "out")  # fmt: skip
+        refused(capsys, tmp_path, "afile is a file, not a folder", *args,
+                tmp_path / "afile" / "a" / "b")  # fmt: skip
+        refused(capsys, tmp_path, "afile exists and is not a folder", *args, tmp_path / "afile")
+
+
+def test_unwritable_output_parent_is_refused(tmp_path, hf_source, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # root may write anywhere
+    refused(capsys, tmp_path, f"the folder {tmp_path} is not writable", "--from-hf", hf_source,
+            "--to", tmp_path / "out")  # fmt: skip
+
+
+def test_a_sibling_output_still_converts(tmp_path, hf_source, capsys) -> None:
+    """The checks refuse overlap only: a folder beside the source (its name a prefix of the
+    source's) converts, and the source is untouched."""
+    before = files_of(hf_source)
+    beside, other = tmp_path / "work" / "sr", tmp_path / "work" / "src2"
+    assert main(["convert", "--from-hf", str(hf_source), "--to", str(beside)]) == 0
+    assert main(["convert", "--from", str(beside), "--to-hf", str(other)]) == 0
+    capsys.readouterr()
+    assert files_of(hf_source) == before

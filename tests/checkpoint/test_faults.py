@@ -1,0 +1,178 @@
+"""Resume faults end with one line and a non-zero exit, and leave the user's files as they were:
+validation on resume, a finished run without checkpoints, a damaged marker, another model or
+data settings, a missing step, too few steps, a torn metrics line, a renamed step folder, a
+full disk during a save, and another run's checkpoint folder."""
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+from torchloom.checkpoint.convert import open_model_source
+from torchloom.checkpoint.storage import MARKER, CheckpointStorage
+from torchloom.cli import main
+
+COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
+          "--training.val_sequences", "8", "--checkpoint.save_final_model", "false",
+          "--training.device", "cpu"]  # fmt: skip
+RESUME = ["--checkpoint.resume", "true"]
+
+
+def train(output_dir: Path, *flags: str) -> int:
+    return main(["train", *COMMON, "--output.dir", str(output_dir), *flags])
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes, to compare before and after."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def summary(output_dir: Path) -> list[tuple]:
+    """What metrics.jsonl says, step by step, without the timings."""
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r.get("loss"), r.get("val_loss"), "ckpt_write_s" in r)
+            for r in map(json.loads, lines)]  # fmt: skip
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    print(err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """4 steps, checkpoints at 2 and 4."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    assert train(out, "--training.steps", "4", "--checkpoint.interval", "2") == 0
+    return out
+
+
+@pytest.fixture
+def run(saved, tmp_path) -> Path:
+    """A copy of the saved run to resume."""
+    shutil.copytree(saved, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_resume_validates_first_and_drops_a_torn_metrics_line(saved, run, capsys):
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a kill in the middle of a write
+    flags = ["--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.load_step", "2",
+             "--checkpoint.keep_latest_k", "1"]  # fmt: skip
+    assert train(run, *flags, *RESUME) == 0
+    out, err = capsys.readouterr()
+    print(out, err)
+    assert f"skipping line 9 of {run / 'metrics.jsonl'}" in err
+    assert f"removed checkpoint {run / 'checkpoints/step-4'}: newer than the loaded step 2" in out
+    assert f"removed checkpoint {run / 'checkpoints/step-2'}: --checkpoint.keep_latest_k 1" in out
+    val_2 = [line for line in out.splitlines() if line.startswith("step 2  val_loss")]
+    assert val_2 and "validation loss nan" not in out
+    assert summary(run) == summary(saved)  # as the uninterrupted run wrote it: no duplicates
+    # Resumed at its last step: nothing to train, nothing logged twice.
+    before = (run / "metrics.jsonl").read_bytes()
+    assert train(run, "--training.steps", "4", *RESUME) == 0
+    assert "no steps left" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_plot_skips_a_torn_metrics_line(run, capsys):
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    assert main(["plot", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: skipping line 9 of {run / 'metrics.jsonl'}" in err and err.count("\n") == 1
+
+
+def test_resume_into_a_finished_run_without_checkpoints_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--training.steps", "1", "--checkpoint.save_final_model", "true") == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    assert train(out, "--training.steps", "2", *RESUME) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "found no complete checkpoint in" in err and "--output.overwrite true" in err
+    assert "config.json, metrics.jsonl, model" in err
+    assert snapshot(out) == before
+    # A new folder has nothing to lose: resume starts afresh there, as documented.
+    assert train(tmp_path / "new", "--training.steps", "1", *RESUME) == 0
+
+
+def test_garbage_marker_is_damage_not_an_interrupted_save(run, capsys):
+    (run / "checkpoints/step-4" / MARKER).write_text("garbage")
+    before = snapshot(run)
+    assert train(run, "--training.steps", "4", *RESUME) == 1
+    err = one_line(capsys.readouterr().err)
+    assert f"step-4/{MARKER} is not a valid marker" in err and "--checkpoint.fallback true" in err
+    assert snapshot(run) == before  # the damaged step's data are still there
+    assert train(run, "--training.steps", "4", *RESUME, "--checkpoint.fallback", "true") == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint step 4 is damaged ({MARKER} is not a valid marker" in out
+    assert f"removed checkpoint {run / 'checkpoints/step-4'}: newer than the loaded step 2" in out
+
+
+@pytest.mark.parametrize(
+    "flags, code, message",
+    [
+        (["--model.overrides", '{"num_layers": 3}'], 1, "num_layers is 2 there and 3 here"),
+        (["--training.seq_len", "64"], 2, "seq_len was 128 in the checkpoint and is 64 now"),
+        (["--training.global_batch_size", "4"], 2, "global_batch_size was 8 in the checkpoint"),
+        (["--checkpoint.load_step", "3"], 1, "load_step 3 has no complete checkpoint"),
+        (["--training.steps", "3"], 2, "is at step 4, past --training.steps 3: there is nothing"),
+    ],
+    ids=["model", "seq_len", "batch", "missing-step", "too-few-steps"],
+)
+def test_refused_resume_changes_nothing(run, capsys, flags, code, message):
+    before = snapshot(run)
+    assert train(run, "--training.steps", "6", *RESUME, *flags) == code
+    assert message in one_line(capsys.readouterr().err)
+    assert snapshot(run) == before  # config.json too: it is written once the run starts
+
+
+def test_step_folder_under_another_name_converts(saved, tmp_path):
+    copy = tmp_path / "mycopy"
+    shutil.copytree(saved / "checkpoints/step-4", copy)
+    source = open_model_source(copy)  # what `generate --checkpoint` reads
+    assert source.family == "llama3" and len(list(source.tensors)) > 0
+    assert main(["convert", "--from", str(copy), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf/config.json").is_file()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_during_a_save_is_one_line(run, capsys, monkeypatch, mode):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    saved_steps = snapshot(run / "checkpoints")
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_filesystem, "_write_item", full_disk)  # every writer thread's write
+        flags = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.mode", mode]
+        assert train(run, *flags, *RESUME) == 1
+    err = one_line(capsys.readouterr().err)  # not one traceback per writer thread
+    assert f"step 6 to {run / 'checkpoints/step-6'} failed: [Errno 28] No space left" in err
+    assert "Free space there" in err
+    storage = CheckpointStorage.for_path(run / "checkpoints")
+    assert storage.interrupted_steps() == [6]
+    assert {k: v for k, v in snapshot(run / "checkpoints").items() if "step-6" not in k} == (
+        saved_steps
+    )
+    if mode == "sync":  # the next start removes the interrupted save, saying so
+        assert train(run, *flags, *RESUME) == 0
+        out = capsys.readouterr().out
+        assert f"removed checkpoint {run / 'checkpoints/step-6'}: an interrupted save" in out
+        assert storage.complete_steps() == [2, 4, 6]
+
+
+def test_another_runs_checkpoint_folder_is_refused_at_start(saved, tmp_path, capsys):
+    before = snapshot(saved / "checkpoints")
+    flags = ["--training.steps", "2", "--checkpoint.interval", "2",
+             "--checkpoint.folder", str(saved / "checkpoints")]  # fmt: skip
+    assert train(tmp_path / "other", *flags) == 1
+    err = one_line(capsys.readouterr().err)
+    assert "already holds checkpoints of another run (steps 2, 4)" in err
+    assert "--checkpoint.resume true" in err
+    assert snapshot(saved / "checkpoints") == before
+    assert not (tmp_path / "other/metrics.jsonl").exists()

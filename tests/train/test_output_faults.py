@@ -1,0 +1,122 @@
+"""Training faults end with one line and the right exit code, and leave the user's files as they
+were: an output folder that is a file or cannot be created, Ctrl-C (exit 130, with the command
+that resumes), --output.overwrite saying what it removes, and option values refused at config
+validation even while the option that uses them is off."""
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from torchloom.cli import main
+from torchloom.train.trainer import Trainer
+
+COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
+          "--training.val_sequences", "8", "--checkpoint.save_final_model", "false",
+          "--training.device", "cpu"]  # fmt: skip
+
+
+def train(output_dir: Path, *flags: str) -> int:
+    return main(["train", *COMMON, "--output.dir", str(output_dir), *flags])
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    print(err)
+    return err
+
+
+def test_output_folder_that_is_a_file_or_cannot_be_created(tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("the user's notes\n")
+    assert train(file, "--training.steps", "1") == 2
+    assert f"--output.dir {file} is a file, not a folder" in one_line(capsys.readouterr().err)
+    assert train(file / "run", "--training.steps", "1") == 2
+    message = f"Cannot create {file / 'run'}: {file} is a file, not a folder"
+    assert message in one_line(capsys.readouterr().err)
+    assert file.read_text() == "the user's notes\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_output_folder_that_is_not_writable(tmp_path, capsys):
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o500)
+    assert train(folder, "--training.steps", "1") == 2
+    assert "is not writable" in one_line(capsys.readouterr().err)
+
+
+def test_overwrite_says_what_it_removes(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--training.steps", "1") == 0
+    capsys.readouterr()
+    assert train(out, "--training.steps", "1", "--output.overwrite", "true") == 0
+    assert f"--output.overwrite true: removing config.json, metrics.jsonl from {out}" in (
+        capsys.readouterr().out
+    )
+
+
+def interrupt_at_step(monkeypatch, step: int) -> None:
+    """Ctrl-C while training step ``step``."""
+    original, calls = Trainer.train_step, []
+
+    def train_step(self, batches):
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return original(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    reference = tmp_path / "reference"
+    flags = ["--training.steps", "4", "--checkpoint.interval", "2"]
+    assert train(reference, *flags) == 0
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        interrupt_at_step(patch, 3)
+        capsys.readouterr()
+        assert train(out, *flags) == 130
+    err = one_line(capsys.readouterr().err)
+    checkpoint = out / "checkpoints/step-2"
+    assert f"Interrupted at step 2 of 4; the last complete checkpoint is {checkpoint}." in err
+    command = shlex.split(err.split("Resume with: ")[1])
+    assert command[:2] == ["torchloom", "train"] and command[-2:] == ["--checkpoint.resume", "true"]
+    assert sorted(losses(out)) == [1, 2]  # what the interrupted run logged is still there
+    assert main(command[1:]) == 0
+    assert losses(out) == losses(reference)
+
+
+def test_ctrl_c_before_any_checkpoint(tmp_path, capsys, monkeypatch):
+    interrupt_at_step(monkeypatch, 2)
+    assert train(tmp_path / "run", "--training.steps", "4", "--checkpoint.interval", "2") == 130
+    err = one_line(capsys.readouterr().err)
+    assert "Interrupted at step 1 of 4; there is no complete checkpoint to resume from." in err
+    assert "Resume with" not in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--parallel.pp_schedule", "foo"], "Unknown or unavailable --parallel.pp_schedule 'foo'"),
+        (["--parallel.pp_stages_per_rank", "2"], "runs one stage per rank"),
+        (["--parallel.pp_layers_per_stage", "[-1]"], "non-negative layer counts"),
+        (["--parallel.pp_embedding_weight", "-1"], "pp_embedding_weight must be >= 0"),
+        (["--compile.mode", "fastest"], "--compile.mode must be one of"),
+        (["--compile.backend", "inductr"], "Unknown --compile.backend 'inductr'"),
+        (["--compile.regions", "[]"], "--compile.regions is empty"),
+        (["--training.val_interval", "-1"], "--training.val_interval must be >= 0"),
+        (["--checkpoint.load_step", "2"], "applies only when resuming"),
+        (["--metrics.peak_tflops", "-1"], "--metrics.peak_tflops must be >= 0"),
+    ],
+)
+def test_option_values_are_checked_while_their_feature_is_off(capsys, flags, message):
+    assert main(["train", "--recipe", "debug", *flags, "--print-config"]) == 2
+    assert message in one_line(capsys.readouterr().err)
