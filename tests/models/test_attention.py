@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from torchloom.kernels import batch_invariant
 from torchloom.models.components.attention import (
     ATTENTION_BACKENDS,
     Attention,
@@ -68,17 +69,84 @@ def test_document_mask_is_causal_and_per_document() -> None:
     assert torch.equal(mask, expected), mask
 
 
+# Packed rows: several documents per row, boundaries at different places in each row, and
+# documents of a single token (at a row's start, in its middle and at its end).
+PACKED_DOC_IDS_BT = torch.tensor(
+    [
+        [0] * 5 + [1] * 7,
+        [0] + [1] * 8 + [2] * 3,
+        [0] * 4 + [1] + [2] * 6 + [3],
+        [0] * T,
+    ]
+)
+
+
+def _reference_attention(
+    q_BHTd: torch.Tensor, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor, doc_ids_BT: torch.Tensor
+) -> torch.Tensor:
+    """Causal same-document GQA in float64, written out: query t of row b and head h sees key s
+    of kv head h // (H / K) iff s <= t and both tokens carry the same document id."""
+    B, H, T_, d = q_BHTd.shape
+    group = H // k_BKTd.shape[1]
+    out = torch.zeros(B, H, T_, d, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T_):
+            keys = [s for s in range(t + 1) if doc_ids_BT[b, s] == doc_ids_BT[b, t]]
+            for h in range(H):
+                k_Sd = k_BKTd[b, h // group, keys].double()
+                scores_S = k_Sd @ q_BHTd[b, h, t].double() / math.sqrt(d)
+                out[b, h, t] = scores_S.softmax(0) @ v_BKTd[b, h // group, keys].double()
+    return out
+
+
 @pytest.mark.parametrize("with_docs", [False, True])
-@torch.no_grad()  # FlexAttention has no CPU backward
-def test_backends_agree(with_docs: bool) -> None:
+@pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
+def test_backends_agree_with_a_float64_reference(backend: str, with_docs: bool) -> None:
+    """Every registered kernel, with and without packed documents: the output (and, except for
+    flex, which has no CPU backward, the input gradients) within 1e-5 of float64 attention."""
     generator = torch.Generator().manual_seed(1)
-    q = torch.randn(2, HEADS, T, HEAD_DIM, generator=generator)
-    k = torch.randn(2, KV_HEADS, T, HEAD_DIM, generator=generator)
-    v = torch.randn(2, KV_HEADS, T, HEAD_DIM, generator=generator)
-    doc_ids = _inputs()[3] if with_docs else None
-    sdpa = ATTENTION_BACKENDS["sdpa"](q, k, v, doc_ids)
-    flex = ATTENTION_BACKENDS["flex"](q, k, v, doc_ids)
-    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+    B = PACKED_DOC_IDS_BT.shape[0]
+    qkv = [
+        torch.randn(B, heads, T, HEAD_DIM, generator=generator)
+        for heads in (HEADS, KV_HEADS, KV_HEADS)
+    ]
+    doc_ids = PACKED_DOC_IDS_BT if with_docs else None
+    reference_docs = PACKED_DOC_IDS_BT if with_docs else torch.zeros(B, T, dtype=torch.long)
+    ref_inputs = [t.double().requires_grad_() for t in qkv]
+    expected = _reference_attention(*ref_inputs, reference_docs)
+    out_weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((expected * out_weights).sum(), ref_inputs)
+
+    backward = backend != "flex"
+    inputs = [t.clone().requires_grad_(backward) for t in qkv]
+    with torch.set_grad_enabled(backward):
+        got = ATTENTION_BACKENDS[backend](*inputs, doc_ids)
+    diffs = {"out": (got.double() - expected).abs().max().item()}
+    if backward:
+        grads = torch.autograd.grad((got * out_weights.float()).sum(), inputs)
+        for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            diffs[name] = (grad.double() - ref).abs().max().item()
+    print(
+        f"{backend} docs={with_docs}: max abs diff vs float64 "
+        + ", ".join(f"{name} {diff:.1e}" for name, diff in diffs.items())
+    )
+    worst = max(diffs.values())
+    assert worst < 1e-5, f"{backend} docs={with_docs}: max abs diff vs float64 {diffs}"
+
+
+def test_causal_positions_and_starts_mark_each_document_start() -> None:
+    """The batch-invariant kernel's view of packed rows: key span start = its document's first
+    index, computed here by walking each row."""
+    positions, starts = batch_invariant.causal_positions_and_starts(
+        *PACKED_DOC_IDS_BT.shape, PACKED_DOC_IDS_BT, torch.device("cpu")
+    )
+    expected = torch.zeros_like(PACKED_DOC_IDS_BT)
+    for b, row in enumerate(PACKED_DOC_IDS_BT.tolist()):
+        for t in range(1, T):
+            expected[b, t] = t if row[t] != row[t - 1] else expected[b, t - 1]
+    assert torch.equal(positions, torch.arange(T).expand_as(positions)), positions
+    assert starts is not None and torch.equal(starts, expected), (starts, expected)
+    assert batch_invariant.causal_positions_and_starts(2, T, None, torch.device("cpu"))[1] is None
 
 
 def test_qk_norm_makes_attention_invariant_to_qk_scale() -> None:

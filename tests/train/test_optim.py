@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,3 +59,68 @@ def test_weight_decay_only_on_matrices_not_embeddings_or_norms():
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), torch.device("cpu"))
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert decayed == {id(model[1].weight)}
+
+
+def _expected_multipliers(cfg: LRScheduleConfig, total: int) -> list[float]:
+    """The documented schedule, step by step: warm-up step i (1-based, i <= W) gives i / (W + 1);
+    the k-th step after warm-up has decay progress k / (total - W), so the last step of the run
+    sits at the floor; WSD instead holds the peak until its last D = round(f * total) steps,
+    which fall linearly, the j-th of them to 1 - (1 - floor) * j / D."""
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
+    out = [i / (warmup + 1) for i in range(1, min(warmup, total) + 1)]
+    span = max(1, total - warmup)
+    decay_steps = max(1, round(cfg.decay_fraction * total))
+    for step in range(warmup, total):
+        k = step - warmup + 1  # 1 for the first step after warm-up
+        if cfg.decay == "constant":
+            out.append(1.0)
+        elif cfg.decay == "linear":
+            out.append(1.0 - (1.0 - floor) * min(1.0, k / span))
+        elif cfg.decay == "cosine":
+            out.append(floor + (1.0 - floor) * (1.0 + math.cos(math.pi * min(1.0, k / span))) / 2)
+        else:  # wsd: the j-th of the last decay_steps steps of the run
+            j = step - (total - decay_steps) + 1
+            out.append(1.0 if j < 1 else 1.0 - (1.0 - floor) * min(1.0, j / decay_steps))
+    return out
+
+
+_SCHEDULES = [  # (total steps, warm-up steps, min_lr_ratio, decay_fraction)
+    (100, 10, 0.1, 0.2),
+    (20, 0, 0.0, 0.3),
+    (7, 1, 0.25, 0.5),
+    (12, 11, 0.1, 0.2),  # warm-up ends on the last step but one, inside WSD's decay window
+    (5, 5, 0.1, 0.2),  # warm-up as long as the run
+    (3, 8, 0.1, 0.2),  # and longer
+    (1, 0, 0.5, 1.0),
+    (30, 4, 1.0, 0.1),  # a floor at the peak: flat after warm-up
+]
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+@pytest.mark.parametrize(("total", "warmup", "floor", "fraction"), _SCHEDULES)
+def test_every_step_follows_the_closed_form(decay, total, warmup, floor, fraction):
+    cfg = LRScheduleConfig(
+        warmup_steps=warmup, decay=decay, min_lr_ratio=floor, decay_fraction=fraction
+    )
+    got = [lr_multiplier(s, total, cfg) for s in range(total)]
+    want = _expected_multipliers(cfg, total)
+    wrong = [(s, g, w) for s, (g, w) in enumerate(zip(got, want)) if abs(g - w) > 1e-12]
+    assert not wrong, f"{len(wrong)} of {total} steps differ; (step, got, expected): {wrong[:4]}"
+    if decay != "constant" and total > warmup:
+        assert got[-1] == pytest.approx(floor, abs=1e-12), "the last step sits at the floor"
+    assert min(got) >= min(floor, got[0]) - 1e-12
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
+def test_scheduler_gives_every_step_its_float32_rate(decay):
+    model = torch.nn.Linear(2, 2)
+    opt = build_optimizer(model, OptimizerConfig(lr=2e-3), torch.device("cpu"))
+    cfg = LRScheduleConfig(warmup_steps=3, decay=decay, min_lr_ratio=0.2, decay_fraction=0.5)
+    sched = build_lr_scheduler(opt, cfg, 12)
+    seen = []
+    for _ in range(12):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    want = [float(np.float32(2e-3 * m)) for m in _expected_multipliers(cfg, 12)]
+    assert seen == want, [g - w for g, w in zip(seen, want)]

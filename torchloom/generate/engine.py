@@ -311,7 +311,11 @@ def _local_kv_heads(model: nn.Module) -> int:
 def sample(
     logprobs_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
-    """One token id from a row of log-probabilities under the request's sampling settings."""
+    """One token id from a row of log-probabilities under the request's sampling settings.
+
+    Top-k keeps every token at least as likely as the k-th; top-p keeps a token if the tokens
+    strictly more likely than it hold less than top_p together. So tied tokens are kept or
+    dropped together, never one of them by its place in the sort."""
     if params.temperature == 0:
         return int(logprobs_V.argmax())
     scores_V = logprobs_V / params.temperature
@@ -321,8 +325,10 @@ def sample(
     probs_V = torch.softmax(scores_V, dim=-1)
     if params.top_p < 1:
         sorted_V, order_V = probs_V.sort(descending=True)
-        # Keep a token if the tokens more likely than it hold less than top_p together.
-        before_V = sorted_V.cumsum(0) - sorted_V
+        # Keep a token if the tokens more likely than it hold less than top_p together: a tie
+        # counts the mass before its first member (sorted descending, ties are contiguous).
+        first_of_tie_V = torch.searchsorted(-sorted_V, -sorted_V, side="left")
+        before_V = (sorted_V.cumsum(0) - sorted_V)[first_of_tie_V]
         sorted_V = sorted_V.masked_fill(before_V >= params.top_p, 0.0)
         probs_V = torch.zeros_like(probs_V).scatter(0, order_V, sorted_V)
     return int(torch.multinomial(probs_V, 1, generator=generator))
