@@ -21,12 +21,11 @@ from torchloom.config import (
     apply_overrides,
     did_you_mean,
     format_help,
-    get_recipe,
-    list_recipes,
     to_dict,
     validate_tree,
 )
-from torchloom.job import JobConfig
+from torchloom.recipes import get_recipe, list_recipes
+from torchloom.train.job import JobConfig
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,8 @@
 import pytest
 
-from torchloom.config import ConfigError, get_recipe, list_recipes, validate_tree
-from torchloom.job import JobConfig
+from torchloom.config import ConfigError, validate_tree
+from torchloom.recipes import get_recipe, list_recipes
+from torchloom.train.job import JobConfig
 
 
 def test_every_recipe_builds_a_valid_job_with_a_summary():

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from torchloom.config.errors import ConfigError
-from torchloom.job import JobConfig
 from torchloom.kernels.rmsnorm import rms_norm, rms_norm_fused, rms_norm_triton
 from torchloom.kernels.rope import apply_rotary, apply_rotary_fused, apply_rotary_triton
 from torchloom.kernels.swiglu import swiglu, swiglu_fused, swiglu_triton
@@ -28,6 +27,7 @@ from torchloom.models.components.norms import TritonRMSNorm
 from torchloom.models.components.rope import RotaryEmbedding
 from torchloom.models.components.transformer import Block
 from torchloom.parallel.config import ParallelConfig
+from torchloom.train.job import JobConfig
 
 TINY = TransformerConfig(
     vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48, qk_norm=True

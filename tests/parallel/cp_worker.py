@@ -47,7 +47,7 @@ from torchloom.parallel import (
     sum_over_data_ranks,
 )
 from torchloom.parallel.context_parallel import (
-    shard_batch,
+    shard_sequence,
     unshard_sequence,
 )
 from torchloom.train.loss import cross_entropy_sum
@@ -65,7 +65,8 @@ def local_batch(batch: dict, dims: ParallelDims) -> Batch:
     share = BATCH // dims.dp_size
     rows = slice(dims.dp_rank * share, (dims.dp_rank + 1) * share)
     full = Batch(*(batch[k][rows] for k in ("tokens", "labels", "positions", "doc_ids")))
-    return shard_batch(full, dims.local_rank("cp"), dims.size("cp"))
+    rank, size = dims.local_rank("cp"), dims.size("cp")
+    return full.map_tokens(lambda t: shard_sequence(t, rank, size))
 
 
 @torch.no_grad()

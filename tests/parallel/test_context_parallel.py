@@ -11,7 +11,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
 from torchloom.parallel.context_parallel import (
     global_token_index,
-    shard_batch,
+    shard_sequence,
     unshard_sequence,
 )
 
@@ -24,11 +24,16 @@ def test_shard_then_unshard_is_exact(cp):
     T = 4 * cp * 2
     tokens = torch.arange(2 * T).view(2, T)
     doc_ids = (torch.arange(T) >= T // 3).long().expand(2, T)
-    batch = Batch(tokens, tokens + 1000, tokens % 7, doc_ids)
-    shards = [shard_batch(batch, r, cp) for r in range(cp)]
+    mask = torch.rand(2, T, 3) > 0.5  # a per-token extra with a trailing dim
+    batch = Batch(
+        tokens, tokens + 1000, tokens % 7, doc_ids, {"mask": mask}, {"reward": tokens[:, 0]}
+    )
+    shards = [batch.map_tokens(lambda t, r=r: shard_sequence(t, r, cp)) for r in range(cp)]
     for name in ("tokens", "labels", "positions", "doc_ids"):
         full = unshard_sequence([getattr(s, name) for s in shards])
         assert torch.equal(full, getattr(batch, name)), name
+    assert torch.equal(unshard_sequence([s.extras["mask"] for s in shards]), mask)
+    assert all(torch.equal(s.row_extras["reward"], tokens[:, 0]) for s in shards)
     # Load balance: every rank holds chunks r and 2cp-1-r, so the causal work (sum of query
     # indices + 1) is the same on every rank.
     work = {int((global_token_index(r, cp, T // cp) + 1).sum()) for r in range(cp)}
@@ -37,7 +42,9 @@ def test_shard_then_unshard_is_exact(cp):
 
 def test_shard_keeps_global_values():
     batch = Batch(*(torch.arange(8).view(1, 8) for _ in range(3)), None)
-    local = shard_batch(batch, 1, 2)  # chunks 1 and 2 of [0,1 | 2,3 | 4,5 | 6,7]
+    local = batch.map_tokens(
+        lambda t: shard_sequence(t, 1, 2)
+    )  # chunks 1 and 2 of [0,1 | 2,3 | 4,5 | 6,7]
     assert local.tokens.tolist() == [[2, 3, 4, 5]]
     assert local.positions.tolist() == [[2, 3, 4, 5]] and local.doc_ids is None
 
@@ -45,7 +52,7 @@ def test_shard_keeps_global_values():
 def test_indivisible_sequence_names_the_numbers():
     batch = Batch(*(torch.zeros(1, 10, dtype=torch.long) for _ in range(3)), None)
     with pytest.raises(ConfigError, match="seq_len 10 .* 2 x --parallel.cp = 4"):
-        shard_batch(batch, 0, 2)
+        shard_sequence(batch.tokens, 0, 2)
 
 
 def launch(nproc: int, *names: str) -> list[dict]:

@@ -6,7 +6,7 @@ import torch
 from torchloom.checkpoint.model_io import load_model
 from torchloom.cli import resolve_job
 from torchloom.config import ConfigError, from_dict
-from torchloom.job import JobConfig
+from torchloom.train.job import JobConfig
 from torchloom.train.plot import plot_metrics
 from torchloom.train.trainer import Trainer, TrainingError
 

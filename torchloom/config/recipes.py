@@ -36,12 +36,9 @@ def register_recipe(name: str) -> Callable[[Callable[[], Any]], Callable[[], Any
     return wrap
 
 
-def _load_builtin() -> None:
-    import torchloom.recipes  # noqa: F401  (registers the built-in recipes)
-
-
 def get_recipe(name: str) -> Recipe:
-    _load_builtin()
+    """The registered recipe ``name`` (``torchloom.recipes`` registers the built-in ones when
+    imported), or a ConfigError with near matches."""
     if name not in _RECIPES:
         raise ConfigError(
             f"Unknown recipe '{name}'."
@@ -52,5 +49,5 @@ def get_recipe(name: str) -> Recipe:
 
 
 def list_recipes() -> list[Recipe]:
-    _load_builtin()
+    """Every registered recipe, sorted by name."""
     return sorted(_RECIPES.values(), key=lambda r: r.name)

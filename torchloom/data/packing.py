@@ -7,6 +7,7 @@ every token but the first is a label exactly once per epoch).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,17 +20,24 @@ __all__ = ["IGNORE_INDEX", "Batch"]
 
 @dataclass
 class Batch:
-    """One micro-batch of packed sequences; every tensor is ``[B, T]`` int64."""
+    """One micro-batch of packed sequences: ``[B, T]`` int64 token fields, plus optional fields
+    that objectives and models read (the ``extras``)."""
 
     tokens: torch.Tensor
     """Input token ids."""
     labels: torch.Tensor
     """The token that follows each input, or IGNORE_INDEX where nothing should be predicted."""
     positions: torch.Tensor
-    """Position of each token inside its document (restarting at 0 with document masking)."""
-    doc_ids: torch.Tensor | None
+    """Position of each token inside its document (restarting at 0 with document masking):
+    ``[B, T]``, or ``[B, T, ...]`` for models with several position axes."""
+    doc_ids: torch.Tensor | None = None
     """Document number of each token inside its row (0, 1, ...); attention must not cross
     documents. None when document masking is off."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token fields, ``[B, T, ...]`` (loss masks, advantages, the generator's log-probs):
+    cut along T with the tokens (context parallelism) and along B (micro-batches)."""
+    row_extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-row fields, ``[B, ...]`` (a sequence's reward, its image): cut along B only."""
     _num_label_tokens: int | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -42,12 +50,30 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """This batch on ``device``."""
         count = self.num_label_tokens  # count on the source device: free on CPU
+        moved = self.map_tokens(lambda t: t.to(device, non_blocking=non_blocking))
+        moved.row_extras = {k: v.to(device, non_blocking=non_blocking)
+                            for k, v in self.row_extras.items()}  # fmt: skip
+        moved._num_label_tokens = count
+        return moved
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
+    def map_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """A batch whose per-token fields are ``fn`` of these (e.g. one context-parallel rank's
+        tokens); per-row fields are kept."""
+        doc_ids = None if self.doc_ids is None else fn(self.doc_ids)
+        extras = {name: fn(value) for name, value in self.extras.items()}
+        return Batch(fn(self.tokens), fn(self.labels), fn(self.positions), doc_ids, extras,
+                     dict(self.row_extras))  # fmt: skip
 
-        doc_ids = None if self.doc_ids is None else move(self.doc_ids)
-        return Batch(move(self.tokens), move(self.labels), move(self.positions), doc_ids, count)
+    def fields(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named fields (``labels`` or any extra), for an objective; KeyError naming the
+        missing one."""
+        found = {"labels": self.labels, **self.extras, **self.row_extras}
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise KeyError(
+                f"the batch has no field {', '.join(missing)} (it has {', '.join(sorted(found))})"
+            )
+        return {name: found[name] for name in names}
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:

@@ -2,8 +2,8 @@
 
 Sharding. Each row of T tokens is cut into 2 * cp chunks of T / (2 * cp); rank r keeps chunks
 r and 2 * cp - 1 - r, in that order. Under a causal mask a query's work grows with its index,
-so pairing an early chunk with the mirrored late one gives every rank the same work. Tokens,
-labels, positions and doc ids are sharded alike; positions and doc ids keep their global values,
+so pairing an early chunk with the mirrored late one gives every rank the same work. Every per-token
+field (tokens, labels, positions, doc ids, extras) is sharded alike; positions and doc ids keep their global values,
 so RoPE and the document mask need no change.
 
 Attention. Each rank projects q/k/v for its own tokens, all-gathers K and V (and doc ids) over
@@ -30,7 +30,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.packing import Batch
 from torchloom.models.components.attention import Attention, AttentionBackend
 
 
@@ -53,17 +52,13 @@ def global_token_index(cp_rank: int, cp_size: int, local_len: int) -> torch.Tens
     return torch.cat([first + steps, second + steps])
 
 
-def shard_batch(batch: Batch, cp_rank: int, cp_size: int) -> Batch:
-    """This cp rank's tokens of every row (see the module docstring for which ones)."""
-    T = batch.tokens.shape[1]
+def shard_sequence(t_BT: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """This cp rank's tokens of every row of a ``[B, T, ...]`` tensor (see the module docstring
+    for which ones); apply it to every per-token field of a batch alike."""
+    T = t_BT.shape[1]
     check_context_parallel(T, cp_size)
-    index = global_token_index(cp_rank, cp_size, T // cp_size).to(batch.tokens.device)
-
-    def take(t_BT: torch.Tensor) -> torch.Tensor:
-        return t_BT.index_select(1, index)
-
-    doc_ids = None if batch.doc_ids is None else take(batch.doc_ids)
-    return Batch(take(batch.tokens), take(batch.labels), take(batch.positions), doc_ids)
+    index = global_token_index(cp_rank, cp_size, T // cp_size).to(t_BT.device)
+    return t_BT.index_select(1, index)
 
 
 def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -148,7 +143,7 @@ class ContextParallelAttention:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Make every Attention module of ``model`` attend across the cp group (in place). The
-    model must then be fed ``shard_batch``'s shards; nothing else in it changes."""
+    model must then be fed ``shard_sequence``'s shards; nothing else in it changes."""
     backend: AttentionBackend = ContextParallelAttention(cp_mesh)
     for module in model.modules():
         if isinstance(module, Attention):

@@ -41,7 +41,7 @@ def parallelize(
             "exists yet); set it to 1."
         )
     if config.cp > 1:
-        # Each rank holds seq_len / cp tokens (the trainer shards every batch with shard_batch).
+        # Each rank holds seq_len / cp tokens (the trainer shards every batch with shard_sequence).
         check_context_parallel(seq_len, config.cp)
         cp_mesh = dims.mesh("cp")
         assert cp_mesh is not None

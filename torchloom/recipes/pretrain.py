@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
-from torchloom.job import JobConfig, OutputConfig
 from torchloom.models.config import ModelConfig
 from torchloom.train.config import TrainingConfig
+from torchloom.train.job import JobConfig, OutputConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
 
 # A 3.1M-parameter llama3 (2.4M with tied embeddings, as qwen3_tiny has) that learns visibly in a few minutes on 2 CPU cores.

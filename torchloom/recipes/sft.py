@@ -5,9 +5,9 @@ from __future__ import annotations
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
 from torchloom.data.config import BUILTIN_CHAT, DataConfig
-from torchloom.job import JobConfig, OutputConfig
 from torchloom.models.config import ModelConfig
 from torchloom.train.config import TrainingConfig
+from torchloom.train.job import JobConfig, OutputConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
 
 # What `make train` (the llama3_tiny recipe with --checkpoint.export_hf) writes.

@@ -19,39 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
 
-if TYPE_CHECKING:
-    from torchloom.job import JobConfig
-
 StepFn = Callable[[Sequence[Batch], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def check_cuda_graph_job(job: JobConfig) -> None:
-    """ConfigError for a job whose step cannot be captured (called with cuda_graph on)."""
-    p = job.parallel
-    if max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp) > 1 or p.fsdp_always:
-        raise ConfigError(
-            "--training.cuda_graph true captures a single-GPU step: it does not run with data, "
-            "context, tensor or pipeline parallelism or --parallel.fsdp_always (their "
-            "collectives and host-side schedules are not captured); set those degrees to 1."
-        )
-    if job.optimizer.implementation not in ("auto", "fused", "triton"):
-        raise ConfigError(
-            "--training.cuda_graph true captures a device-side AdamW (fused or triton), which "
-            "computes the same captured or not; set --optimizer.implementation auto, fused or "
-            "triton."
-        )
-    if job.model.batch_invariant:
-        raise ConfigError(
-            "--training.cuda_graph true is not verified with --model.batch_invariant true; drop "
-            "one of the two."
-        )
 
 
 def check_cuda_graph_runtime(device: torch.device, world_size: int) -> None:

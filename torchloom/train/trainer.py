@@ -21,7 +21,6 @@ from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data import build_dataloaders
-from torchloom.job import JobConfig
 from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import TransformerConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel import (
@@ -33,11 +32,12 @@ from torchloom.parallel import (
     parallelize,
     sum_over_data_ranks,
 )
-from torchloom.parallel.context_parallel import shard_batch
+from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.pipeline import Pipeline, build_pipeline
 from torchloom.parallel.state import full_state_items
 from torchloom.train.compile import compile_regions
 from torchloom.train.cuda_graph import StepGraph, check_cuda_graph_runtime
+from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
 from torchloom.train.output import (
@@ -202,7 +202,8 @@ class Trainer:
         """The batch on this rank's device; under context parallelism, this rank's tokens."""
         batch = batch.to(self.device, non_blocking=True)
         if self.dims.degrees.cp > 1:
-            batch = shard_batch(batch, self.dims.local_rank("cp"), self.dims.size("cp"))
+            rank, size = self.dims.local_rank("cp"), self.dims.size("cp")
+            batch = batch.map_tokens(lambda t: shard_sequence(t, rank, size))
         return batch
 
     def _token_loss_sum(self, batch) -> torch.Tensor:

@@ -13,7 +13,6 @@ from torchloom.models.transforms import apply_transforms
 from torchloom.parallel.config import ParallelConfig
 from torchloom.train.compile import CompileConfig
 from torchloom.train.config import TrainingConfig
-from torchloom.train.cuda_graph import check_cuda_graph_job
 from torchloom.train.metrics import MetricsConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
 from torchloom.train.profiling import ProfilingConfig
@@ -48,7 +47,7 @@ class JobConfig:
         """Checks that span sections (each section validates its own fields)."""
         p = self.parallel
         if self.training.cuda_graph:
-            check_cuda_graph_job(self)
+            _check_cuda_graph_job(self)
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
@@ -77,3 +76,25 @@ class JobConfig:
                 "> 1; keep --model.norm_impl torch and set --model.rope_impl triton --model."
                 "mlp_impl triton instead of the transform."
             )
+
+
+def _check_cuda_graph_job(job: JobConfig) -> None:
+    """ConfigError for a job whose step cannot be captured (called with cuda_graph on)."""
+    p = job.parallel
+    if max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp) > 1 or p.fsdp_always:
+        raise ConfigError(
+            "--training.cuda_graph true captures a single-GPU step: it does not run with data, "
+            "context, tensor or pipeline parallelism or --parallel.fsdp_always (their "
+            "collectives and host-side schedules are not captured); set those degrees to 1."
+        )
+    if job.optimizer.implementation not in ("auto", "fused", "triton"):
+        raise ConfigError(
+            "--training.cuda_graph true captures a device-side AdamW (fused or triton), which "
+            "computes the same captured or not; set --optimizer.implementation auto, fused or "
+            "triton."
+        )
+    if job.model.batch_invariant:
+        raise ConfigError(
+            "--training.cuda_graph true is not verified with --model.batch_invariant true; drop "
+            "one of the two."
+        )
