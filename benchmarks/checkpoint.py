@@ -91,9 +91,9 @@ def build(shape: str, device: torch.device):
     flavor, overrides, dtype = SHAPES[shape]
     config = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, overrides=overrides))
     with torch.device("meta"):
-        model = build_model(config, "llama3")
+        model = build_model(config)
     model.to_empty(device=device)
-    model.init_weights(torch.Generator(device).manual_seed(0))
+    model.init_weights(0)
     model.to(dtype)
     apply_remat(model.layers, RematConfig(mode="full"), compile_enabled=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

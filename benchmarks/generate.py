@@ -33,6 +33,7 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.generate.run import tensor_parallel
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel.mesh import destroy, init_distributed
+from torchloom.train.loss import CrossEntropy
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
 
 SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
@@ -49,9 +50,9 @@ def _sync(device: torch.device) -> None:
 def build(flavor: str, device: torch.device, dtype: torch.dtype, **slots):
     config = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **slots))
     with torch.device("meta"):
-        model = build_model(config, "llama3")
+        model = build_model(config)
     model.to_empty(device=device)
-    model.init_weights(torch.Generator(device).manual_seed(0))
+    model.init_weights(0)
     return model.to(dtype).eval(), config
 
 
@@ -127,7 +128,8 @@ def train_step_seconds(
 
     def step() -> float:
         start = time.perf_counter()
-        model(tokens[:, :-1], labels_BT=tokens[:, 1:]).backward()
+        targets = {"labels": tokens[:, 1:]}
+        model(tokens[:, :-1], objective=CrossEntropy(), targets=targets).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)

@@ -44,7 +44,7 @@ ROWS = ("torch", "triton", "torch-norm", "triton-norm", "torch-adamw", "triton-a
 def _model(flavor: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
     with torch.device("meta"):
-        model = build_model(cfg, "llama3")
+        model = build_model(cfg)
     model.to_empty(device=device)
     model.to(dtype)
     gen = torch.Generator(device).manual_seed(0)

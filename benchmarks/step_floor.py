@@ -48,7 +48,7 @@ ACT = 2  # bytes per bf16 activation element
 def parameter_count(cfg: TransformerConfig) -> int:
     """Distinct parameters (a tied embedding and head counted once), from a meta-device build."""
     with torch.device("meta"):
-        model = build_model(cfg, "llama3")
+        model = build_model(cfg)
     return sum(p.numel() for p in model.parameters())
 
 

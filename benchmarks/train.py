@@ -81,6 +81,7 @@ from torchloom.parallel import (
 )
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.cuda_graph import StepGraph
+from torchloom.train.loss import CrossEntropy
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer, clip_gradients
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
@@ -145,9 +146,9 @@ def matmul_tflops(device: torch.device) -> tuple[float, str]:
 def _torchloom_model(cfg: TransformerConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The llama3 model every torchloom row starts from: built on meta, the same init."""
     with torch.device("meta"):
-        model = build_model(cfg, "llama3")
+        model = build_model(cfg)
     model.to_empty(device=device)
-    model.init_weights(torch.Generator(device).manual_seed(SEED))
+    model.init_weights(SEED)
     return model.to(dtype)
 
 
@@ -160,7 +161,8 @@ def _inputs_and_labels(x_BT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def torchloom_step(
-    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, seq: int,
+    cfg: TransformerConfig, objective: CrossEntropy, device: torch.device, dtype: torch.dtype,
+    seq: int,
     dims: ParallelDims | None, compile_: bool, remat: str, optimizer_impl: str = "fused",
 ) -> Step:  # fmt: skip
     """The model (same init for every torchloom row) and Trainer.train_step's work on it."""
@@ -181,7 +183,8 @@ def torchloom_step(
     def step(x_BT1: torch.Tensor) -> torch.Tensor:
         tokens_BT, labels_BT = _inputs_and_labels(x_BT1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss_sum = model(tokens_BT, labels_BT=labels_BT)  # the trainer's loss path
+            # the trainer's loss path
+            loss_sum = model(tokens_BT, objective=objective, targets={"labels": labels_BT}).loss
         loss = loss_sum / labels_BT[:, :-1].numel()  # T-1 each
         loss.backward()
         clip_gradients(optimizer, model.parameters(), 1.0)  # as the Trainer does
@@ -192,7 +195,9 @@ def torchloom_step(
     return step
 
 
-def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtype) -> Step:
+def graphed_step(
+    cfg: TransformerConfig, device: torch.device, dtype: torch.dtype, objective: CrossEntropy
+) -> Step:
     """torchloom-eager's step replayed from one CUDA graph (--training.cuda_graph's StepGraph:
     forward, backward, clipping and the fused AdamW captured together)."""
     model = _torchloom_model(cfg, device, dtype)
@@ -202,7 +207,10 @@ def graphed_step(cfg: TransformerConfig, device: torch.device, dtype: torch.dtyp
     def step_fn(batches: list[Batch], num_tokens: torch.Tensor):
         (batch,) = batches
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss_sum = model(batch.tokens, batch.positions, labels_BT=batch.labels)
+            targets = {"labels": batch.labels}
+            loss_sum = model(
+                batch.tokens, batch.positions, objective=objective, targets=targets
+            ).loss
         (loss_sum / num_tokens).backward()
         grad_norm = clip_gradients(optimizer, model.parameters(), 1.0)
         optimizer.step()
@@ -293,7 +301,8 @@ def run_row(
     dims: ParallelDims | None, batches: list[torch.Tensor],
 ) -> dict:  # fmt: skip
     flavor, _, dtype = SHAPES[shape]
-    cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor, **ROW_SLOTS.get(row, {})))
+    model_cfg = ModelConfig(name="llama3", flavor=flavor, **ROW_SLOTS.get(row, {}))
+    cfg, objective = resolve_model_config(model_cfg), CrossEntropy(model_cfg.loss_impl)
     seq = batches[0].shape[1] - 1
     record = {"row": row, "shape": shape, "flavor": flavor, "batch": args.batch, "seq": seq,
               "weights": str(dtype).removeprefix("torch."), "error": None}  # fmt: skip
@@ -302,15 +311,15 @@ def run_row(
         if row in ("hf", "hf-layers"):
             step = hf_step(cfg, device, dtype, compile_, layers_only=row == "hf-layers")
         elif row == "torchloom-graphs":
-            step = graphed_step(cfg, device, dtype)
+            step = graphed_step(cfg, device, dtype, objective)
         elif row != "torchloom-eager":
             # bf16 weights (8B): no FSDP, whose only job at world size 1 is mixed precision
             fsdp = dims if dtype == torch.float32 and row not in NO_FSDP else None
             step = torchloom_step(
-                cfg, device, dtype, seq, fsdp, compile_, args.remat, args.optimizer
+                cfg, objective, device, dtype, seq, fsdp, compile_, args.remat, args.optimizer
             )
         else:
-            step = torchloom_step(cfg, device, dtype, seq, None, False, "none")
+            step = torchloom_step(cfg, objective, device, dtype, seq, None, False, "none")
         seconds, losses = measure(step, batches, args.warmup, device)
         if args.profile_steps and device.type == "cuda":
             record["profile"] = profile_steps(step, batches[: args.profile_steps], device)

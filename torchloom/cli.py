@@ -400,13 +400,11 @@ def cmd_generate(argv: list[str]) -> int:
         records = generate_records(
             model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat
         )
-        if tp > 1 and dist.is_initialized():
-            # Leave together: a rank tearing gloo down while a peer is still finishing (rank 0
-            # writes the output) was seen to abort ("terminate called") on the CPU.
-            dist.barrier()
+        if tp > 1:
+            destroy()  # every rank together
     finally:
         if tp > 1:
-            destroy()
+            destroy(barrier=False)  # after an error: a peer may never arrive
     if not rank0:
         return 0
     return _report_generation(records, [item.where for item in items], options["output"])

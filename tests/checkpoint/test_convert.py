@@ -66,7 +66,7 @@ def test_from_hf_then_to_hf_gives_the_original_tensors(case, tmp_path, hf_checkp
 
 
 def random_model(family: str, cfg: TransformerConfig):
-    model = build_model(cfg, family).eval()
+    model = build_model(cfg).eval()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

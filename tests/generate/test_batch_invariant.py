@@ -29,8 +29,8 @@ def invariant_model(
 ):
     model_cfg = ModelConfig(name=family, flavor="debug", batch_invariant=True,
                             overrides=SHAPES[shape])  # fmt: skip
-    model = build_model(resolve_model_config(model_cfg), family)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = build_model(resolve_model_config(model_cfg))
+    model.init_weights(0)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -129,8 +129,8 @@ def test_random_shapes_bitwise_on_cpu():
                      "ffn_dim": rng.randint(30, 300), "vocab_size": rng.randint(200, 1500)}  # fmt: skip
         family, dtype = rng.choice(["llama3", "qwen3"]), rng.choice([torch.float32, torch.bfloat16])
         config = ModelConfig(name=family, batch_invariant=True, overrides=overrides)
-        model = build_model(resolve_model_config(config), family)
-        model.init_weights(torch.Generator().manual_seed(0))
+        model = build_model(resolve_model_config(config))
+        model.init_weights(0)
         model = model.to(dtype).eval()
         runs = [
             Generator(model, max_batch=1, max_len=48).generate([target])[0],
@@ -152,8 +152,8 @@ def test_random_shapes_bitwise_on_cpu():
 def test_normal_mode_is_not_bitwise_there(capsys):
     """What the mode buys: without it the same comparison differs by rounding (CPU BLAS)."""
     config = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
-    model = build_model(config, "llama3")
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = build_model(config)
+    model.init_weights(0)
     alone = Generator(model.eval(), max_batch=1, max_len=64).generate([TARGET])[0]
     sequence = torch.tensor([TARGET.prompt_ids + alone.tokens])
     with torch.no_grad():

@@ -40,8 +40,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """torchloom model folders of a 1-layer llama3: with a ChatML tokenizer, with a tokenizer
     without chat template, and without tokenizer."""
     root = tmp_path_factory.mktemp("generate_models")
-    model = build_model(CONFIG, "llama3")
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = build_model(CONFIG)
+    model.init_weights(0)
     folders = {}
     for name, tok in (("chat", tokenizer(CHATML_TEMPLATE)), ("plain", tokenizer(None)),
                       ("bare", None)):  # fmt: skip
@@ -103,7 +103,7 @@ def test_cuda_without_a_gpu_says_to_use_cpu(models, capsys, monkeypatch) -> None
 
 
 def test_generator_refuses_no_slots() -> None:
-    model = build_model(CONFIG, "llama3")
+    model = build_model(CONFIG)
     for max_batch in (0, -1, 1.5):
         with pytest.raises(ValueError, match=r"max_batch \(cache slots\) must be an integer >= 1"):
             Generator(model, max_batch=max_batch)

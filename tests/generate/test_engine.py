@@ -14,8 +14,8 @@ from torchloom.models import ModelConfig, build_model, resolve_model_config
 
 def tiny(family: str = "llama3"):
     config = resolve_model_config(ModelConfig(name=family, flavor="debug"))
-    model = build_model(config, family)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = build_model(config)
+    model.init_weights(0)
     return model.eval()
 
 

@@ -22,12 +22,13 @@ from torchloom.kernels.rmsnorm import rms_norm, rms_norm_fused, rms_norm_triton
 from torchloom.kernels.rope import apply_rotary, apply_rotary_fused, apply_rotary_triton
 from torchloom.kernels.swiglu import swiglu, swiglu_fused, swiglu_triton
 from torchloom.kernels.triton_support import use_triton
-from torchloom.models import ModelConfig, Transformer, TransformerConfig, resolve_model_config
+from torchloom.models import Decoder, ModelConfig, TransformerConfig, resolve_model_config
+from torchloom.models.components.decoder import Block
 from torchloom.models.components.norms import TritonRMSNorm
 from torchloom.models.components.rope import RotaryEmbedding
-from torchloom.models.components.transformer import Block
 from torchloom.parallel.config import ParallelConfig
 from torchloom.train.job import JobConfig
+from torchloom.train.loss import CrossEntropy
 
 TINY = TransformerConfig(
     vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48, qk_norm=True
@@ -123,9 +124,10 @@ def test_model_with_triton_slots_is_the_torch_model_on_cpu() -> None:
     )
     results = {}
     for slots in ({}, TRITON_SLOTS):
-        model = Transformer(replace(TINY, **slots))
-        model.init_weights(torch.Generator().manual_seed(0))
-        loss = model(tokens_BT, labels_BT=tokens_BT.roll(-1, 1))
+        model = Decoder(replace(TINY, **slots))
+        model.init_weights(0)
+        targets = {"labels": tokens_BT.roll(-1, 1)}
+        loss = model(tokens_BT, objective=CrossEntropy(), targets=targets).loss
         loss.backward()
         results[bool(slots)] = loss, {n: p.grad for n, p in model.named_parameters()}
     assert isinstance(model.norm, TritonRMSNorm)  # the last model built has the triton slots

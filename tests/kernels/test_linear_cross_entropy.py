@@ -19,6 +19,7 @@ from torchloom.kernels.linear_cross_entropy import (
     linear_cross_entropy_sum,
 )
 from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.train.loss import CrossEntropy
 
 
 @pytest.mark.parametrize("chunk", [1, 64, 10_000])
@@ -47,15 +48,15 @@ def test_matches_full_logits_loss_and_gradients(chunk):
 def test_model_loss_impls_agree(family):
     losses, grads = {}, {}
     for impl in ("full", "chunked"):
-        config = resolve_model_config(ModelConfig(name=family, flavor="debug", loss_impl=impl))
-        model = build_model(config, family)
-        model.init_weights(torch.Generator().manual_seed(0))
+        config = resolve_model_config(ModelConfig(name=family, flavor="debug"))
+        model = build_model(config)
+        model.init_weights(0)
         tokens = torch.randint(
             0, config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)
         )
         labels = tokens.roll(-1, 1)
         labels[:, -1] = IGNORE_INDEX
-        losses[impl] = model(tokens, labels_BT=labels)
+        losses[impl] = model(tokens, objective=CrossEntropy(impl), targets={"labels": labels}).loss
         losses[impl].backward()
         grads[impl] = {n: p.grad for n, p in model.named_parameters()}
     diff = max((grads["full"][n] - g).abs().max().item() for n, g in grads["chunked"].items())

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchloom.models import Transformer, get_model_spec
+from torchloom.models import Decoder, get_model_spec
 
-HFBuilder = Callable[[Transformer, str], nn.Module]
+HFBuilder = Callable[[Decoder, str], nn.Module]
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def hf_model() -> HFBuilder:
     """Build the transformers reference of torchloom family ``family`` holding ``model``'s weights
     (config and names mapped by the family's HF adapter)."""
 
-    def build(model: Transformer, family: str) -> nn.Module:
+    def build(model: Decoder, family: str) -> nn.Module:
         import transformers
 
         adapter = get_model_spec(family).hf_adapter
@@ -38,11 +38,11 @@ def hf_model() -> HFBuilder:
 
 
 @pytest.fixture
-def randomize() -> Callable[[Transformer, int], None]:
+def randomize() -> Callable[[Decoder, int], None]:
     """Give every weight (norms included) a distinct random value, reproducibly."""
 
     @torch.no_grad()
-    def fill(model: Transformer, seed: int = 0) -> None:
+    def fill(model: Decoder, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)

@@ -18,8 +18,8 @@ from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.float8 import TORCHAO_REQUIREMENT, convert_linears_to_float8
 from torchloom.models import (
+    Decoder,
     ModelConfig,
-    Transformer,
     TransformerConfig,
     apply_transforms,
     build_model,
@@ -27,6 +27,7 @@ from torchloom.models import (
 )
 from torchloom.models.config import apply_overrides as apply_model_overrides
 from torchloom.train.compile import CompileConfig, compile_regions
+from torchloom.train.loss import CrossEntropy
 from torchloom.train.trainer import Trainer
 
 Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
@@ -39,7 +40,7 @@ BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 def _model(cfg: TransformerConfig) -> nn.Module:
     model = build_model(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     return model
 
 
@@ -82,12 +83,14 @@ def test_slot_transforms_and_refusals() -> None:
 def test_missing_torchao_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import now raises ImportError
     with pytest.raises(ConfigError, match=f"pip install '{TORCHAO_REQUIREMENT}'"):
-        convert_linears_to_float8(Transformer(TINY), "rowwise")
+        convert_linears_to_float8(Decoder(TINY), "rowwise")
 
 
 def _loss_and_grads(model: nn.Module, tokens: torch.Tensor) -> tuple[float, torch.Tensor]:
     model.zero_grad()
-    loss = model(tokens[:, :-1], labels_BT=tokens[:, 1:]) / tokens[:, 1:].numel()
+    targets = {"labels": tokens[:, 1:]}
+    loss = model(tokens[:, :-1], objective=CrossEntropy(), targets=targets).loss
+    loss = loss / tokens[:, 1:].numel()
     loss.backward()
     return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
 

@@ -1,4 +1,4 @@
-"""The generic Transformer: shapes, causality, packed documents, tying, counts, FLOPs, init."""
+"""The generic decoder: shapes, causality, packed documents, tying, counts, FLOPs, init."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchloom.config.errors import ConfigError
-from torchloom.models import Transformer, TransformerConfig
+from torchloom.models import Decoder, TransformerConfig
 from torchloom.models.components.rope import RopeConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -20,9 +20,9 @@ TINY = TransformerConfig(
 )
 
 
-def _model(cfg: TransformerConfig = TINY, seed: int = 0) -> Transformer:
-    model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(seed))
+def _model(cfg: TransformerConfig = TINY, seed: int = 0) -> Decoder:
+    model = Decoder(cfg)
+    model.init_weights(seed)
     return model
 
 
@@ -75,7 +75,7 @@ def test_packed_document_matches_document_alone(backend: str) -> None:
 @torch.no_grad()
 def test_sdpa_and_flex_models_agree() -> None:
     sdpa = _model(replace(TINY, qk_norm=True))
-    flex = Transformer(replace(TINY, qk_norm=True, attn_backend="flex"))
+    flex = Decoder(replace(TINY, qk_norm=True, attn_backend="flex"))
     flex.load_state_dict(sdpa.state_dict())
     tokens = _tokens(2, 20)
     doc_ids = torch.tensor([[0] * 6 + [1] * 14, [0] * 13 + [1] * 4 + [2] * 3])
@@ -96,7 +96,7 @@ def test_flex_block_mask_is_built_once_per_forward(monkeypatch) -> None:
     create_block_mask = attention.create_block_mask
     monkeypatch.setattr(attention, "create_block_mask", counting)
     sdpa = _model(replace(TINY, qk_norm=True))
-    flex = Transformer(replace(TINY, qk_norm=True, attn_backend="flex"))
+    flex = Decoder(replace(TINY, qk_norm=True, attn_backend="flex"))
     flex.load_state_dict(sdpa.state_dict())
     assert len(flex.layers) > 1
     tokens, docs = _tokens(2, 20), torch.tensor([[0] * 6 + [1] * 14, [0] * 20])
@@ -116,9 +116,9 @@ def test_tied_embeddings_share_one_weight() -> None:
 
 def test_tying_survives_meta_init() -> None:
     with torch.device("meta"):
-        model = Transformer(replace(TINY, tie_embeddings=True))
+        model = Decoder(replace(TINY, tie_embeddings=True))
     model.to_empty(device="cpu")
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     assert model.output is None and model.embed_tokens.weight.is_leaf
 
 
@@ -128,7 +128,7 @@ def test_tying_survives_meta_init() -> None:
 )
 def test_num_params_matches_the_module(changes: dict[str, object]) -> None:
     cfg = replace(TINY, **changes)
-    model = Transformer(cfg)
+    model = Decoder(cfg)
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     vocab = cfg.vocab_size * cfg.dim * (1 if cfg.tie_embeddings else 2)
     assert cfg.num_params(include_embedding=False) == cfg.num_params() - vocab
@@ -148,9 +148,9 @@ def test_flops_per_token_by_hand() -> None:
 def test_init_is_reproducible_and_meta_safe() -> None:
     a, b, c = _model(seed=0), _model(seed=0), _model(seed=1)
     with torch.device("meta"):
-        d = Transformer(TINY)
+        d = Decoder(TINY)
     d.to_empty(device="cpu")
-    d.init_weights(torch.Generator().manual_seed(0))
+    d.init_weights(0)
     for name, tensor in a.state_dict().items():
         assert torch.equal(tensor, b.state_dict()[name]), name
         assert torch.equal(tensor, d.state_dict()[name]), name

@@ -15,14 +15,14 @@ import copy
 import json
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from worker import ADAM_EPS, BATCH, MAX_NORM, SEQ_LEN, make_batches, reference_run
 
+from torchloom.data.packing import Batch
 from torchloom.models import ModelConfig, build_model
-from torchloom.models.components.transformer_plan import transformer_tp_plan
+from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
     build_parallel_dims,
@@ -33,7 +33,7 @@ from torchloom.parallel import (
     sum_over_data_ranks,
 )
 from torchloom.parallel.pipeline import build_pipeline
-from torchloom.train.loss import IGNORE_INDEX, cross_entropy_sum
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, cross_entropy_sum
 
 LAYOUTS: dict[str, dict] = {
     name: {"pp": 2, "dp_shard": 1, "pp_schedule": name}
@@ -47,19 +47,21 @@ LAYOUTS["tp_pp"] = {"pp": 2, "tp": 2, "dp_shard": 1, "pp_schedule": "interleaved
 
 def build() -> torch.nn.Module:
     model = build_model(ModelConfig(name="llama3", flavor="debug", overrides={"num_layers": 4}))
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     return model
 
 
-def rows_of(batch: dict, rows: slice) -> SimpleNamespace:
-    return SimpleNamespace(**{k: None if v is None else v[rows] for k, v in batch.items()})
+def rows_of(batch: dict, rows: slice) -> Batch:
+    fields = {k: None if v is None else v[rows] for k, v in batch.items()}
+    return Batch(fields["tokens"], fields["labels"], fields["positions"], fields["doc_ids"])
 
 
 def pipeline_run(model, layout: dict, batches: list) -> tuple[list[dict], float, dict]:
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
     pipe = build_pipeline(
-        model, dims, seq_len=SEQ_LEN, tp_plan=transformer_tp_plan, device=torch.device("cpu")
-    )
+        model, dims, seq_len=SEQ_LEN, tp_plan=decoder_tp_plan, device=torch.device("cpu"),
+        objective=CrossEntropy(),
+    )  # fmt: skip
     del model
     optimizer = torch.optim.AdamW(pipe.stages.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
     share = BATCH // dims.dp_size

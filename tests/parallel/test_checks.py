@@ -5,7 +5,7 @@ import torch
 
 from torchloom.config import ConfigError
 from torchloom.models import ModelConfig, build_model
-from torchloom.models.components.transformer_plan import transformer_tp_plan
+from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import ParallelConfig, ParallelDims, build_parallel_dims, parallelize
 from torchloom.parallel.tensor_parallel import check_sequence_parallel
 
@@ -20,21 +20,21 @@ def test_tp_must_divide_heads_kv_heads_ffn_and_vocab():
     with pytest.raises(
         ConfigError, match=r"--parallel.tp 3 does not divide the model's num_heads \(4\)"
     ):
-        transformer_tp_plan(model, 3)
+        decoder_tp_plan(model, 3)
     with pytest.raises(ConfigError, match=r"tp 4 does not divide the model's num_kv_heads \(2\)"):
-        transformer_tp_plan(model, 4)
+        decoder_tp_plan(model, 4)
     odd_vocab = debug_model(vocab_size=4097)
     with pytest.raises(ConfigError, match=r"tp 2 does not divide the model's vocab_size \(4097\)"):
-        transformer_tp_plan(odd_vocab, 2)
-    assert "layers.1.attention.q_proj" in transformer_tp_plan(model, 2)
+        decoder_tp_plan(odd_vocab, 2)
+    assert "layers.1.attention.q_proj" in decoder_tp_plan(model, 2)
 
 
 def test_plan_covers_qk_norms_and_the_tied_head():
     qwen3 = debug_model("qwen3")
-    plan = transformer_tp_plan(qwen3, 2, loss_parallel=False)
+    plan = decoder_tp_plan(qwen3, 2, loss_parallel=False)
     assert "layers.0.attention.q_norm" in plan and "output" not in plan
     assert "" in plan  # gathers the tied head's vocabulary-sharded logits at the root
-    assert "" not in transformer_tp_plan(qwen3, 2, loss_parallel=True)
+    assert "" not in decoder_tp_plan(qwen3, 2, loss_parallel=True)
 
 
 def test_sequence_parallel_needs_seq_len_divisible_by_tp():

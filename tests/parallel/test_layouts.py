@@ -20,7 +20,7 @@ NORM_RTOL = 5e-5
 
 
 def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {"RESULT": [], "MESH": []}
+    out: dict[str, list[dict]] = {"RESULT": [], "MESH": [], "INIT": []}
     # Triton's interpreter for the Triton AdamW layout; no other layout launches a kernel.
     for kind, payload in run_worker(WORKER, nproc, *names, env={"TRITON_INTERPRET": "1"}):
         if kind in out:
@@ -30,12 +30,12 @@ def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, "fsdp", "replicate", "tp", "tp_loss_parallel")
+    return launch(2, "init", "fsdp", "replicate", "tp", "tp_loss_parallel")
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return launch(4, "mesh", "hsdp", "fsdp_tp", "replicate_tp", "fsdp_tp_triton_adamw")
+    return launch(4, "init", "mesh", "hsdp", "fsdp_tp", "replicate_tp", "fsdp_tp_triton_adamw")
 
 
 def check(results: list[dict], layout: str) -> None:
@@ -61,6 +61,18 @@ def test_two_rank_layouts_match_single_process(two_ranks, layout):
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp", "replicate_tp", "fsdp_tp_triton_adamw"])
 def test_four_rank_layouts_match_single_process(four_ranks, layout):
     check(four_ranks["RESULT"], layout)
+
+
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_init_is_bitwise_the_same_on_every_layout(ranks, request):
+    """Built on meta, parallelized, materialized, each shard initialized from the seed: the
+    gathered weights equal one process's bit for bit (FSDP with uneven shards, TP, PP, 2-D)."""
+    reports = request.getfixturevalue(ranks)["INIT"]
+    assert reports, "the worker reported no init layout"
+    for r in reports:
+        print(f"init {r['layout']:>12} {r['family']:>6}: max |diff| {r['max_diff']:.1e}")
+        assert not r["missing"], f"{r['layout']}: parameters differ in name: {r['missing']}"
+        assert r["equal"], f"{r['layout']} {r['family']}: not bitwise, max |diff| {r['max_diff']}"
 
 
 # Per layout, for ranks 0..3: the members of this rank's group on each axis / flattened name.

@@ -118,7 +118,7 @@ def test_impossible_layouts_are_refused(model, config, message):
 
 
 def test_microbatches_must_divide_the_batch():
-    pipeline = Pipeline([], [], [], [], dims=None, microbatches=3)
+    pipeline = Pipeline([], [], [], [], dims=None, microbatches=3, objective=None)
     with pytest.raises(ConfigError, match="batch of 4 sequences does not split into") as error:
         pipeline.step(SimpleNamespace(tokens=torch.zeros(4, 8)), torch.ones(()))
     print(error.value)

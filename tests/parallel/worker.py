@@ -8,7 +8,8 @@ a few AdamW steps with global-norm clipping on fixed packed batches: each data-p
 takes its share of one global batch, and the loss is divided by the global label-token count.
 The same steps run on an unparallelized copy over the whole batch. Rank 0 prints one
 ``RESULT {json}`` line per (layout, family) with the largest differences in loss, gradient norm
-and parameters, and ``MESH {json}`` lines for the ``mesh`` pseudo-layout.
+and parameters, ``MESH {json}`` lines for the ``mesh`` pseudo-layout, and ``INIT {json}`` lines
+for ``init`` (weights initialized shard by shard vs one process).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchloom.models import ModelConfig, build_model
+from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
     build_parallel_dims,
@@ -35,7 +37,9 @@ from torchloom.parallel import (
     sum_over_data_ranks,
 )
 from torchloom.parallel.mesh import FLATTENED, MESH_AXES
-from torchloom.train.loss import IGNORE_INDEX, cross_entropy_sum
+from torchloom.parallel.pipeline import build_pipeline
+from torchloom.parallel.state import full_state_items
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, cross_entropy_sum
 from torchloom.train.optim import TritonAdamW, clip_gradients
 
 LAYOUTS: dict[str, dict] = {
@@ -56,6 +60,21 @@ MESH_LAYOUTS: dict[str, dict] = {
     "replicate_cp": {"dp_replicate": 2, "cp": 2, "dp_shard": 1},
     "pp_tp": {"pp": 2, "tp": 2, "dp_shard": 1},
     "replicate_tp": {"dp_replicate": 2, "tp": 2, "dp_shard": 1},
+}
+# Weights initialized on the meta device, parallelized, then materialized: every layout must
+# hold bitwise the single-process weights of the same seed (models/components/param_init.py).
+# (layout, model overrides, families); uneven: FSDP shards of 4099 and 191 rows.
+INIT_LAYOUTS: dict[int, dict[str, tuple[dict, dict, tuple[str, ...]]]] = {
+    2: {
+        "fsdp": ({"dp_shard": 2}, {}, ("llama3", "qwen3")),
+        "fsdp_uneven": ({"dp_shard": 2}, {"vocab_size": 4099, "ffn_dim": 191}, ("llama3",)),
+        "tp": ({"tp": 2, "dp_shard": 1}, {}, ("llama3", "qwen3")),
+        "pp": ({"pp": 2, "dp_shard": 1}, {"num_layers": 4}, ("llama3",)),
+    },
+    4: {
+        "fsdp_tp": ({"dp_shard": 2, "tp": 2}, {}, ("llama3", "qwen3")),
+        "pp_fsdp": ({"pp": 2, "dp_shard": 2}, {"num_layers": 4}, ("llama3",)),
+    },
 }
 FAMILIES = ("llama3", "qwen3")  # qwen3 debug: tied embeddings and per-head q/k norms
 STEPS, BATCH, SEQ_LEN, MAX_NORM = 3, 4, 16, 0.5
@@ -84,7 +103,7 @@ def make_batches(vocab_size: int) -> list[dict[str, torch.Tensor]]:
 
 def build(family: str) -> nn.Module:
     model = build_model(ModelConfig(name=family, flavor="debug"))
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(0)
     return model
 
 
@@ -151,6 +170,36 @@ def compare(layout_name: str, family: str, reference: list, runs: list, seconds:
     return result
 
 
+def init_report(name: str, layout: dict, overrides: dict, family: str) -> dict:
+    """The largest difference between the single-process weights of seed 0 and those this
+    layout initializes shard by shard (gathered); 0.0 when bitwise equal."""
+    config = ModelConfig(name=family, flavor="debug", overrides=overrides)
+    with torch.device("meta"):
+        reference = build_model(config)
+    reference.to_empty(device="cpu")
+    reference.init_weights(0)
+    dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
+    with torch.device("meta"):
+        model = build_model(config)
+    if dims.degrees.pp > 1:
+        pipe = build_pipeline(model, dims, seq_len=SEQ_LEN, tp_plan=decoder_tp_plan,
+                              device=torch.device("cpu"), objective=CrossEntropy())  # fmt: skip
+        for stage in pipe.stages:
+            stage.to_empty(device="cpu")
+            stage.init_weights(0)
+        items = dict(pipe.full_state_items())
+    else:
+        parallelize(model, dims, seq_len=SEQ_LEN)
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        items = dict(full_state_items(model))
+    expected = reference.state_dict()
+    diffs = [(expected[n] - items[n]).abs().max().item() for n in expected if n in items]
+    return {"layout": name, "family": family, "missing": sorted(set(expected) ^ set(items)),
+            "max_diff": max(diffs), "equal": all(torch.equal(expected[n], items[n])
+                                                 for n in expected if n in items)}  # fmt: skip
+
+
 def mesh_report(name: str, layout: dict) -> dict:
     """Every rank's group members for each axis and flattened name (gathered on every rank)."""
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
@@ -172,6 +221,15 @@ def main(names: list[str]) -> None:
     rank0 = dist.get_rank() == 0
     references: dict[str, list] = {}
     for name in names:
+        if name == "init":
+            for init_name, (layout, overrides, families) in INIT_LAYOUTS[
+                dist.get_world_size()
+            ].items():
+                for family in families:
+                    report = init_report(init_name, layout, overrides, family)
+                    if rank0:
+                        print("INIT " + json.dumps(report), flush=True)
+            continue
         if name == "mesh":
             for mesh_name, layout in MESH_LAYOUTS.items():
                 report = mesh_report(mesh_name, layout)

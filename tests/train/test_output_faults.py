@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchloom.cli import main
-from torchloom.train.trainer import Trainer
+from torchloom.train.step import TrainStep
 
 COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
           "--training.val_sequences", "8", "--checkpoint.save_final_model", "false",
@@ -64,7 +64,7 @@ def test_overwrite_says_what_it_removes(tmp_path, capsys):
 
 def interrupt_at_step(monkeypatch, step: int) -> None:
     """Ctrl-C while training step ``step``."""
-    original, calls = Trainer.train_step, []
+    original, calls = TrainStep.__call__, []
 
     def train_step(self, batches):
         calls.append(1)
@@ -72,7 +72,7 @@ def interrupt_at_step(monkeypatch, step: int) -> None:
             raise KeyboardInterrupt
         return original(self, batches)
 
-    monkeypatch.setattr(Trainer, "train_step", train_step)
+    monkeypatch.setattr(TrainStep, "__call__", train_step)
 
 
 def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch):

@@ -18,8 +18,8 @@ def tiny(num_layers: int = 4) -> nn.Module:
     config = resolve_model_config(
         ModelConfig(name="llama3", flavor="debug", overrides={"num_layers": num_layers})
     )
-    model = build_model(config, "llama3")
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = build_model(config)
+    model.init_weights(0)
     return model
 
 

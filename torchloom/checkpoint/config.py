@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError
 
 SaveMode = Literal["sync", "async", "async_pinned"]
 STATE_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-"""What a training checkpoint holds; names usable in exclude_from_loading."""
+"""What a `torchloom train` checkpoint holds (other jobs register more parts, such as an RL
+run's rollout buffer); names usable in exclude_from_loading."""
 
 
 @dataclass
@@ -79,10 +80,10 @@ class CheckpointConfig:
                 "--checkpoint.resume true (or drop load_step to start afresh)."
             )
         for part in self.exclude_from_loading:
-            if part not in STATE_PARTS:
+            if not part.isidentifier():
                 raise ConfigError(
-                    f"--checkpoint.exclude_from_loading: unknown part {part!r}."
-                    f"{did_you_mean(part, STATE_PARTS)} Parts: {', '.join(STATE_PARTS)}."
+                    f"--checkpoint.exclude_from_loading: {part!r} is not a part name; parts of "
+                    f"a training checkpoint: {', '.join(STATE_PARTS)}."
                 )
         if "model" in self.exclude_from_loading and "optimizer" not in self.exclude_from_loading:
             raise ConfigError(

@@ -1,7 +1,7 @@
 """`torchloom convert`: Hugging Face folder <-> torchloom model folder, tensor by tensor.
 
-No model is materialized: names are mapped and tensors streamed into shards, checked against
-the parameter shapes of a ``meta`` build of the architecture. Peak host memory is about one
+No model is materialized: every parameter of a ``meta`` build of the architecture is read from
+the source (through the family's HF adapter), checked, and streamed into shards. Peak host memory is about one
 input file's touched pages plus one output shard.
 """
 
@@ -15,33 +15,42 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from torchloom.checkpoint.hf import hf_architecture, iter_hf_tensors, save_hf
+from torchloom.checkpoint.hf import HFReader, hf_architecture, save_hf
 from torchloom.checkpoint.model_io import parameter_shapes, read_model_folder, write_model_folder
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
+    SafetensorsFolder,
+    TensorReader,
     WriteSummary,
-    checked,
-    iter_tensors,
     parse_dtype,
+    stream,
 )
 from torchloom.checkpoint.storage import MARKER, CheckpointError, CheckpointStorage
 from torchloom.checkpoint.tokenizer_files import SIDE_FILES
 from torchloom.config.errors import ConfigError
-from torchloom.config.fields import from_dict
 from torchloom.config.paths import check_can_create
-from torchloom.models import TransformerConfig
+from torchloom.models import DecoderConfig
+from torchloom.models.registry import config_from_dict
 
 
 @dataclass
 class ModelSource:
-    """A model to export: its family, architecture, and its tensors under torchloom names."""
+    """A model to export or load: its family, architecture, and a reader of its tensors under
+    torchloom names."""
 
     family: str
-    config: TransformerConfig
-    tensors: Iterator[tuple[str, torch.Tensor]]
-    """Streamed once, checked against the architecture as they come."""
+    config: DecoderConfig
+    reader: TensorReader
+    """Any tensor, or any box of one (a rank's shard), read on demand."""
     tokenizer_dir: Path | None
     """Where the model's tokenizer files are, if it has any."""
+    name: str
+    """How errors name the source (its path)."""
+
+    @property
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, whole, one at a time, checked against the architecture first."""
+        return stream(self.reader, parameter_shapes(self.family, self.config), self.name)
 
 
 def open_model_source(path: Path) -> ModelSource:
@@ -53,8 +62,30 @@ def open_model_source(path: Path) -> ModelSource:
     if (path / MARKER).is_file():
         return _checkpoint_source(path)
     family, config = read_model_folder(path)
-    tensors = checked(iter_tensors(path), parameter_shapes(family, config), str(path))
-    return ModelSource(family, config, tensors, path if _has_tokenizer(path) else None)
+    tokenizer = path if _has_tokenizer(path) else None
+    return ModelSource(family, config, SafetensorsFolder(path), tokenizer, str(path))
+
+
+class _CheckpointReader:
+    """The model part of a complete training checkpoint (DCP), one tensor at a time."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.step_dir = step_dir
+        metadata = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        self.saved = {key.removeprefix("model."): value for key, value in metadata.items()
+                      if key.startswith("model.")}  # fmt: skip
+
+    def names(self) -> list[str]:
+        return list(self.saved)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.saved[name].size)
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        meta = self.saved[name]
+        tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(str(self.step_dir)))
+        return tensor if not box else tensor[box]
 
 
 def _checkpoint_source(step_dir: Path) -> ModelSource:
@@ -68,18 +99,10 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
             f"{step_dir}/{MARKER} records no model (family, model_config); export the run's "
             "model folder (<output_dir>/model) instead."
         )
-    family, config = extra["family"], from_dict(TransformerConfig, extra["model_config"])
-    shapes = parameter_shapes(family, config)
-    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, shape in shapes.items():
-            tensor = torch.empty(shape, dtype=saved[f"model.{name}"].properties.dtype)
-            dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(str(step_dir)))
-            yield name, tensor
-
+    family, config = extra["family"], config_from_dict(extra["family"], extra["model_config"])
     tokenizer = step_dir.parent.parent / "model"  # the run's final model folder, if written
-    return ModelSource(family, config, tensors(), tokenizer if _has_tokenizer(tokenizer) else None)
+    tokenizer_dir = tokenizer if _has_tokenizer(tokenizer) else None
+    return ModelSource(family, config, _CheckpointReader(step_dir), tokenizer_dir, str(step_dir))
 
 
 def convert_from_hf(
@@ -93,12 +116,9 @@ def convert_from_hf(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     _check_output({"source folder": hf_dir}, out_dir, overwrite)
     spec, config = hf_architecture(hf_dir)
-    tensors = checked(
-        iter_hf_tensors(hf_dir, spec.hf_adapter, config),
-        parameter_shapes(spec.name, config),
-        str(hf_dir),
-        spec.hf_adapter.to_hf_name,
-    )
+    shapes = parameter_shapes(spec.name, config)
+    reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config.tie_embeddings)
+    tensors = stream(reader, shapes, str(hf_dir), spec.hf_adapter.to_hf_name)
     tokenizer = hf_dir if _has_tokenizer(hf_dir) else None
     return write_model_folder(
         out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, parse_dtype(dtype)

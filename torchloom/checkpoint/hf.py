@@ -7,7 +7,6 @@ config and the tensor names; weights stream tensor by tensor (see safetensors_io
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +16,20 @@ from torch import nn
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     NamedTensors,
+    SafetensorsFolder,
     WriteSummary,
-    iter_tensors,
     load_into,
     parse_dtype,
     staged_folder,
     write_tensors,
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
-from torchloom.config.errors import ConfigError
+from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.models import (
+    DecoderConfig,
     HFAdapter,
     ModelConfig,
     ModelSpec,
-    TransformerConfig,
     build_model,
     get_hf_model_spec,
     get_model_spec,
@@ -55,7 +54,7 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return hf_config
 
 
-def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, TransformerConfig]:
+def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
     """The family (from ``model_type``) and architecture of a Hugging Face model folder."""
     hf_config = read_hf_config(hf_dir)
     try:
@@ -65,43 +64,72 @@ def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, TransformerConfig]:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: {err}") from None
 
 
-def iter_hf_tensors(
-    hf_dir: Path, adapter: HFAdapter, config: TransformerConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The folder's tensors under torchloom names, one at a time. A tied checkpoint's
-    ``lm_head.weight`` (some write it, some do not) is skipped: the head is the embedding."""
-    for hf_name, tensor in iter_tensors(hf_dir):
-        try:
-            name = adapter.from_hf_name(hf_name)
-        except ConfigError as err:
-            raise ConfigError(f"{hf_dir}: {err}") from None
-        if name is None or (config.tie_embeddings and name == "output.weight"):
-            continue
-        yield name, tensor
+class HFReader:
+    """A Hugging Face folder's tensors under torchloom's parameter names, through the family's
+    adapter: each parameter from one HF tensor, or from several stacked (per-expert weights);
+    any box of it read without the rest (a rank's shard). Tensors of the folder that no
+    parameter uses are refused, except those the adapter says carry nothing to load and a tied
+    checkpoint's copy of the head."""
+
+    def __init__(self, hf_dir: Path, adapter: HFAdapter, names: list[str], tied: bool) -> None:
+        self.folder = SafetensorsFolder(hf_dir)
+        available = set(self.folder.names())
+        self.sources: dict[str, str | list[str]] = {}
+        for name in names:
+            source = adapter.hf_names(name)
+            if source == "lm_head.weight" and source not in available:
+                source = adapter.to_hf_name("embed_tokens.weight")  # untying a tied checkpoint
+            self.sources[name] = source
+        used = {n for source in self.sources.values() for n in _as_list(source)}
+        for hf_name in sorted(available - used):
+            try:
+                ours = adapter.from_hf_name(hf_name)
+            except ConfigError as err:
+                raise ConfigError(f"{hf_dir}: {err}") from None
+            if ours is None or (tied and ours == "output.weight"):
+                continue  # a buffer old checkpoints saved; a tied checkpoint's head copy
+            raise ConfigError(
+                f"{hf_dir} has a tensor '{hf_name}' the model does not have."
+                f"{did_you_mean(hf_name, sorted(used))}"
+            )
+        self._available = available
+
+    def names(self) -> list[str]:
+        return [n for n, s in self.sources.items() if set(_as_list(s)) <= self._available]
+
+    def shape(self, name: str) -> list[int]:
+        source = self.sources[name]
+        if isinstance(source, str):
+            return self.folder.shape(source)
+        return [len(source), *self.folder.shape(source[0])]
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        source = self.sources[name]
+        if isinstance(source, str):
+            return self.folder.read(source, box)
+        rows = range(len(source))[box[0]] if box else range(len(source))
+        inner = box[1:] if box else None
+        return torch.stack([self.folder.read(source[i], inner) for i in rows])
+
+
+def _as_list(source: str | list[str]) -> list[str]:
+    return [source] if isinstance(source, str) else source
 
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, hf_dir: Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model`` (built from its config.json,
-    possibly with other component slots or transforms), casting to the model's dtype."""
+    possibly with other component slots or transforms, possibly parallelized: each rank reads
+    its shards only), casting to the model's dtype."""
     spec, hf_config = hf_architecture(hf_dir)
-    tensors = iter_hf_tensors(hf_dir, spec.hf_adapter, hf_config)
-    if model.config.tie_embeddings != hf_config.tie_embeddings:
-        if model.config.tie_embeddings:
-            raise ConfigError(
-                f"{hf_dir} has its own lm_head.weight; tying the head to the embedding would "
-                "discard it. Drop the tie_embeddings transform."
-            )
-        tensors = _head_from_embedding(tensors)
-    load_into(model, tensors, str(hf_dir), spec.hf_adapter.to_hf_name)
-
-
-def _head_from_embedding(tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-    """Untying a tied checkpoint: the new output head starts as a copy of the embedding."""
-    for name, tensor in tensors:
-        yield name, tensor
-        if name == "embed_tokens.weight":
-            yield "output.weight", tensor
+    if model.config.tie_embeddings and not hf_config.tie_embeddings:
+        raise ConfigError(
+            f"{hf_dir} has its own lm_head.weight; tying the head to the embedding would "
+            "discard it. Drop the tie_embeddings transform."
+        )
+    names = list(model.state_dict().keys())
+    reader = HFReader(hf_dir, spec.hf_adapter, names, hf_config.tie_embeddings)
+    load_into(model, reader, str(hf_dir), spec.hf_adapter.to_hf_name)
 
 
 def from_hf(
@@ -112,9 +140,9 @@ def from_hf(
     Built on ``meta`` and materialized with ``to_empty``, so no time or memory goes into a
     random initialization; fp32 unless ``dtype`` ('bf16', 'fp32' or a torch dtype) is given.
     """
-    spec, config = hf_architecture(Path(hf_dir))
+    _, config = hf_architecture(Path(hf_dir))
     with torch.device("meta"):
-        model = build_model(config, spec.name)
+        model = build_model(config)
     target_dtype = parse_dtype(dtype)
     if target_dtype is not None:
         model.to(target_dtype)
@@ -123,7 +151,7 @@ def from_hf(
     return model.eval()
 
 
-def model_config_from_hf(hf_dir: Path, model_cfg: ModelConfig) -> TransformerConfig:
+def model_config_from_hf(hf_dir: Path, model_cfg: ModelConfig) -> DecoderConfig:
     """The training architecture for ``--checkpoint.initial_load_hf``: config.json's, plus the
     job's component slots and transforms (flavor does not apply; overrides are refused)."""
     spec, config = hf_architecture(hf_dir)
@@ -145,7 +173,7 @@ def model_config_from_hf(hf_dir: Path, model_cfg: ModelConfig) -> TransformerCon
 def save_hf(
     path: Path,
     family: str,
-    config: TransformerConfig,
+    config: DecoderConfig,
     named_tensors: NamedTensors,
     tokenizer: Any = None,
     dtype: str | torch.dtype | None = None,
@@ -160,7 +188,7 @@ def save_hf(
     adapter = _adapter(family)
     adapter.config_to_hf(config)  # refuse what transformers cannot hold before writing anything
     target_dtype = parse_dtype(dtype)
-    hf_tensors = ((adapter.to_hf_name(name), tensor) for name, tensor in named_tensors)
+    hf_tensors = (item for name, tensor in named_tensors for item in adapter.to_hf(name, tensor))
     with staged_folder(path) as tmp:
         summary = write_tensors(tmp, hf_tensors, max_shard_bytes, target_dtype)
         bos_id, eos_id = write_tokenizer(tmp, tokenizer)

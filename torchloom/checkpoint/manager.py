@@ -1,10 +1,11 @@
 """Training checkpoints on torch.distributed.checkpoint (DCP): save (sync, async, async with
 pinned staging), mark complete, keep the newest k, and resume exactly, on any layout.
 
-What one checkpoint holds (``STATE_PARTS``): the model and optimizer under the single-process
-parameter names (DCP reshards DTensors, so FSDP, TP and PP layouts load each other's
-checkpoints), the lr schedule, the data loader's position, the step and tokens seen, and the
-RNG state. The data loader's state is the same on every data rank (each rank derives its rows
+What one checkpoint holds is a registry of parts the trainer hands over (checkpoint/stateful.py),
+plus the step and tokens seen and the RNG state, which the manager keeps itself. A training run's
+parts are the model and optimizer under the single-process parameter names (DCP reshards
+DTensors, so FSDP, TP and PP layouts load each other's checkpoints), the lr schedule and the
+data loader's position; other jobs add theirs. The data loader's state is the same on every data rank (each rank derives its rows
 from the global step), so one copy serves any number of data ranks. Every rank seeds alike and
 nothing draws per-rank random numbers, so one RNG state does too.
 
@@ -31,26 +32,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from torchloom.checkpoint.config import STATE_PARTS, CheckpointConfig
+from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.checkpoint.staging import PinnedStager
+from torchloom.checkpoint.stateful import Stateful
 from torchloom.checkpoint.storage import (
     MARKER,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointStorage,
 )
-from torchloom.config.errors import ConfigError
+from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.models.config import ModelConfig
 
 
@@ -85,25 +80,32 @@ class CheckpointManager:
         config: CheckpointConfig,
         output_dir: Path,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        loader: Any,
+        parts: dict[str, Stateful],
         device: torch.device,
         marker_extra: dict[str, Any],
         is_rank0: bool,
     ) -> None:
+        """``parts``: what the checkpoint holds besides the step and the RNG state (which the
+        manager keeps itself as ``train_state`` and ``rng``), by name: the trainer's model,
+        optimizer, lr_scheduler and dataloader, and whatever else joins (ModelState and
+        OptimizerState wrap the first two)."""
         self.config = config
         folder = config.folder
         if "://" not in folder and not Path(folder).is_absolute():
             folder = str(Path(output_dir) / folder)
         self.storage = CheckpointStorage.for_path(folder)
-        self.model, self.optimizer, self.scheduler, self.loader = (
-            model,
-            optimizer,
-            scheduler,
-            loader,
-        )
+        own = {"train_state": _Part(self._train_state, self._load_train_state),
+               "rng": _Part(self._rng_state, self._load_rng_state)}  # fmt: skip
+        clash = own.keys() & parts.keys()
+        if clash:
+            raise ValueError(f"checkpoint part names {sorted(clash)} are the manager's own")
+        self.parts: dict[str, Stateful] = {**parts, **own}
+        unknown = [p for p in config.exclude_from_loading if p not in self.parts]
+        if unknown:
+            raise ConfigError(
+                f"--checkpoint.exclude_from_loading: unknown part {unknown[0]!r}."
+                f"{did_you_mean(unknown[0], self.parts)} Parts: {', '.join(self.parts)}."
+            )
         self.device = device
         self.marker_extra = marker_extra
         self.is_rank0 = is_rank0
@@ -130,25 +132,9 @@ class CheckpointManager:
 
     # -- what is saved ----------------------------------------------------------------------
 
-    def _state(self, parts: tuple[str, ...]) -> dict[str, Any]:
-        model, optimizer = self.model, self.optimizer
-        makers = {
-            "model": lambda: _Part(
-                lambda: get_model_state_dict(model),
-                lambda sd: set_model_state_dict(model, sd),
-            ),
-            "optimizer": lambda: _Part(
-                lambda: get_optimizer_state_dict(model, optimizer),
-                lambda sd: set_optimizer_state_dict(model, optimizer, sd),
-            ),
-            "lr_scheduler": lambda: _Part(
-                self.scheduler.state_dict, self.scheduler.load_state_dict
-            ),
-            "dataloader": lambda: _Part(self.loader.state_dict, self.loader.load_state_dict),
-            "train_state": lambda: _Part(self._train_state, self._load_train_state),
-            "rng": lambda: _Part(self._rng_state, self._load_rng_state),
-        }
-        return {part: makers[part]() for part in parts}
+    def _state(self, names: list[str] | None = None) -> dict[str, Stateful]:
+        """The parts to save or load (all of them by default), by name."""
+        return {name: self.parts[name] for name in (names or self.parts)}
 
     def _train_state(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -197,7 +183,7 @@ class CheckpointManager:
 
     def load(self, step: int) -> int:
         """Load ``step`` (every rank); returns the step to continue from."""
-        parts = tuple(p for p in STATE_PARTS if p not in self._excluded)
+        parts = [p for p in self.parts if p not in self._excluded]
         start = time.perf_counter()
         try:
             dcp.load(self._state(parts), storage_reader=self.storage.reader(step))
@@ -331,7 +317,7 @@ class CheckpointManager:
         on_rank0(self.is_rank0, lambda: self._prepare(step))
         writer = self.storage.writer(step, thread_count=self.config.writer_threads, prepare=False)
         # The state as nested dicts of tensors, taken now, before anything is copied.
-        state = {name: part.state_dict() for name, part in self._state(STATE_PARTS).items()}
+        state = {name: part.state_dict() for name, part in self._state().items()}
         pending = _PendingSave(step, start, 0.0)
         if self._stager is None:
             try:

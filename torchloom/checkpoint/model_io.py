@@ -19,16 +19,17 @@ from torch import nn
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     NamedTensors,
+    SafetensorsFolder,
     WriteSummary,
-    iter_tensors,
     load_into,
     staged_folder,
     write_tensors,
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
 from torchloom.config.errors import ConfigError
-from torchloom.config.fields import from_dict, to_dict
-from torchloom.models import TransformerConfig, build_model
+from torchloom.config.fields import to_dict
+from torchloom.models import DecoderConfig, build_model
+from torchloom.models.registry import config_from_dict
 
 _CONFIG = "config.json"
 _FORMAT = "torchloom-model"
@@ -37,7 +38,7 @@ _FORMAT = "torchloom-model"
 def save_model(
     model: nn.Module,
     family: str,
-    config: TransformerConfig,
+    config: DecoderConfig,
     path: Path,
     tokenizer: Any = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -49,7 +50,7 @@ def save_model(
 def write_model_folder(
     path: Path,
     family: str,
-    config: TransformerConfig,
+    config: DecoderConfig,
     named_tensors: NamedTensors,
     tokenizer: Any = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -68,7 +69,7 @@ def write_model_folder(
     return summary
 
 
-def read_model_folder(path: Path) -> tuple[str, TransformerConfig]:
+def read_model_folder(path: Path) -> tuple[str, DecoderConfig]:
     """(family, architecture) of a folder written by ``save_model``."""
     path = Path(path)
     config_file = path / _CONFIG
@@ -86,23 +87,23 @@ def read_model_folder(path: Path) -> tuple[str, TransformerConfig]:
             f"{config_file} was not written by torchloom's save_model (a Hugging Face folder? "
             "use torchloom.from_hf or `torchloom convert --from-hf`)."
         )
-    return meta["family"], from_dict(TransformerConfig, meta["config"])
+    return meta["family"], config_from_dict(meta["family"], meta["config"])
 
 
-def parameter_shapes(family: str, config: TransformerConfig) -> dict[str, torch.Size]:
+def parameter_shapes(family: str, config: DecoderConfig) -> dict[str, torch.Size]:
     """{name: shape} of every parameter of the model, from a build on ``meta`` (no memory)."""
     with torch.device("meta"):
-        model = build_model(config, family)
+        model = build_model(config)
     return {name: tensor.shape for name, tensor in model.state_dict().items()}
 
 
 def load_model(
     path: Path, device: str | torch.device = "cpu"
-) -> tuple[nn.Module, str, TransformerConfig]:
+) -> tuple[nn.Module, str, DecoderConfig]:
     """Load a folder written by ``save_model``: (model in eval mode, family, architecture)."""
     family, config = read_model_folder(path)
     with torch.device("meta"):
-        model = build_model(config, family)
+        model = build_model(config)
     model.to_empty(device=device)
-    load_into(model, iter_tensors(path), str(path))
+    load_into(model, SafetensorsFolder(path), str(path))
     return model.eval(), family, config

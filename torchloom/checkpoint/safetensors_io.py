@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import safetensors
 import safetensors.torch
 import torch
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.models.components.param_init import local_box, local_tensor
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 SINGLE_FILE = "model.safetensors"
@@ -173,51 +175,100 @@ def _open(path: Path):
         raise ConfigError(f"{path} is not a readable safetensors file ({err}).") from None
 
 
-def checked(
-    named_tensors: NamedTensors,
+class SafetensorsFolder:
+    """Random access to a safetensors folder: a tensor's shape, or any box of it, reading only
+    the bytes of that box (how each rank loads just its shard)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.files = weight_map(self.folder)
+        # One file open at a time: an open file stays mapped, and every page read from it would
+        # count in this process's memory until it is closed.
+        self._open_file: tuple[str, Any] | None = None
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._slice(name).get_shape())
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """``name``'s values in ``box`` (one slice per dim; None: all of it), on the CPU."""
+        view = self._slice(name)
+        return view[:] if box is None or not box else view[box]
+
+    def _slice(self, name: str):
+        file = self.files[name]
+        if self._open_file is None or self._open_file[0] != file:
+            self._open_file = None  # closes the previous file
+            self._open_file = (file, _open(self.folder / file))
+        return self._open_file[1].get_slice(name)
+
+
+class TensorReader(Protocol):
+    """What ``load_into`` reads from: tensors under torchloom's parameter names."""
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> list[int]: ...
+
+    def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor: ...
+
+
+def checked_names(
+    reader: TensorReader,
+    expected: dict[str, torch.Size],
+    source: str,
+    display: Callable[[str], str] = str,
+) -> None:
+    """ConfigError unless ``reader`` holds exactly the ``expected`` tensors, shapes included;
+    ``display`` names a tensor as ``source`` spells it."""
+    provided = set(reader.names())
+    unexpected = sorted(provided - expected.keys())
+    if unexpected:
+        shown = [display(n) for n in expected]
+        raise ConfigError(
+            f"{source} has a tensor '{display(unexpected[0])}' the model does not have."
+            f"{did_you_mean(display(unexpected[0]), shown)}"
+        )
+    missing = [display(name) for name in expected if name not in provided]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"{source} is missing tensor(s) {', '.join(missing[:3])}{more}.")
+    for name, shape in expected.items():
+        if reader.shape(name) != list(shape):
+            raise ConfigError(
+                f"{source}: tensor '{display(name)}' has shape {reader.shape(name)}, but the "
+                f"architecture in its config.json needs {list(shape)}."
+            )
+
+
+def stream(
+    reader: TensorReader,
     expected: dict[str, torch.Size],
     source: str,
     display: Callable[[str], str] = str,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``named_tensors`` passed through, checked against ``expected`` names and shapes as they
-    stream; the missing ones are reported at the end. ``display`` names a tensor as ``source``
-    spells it."""
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if name not in expected:
-            shown = [display(n) for n in expected]
-            raise ConfigError(
-                f"{source} has a tensor '{display(name)}' the model does not have."
-                f"{did_you_mean(display(name), shown)}"
-            )
-        if name in seen:
-            raise ConfigError(f"{source} holds tensor '{display(name)}' twice.")
-        if tensor.shape != expected[name]:
-            raise ConfigError(
-                f"{source}: tensor '{display(name)}' has shape {list(tensor.shape)}, but the "
-                f"architecture in its config.json needs {list(expected[name])}."
-            )
-        seen.add(name)
-        yield name, tensor
-    missing = [display(name) for name in expected if name not in seen]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ConfigError(f"{source} is missing tensor(s) {', '.join(missing[:3])}{more}.")
+    """The ``expected`` tensors, whole, one at a time (checked before the first is read)."""
+    checked_names(reader, expected, source, display)
+    for name in expected:
+        yield name, reader.read(name)
 
 
 @torch.no_grad()
 def load_into(
     module: torch.nn.Module,
-    named_tensors: NamedTensors,
+    reader: TensorReader,
     source: str,
     display: Callable[[str], str] = str,
 ) -> None:
-    """Copy every tensor into ``module``'s parameter of the same name (cast to its dtype and
-    device); every parameter must be given exactly once."""
+    """Copy every parameter of ``module`` from ``reader`` (cast to its dtype and device), each
+    rank reading only the box of its own shard when the parameter is a DTensor. Every parameter
+    must be there, and nothing else; ``display`` names a tensor as ``source`` spells it."""
     targets = module.state_dict(keep_vars=True)
-    expected = {name: t.shape for name, t in targets.items()}
-    for name, tensor in checked(named_tensors, expected, source, display):
-        targets[name].copy_(tensor)
+    checked_names(reader, {name: t.shape for name, t in targets.items()}, source, display)
+    for name, target in targets.items():
+        local_tensor(target).copy_(reader.read(name, local_box(target)))
 
 
 @contextmanager

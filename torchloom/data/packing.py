@@ -64,6 +64,22 @@ class Batch:
         return Batch(fn(self.tokens), fn(self.labels), fn(self.positions), doc_ids, extras,
                      dict(self.row_extras))  # fmt: skip
 
+    def named_tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every field by name (extras as ``extras.NAME``, ``row_extras.NAME``)."""
+        return {
+            "tokens": self.tokens, "labels": self.labels, "positions": self.positions,
+            "doc_ids": self.doc_ids,
+            **{f"extras.{k}": v for k, v in self.extras.items()},
+            **{f"row_extras.{k}": v for k, v in self.row_extras.items()},
+        }  # fmt: skip
+
+    def clone(self) -> Batch:
+        """A batch of copies (its own memory, e.g. a CUDA graph's static inputs)."""
+        copy = self.map_tokens(torch.clone)
+        copy.row_extras = {k: v.clone() for k, v in self.row_extras.items()}
+        copy._num_label_tokens = self._num_label_tokens
+        return copy
+
     def fields(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named fields (``labels`` or any extra), for an objective; KeyError naming the
         missing one."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from torchloom.kernels import batch_invariant
-from torchloom.models.components.transformer import TransformerConfig
+from torchloom.models.components.decoder import DecoderConfig
 
 
 class KVCache:
@@ -27,7 +27,7 @@ class KVCache:
 
     def __init__(
         self,
-        config: TransformerConfig,
+        config: DecoderConfig,
         slots: int,
         max_len: int,
         device: torch.device,

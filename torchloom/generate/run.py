@@ -48,7 +48,7 @@ def load_model_and_tokenizer(
     if batch_invariant:
         config = batch_invariant_config(config)
     with torch.device("meta"):
-        model = build_model(config, family)
+        model = build_model(config)
     target = parse_dtype(dtype)
     if target is not None:
         model.to(target)
@@ -56,7 +56,7 @@ def load_model_and_tokenizer(
     if source is None:
         load_hf_weights(model, Path(from_hf))
     else:
-        load_into(model, source.tensors, str(checkpoint))
+        load_into(model, source.reader, source.name)
     if tp > 1:
         tensor_parallel(model, get_model_spec(family), tp, device)
     tokenizer = None

@@ -3,15 +3,16 @@
 Importing a family package registers it, so importing this package registers them all.
 """
 
+from torchloom.models import llama3, qwen3  # noqa: F401  (registers the families)
 from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
+from torchloom.models.components.decoder import Block, Decoder, DecoderConfig, LayerSpec
 from torchloom.models.components.mlp import SwiGLU
 from torchloom.models.components.norms import NORM_IMPLS, RMSNorm
+from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding, apply_rotary
-from torchloom.models.components.transformer import Block, Transformer, TransformerConfig
+from torchloom.models.components.transformer import TransformerConfig
 from torchloom.models.config import ModelConfig, apply_overrides, resolve_model_config
 from torchloom.models.hf_adapter import HFAdapter
-from torchloom.models.llama3 import Llama3
-from torchloom.models.qwen3 import Qwen3
 from torchloom.models.registry import (
     ModelSpec,
     build_model,
@@ -27,16 +28,17 @@ __all__ = [
     "NORM_IMPLS",
     "Attention",
     "Block",
+    "Decoder",
+    "DecoderConfig",
     "HFAdapter",
-    "Llama3",
+    "LayerSpec",
     "ModelConfig",
     "ModelSpec",
-    "Qwen3",
+    "ParamInit",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
     "SwiGLU",
-    "Transformer",
     "TransformerConfig",
     "apply_overrides",
     "apply_rotary",

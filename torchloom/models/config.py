@@ -1,15 +1,15 @@
-"""The job's ``model`` section and its resolution into a TransformerConfig."""
+"""The job's ``model`` section and its resolution into the family's config."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from torchloom.config.errors import ConfigError, did_you_mean
-from torchloom.models.components.rope import RopeConfig
-from torchloom.models.components.transformer import TransformerConfig
+from torchloom.models.components.decoder import DecoderConfig
 from torchloom.models.registry import get_model_spec
 from torchloom.models.transforms import apply_transforms
 
@@ -59,14 +59,14 @@ class ModelConfig:
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
 
 
-def resolve_model_config(model_cfg: ModelConfig) -> TransformerConfig:
+def resolve_model_config(model_cfg: ModelConfig) -> DecoderConfig:
     """flavor -> overrides -> component slots -> transforms -> validate."""
     cfg = get_model_spec(model_cfg.name).flavor(model_cfg.flavor)
     cfg = apply_overrides(cfg, model_cfg.overrides)
     return apply_component_choices(cfg, model_cfg)
 
 
-def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> TransformerConfig:
+def apply_component_choices(cfg: DecoderConfig, model_cfg: ModelConfig) -> DecoderConfig:
     """The component slots, then the transforms, of ``model_cfg`` on ``cfg``; validated.
 
     Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
@@ -87,7 +87,6 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
         norm_impl=model_cfg.norm_impl,
         rope_impl=model_cfg.rope_impl,
         mlp_impl=model_cfg.mlp_impl,
-        loss_impl=model_cfg.loss_impl,
         batch_invariant=model_cfg.batch_invariant,
         float8=model_cfg.float8,
     )
@@ -98,7 +97,7 @@ def apply_component_choices(cfg: TransformerConfig, model_cfg: ModelConfig) -> T
     return cfg
 
 
-def batch_invariant_config(cfg: TransformerConfig) -> TransformerConfig:
+def batch_invariant_config(cfg: DecoderConfig) -> DecoderConfig:
     """``cfg`` in batch-invariant mode: fixed-order attention, linears, RMSNorm and SwiGLU gate
     (torchloom/kernels/batch_invariant.py: Triton kernels on CUDA, fixed-order references
     elsewhere) and the Triton RoPE (elementwise IEEE arithmetic, so invariant either way; on
@@ -110,32 +109,42 @@ def batch_invariant_config(cfg: TransformerConfig) -> TransformerConfig:
     )  # fmt: skip
 
 
-def apply_overrides(cfg: TransformerConfig, overrides: dict[str, Any]) -> TransformerConfig:
-    """Return ``cfg`` with the given fields replaced; nested rope fields as 'rope.theta'."""
-    top = {f.name for f in fields(TransformerConfig)} - set(_SLOTS) - {"rope"}
-    rope = {f"rope.{f.name}" for f in fields(RopeConfig)}
-    top_values, rope_values = {}, {}
+def apply_overrides(cfg: DecoderConfig, overrides: dict[str, Any]) -> DecoderConfig:
+    """Return ``cfg`` with the given fields of its family config replaced; fields of a nested
+    config (rope) as 'rope.theta'."""
+    hints = typing.get_type_hints(type(cfg))
+    nested = {f.name for f in fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))}
+    top = {f.name for f in fields(cfg)} - set(_SLOTS) - nested
+    leaves = {f"{n}.{f.name}": n for n in nested for f in fields(getattr(cfg, n))}
+    top_values: dict[str, Any] = {}
+    nested_values: dict[str, dict[str, Any]] = {n: {} for n in nested}
     for key, value in overrides.items():
         if key in _SLOTS:
             raise ConfigError(
                 f"model.overrides cannot set '{key}'; use --model.{key} {value} instead."
             )
-        if key == "rope":
+        if key in nested:
             raise ConfigError(
-                "model.overrides: set rope fields one by one as 'rope.<field>', "
-                f"e.g. 'rope.theta'. Fields: {', '.join(sorted(rope))}."
+                f"model.overrides: set {key} fields one by one as '{key}.<field>', e.g. "
+                f"'{next(leaf for leaf, n in leaves.items() if n == key)}'. Fields: "
+                f"{', '.join(sorted(leaf for leaf, n in leaves.items() if n == key))}."
             )
         if key in top:
-            top_values[key] = _check_type(key, value, typing.get_type_hints(TransformerConfig)[key])
-        elif key in rope:
-            leaf = key.removeprefix("rope.")
-            rope_values[leaf] = _check_type(key, value, typing.get_type_hints(RopeConfig)[leaf])
+            top_values[key] = _check_type(key, value, hints[key])
+        elif key in leaves:
+            parent, leaf = leaves[key], key.split(".", 1)[1]
+            leaf_hints = typing.get_type_hints(type(getattr(cfg, parent)))
+            nested_values[parent][leaf] = _check_type(key, value, leaf_hints[leaf])
         else:
+            known = top | set(leaves)
             raise ConfigError(
-                f"Unknown model override '{key}'.{did_you_mean(key, top | rope)} "
-                f"Overridable fields: {', '.join(sorted(top | rope))}."
+                f"Unknown model override '{key}'.{did_you_mean(key, known)} "
+                f"Overridable fields: {', '.join(sorted(known))}."
             )
-    return replace(cfg, rope=replace(cfg.rope, **rope_values), **top_values)
+    for parent, values in nested_values.items():
+        if values:
+            top_values[parent] = replace(getattr(cfg, parent), **values)
+    return replace(cfg, **top_values)
 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:

@@ -14,7 +14,10 @@ tests/models/test_*_hf.py prove it).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, ClassVar
+
+import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.rope import RopeConfig
@@ -194,6 +197,19 @@ class HFAdapter:
                 )
 
     # Tensor names. Ours mirror HF's minus the "model." prefix, with three renamed modules.
+    def hf_names(self, name: str) -> str | list[str]:
+        """The Hugging Face tensor(s) torchloom's parameter ``name`` is made of: one name, or a
+        list of tensors stacked along a new first dim (a family's per-expert weights)."""
+        return self.to_hf_name(name)
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of a torchloom parameter: itself, or its stacked parts one by one."""
+        source = self.hf_names(name)
+        if isinstance(source, str):
+            yield source, tensor
+            return
+        yield from zip(source, tensor.unbind(0))
+
     def to_hf_name(self, name: str) -> str:
         """torchloom parameter name -> transformers name ('norm.weight' -> 'model.norm.weight')."""
         if name.startswith("output."):

@@ -1,17 +1,20 @@
-"""Model families by name: each is a ModelSpec with its module class and named flavors."""
+"""Model families by name: each is a ModelSpec with its config class, named flavors, tensor-
+parallel plan and Hugging Face adapter. A family's model is built from its config
+(``config.build()``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.fields import from_dict
 from torchloom.kernels.batch_invariant import make_linears_batch_invariant
 from torchloom.kernels.float8 import convert_linears_to_float8
-from torchloom.models.components.transformer import Transformer, TransformerConfig
+from torchloom.models.components.decoder import DecoderConfig
 
 if TYPE_CHECKING:
     from torchloom.models.config import ModelConfig
@@ -20,23 +23,29 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model family: how to build it and its named sizes."""
+    """A model family: its config class, named sizes, plans and adapters."""
 
     name: str
     """Family name used as ``--model.name`` (e.g. 'llama3')."""
-    model_cls: type[nn.Module]
-    """Module class, constructed as ``model_cls(TransformerConfig)``."""
-    flavors: dict[str, TransformerConfig]
+    config_cls: type[DecoderConfig]
+    """The family's config class; saved models and checkpoints store one as a dict."""
+    flavors: dict[str, DecoderConfig]
     """Named architectures of this family ('debug', '8B', ...)."""
     description: str = ""
     """One line shown when listing models."""
     hf_adapter: HFAdapter | None = None
     """Maps Hugging Face config.json and tensor names to this family (None: no HF interop)."""
     tp_plan: Callable[..., dict] | None = None
-    """``tp_plan(model, tp, loss_parallel) -> {module path: ParallelStyle}``: the family's
-    tensor-parallel plan, applied by torchloom.parallel (None: tensor parallelism refused)."""
+    """``tp_plan(model, tp, loss_parallel, sequence_parallel=True) -> {module path:
+    ParallelStyle}``: the family's tensor- (and sequence-) parallel plan, applied by
+    torchloom.parallel (None: tensor parallelism refused)."""
 
-    def flavor(self, name: str) -> TransformerConfig:
+    def __post_init__(self) -> None:
+        for name, flavor in self.flavors.items():
+            if not isinstance(flavor, self.config_cls):
+                raise TypeError(f"flavor {name!r} of {self.name} is not a {self.config_cls}")
+
+    def flavor(self, name: str) -> DecoderConfig:
         """The named flavor, or a ConfigError listing the available ones."""
         if name not in self.flavors:
             raise ConfigError(
@@ -85,21 +94,31 @@ def get_hf_model_spec(model_type: str | None) -> ModelSpec:
     return by_type[model_type]
 
 
-def build_model(config: ModelConfig | TransformerConfig, family: str | None = None) -> nn.Module:
+_RETIRED_FIELDS = frozenset({"loss_impl"})
+"""Config fields earlier versions saved that are no longer part of a model (the loss moved to
+the job: --model.loss_impl); dropped when such a config is read."""
+
+
+def config_from_dict(family: str, data: dict[str, Any]) -> DecoderConfig:
+    """The family's config from a saved dict (a model folder's or a checkpoint marker's)."""
+    kept = {key: value for key, value in data.items() if key not in _RETIRED_FIELDS}
+    return from_dict(get_model_spec(family).config_cls, kept)
+
+
+def build_model(config: ModelConfig | DecoderConfig) -> nn.Module:
     """Construct the model on the current default device (weights not yet initialized).
 
-    From a job's ModelConfig the family is its ``name``; from a TransformerConfig pass the
-    ``family`` (None builds the generic Transformer). For large models build under
-    ``torch.device("meta")``, then ``to_empty(device=...)`` and ``init_weights()``.
+    From a job's ModelConfig the architecture is its resolved family flavor; from a family
+    config, that config. For large models build under ``torch.device("meta")``, parallelize,
+    then ``to_empty(device=...)`` and ``init_weights(seed)`` (or load weights).
     """
-    if not isinstance(config, TransformerConfig):
+    if not isinstance(config, DecoderConfig):
         # Imported here because resolving a ModelConfig itself looks families up in this module.
         from torchloom.models.config import resolve_model_config
 
-        family, config = config.name, resolve_model_config(config)
+        config = resolve_model_config(config)
     config.validate()
-    model_cls = Transformer if family is None else get_model_spec(family).model_cls
-    model = model_cls(config)
+    model = config.build()
     if config.batch_invariant:
         make_linears_batch_invariant(model)
     if config.float8 != "none":

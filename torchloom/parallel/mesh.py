@@ -61,9 +61,14 @@ def init_distributed(device_type: str = "auto") -> torch.device:
     return device
 
 
-def destroy() -> None:
-    """Leave the process group (safe to call when none was joined)."""
+def destroy(barrier: bool = True) -> None:
+    """Leave the process group (safe to call when none was joined), all ranks together unless
+    ``barrier`` is False (after an error, when a peer may never arrive): a rank tearing gloo
+    down while a peer is still finishing (rank 0 writing or printing) was seen to abort with
+    "terminate called without an active exception" on the CPU."""
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

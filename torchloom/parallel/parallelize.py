@@ -7,7 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from torchloom.config.errors import ConfigError
-from torchloom.models.components.transformer_plan import transformer_tp_plan
+from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel.context_parallel import apply_context_parallel, check_context_parallel
 from torchloom.parallel.data_parallel import apply_data_parallel
 from torchloom.parallel.mesh import ParallelDims
@@ -23,7 +23,7 @@ def parallelize(
     dims: ParallelDims,
     *,
     seq_len: int,
-    tp_plan: TPPlan = transformer_tp_plan,
+    tp_plan: TPPlan = decoder_tp_plan,
     wrap_blocks: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Tensor parallel, then ``wrap_blocks(model)`` (the trainer's recomputation and regional

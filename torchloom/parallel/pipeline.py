@@ -2,9 +2,12 @@
 
 Each rank keeps only its stages' modules, under the single-process names (``layers.5`` stays
 ``layers.5``), so checkpoints and the HF export need no renaming. A stage is wrapped in
-``_StageForward``, whose forward passes positions and document ids along with the hidden state,
-so the model code does not change. Tensor and data parallelism are applied to every stage on the
-non-pp sub-mesh before the stage is handed to ``torch.distributed.pipelining``.
+``_StageForward``, whose forward passes positions, document ids and the objective's batch fields
+along with the hidden state, so the model code does not change: the last stage computes the
+objective inside its forward, as the whole model does on one rank. Tensor and data parallelism
+are applied to every stage on the non-pp sub-mesh before the stage is handed to
+``torch.distributed.pipelining``. The model may be (and in training is) on the meta device: the
+caller materializes the stages afterwards.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchloom.config.errors import ConfigError
-from torchloom.kernels.linear_cross_entropy import cross_entropy_sum
-from torchloom.models.components.transformer import Transformer, TransformerConfig
+from torchloom.models.components.decoder import Decoder, DecoderConfig, Objective
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.data_parallel import shard_pipeline_stage
 from torchloom.parallel.loss_reduction import as_local
@@ -83,7 +85,7 @@ def stages_per_rank(config: ParallelConfig) -> int:
 def split_layers(
     num_layers: int, num_stages: int, embedding_weight: float, explicit: list[int] | None
 ) -> list[int]:
-    """Transformer layers per stage. Balanced by default, counting the embedding (stage 0) and
+    """Layers per stage. Balanced by default, counting the embedding (stage 0) and
     the head (last stage) as ``embedding_weight`` layers each; or the user's explicit split."""
     if explicit is not None:
         if len(explicit) != num_stages or sum(explicit) != num_layers or min(explicit) < 0:
@@ -114,8 +116,8 @@ def local_stage_ids(pp_rank: int, pp: int, per_rank: int, schedule: str) -> list
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def stage_model(model: Transformer, layer_ids: list[int], first: bool, last: bool) -> Transformer:
-    """A Transformer holding (sharing, not copying) ``model``'s modules of one stage."""
+def stage_model(model: Decoder, layer_ids: list[int], first: bool, last: bool) -> Decoder:
+    """A Decoder holding (sharing, not copying) ``model``'s modules of one stage."""
     with torch.device("meta"):  # a shell: its own blocks are replaced right away
         stage = type(model)(model.config)
     stage.rope = model.rope
@@ -126,20 +128,35 @@ def stage_model(model: Transformer, layer_ids: list[int], first: bool, last: boo
     return stage
 
 
-class _StageForward(nn.Module):
-    """(tokens or hidden; positions, doc_ids as keywords) -> hidden, or logits on the last
-    stage. Only the hidden state travels between stages: every pp rank holds the batch, so the
-    schedule hands each stage its microbatch's positions and doc_ids as keyword arguments
-    (torch 2.11's stages would also try to make received integer tensors require grad)."""
+_TARGET = "target_"
+"""Prefix of the objective's batch fields among a stage's keyword arguments (the schedule cuts
+every tensor keyword into micro-batches; a dict it would not)."""
 
-    def __init__(self, model: Transformer) -> None:
+
+class _StageForward(nn.Module):
+    """(tokens or hidden; positions, doc_ids and target_* fields as keywords) -> hidden, or the
+    objective's loss sum on the last stage. Only the hidden state travels between stages: every
+    pp rank holds the batch, so the schedule hands each stage its microbatch's keywords (torch
+    2.11's stages would also try to make received integer tensors require grad)."""
+
+    def __init__(self, model: Decoder, objective: Objective | None) -> None:
         super().__init__()
         self.model = model
+        self.objective = objective
 
     def forward(
-        self, x: torch.Tensor, *, positions_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        *,
+        positions_BT: torch.Tensor,
+        doc_ids_BT: torch.Tensor | None,
+        **targets: torch.Tensor,
     ) -> torch.Tensor:
-        return self.model(x, positions_BT, doc_ids_BT)
+        if not self.model.has_head or self.objective is None:
+            return self.model(x, positions_BT, doc_ids_BT)
+        fields = {name.removeprefix(_TARGET): value for name, value in targets.items()}
+        out = self.model(x, positions_BT, doc_ids_BT, objective=self.objective, targets=fields)
+        return out.loss.reshape(1)  # the schedule concatenates the micro-batches' outputs
 
 
 class Pipeline:
@@ -147,12 +164,13 @@ class Pipeline:
 
     def __init__(
         self,
-        stages: list[Transformer],
+        stages: list[Decoder],
         wrappers: list[nn.Module],
         stage_ids: list[int],
         owners: list[int],
         dims: ParallelDims,
         microbatches: int,
+        objective: Objective,
     ) -> None:
         self.stages = nn.ModuleList(stages)
         """This rank's stage models (optimizer, clipping, train/eval see these)."""
@@ -165,11 +183,12 @@ class Pipeline:
         self.schedule = None
         self.dims = dims
         self.microbatches = microbatches
-        self.has_last = any(s.output is not None for s in stages)
+        self.has_last = any(s.has_head for s in stages)
+        self.objective = objective
         self._divisor: torch.Tensor = torch.ones(())
 
-    def local_model(self) -> Transformer:
-        """One Transformer shell holding (sharing) every module of this rank's stages under the
+    def local_model(self) -> Decoder:
+        """One Decoder shell holding (sharing) every module of this rank's stages under the
         single-process names: what checkpoints save and load, so any layout reads them."""
         layers = sorted(
             ((int(name), block) for stage in self.stages for name, block in stage.layers.items()),
@@ -193,26 +212,26 @@ class Pipeline:
                 f"that divides {size} (or change --training.micro_batch_size)."
             )
 
-    def _loss(self, logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits_BTV, labels_BT) / self._divisor
+    def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The last stage's forward already computed the objective; the target is a stand-in.
+        return loss_sum.sum() / self._divisor
 
-    def step(self, batch, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch, the loss being the token-loss sum / ``num_tokens``;
+    def _keywords(self, batch) -> dict[str, torch.Tensor | None]:
+        fields = batch.fields(self.objective.fields) if self.has_last else {}
+        return {"positions_BT": batch.positions, "doc_ids_BT": batch.doc_ids,
+                **{_TARGET + name: value for name, value in fields.items()}}  # fmt: skip
+
+    def step(self, batch, normalizer: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch, the loss being the objective's sum / ``normalizer``;
         returns this rank's summed microbatch losses (zero on ranks without the last stage)."""
         self.check_batch_size(batch.tokens.shape[0])
-        self._divisor = num_tokens
+        self._divisor = normalizer
         losses: list[torch.Tensor] = []
         first = any(s.embed_tokens is not None for s in self.stages)
         args = (batch.tokens,) if first else ()
-        target = batch.labels if self.has_last else None
+        target = batch.tokens if self.has_last else None  # cut per micro-batch, then unused
         with loss_context(self.dims):
-            self.schedule.step(
-                *args,
-                target=target,
-                losses=losses,
-                positions_BT=batch.positions,
-                doc_ids_BT=batch.doc_ids,
-            )
+            self.schedule.step(*args, target=target, losses=losses, **self._keywords(batch))
         total = torch.zeros((), device=batch.tokens.device)
         for loss in losses:
             total += as_local(loss.detach()).float()
@@ -220,7 +239,8 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_loss_sum(self, batch) -> torch.Tensor:
-        """Token-loss sum of one batch, forward only (zero on ranks without the last stage).
+        """The objective's sum over one batch, forward only (zero on ranks without the last
+        stage).
 
         Runs the stages by hand, whole batch at once, in stage order, sending only the hidden
         state (every rank has the batch's positions and doc_ids): simpler than the schedules'
@@ -244,9 +264,9 @@ class Pipeline:
             # Through the wrapper: with FSDP it is the root, which must run forward first.
             wrapper = self.wrappers[self.stage_ids.index(s)]
             with loss_context(self.dims):
-                h = wrapper(h, positions_BT=batch.positions, doc_ids_BT=batch.doc_ids)
+                h = wrapper(h, **self._keywords(batch))
                 if s == len(self.owners) - 1:
-                    total += as_local(cross_entropy_sum(h, batch.labels))
+                    total += as_local(h).sum()
                     continue
             following = self.owners[s + 1]
             if following != me:
@@ -296,7 +316,7 @@ class Pipeline:
                     yield name, buffer.cpu()
 
 
-def layers_per_stage(model_config: TransformerConfig, config: ParallelConfig) -> list[int]:
+def layers_per_stage(model_config: DecoderConfig, config: ParallelConfig) -> list[int]:
     """Check everything about a pipeline layout that is known before the run (tied embeddings,
     the schedule, stages per rank, the split) and return the layers of every stage."""
     if model_config.tie_embeddings:
@@ -321,17 +341,19 @@ def layers_per_stage(model_config: TransformerConfig, config: ParallelConfig) ->
 
 
 def build_pipeline(
-    model: Transformer,
+    model: Decoder,
     dims: ParallelDims,
     *,
     seq_len: int,
     tp_plan: TPPlan,
     device: torch.device,
+    objective: Objective,
     wrap_blocks: Callable[[nn.Module], None] | None = None,
 ) -> Pipeline:
-    """Split ``model`` (full, identical weights on every rank) into this rank's stages, apply TP
-    and data parallelism to each, and build the schedule. Drop ``model`` afterwards: the
-    layers of other ranks' stages are freed with it."""
+    """Split ``model`` into this rank's stages, apply TP and data parallelism to each, and build
+    the schedule, whose last stage computes ``objective``. Build ``model`` on the meta device
+    and materialize ``Pipeline.stages`` afterwards (``to_empty``, then initialize or load):
+    the other ranks' layers are never allocated."""
     config = dims.degrees
     counts = layers_per_stage(model.config, config)
     if config.pp_schedule == "zbv" and not zbv_runs_on(device.type):
@@ -357,11 +379,11 @@ def build_pipeline(
         stage = stage_model(model, layer_ids, s == 0, s == num_stages - 1)
         parallelize(stage, dims, seq_len=seq_len, tp_plan=tp_plan, wrap_blocks=wrap_blocks)
         stages.append(stage)
-        wrapper = _StageForward(stage)
+        wrapper = _StageForward(stage, objective)
         shard_pipeline_stage(wrapper, dims)
         wrappers.append(wrapper)
         pipe_stages.append(PipelineStage(wrapper, s, num_stages, device, group=pp_mesh.get_group()))
-    pipeline = Pipeline(stages, wrappers, stage_ids, owners, dims, microbatches)
+    pipeline = Pipeline(stages, wrappers, stage_ids, owners, dims, microbatches, objective)
     stage_arg = pipe_stages[0] if per_rank == 1 else pipe_stages
     pipeline.schedule = cls(
         stage_arg, n_microbatches=microbatches, loss_fn=pipeline._loss, scale_grads=False

@@ -18,7 +18,6 @@ Compiled regions are compiled during the warm-up steps and captured like any oth
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -90,7 +89,7 @@ class StepGraph:
         return outputs
 
     def _capture(self, batches: Sequence[Batch], num_tokens: torch.Tensor) -> None:
-        self.static_batches = [_clone(batch) for batch in batches]
+        self.static_batches = [batch.clone() for batch in batches]
         self.static_num_tokens = num_tokens.clone()
         groups = self.optimizer.param_groups
         self.static_lrs = [
@@ -121,8 +120,9 @@ class StepGraph:
                 f"got {len(batches)}"
             )
         for static, batch in zip(self.static_batches, batches, strict=True):
-            for name in ("tokens", "labels", "positions", "doc_ids"):
-                target, source = getattr(static, name), getattr(batch, name)
+            targets, sources = static.named_tensors(), batch.named_tensors()
+            for name in targets.keys() | sources.keys():
+                target, source = targets.get(name), sources.get(name)
                 if (target is None) != (source is None) or (
                     target is not None and target.shape != source.shape
                 ):
@@ -133,17 +133,6 @@ class StepGraph:
                 if target is not None:
                     target.copy_(source, non_blocking=True)
         self.static_num_tokens.copy_(num_tokens, non_blocking=True)
-
-
-def _clone(batch: Batch) -> Batch:
-    doc_ids = None if batch.doc_ids is None else batch.doc_ids.clone()
-    return replace(
-        batch,
-        tokens=batch.tokens.clone(),
-        labels=batch.labels.clone(),
-        positions=batch.positions.clone(),
-        doc_ids=doc_ids,
-    )
 
 
 def _shape(tensor: torch.Tensor | None) -> str:

@@ -1,19 +1,27 @@
-"""The optimizer (AdamW) and the learning-rate schedules."""
+"""Optimizers and the learning-rate schedules.
+
+The trainer holds one ``OptimizerContainer``: several torch optimizers, each over its own
+parameters (AdamW over all of them today; Muon for matrices and AdamW for the rest next),
+stepped, zeroed, scheduled, clipped and checkpointed as one. ``OPTIMIZERS`` maps
+``--optimizer.name`` to the function that splits a model's parameters among optimizers.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import ChainMap
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
-from torchloom.config.errors import ConfigError
+from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels.adamw import adamw_step_
 from torchloom.kernels.triton_support import triton
 from torchloom.parallel import clip_coefficient, clip_grad_norm_, grad_norm
@@ -21,8 +29,8 @@ from torchloom.parallel import clip_coefficient, clip_grad_norm_, grad_norm
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    """Optimizer: AdamW with decoupled weight decay."""
+    name: str = "adamw"
+    """Optimizer, a key of OPTIMIZERS: 'adamw' (AdamW with decoupled weight decay)."""
     lr: float = 3e-4
     """Peak learning rate."""
     beta1: float = 0.9
@@ -38,6 +46,11 @@ class OptimizerConfig:
     one Triton kernel per parameter that also applies the gradient clip (no pass of its own)."""
 
     def validate(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(
+                f"Unknown --optimizer.name {self.name!r}.{did_you_mean(self.name, OPTIMIZERS)} "
+                f"Available: {', '.join(sorted(OPTIMIZERS))}."
+            )
         if self.lr <= 0:
             raise ConfigError(f"--optimizer.lr must be positive; got {self.lr}.")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -67,8 +80,14 @@ class LRScheduleConfig:
 
 def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW over the model's trainable parameters, decaying only matrices that are not embeddings."""
+) -> OptimizerContainer:
+    """The container of the optimizers ``--optimizer.name`` splits the model's trainable
+    parameters among."""
+    return OptimizerContainer(OPTIMIZERS[cfg.name](model, cfg, device))
+
+
+def _adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> list[Optimizer]:
+    """AdamW over every trainable parameter, decaying only matrices that are not embeddings."""
     decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for param in model.parameters():
@@ -90,8 +109,64 @@ def build_optimizer(
                 "--optimizer.implementation triton runs Triton kernels on a CUDA GPU (with "
                 "Triton installed); elsewhere use auto."
             )
-        return TritonAdamW(groups, **hyper)
-    return torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")
+        return [TritonAdamW(groups, **hyper)]
+    return [torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")]
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, torch.device], list[Optimizer]]] = {
+    "adamw": _adamw,
+}
+"""``--optimizer.name`` -> a function splitting a model's parameters among optimizers."""
+
+
+class OptimizerContainer(Optimizer):
+    """Several optimizers that the trainer, the lr schedule, clipping and checkpoints see as
+    one. Its ``param_groups`` and ``state`` are read from its optimizers each time (loading a
+    checkpoint gives an optimizer new group dicts), so a schedule that sets a group's lr sets
+    it where the optimizer reads it."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers: list[Optimizer] = []  # Optimizer.__init__ below sees no groups yet
+        params = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+        super().__init__(params, {})  # the hooks and bookkeeping torch's schedulers expect
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for o in self.optimizers for group in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        pass  # Optimizer.__init__ assigns its own list; the optimizers' groups are the truth
+
+    @property
+    def state(self) -> ChainMap:
+        return ChainMap(*(o.state for o in self.optimizers))
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        pass
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            optimizer.load_state_dict(state)
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -161,18 +236,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_gradients(
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip the gradients' global norm to ``max_norm`` for ``optimizer``'s next step and return
-    the norm before clipping. For ``TritonAdamW`` the clip is its ``grad_scale`` (its kernel
-    applies it, and the norm is summed by the Triton kernel); for torch's AdamW every gradient is
-    scaled in place (``clip_grad_norm_``)."""
-    if isinstance(optimizer, TritonAdamW):
+    the norm before clipping. When every optimizer is a ``TritonAdamW`` the clip is their
+    ``grad_scale`` (their kernel applies it, and the norm is summed by the Triton kernel);
+    otherwise every gradient is scaled in place (``clip_grad_norm_``)."""
+    optimizers = getattr(optimizer, "optimizers", [optimizer])
+    if all(isinstance(o, TritonAdamW) for o in optimizers):
         norm = grad_norm(parameters, pp_mesh=pp_mesh, triton_kernel=True)
-        optimizer.grad_scale = clip_coefficient(norm, max_norm)
+        scale = clip_coefficient(norm, max_norm)
+        for o in optimizers:
+            o.grad_scale = scale
         return norm
     return clip_grad_norm_(parameters, max_norm, pp_mesh=pp_mesh)
 
@@ -207,7 +285,7 @@ class _Float32LambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int
+    optimizer: Optimizer, cfg: LRScheduleConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR (so its state saves and restores) following ``lr_multiplier``, in float32."""
     return _Float32LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

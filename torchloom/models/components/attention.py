@@ -17,10 +17,20 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.models.components.norms import NORM_IMPLS
+from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import ROPE_IMPLS
 
 AttentionBackend = Callable[
@@ -160,9 +170,14 @@ class Attention(nn.Module):
         backend: str = "sdpa",
         norm_impl: str = "torch",
         rope_impl: str = "torch",
+        init_std: float = 0.02,
+        out_std: float | None = None,
     ) -> None:
+        """``init_std``: q/k/v; ``out_std``: o, the residual branch's output (default
+        init_std)."""
         super().__init__()
         self.head_dim = head_dim
+        self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
@@ -197,3 +212,59 @@ class Attention(nn.Module):
         else:
             out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
         return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+    def init_weights(self, init: ParamInit) -> None:
+        """Normal weights truncated at 3 std; q/k norms at one."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            init.trunc_normal_(proj.weight, self.init_std)
+        init.trunc_normal_(self.o_proj.weight, self.out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights(init)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per weight of q/k/v/o, plus attention itself. QK^T and AV
+        each cost 2 * head_dim * seq_len per query head and token, halved by the causal mask,
+        times 3 for forward and backward: 6 * heads * head_dim * seq_len."""
+        weights = sum(
+            p.weight.numel() for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        )
+        return 6 * weights + 6 * self.q_proj.weight.shape[0] * seq_len
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError unless ``tp`` divides both head counts (each rank takes whole heads)."""
+        heads = self.q_proj.weight.shape[0] // self.head_dim
+        kv_heads = self.k_proj.weight.shape[0] // self.head_dim
+        for name, value in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+            if value % tp:
+                raise ConfigError(
+                    f"--parallel.tp {tp} does not divide the model's {name} ({value}): every "
+                    f"tensor-parallel rank must hold whole heads. Choose a tp that divides "
+                    f"num_heads={heads} and num_kv_heads={kv_heads}."
+                )
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """q/k/v split by heads (column-wise), o row-wise. With ``sequence_parallel`` the input
+        arrives split along the sequence and is gathered first, and o's output is scattered
+        back along it; q/k norms then run per local head, their weight's gradient summed."""
+        plan: dict[str, ParallelStyle] = {
+            "q_proj": ColwiseParallel(),
+            "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
+            else RowwiseParallel(),
+        }  # fmt: skip
+        if not sequence_parallel:
+            return plan
+        # Gather the normed sequence; cos, sin and doc_ids are already full and replicated.
+        plan[""] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        )
+        if self.q_norm is not None:
+            # q_BTHd / k_BTKd carry the local heads on dim 2: a per-head norm is "sequence
+            # parallel" over that dim, which also sums its weight's gradient over tp.
+            for norm in ("q_norm", "k_norm"):
+                plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        return plan

@@ -7,6 +7,7 @@ from torch import nn
 
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.rmsnorm import rms_norm, rms_norm_fused
+from torchloom.models.components.param_init import ParamInit
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +23,9 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -49,4 +53,5 @@ NORM_IMPLS: dict[str, type[nn.Module]] = {
     "batch_invariant": BatchInvariantRMSNorm,
 }
 """Named RMSNorm implementations (the ``norm_impl`` slot). Each is built as ``cls(dim, eps)``,
-owns a ``weight`` of shape [dim] and a ``reset_parameters()``; fused kernels register here."""
+owns a ``weight`` of shape [dim], ``reset_parameters()`` and ``init_weights(ParamInit)``; fused
+kernels register here."""

@@ -1,4 +1,7 @@
-"""Tensor- and sequence-parallel plan of the generic decoder (``Transformer``).
+"""Tensor- and sequence-parallel plan of the generic decoder (``Decoder``): the decoder's own
+parts (embedding, block norms, final norm, head) here, each block's mixer and feed-forward from
+the module itself (``tp_plan(sequence_parallel)``, ``check_tp(tp)``), so a new layer kind
+brings its own split.
 
 Megatron-style: in every block q/k/v and gate/up are split column-wise (by heads, by hidden
 units) and o/down row-wise, so each block needs one all-gather before attention and before the
@@ -25,14 +28,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from torchloom.config.errors import ConfigError
-from torchloom.models.components.transformer import Transformer
+from torchloom.models.components.decoder import Decoder
 
 
 class _SequenceParallelToReplicated(ParallelStyle):
@@ -46,26 +48,27 @@ class _SequenceParallelToReplicated(ParallelStyle):
         return gather._apply(module, device_mesh)
 
 
-def check_tp_degree(model: Transformer, tp: int) -> None:
+def check_tp_degree(model: Decoder, tp: int) -> None:
     """Raise ConfigError when the architecture cannot be split ``tp`` ways."""
-    cfg = model.config
-    for name, value in (
-        ("num_heads", cfg.num_heads),
-        ("num_kv_heads", cfg.num_kv_heads),
-        ("ffn_dim", cfg.ffn_dim),
-        ("vocab_size", cfg.vocab_size),
-    ):
-        if value % tp:
-            raise ConfigError(
-                f"--parallel.tp {tp} does not divide the model's {name} ({value}): every "
-                f"tensor-parallel rank must hold a whole share of it. Choose a tp that divides "
-                f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
-                f"ffn_dim={cfg.ffn_dim} and vocab_size={cfg.vocab_size}."
-            )
+    for block in model.layers.values():
+        for module in (block.attention, block.mlp):
+            check = getattr(module, "check_tp", None)
+            if check is None:
+                raise ConfigError(
+                    f"{type(module).__name__} layers declare no tensor-parallel split; set "
+                    "--parallel.tp 1."
+                )
+            check(tp)
+    vocab = model.config.vocab_size
+    if vocab % tp:
+        raise ConfigError(
+            f"--parallel.tp {tp} does not divide the model's vocab_size ({vocab}): every "
+            "tensor-parallel rank must hold a whole share of it. Choose a tp that divides it."
+        )
 
 
-def transformer_tp_plan(
-    model: Transformer, tp: int, loss_parallel: bool = True, sequence_parallel: bool = True
+def decoder_tp_plan(
+    model: Decoder, tp: int, loss_parallel: bool = True, sequence_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
     """{module path: style} for ``model`` as built now (a pipeline stage may lack layers, the
     embedding or the head). ``""`` names the model itself. With ``loss_parallel`` the logits
@@ -84,29 +87,9 @@ def transformer_tp_plan(
     for name, block in model.layers.items():
         prefix = f"layers.{name}."
         plan[prefix + "attention_norm"] = SequenceParallel()
-        # Gather the normed sequence; cos, sin and doc_ids are already full and replicated.
-        plan[prefix + "attention"] = PrepareModuleInput(
-            input_layouts=(seq_sharded, None, None, None),
-            desired_input_layouts=(replicated, None, None, None),
-            use_local_output=True,
-        )
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[prefix + "attention." + proj] = ColwiseParallel()
-        if block.attention.q_norm is not None:
-            # q_BTHd / k_BTKd carry the local heads on dim 2: a per-head norm is "sequence
-            # parallel" over that dim, which also sums its weight's gradient over tp.
-            for norm in ("q_norm", "k_norm"):
-                plan[prefix + "attention." + norm] = SequenceParallel(
-                    sequence_dim=2, use_local_output=True
-                )
-        plan[prefix + "attention.o_proj"] = RowwiseParallel(output_layouts=seq_sharded)
+        plan.update(_prefixed(prefix + "attention", block.attention.tp_plan(True)))
         plan[prefix + "mlp_norm"] = SequenceParallel()
-        plan[prefix + "mlp"] = PrepareModuleInput(
-            input_layouts=(seq_sharded,), desired_input_layouts=(replicated,), use_local_output=True
-        )
-        plan[prefix + "mlp.gate_proj"] = ColwiseParallel()
-        plan[prefix + "mlp.up_proj"] = ColwiseParallel()
-        plan[prefix + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq_sharded)
+        plan.update(_prefixed(prefix + "mlp", block.mlp.tp_plan(True)))
     vocab_sharded = Shard(-1)
     if model.output is not None:
         if model.norm is not None:
@@ -129,20 +112,22 @@ def transformer_tp_plan(
     return plan
 
 
-def _replicated_stream_plan(model: Transformer) -> dict[str, ParallelStyle]:
+def _prefixed(prefix: str, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """A module's own plan ("" = the module) under its path in the model."""
+    return {prefix + ("." + path if path else ""): style for path, style in plan.items()}
+
+
+def _replicated_stream_plan(model: Decoder) -> dict[str, ParallelStyle]:
     """Heads and hidden units split as in training; the residual stream, norms and RoPE are
     replicated local tensors on every rank; the logits come out whole on every rank."""
     replicated = Replicate()
     plan: dict[str, ParallelStyle] = {}
     if model.embed_tokens is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
-    for name in model.layers:
+    for name, block in model.layers.items():
         prefix = f"layers.{name}."
-        for proj in ("attention.q_proj", "attention.k_proj", "attention.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):  # fmt: skip
-            plan[prefix + proj] = ColwiseParallel()
-        plan[prefix + "attention.o_proj"] = RowwiseParallel()
-        plan[prefix + "mlp.down_proj"] = RowwiseParallel()
+        plan.update(_prefixed(prefix + "attention", block.attention.tp_plan(False)))
+        plan.update(_prefixed(prefix + "mlp", block.mlp.tp_plan(False)))
     if model.output is not None:
         plan["output"] = ColwiseParallel(output_layouts=replicated)
     elif model.config.tie_embeddings and model.embed_tokens is not None:

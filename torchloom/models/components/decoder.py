@@ -1,0 +1,374 @@
+"""The decoder every family builds on: token embedding, one block per layer index (its token
+mixer and feed-forward chosen by the config's layer specs), final norm and output head.
+
+A family's config subclasses ``DecoderConfig`` with its own fields and ``layer_specs``; the
+kinds a spec names are built by ``MIXERS`` / ``FFNS`` from that config and the layer index. The
+model returns logits, or its final hidden states handed to an ``objective`` (a loss component,
+train/loss.py) inside the forward, so the head's weights are where data parallelism gathered
+them and one loss path serves every layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels import batch_invariant
+from torchloom.kernels.float8 import FLOAT8_RECIPES
+from torchloom.models.components.attention import (
+    ATTENTION_BACKENDS,
+    Attention,
+    LayerCache,
+    shared_attention_input,
+)
+from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
+from torchloom.models.components.norms import NORM_IMPLS
+from torchloom.models.components.param_init import ParamInit
+from torchloom.models.components.rope import ROPE_IMPLS, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer is made of."""
+
+    mixer: str
+    """Token mixer, a key of MIXERS ('attention': grouped-query attention with RoPE)."""
+    ffn: str
+    """Feed-forward, a key of FFNS ('swiglu')."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The fields every decoder family has; a family's config subclasses it with its own.
+
+    The protocol the rest of torchloom relies on: ``validate``, ``num_params``,
+    ``flops_per_token`` (on active parameters), ``layer_specs`` and ``build``. Sizes describe
+    the architecture; the component slots (attn_backend ... float8) say how a run computes it.
+    """
+
+    vocab_size: int = 4096
+    """Number of token ids (rows of the embedding, columns of the output head)."""
+    dim: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Number of blocks."""
+    norm_eps: float = 1e-5
+    """Epsilon inside every RMSNorm."""
+    max_seq_len: int = 2048
+    """Longest sequence the flavor is meant for."""
+    tie_embeddings: bool = False
+    """Use the embedding matrix as the output head (no separate `output` weight)."""
+    init_std: float = 0.02
+    """Standard deviation of the initial weights (each module's init_weights says how)."""
+    attn_backend: str = "sdpa"
+    """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex')."""
+    norm_impl: str = "torch"
+    """RMSNorm implementation, a key of NORM_IMPLS: 'torch' (PyTorch reference) or 'triton'
+    (fused kernels on CUDA, the reference elsewhere)."""
+    rope_impl: str = "torch"
+    """How RoPE rotates q and k, a key of ROPE_IMPLS: 'torch' or 'triton' (as norm_impl)."""
+    mlp_impl: str = "torch"
+    """The SwiGLU gate silu(gate) * up, a key of MLP_IMPLS: 'torch' or 'triton' (as norm_impl)."""
+    batch_invariant: bool = False
+    """Fixed-order (batch-invariant) linears, attention, norms and gate: a token's numbers do
+    not depend on its batch or on prefill vs decode (torchloom/kernels/batch_invariant.py)."""
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 training of the blocks' linears with torchao (torchloom/kernels/float8.py):
+    'tensorwise' or 'rowwise' scaling; 'none' keeps them in the compute dtype."""
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """One spec per layer index."""
+        raise NotImplementedError(f"{type(self).__name__} must define layer_specs()")
+
+    def rotary(self) -> RotaryEmbedding | None:
+        """The RoPE tables the model computes once per forward for its layers (None: none)."""
+        return None
+
+    def build(self) -> nn.Module:
+        """The family's model for this config, on the current default device (built on meta
+        and materialized by the caller for anything large)."""
+        return Decoder(self)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first impossible setting and how to fix it."""
+        for name in ("vocab_size", "dim", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}.")
+        for value, name in ((self.norm_eps, "norm_eps"), (self.init_std, "init_std")):
+            if value <= 0:
+                raise ConfigError(f"model {name} must be positive, got {value}.")
+        if self.max_seq_len <= 0:
+            raise ConfigError(f"model max_seq_len must be positive, got {self.max_seq_len}.")
+        for slot, name, registry in (
+            ("attn_backend", self.attn_backend, ATTENTION_BACKENDS),
+            ("norm_impl", self.norm_impl, NORM_IMPLS),
+            ("rope_impl", self.rope_impl, ROPE_IMPLS),
+            ("mlp_impl", self.mlp_impl, MLP_IMPLS),
+        ):
+            if name not in registry:
+                raise ConfigError(
+                    f"Unknown {slot} '{name}'.{did_you_mean(name, registry)} "
+                    f"Available: {', '.join(sorted(registry))}."
+                )
+        if self.float8 not in ("none", *FLOAT8_RECIPES):
+            raise ConfigError(
+                f"Unknown float8 recipe '{self.float8}'.{did_you_mean(self.float8, FLOAT8_RECIPES)}"
+                f" Available: none, {', '.join(FLOAT8_RECIPES)}."
+            )
+        if self.float8 != "none" and self.batch_invariant:
+            raise ConfigError(
+                "float8 and batch_invariant both replace the linears; choose one of them."
+            )
+        specs = self.layer_specs()
+        if len(specs) != self.num_layers:
+            raise ConfigError(
+                f"layer_specs() gives {len(specs)} layers for num_layers {self.num_layers}."
+            )
+        for index, spec in enumerate(specs):
+            for kind, registry, what in ((spec.mixer, MIXERS, "mixer"), (spec.ffn, FFNS, "ffn")):
+                if kind not in registry:
+                    raise ConfigError(
+                        f"layer {index}: unknown {what} kind {kind!r}.{did_you_mean(kind, registry)}"
+                        f" Available: {', '.join(sorted(registry))}."
+                    )
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count of the built model (tied embeddings counted once).
+
+        ``include_embedding=False`` leaves out the vocabulary matrices (the embedding and, when
+        untied, the output head): the "non-embedding" count of scaling-law papers.
+        """
+        model = _meta_model(self)
+        total = sum(p.numel() for p in model.parameters())
+        if not include_embedding:
+            total -= self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) for sequences of ``seq_len`` tokens,
+        on the parameters a token actually uses: each layer's modules count their own
+        (``flops_per_token`` of Attention, SwiGLU, ...), plus 6 * dim * vocab for the head
+        (counted even when tied; the embedding lookup is not a matmul). MFU uses this."""
+        return _meta_model(self).flops_per_token(seq_len)
+
+
+@functools.cache
+def _meta_model(config: DecoderConfig) -> nn.Module:
+    """The model of ``config`` on the meta device: counts read from what is actually built."""
+    with torch.device("meta"):
+        return config.build()
+
+
+# -- layer kinds ----------------------------------------------------------------------------
+
+
+def _attention(cfg: Any, layer: int) -> nn.Module:
+    return Attention(
+        cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, qk_norm=cfg.qk_norm,
+        norm_eps=cfg.norm_eps, backend=cfg.attn_backend, norm_impl=cfg.norm_impl,
+        rope_impl=cfg.rope_impl, init_std=cfg.init_std, out_std=_residual_std(cfg),
+    )  # fmt: skip
+
+
+def _swiglu(cfg: Any, layer: int) -> nn.Module:
+    return SwiGLU(
+        cfg.dim, cfg.ffn_dim, impl=cfg.mlp_impl, init_std=cfg.init_std, out_std=_residual_std(cfg)
+    )
+
+
+def _residual_std(cfg: DecoderConfig) -> float:
+    """The std of a residual branch's output projection: init_std / sqrt(2 * num_layers), so
+    the residual stream's variance does not grow with depth (GPT-2)."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention}
+"""Token-mixer kinds: ``build(config, layer_index) -> module`` taking
+``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)`` and
+``flops_per_token(seq_len)``."""
+FFNS: dict[str, Callable[[Any, int], nn.Module]] = {"swiglu": _swiglu}
+"""Feed-forward kinds: ``build(config, layer_index) -> module`` taking ``x_BTD``, with
+``init_weights(ParamInit)`` and ``flops_per_token(seq_len)``."""
+
+
+class ModelCache(Protocol):
+    """Generation state as the model sees it (torchloom/generate/cache.py)."""
+
+    def layer(self, index: int) -> LayerCache: ...
+
+
+class Objective(Protocol):
+    """A loss component (train/loss.py): what the model's forward returns when given one."""
+
+    def __call__(
+        self, h_BTD: torch.Tensor, model: Decoder, targets: dict[str, torch.Tensor]
+    ) -> Any: ...
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then h + ffn(norm(h)). The slots keep the
+    names ``attention`` and ``mlp`` whatever their kind, so checkpoints and plans read alike."""
+
+    def __init__(self, cfg: DecoderConfig, index: int, spec: LayerSpec) -> None:
+        super().__init__()
+        norm_cls = NORM_IMPLS[cfg.norm_impl]
+        self.attention_norm = norm_cls(cfg.dim, cfg.norm_eps)
+        self.attention = MIXERS[spec.mixer](cfg, index)
+        self.mlp_norm = norm_cls(cfg.dim, cfg.norm_eps)
+        self.mlp = FFNS[spec.ffn](cfg, index)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor | None,
+        sin_BTd: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        # cache by keyword: tensor-parallel plans describe the four positional inputs.
+        h_BTD = x_BTD + self.attention(
+            self.attention_norm(x_BTD), cos_BTd, sin_BTd, doc_ids_BT, cache=cache
+        )
+        return h_BTD + self.mlp(self.mlp_norm(h_BTD))
+
+    def init_weights(self, init: ParamInit) -> None:
+        for module in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
+            module.init_weights(init)
+
+
+class Decoder(nn.Module):
+    """Token embedding, ``num_layers`` blocks, final RMSNorm and the output head.
+
+    ``layers`` is a ModuleDict keyed "0", "1", ... so a pipeline stage can delete blocks and keep
+    the names of the rest. A stage may also set ``embed_tokens`` (its input is then the hidden
+    state), ``norm`` or ``output`` to None. With ``tie_embeddings`` there is no ``output``
+    module: the head is ``embed_tokens.weight`` (one parameter, so it survives ``to_empty``;
+    data parallelism must shard it in the group that also holds the head's caller, the root).
+    """
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = cfg.rotary()
+        specs = cfg.layer_specs()
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, specs[i]) for i in range(len(specs))})
+        self.norm: nn.Module | None = NORM_IMPLS[cfg.norm_impl](cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = None
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward_hidden(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states h_BTD (after the final norm), before the output head.
+
+        positions_BT defaults to 0..T-1 in every row; pass positions that restart at each
+        document together with doc_ids_BT for packed rows. ``cache`` (generation) gives each
+        block its layer's generation state; positions are then the tokens' places in their
+        sequence.
+        """
+        B, T = tokens_BT.shape[:2]
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
+        cos_BTd = sin_BTd = None
+        if self.rope is not None:
+            cos_BTd, sin_BTd = self.rope(positions_BT)
+        h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
+        documents = doc_ids_BT  # what the layers' attention takes: ids, or a mask built from them
+        if cache is None:  # the layers' kernel (context parallelism may have replaced it)
+            attend = next(
+                (getattr(b.attention, "attend", None) for b in self.layers.values()
+                 if hasattr(b.attention, "attend")), None,
+            )  # fmt: skip
+            documents = shared_attention_input(attend, doc_ids_BT, T, tokens_BT.device)
+        for name, block in self.layers.items():
+            layer_cache = None if cache is None else cache.layer(int(name))
+            h_BTD = block(h_BTD, cos_BTd, sin_BTd, documents, cache=layer_cache)
+        return self.norm(h_BTD) if self.norm is not None else h_BTD
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        *,
+        cache: ModelCache | None = None,
+        objective: Objective | None = None,
+        targets: dict[str, torch.Tensor] | None = None,
+    ) -> Any:
+        """Logits [B, T, vocab] (the hidden state on a pipeline stage without the head). With
+        ``objective``, what it computes from the final hidden states, this model and the
+        batch fields ``targets`` (a loss; train/loss.py). ``cache``: see forward_hidden."""
+        h_BTD = self.forward_hidden(tokens_BT, positions_BT, doc_ids_BT, cache)
+        if not self.has_head:
+            return h_BTD
+        if objective is not None:
+            return objective(h_BTD, self, targets or {})
+        return self.logits(h_BTD)
+
+    @property
+    def has_head(self) -> bool:
+        """Whether this model (or pipeline stage) holds the output head."""
+        return self.output is not None or (
+            self.config.tie_embeddings and self.embed_tokens is not None and self.norm is not None
+        )
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's [vocab, dim] weight (the embedding's when tied)."""
+        if self.output is not None:
+            return self.output.weight
+        if self.config.tie_embeddings and self.embed_tokens is not None:
+            return self.embed_tokens.weight
+        raise ValueError("this model (a pipeline stage) has no output head")
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The output head applied to final hidden states."""
+        if self.output is not None:
+            return self.output(h_BTD)
+        weight_VD = self.head_weight()
+        # The embedding doubles as the head: no nn.Linear for batch-invariant mode to route.
+        if self.config.batch_invariant:
+            return batch_invariant.linear(h_BTD, weight_VD)
+        return F.linear(h_BTD, weight_VD)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token of the whole model (see DecoderConfig.flops_per_token)."""
+        blocks = sum(
+            block.attention.flops_per_token(seq_len) + block.mlp.flops_per_token(seq_len)
+            for block in self.layers.values()
+        )
+        return blocks + 6 * self.config.vocab_size * self.config.dim
+
+    @torch.no_grad()
+    def init_weights(self, init: ParamInit | int = 0) -> None:
+        """Every parameter this model (or pipeline stage) holds, each module its own, from a
+        seed (or a ParamInit); the same seed gives the same weights on every layout.
+
+        Embedding: normal(0, init_std) (small, because a tied embedding is also the head).
+        Untied head: normal(0, init_std) truncated at 3 std. Blocks: see Block.init_weights.
+        """
+        if isinstance(init, int):
+            init = ParamInit(self, init)
+        std = self.config.init_std
+        if self.embed_tokens is not None:
+            init.normal_(self.embed_tokens.weight, std)
+        for block in self.layers.values():
+            block.init_weights(init)
+        if self.norm is not None:
+            self.norm.init_weights(init)
+        if self.output is not None:
+            init.trunc_normal_(self.output.weight, std)
+        init.check_complete(self)

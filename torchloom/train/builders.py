@@ -1,0 +1,164 @@
+"""What a Trainer is made of, each part built by a replaceable function: the data, the
+objective, the model (built on the meta device, parallelized, then materialized), the optimizer
+and its schedule, and the registry of what a checkpoint holds. A new family or objective plugs
+in here; the trainer's loop does not change.
+
+The model's path is the same for every layout and source of weights: build on ``meta`` (no
+memory), apply pipeline / tensor / data parallelism (still no memory), ``to_empty`` on the
+device (each rank allocates its shards only), then initialize each shard from the seed
+(layout-invariant, see models/components/param_init.py) or read it from a Hugging Face folder.
+No rank ever holds the whole model unless its layout gives it the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf
+from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
+from torchloom.config.errors import ConfigError
+from torchloom.data import build_dataloaders
+from torchloom.kernels.float8 import check_float8_device
+from torchloom.models import DecoderConfig, build_model, get_model_spec, resolve_model_config
+from torchloom.parallel import ParallelDims, parallelize
+from torchloom.parallel.pipeline import Pipeline, build_pipeline
+from torchloom.train.compile import compile_regions
+from torchloom.train.job import JobConfig
+from torchloom.train.loss import CrossEntropy, Objective
+from torchloom.train.optim import build_lr_scheduler, build_optimizer
+from torchloom.train.remat import apply_remat
+
+
+@dataclass
+class ModelParts:
+    """The model as this rank holds it."""
+
+    config: DecoderConfig
+    """What the run computes (component slots and float8 included)."""
+    model: nn.Module
+    """The parallelized model, or (pipeline parallelism) a ModuleList of this rank's stages:
+    what the optimizer, clipping and train/eval modes see."""
+    pipeline: Pipeline | None = None
+    state_model: nn.Module | None = None
+    """What checkpoints save, under single-process names (default: ``model``)."""
+
+    @property
+    def saved_config(self) -> DecoderConfig:
+        """What saved models record: float8 is how this run computes, not part of the model."""
+        return replace(self.config, float8="none")
+
+
+def build_model_config(job: JobConfig) -> DecoderConfig:
+    """The architecture: the family flavor with the job's overrides, or an HF folder's."""
+    hf_dir = job.checkpoint.initial_load_hf
+    if hf_dir:
+        return model_config_from_hf(Path(hf_dir), job.model)
+    return resolve_model_config(job.model)
+
+
+def build_model_parts(
+    job: JobConfig,
+    config: DecoderConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    objective: Objective,
+) -> ModelParts:
+    """Meta build, parallelize (pipeline stages, TP, recompute and compile, FSDP), then
+    materialize every module this rank holds (``materialize``)."""
+    check_float8_device(config.float8, device)
+    spec = get_model_spec(job.model.name)
+    if dims.tp_enabled and spec.tp_plan is None:
+        raise ConfigError(
+            f"Model '{spec.name}' declares no tensor-parallel plan; set --parallel.tp 1."
+        )
+    with torch.device("meta"):
+        model = build_model(config)
+    seq_len, wrap = job.training.seq_len, block_wrapper(job, dims)
+    if dims.degrees.pp > 1:
+        pipeline = build_pipeline(
+            model, dims, seq_len=seq_len, tp_plan=spec.tp_plan, device=device,
+            objective=objective, wrap_blocks=wrap,
+        )  # fmt: skip
+        for stage in pipeline.stages:
+            materialize(stage, job, device)
+        return ModelParts(config, pipeline.stages, pipeline, pipeline.local_model())
+    parallelize(model, dims, seq_len=seq_len, tp_plan=spec.tp_plan, wrap_blocks=wrap)
+    materialize(model, job, device)
+    return ModelParts(config, model)
+
+
+def materialize(model: nn.Module, job: JobConfig, device: torch.device) -> None:
+    """Allocate ``model``'s shards on ``device`` and fill them: from the Hugging Face folder of
+    --checkpoint.initial_load_hf (each rank reads only its shards), else from the seed."""
+    model.to_empty(device=device)
+    hf_dir = job.checkpoint.initial_load_hf
+    if hf_dir:
+        load_hf_weights(model, Path(hf_dir))
+    else:
+        model.init_weights(job.training.seed)
+
+
+def block_wrapper(job: JobConfig, dims: ParallelDims) -> Callable[[nn.Module], None]:
+    """Recomputation, then regional compile: what parallelize applies between TP and FSDP."""
+
+    def wrap(model: nn.Module) -> None:
+        apply_remat(model.layers, job.remat, job.compile.enabled)
+        # Measured on torch 2.13 (gloo, inductor and aot_eager): with FSDP x TP, compiled
+        # sequence-parallel norms give wrong weight gradients (grad norm 0.41 instead of 0.53),
+        # so there the norms stay eager and the rest of each block is compiled.
+        fsdp_tp = dims.tp_enabled and dims.fsdp_mesh is not None
+        compile_regions(model, job.compile, eager_types=("RMSNorm",) if fsdp_tp else ())
+
+    return wrap
+
+
+def build_objective(job: JobConfig) -> Objective:
+    """Next-token cross-entropy, full or chunked as --model.loss_impl says."""
+    return CrossEntropy(job.model.loss_impl)
+
+
+def build_data(job: JobConfig, dims: ParallelDims) -> tuple[Any, Any, Any]:
+    """(tokenizer, train loader, validation loader or None) for this data rank."""
+    t = job.training
+    return build_dataloaders(
+        job.data,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_sequences,
+        micro_batch_size=t.micro_batch_size or max(1, t.global_batch_sequences // dims.dp_size),
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp_size,
+        seed=t.seed,
+    )
+
+
+def build_state(
+    parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any
+) -> dict[str, Stateful]:
+    """What a checkpoint holds (the manager adds the step and the RNG state)."""
+    model = parts.state_model or parts.model
+    return {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": scheduler,
+        "dataloader": loader,
+    }
+
+
+@dataclass
+class TrainBuilders:
+    """The functions a Trainer builds its parts with; replace any to change one part."""
+
+    data: Callable[[JobConfig, ParallelDims], tuple[Any, Any, Any]] = build_data
+    model_config: Callable[[JobConfig], DecoderConfig] = build_model_config
+    objective: Callable[[JobConfig], Objective] = build_objective
+    model: Callable[..., ModelParts] = build_model_parts
+    optimizer: Callable[[nn.Module, Any, torch.device], torch.optim.Optimizer] = build_optimizer
+    lr_scheduler: Callable[..., Any] = build_lr_scheduler
+    state: Callable[..., dict[str, Stateful]] = build_state
+    """What a checkpoint holds; an RL run adds its rollout buffer, a reference model..."""

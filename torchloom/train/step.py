@@ -1,0 +1,174 @@
+"""The training step as a function of its parts and a batch: forward and backward of every
+micro-batch through the objective, the gradient clip, the optimizer step (eager, or replayed
+from one CUDA graph), and the validation loss.
+
+The loss of a step is the objective's sum over the global batch divided by its global
+normalizer (the label-token count for cross-entropy), so gradient accumulation and data
+parallelism give the loss and gradients of one big batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchloom.data.packing import Batch
+from torchloom.parallel import as_local, loss_context, sum_over_data_ranks
+from torchloom.parallel.mesh import ParallelDims
+from torchloom.parallel.pipeline import Pipeline
+from torchloom.train.cuda_graph import StepGraph
+from torchloom.train.loss import Objective
+from torchloom.train.optim import clip_gradients
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (for example a non-finite loss); the message says what to change."""
+
+
+@dataclass
+class StepParts:
+    """Everything one step touches."""
+
+    model: nn.Module
+    """The model, or a ModuleList of this rank's pipeline stages."""
+    pipeline: Pipeline | None
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    dims: ParallelDims
+    device: torch.device
+    max_norm: float
+    """Clip the global gradient norm to this (inf: measure only)."""
+    autocast_dtype: torch.dtype | None = None
+    """bf16 autocast when data parallelism does not set the compute dtype itself."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        """The objective's sum over one micro-batch (forward only; the caller backprops)."""
+        targets = batch.fields(self.objective.fields)
+        with self.autocast():
+            out = self.model(batch.tokens, batch.positions, batch.doc_ids,
+                             objective=self.objective, targets=targets)  # fmt: skip
+        return out.loss
+
+    def normalizer(self, batches: Iterable[Batch]) -> torch.Tensor:
+        """The global batch's normalizer: this rank's micro-batches' shares, summed over the
+        data ranks (an int64 tensor on the device)."""
+        local = sum(self.objective.normalizer(b) for b in batches)
+        count = torch.as_tensor(local, dtype=torch.int64, device=self.device)
+        return sum_over_data_ranks(count, self.dims)
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data ranks and, under pipeline parallelism, from the last stage."""
+        value = sum_over_data_ranks(value, self.dims)
+        return value if self.pipeline is None else self.pipeline.reduce_over_stages(value)
+
+
+def backward_and_clip(
+    parts: StepParts, batches: list[Batch], normalizer: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the micro-batches' gradients and clip them; no host sync (a CUDA graph
+    captures this). Returns (the global loss, the gradient norm before clipping)."""
+    loss = torch.zeros((), device=parts.device)
+    for batch in batches:
+        if parts.pipeline is not None:
+            with parts.autocast():
+                loss += parts.pipeline.step(batch, normalizer)
+            continue
+        with loss_context(parts.dims):
+            micro = parts.loss_sum(batch) / normalizer
+            micro.backward()
+        loss += as_local(micro.detach())
+    loss = parts.sum_over_ranks(loss)  # the same value on every rank
+    pp_mesh = parts.dims.mesh("pp")
+    norm = clip_gradients(parts.optimizer, parts.model.parameters(), parts.max_norm, pp_mesh)
+    return loss, norm
+
+
+class TrainStep:
+    """One optimizer step over a step's micro-batches: ``step(batches) -> (loss, grad norm)``.
+
+    ``before_update`` runs right before the optimizer changes the weights (the checkpointer
+    waits there for an async save still copying them). With ``skip_nonfinite`` a step whose
+    loss is nan/inf is skipped (a host sync before the update); otherwise the update is queued
+    first, so its launches overlap the backward on the GPU, and the check after it raises.
+    With ``cuda_graph`` the whole step is captured after a few eager steps and replayed.
+    """
+
+    def __init__(
+        self,
+        parts: StepParts,
+        before_update: Callable[[], object],
+        skip_nonfinite: bool = False,
+        cuda_graph: bool = False,
+    ) -> None:
+        self.parts, self.before_update, self.skip_nonfinite = parts, before_update, skip_nonfinite
+        self.graph = StepGraph(self._captured, parts.optimizer) if cuda_graph else None
+        self.step = 0
+
+    def __call__(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.step += 1
+        parts, optimizer = self.parts, self.parts.optimizer
+        normalizer = parts.normalizer(batches)
+        if self.graph is not None:
+            self.before_update()
+            loss, norm = self.graph(batches, normalizer)
+            self._finite(loss)  # after the step: a captured step cannot skip it
+            return loss, norm
+        loss, norm = backward_and_clip(parts, batches, normalizer)
+        if not self.skip_nonfinite or self._finite(loss):
+            self.before_update()
+            optimizer.step()
+        if not self.skip_nonfinite:
+            self._finite(loss)
+        optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def _captured(
+        self, batches: list[Batch], normalizer: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step --training.cuda_graph captures: the same kernels as the eager step."""
+        loss, norm = backward_and_clip(self.parts, batches, normalizer)
+        self.parts.optimizer.step()
+        return loss, norm
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """True for a finite loss; otherwise raise, or False with skip_nonfinite."""
+        if torch.isfinite(loss):
+            return True
+        if not self.skip_nonfinite:
+            raise TrainingError(
+                f"The loss became {loss.item()} at step {self.step}. Lower --optimizer.lr, "
+                "lengthen --lr_schedule.warmup_steps or check the data; "
+                "--training.skip_nonfinite true skips such steps instead."
+            )
+        return False
+
+
+@torch.no_grad()
+def validation_loss(parts: StepParts, batches: Iterable[Batch]) -> float:
+    """The objective's mean over held-out batches (nan without any), on every rank."""
+    total = torch.zeros((), device=parts.device)
+    count = torch.zeros((), dtype=torch.int64, device=parts.device)
+    parts.model.eval()
+    for batch in batches:
+        if parts.pipeline is not None:
+            with parts.autocast():
+                total += parts.pipeline.eval_loss_sum(batch)
+        else:
+            with loss_context(parts.dims):
+                total += as_local(parts.loss_sum(batch))
+        count += parts.objective.normalizer(batch)
+    parts.model.train()
+    # Every rank of a data group counts the same labels, so counts sum over data ranks only.
+    total, count = parts.sum_over_ranks(total), sum_over_data_ranks(count, parts.dims)
+    if not count:
+        return float("nan")
+    return (total / count).item()
