@@ -85,7 +85,7 @@ from torchloom.train.loss import CrossEntropy
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer, clip_gradients
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
-from torchloom.train.remat import RematConfig, RematMode, apply_remat
+from torchloom.train.remat import RematConfig, RematMode, apply_remat, memory_budget
 
 SHAPES = {  # name: (llama3 flavor, default sequence length, weight dtype)
     "tiny": ("debug", 256, torch.float32),
@@ -169,8 +169,11 @@ def torchloom_step(
     model = _torchloom_model(cfg, device, dtype)
 
     def wrap_blocks(m: nn.Module) -> None:  # as Trainer._wrap_blocks
-        apply_remat(m.layers, RematConfig(mode=remat), compile_)  # type: ignore[arg-type]
-        compile_regions(m, CompileConfig(enabled=compile_))
+        remat_config = RematConfig(mode=remat)  # type: ignore[arg-type]
+        apply_remat(m.layers, remat_config, compile_)
+        compile_regions(
+            m, CompileConfig(enabled=compile_), memory_budget=memory_budget(remat_config)
+        )
 
     if dims is not None:
         model = parallelize(model, dims, seq_len=seq, wrap_blocks=wrap_blocks)

@@ -32,7 +32,7 @@ from torchloom.train.compile import compile_regions
 from torchloom.train.job import JobConfig
 from torchloom.train.loss import CrossEntropy, Objective
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
-from torchloom.train.remat import apply_remat
+from torchloom.train.remat import apply_remat, memory_budget
 
 
 @dataclass
@@ -113,7 +113,8 @@ def block_wrapper(job: JobConfig, dims: ParallelDims) -> Callable[[nn.Module], N
         # sequence-parallel norms give wrong weight gradients (grad norm 0.41 instead of 0.53),
         # so there the norms stay eager and the rest of each block is compiled.
         fsdp_tp = dims.tp_enabled and dims.fsdp_mesh is not None
-        compile_regions(model, job.compile, eager_types=("RMSNorm",) if fsdp_tp else ())
+        compile_regions(model, job.compile, eager_types=("RMSNorm",) if fsdp_tp else (),
+                        memory_budget=memory_budget(job.remat))  # fmt: skip
 
     return wrap
 

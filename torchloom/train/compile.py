@@ -10,7 +10,10 @@ blocks share one compiled graph: parameters are graph inputs, not constants.
 from __future__ import annotations
 
 import fnmatch
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,12 +63,17 @@ class CompileConfig:
 
 
 def compile_regions(
-    model: nn.Module, config: CompileConfig, eager_types: tuple[str, ...] = ()
+    model: nn.Module,
+    config: CompileConfig,
+    eager_types: tuple[str, ...] = (),
+    memory_budget: float | None = None,
 ) -> list[str]:
     """Compile ``config.regions`` of ``model`` in place; returns the compiled module names.
 
     A region holding a module whose class is in ``eager_types`` is not compiled whole: its
-    children are, recursively, and the ``eager_types`` modules stay eager.
+    children are, recursively, and the ``eager_types`` modules stay eager. ``memory_budget``
+    (remat mode budget): the fraction of activation memory the min-cut partitioner keeps when
+    it compiles these regions (set for their compilation only, not for the whole process).
     """
     if not config.enabled:
         return []
@@ -89,9 +97,10 @@ def compile_regions(
             return
         has_eager = any(type(m).__name__ in eager_types for m in module.modules())
         if selected and not has_eager:
-            module.forward = torch.compile(
+            forward = torch.compile(
                 module.forward, backend=config.backend, fullgraph=config.fullgraph, mode=mode
             )
+            module.forward = forward if memory_budget is None else _budgeted(forward, memory_budget)
             compiled.append(name)
             return
         for child_name, child in module.named_children():
@@ -99,3 +108,15 @@ def compile_regions(
 
     visit("", model, False)
     return compiled
+
+
+def _budgeted(forward: Callable[..., Any], budget: float) -> Callable[..., Any]:
+    """``forward`` compiled (at its first call) and run with the partitioner's activation
+    memory budget set to ``budget``, only for the duration of each call."""
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return forward(*args, **kwargs)
+
+    return call

@@ -111,9 +111,7 @@ def apply_remat(layers: nn.ModuleDict, config: RematConfig, compile_enabled: boo
                 "--remat.mode budget lets the compiler choose what to recompute, so it needs "
                 "--compile.enabled true; or pick full, selective or every_k without compile."
             )
-        # The min-cut partitioner reads this when each compiled region is partitioned.
-        torch._functorch.config.activation_memory_budget = config.memory_budget
-        return
+        return  # compile_regions hands each compiled region the budget (memory_budget below)
     if config.mode == "none":
         return
     context_fn = (
@@ -122,3 +120,8 @@ def apply_remat(layers: nn.ModuleDict, config: RematConfig, compile_enabled: boo
     for name, block in layers.items():
         if config.mode != "every_k" or int(name) % config.every_k == 0:
             _recompute(block, context_fn)
+
+
+def memory_budget(config: RematConfig) -> float | None:
+    """The activation-memory budget compiled regions partition with (mode budget), else None."""
+    return config.memory_budget if config.mode == "budget" else None
