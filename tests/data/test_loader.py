@@ -164,3 +164,40 @@ def test_val_label_tokens_same_for_any_layout(batch_size: int, dp_size: int) -> 
         return sorted(r.tolist() for r in rows if (r != IGNORE_INDEX).any())
 
     assert real_labels([b for bs in per_rank for b in bs]) == real_labels(reference)
+
+
+class WindowsWithExtras(TokenWindows):
+    """Token windows whose rows also carry a per-token weight and a per-row reward, both
+    functions of the row, as an RL or multimodal source's would be."""
+
+    def batch(self, rows_B: np.ndarray) -> Batch:
+        batch = super().batch(rows_B)
+        rows = torch.as_tensor(rows_B, dtype=torch.float32)
+        batch.extras["weight"] = rows[:, None] + torch.arange(T) / T
+        batch.row_extras["reward"] = -rows
+        return batch
+
+
+def test_extras_travel_through_the_loader_resume_and_sharding() -> None:
+    tokens = random_stream()
+    make = lambda: TrainLoader(WindowsWithExtras(tokens, EOS, T, document_mask=True),  # noqa: E731
+                               global_batch_size=8, micro_batch_size=2, seed=7)  # fmt: skip
+    loader = make()
+    loader.next_step()
+    state = loader.state_dict()
+    expected = loader.next_step()
+    resumed = make()
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, resumed.next_step()):
+        row = want.row_extras["reward"][:, None]
+        assert torch.equal(want.extras["weight"].floor(), -row.expand(-1, T))  # the rows' own
+        for name, value in want.named_tensors().items():
+            assert torch.equal(value, got.named_tensors()[name]), name
+    batch = expected[0]
+    assert set(batch.fields(["labels", "weight", "reward"])) == {"labels", "weight", "reward"}
+    with pytest.raises(KeyError, match="no field advantages"):
+        batch.fields(["advantages"])
+    half = batch.map_tokens(lambda t: t[:, : T // 2])  # as context parallelism cuts tokens
+    assert half.extras["weight"].shape == (2, T // 2) and torch.equal(
+        half.row_extras["reward"], batch.row_extras["reward"]
+    )

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from worker import ADAM_EPS, BATCH, MAX_NORM, SEQ_LEN, make_batches, reference_run
 
 from torchloom.data.packing import Batch
@@ -33,7 +34,7 @@ from torchloom.parallel import (
     sum_over_data_ranks,
 )
 from torchloom.parallel.pipeline import build_pipeline
-from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, cross_entropy_sum
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, LossOutput, cross_entropy_sum
 
 LAYOUTS: dict[str, dict] = {
     name: {"pp": 2, "dp_shard": 1, "pp_schedule": name}
@@ -43,6 +44,44 @@ LAYOUTS["gpipe_nomask"] = {"pp": 2, "dp_shard": 1, "pp_schedule": "gpipe"}
 LAYOUTS["fsdp_pp"] = {"pp": 2, "dp_shard": 2, "pp_schedule": "1f1b"}
 LAYOUTS["tp_pp_zbv"] = {"pp": 2, "tp": 2, "dp_shard": 1, "pp_schedule": "zbv"}
 LAYOUTS["tp_pp"] = {"pp": 2, "tp": 2, "dp_shard": 1, "pp_schedule": "interleaved_1f1b"}
+# An objective that reads an extra field of the batch (a per-token weight): the last stage
+# receives it cut into micro-batches like the labels.
+LAYOUTS["1f1b_weighted"] = {"pp": 2, "dp_shard": 1, "pp_schedule": "1f1b"}
+
+
+class WeightedCrossEntropy(CrossEntropy):
+    """Token cross-entropies times a per-token weight from the batch's extras."""
+
+    fields = ("labels", "weight")
+
+    def __call__(self, h_BTD, model, targets) -> LossOutput:
+        logits_BTV = model.logits(h_BTD).float()
+        token_BT = F.cross_entropy(logits_BTV.transpose(1, 2), targets["labels"],
+                                   ignore_index=IGNORE_INDEX, reduction="none")  # fmt: skip
+        return LossOutput((token_BT * targets["weight"]).sum())
+
+
+def weighted(batches: list[dict]) -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    return [{**b, "weight": torch.rand(BATCH, SEQ_LEN, generator=gen)} for b in batches]
+
+
+def objective_reference(model, batches: list[dict], objective) -> list[dict]:
+    """The whole batch on one process through ``objective`` (as the trainer's step does)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
+    steps = []
+    for batch in batches:
+        b = rows_of(batch, slice(None))
+        out = model(b.tokens, b.positions, b.doc_ids, objective=objective,
+                    targets=b.fields(objective.fields))  # fmt: skip
+        loss = out.loss / b.num_label_tokens
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        steps.append({"loss": loss.item(), "norm": norm.item(), "params": params})
+    return steps
 
 
 def build() -> torch.nn.Module:
@@ -53,14 +92,19 @@ def build() -> torch.nn.Module:
 
 def rows_of(batch: dict, rows: slice) -> Batch:
     fields = {k: None if v is None else v[rows] for k, v in batch.items()}
-    return Batch(fields["tokens"], fields["labels"], fields["positions"], fields["doc_ids"])
+    extras = {
+        k: v for k, v in fields.items() if k not in ("tokens", "labels", "positions", "doc_ids")
+    }
+    return Batch(fields["tokens"], fields["labels"], fields["positions"], fields["doc_ids"], extras)
 
 
-def pipeline_run(model, layout: dict, batches: list) -> tuple[list[dict], float, dict]:
+def pipeline_run(
+    model, layout: dict, batches: list, objective=None
+) -> tuple[list[dict], float, dict]:
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
     pipe = build_pipeline(
         model, dims, seq_len=SEQ_LEN, tp_plan=decoder_tp_plan, device=torch.device("cpu"),
-        objective=CrossEntropy(),
+        objective=objective or CrossEntropy(),
     )  # fmt: skip
     del model
     optimizer = torch.optim.AdamW(pipe.stages.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
@@ -82,6 +126,9 @@ def pipeline_run(model, layout: dict, batches: list) -> tuple[list[dict], float,
     return steps, val.item(), params
 
 
+LAYOUTS_WITH_VAL = set(LAYOUTS) - {"gpipe_nomask", "1f1b_weighted"}
+
+
 def main(names: list[str]) -> None:
     init_distributed("cpu")
     rank0 = dist.get_rank() == 0
@@ -96,10 +143,15 @@ def main(names: list[str]) -> None:
     with torch.no_grad():
         b = batches[0]
         ref_val = cross_entropy_sum(trained(b["tokens"], b["positions"], b["doc_ids"]), b["labels"])
+    weighted_batches = weighted(batches)
     for name in names:
         start = time.perf_counter()
         ref, data = (reference_nomask, nomask) if name == "gpipe_nomask" else (reference, batches)
-        steps, val, params = pipeline_run(build(), LAYOUTS[name], data)
+        objective = None
+        if name == "1f1b_weighted":
+            objective, data = WeightedCrossEntropy(), weighted_batches
+            ref = objective_reference(build(), data, objective)
+        steps, val, params = pipeline_run(build(), LAYOUTS[name], data, objective)
         if not rank0:
             continue
         final = ref[-1]["params"]
@@ -108,7 +160,7 @@ def main(names: list[str]) -> None:
             "seconds": round(time.perf_counter() - start, 2),
             "loss_diff": max(abs(r["loss"] - p["loss"]) for r, p in zip(ref, steps)),
             "norm_diff": max(abs(r["norm"] - p["norm"]) for r, p in zip(ref, steps)),
-            "val_diff": abs(val - ref_val.item()) if name != "gpipe_nomask" else 0.0,
+            "val_diff": abs(val - ref_val.item()) if name in LAYOUTS_WITH_VAL else 0.0,
             "param_diff": max((final[n] - params[n]).abs().max().item() for n in final),
             "missing": sorted(set(final) ^ set(params)),
             "losses": [p["loss"] for p in steps],

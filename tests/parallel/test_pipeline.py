@@ -45,7 +45,7 @@ def cases(*names: str) -> list:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, *runnable(*SCHEDULES, "gpipe_nomask"))
+    return launch(2, *runnable(*SCHEDULES, "gpipe_nomask", "1f1b_weighted"))
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,13 @@ def check(results: dict[str, dict], layout: str) -> None:
 @pytest.mark.parametrize("layout", cases(*SCHEDULES, "gpipe_nomask"))
 def test_every_schedule_matches_single_process(two_ranks, layout):
     check(two_ranks, layout)
+
+
+@pytest.mark.distributed
+def test_an_objective_reading_batch_extras_runs_on_the_last_stage(two_ranks):
+    """The objective's extra field (a per-token weight) reaches the last stage cut into
+    micro-batches with the labels: the same losses and weights as one process."""
+    check(two_ranks, "1f1b_weighted")
 
 
 @pytest.mark.distributed
