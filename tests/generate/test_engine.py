@@ -1,15 +1,19 @@
 """The generator on the model's own forward: log-probabilities equal a full forward pass,
-continuous batching changes nothing, bad requests fail alone, sampling settings behave."""
+continuous batching changes nothing, bad requests fail alone, sampling settings behave; the
+submit/step API, the caller's module mode, and layer kinds that bring their own generation state
+(weights updated in place: test_weights.py)."""
 
 import json
 
 import pytest
 import torch
+from torch import nn
 
 from torchloom.cli import main
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams, score
 from torchloom.generate.graphs import DecodeGraphs, buckets
 from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.models.components.attention import Attention
 
 
 def tiny(family: str = "llama3"):
@@ -185,3 +189,143 @@ def test_generate_command(tmp_path, hf_checkpoint):
     assert len(records[0]["logprobs"]) == 5 and "vocabulary" in records[1]["error"]
     assert main(["generate", "--from-hf", str(folder), "--prompts-file", str(prompts),
                  "--top-p", "0"]) == 2  # fmt: skip
+
+
+# -- submit / step ---------------------------------------------------------------------------
+
+
+def test_submit_and_step_report_requests_as_they_finish():
+    """Two slots: A (3 tokens) and B (6) prefill in round 1; C, submitted while they decode,
+    waits for A's slot and is prefilled alone in round 4 (B does not advance in that round); a
+    bad request is reported by the next step. Every request gets what it gets alone."""
+    model = tiny()
+    greedy = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (3, 6, 2)]
+    a, b, c = (Request(p, q) for p, q in zip(PROMPTS, greedy))
+    generator = Generator(model, max_batch=2, max_len=64)
+    assert generator.idle and generator.step() == []
+    assert [generator.submit(a), generator.submit(b)] == [0, 1]
+    assert not generator.idle
+    rounds = [generator.step()]
+    assert generator.submit(c) == 2
+    assert generator.submit(Request([], SamplingParams())) == 3
+    while not generator.idle:
+        rounds.append(generator.step())
+    finished = [[(i, len(done.tokens)) for i, done in r] for r in rounds]
+    print("finished per round:", finished)
+    assert finished == [[], [(3, 0)], [(0, 3)], [], [(2, 2)], [], [(1, 6)]]
+    bad = rounds[1][0][1]
+    assert bad.finish_reason == "error" and "empty" in bad.error
+    results = {i: done for r in rounds for i, done in r}
+    for i, request in enumerate((a, b, c)):
+        alone = Generator(model, max_batch=1, max_len=64).generate([request])[0]
+        assert results[i].tokens == alone.tokens and results[i].finish_reason == "length"
+        assert max(abs(x - y) for x, y in zip(results[i].logprobs, alone.logprobs)) < 1e-5
+
+
+def test_generate_alongside_submitted_requests():
+    """generate() returns its own requests; one submitted before is reported by step()."""
+    model = tiny()
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    generator = Generator(model, max_batch=2, max_len=64)
+    early = generator.submit(Request(PROMPTS[0], params))
+    generator.step()
+    short = SamplingParams(max_new_tokens=2, temperature=0.0)
+    mine = generator.generate([Request(PROMPTS[1], short), Request(PROMPTS[2], short)])
+    assert [len(c.tokens) for c in mine] == [2, 2]
+    rest: list[tuple[int, Completion]] = []
+    while not generator.idle:
+        rest += generator.step()
+    assert [(i, len(c.tokens)) for i, c in rest] == [(early, 8)]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_module_mode_is_left_as_it_was(mode):
+    model = tiny().train(mode == "train")
+    requests = [Request(p, SamplingParams(max_new_tokens=4, seed=i)) for i, p in enumerate(PROMPTS)]
+    completions = Generator(model, max_batch=3, max_len=64).generate(requests)
+    assert all(m.training == (mode == "train") for m in model.modules())
+    other = tiny().train(mode != "train")  # the same weights in the other mode: same numbers
+    again = Generator(other, max_batch=3, max_len=64).generate(requests)
+    assert [c.logprobs for c in completions] == [c.logprobs for c in again]
+
+
+# -- layer kinds -----------------------------------------------------------------------------
+
+
+def test_every_layer_allocates_its_own_state(monkeypatch):
+    model = tiny()
+    calls = []
+    new_state = Attention.new_state
+
+    def counting(self, *args):
+        calls.append(self)
+        return new_state(self, *args)
+
+    monkeypatch.setattr(Attention, "new_state", counting)
+    Generator(model, max_batch=2, max_len=16)
+    assert calls == [block.attention for block in model.layers.values()]
+
+
+class RunningSum(nn.Module):
+    """A toy recurrent mixer: out_t = o(sum of u(x_s) for s <= t). Its generation state is one
+    vector per slot (no k_proj, no KV), reset where a sequence starts and carried over the
+    right-padding of a prefill without taking it in."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.u, self.o = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x_BTD, cos_BTd, sin_BTd, documents=None, cache=None):
+        u_BTD = self.u(x_BTD)
+        if cache is not None:
+            return self.o(cache.run(u_BTD))
+        return self.o(u_BTD.cumsum(1))
+
+    def new_state(self, slots, max_len, device, dtype):
+        return RunningSumState(torch.zeros(slots, self.u.weight.shape[0], device=device))
+
+
+class RunningSumState:
+    def __init__(self, h_SD: torch.Tensor) -> None:
+        self.h_SD = h_SD
+
+    def bound(self, binding):
+        return BoundRunningSum(self.h_SD, binding)
+
+
+class BoundRunningSum:
+    def __init__(self, h_SD, binding) -> None:
+        self.h_SD, self.binding = h_SD, binding
+
+    def run(self, u_BTD: torch.Tensor) -> torch.Tensor:
+        slots_B, positions_BT = self.binding.slot_ids_B, self.binding.positions_BT
+        fresh_B1 = positions_BT[:, :1] == 0  # a new sequence in this slot
+        start_BD = torch.where(fresh_B1, 0.0, self.h_SD[slots_B])
+        h_BTD = start_BD[:, None] + u_BTD.cumsum(1)
+        lengths_B = self.binding.lengths_B
+        last_B = lengths_B if lengths_B is not None else torch.full_like(slots_B, u_BTD.shape[1])
+        self.h_SD[slots_B] = h_BTD[torch.arange(len(slots_B)), last_B - 1]
+        return h_BTD
+
+
+@pytest.mark.parametrize("decode", ["gathered", "static"])
+def test_a_model_with_a_recurrent_layer_kind(decode):
+    """Layer 0's mixer is a toy recurrent kind with its own state: the generator (which reads
+    no layer's attributes) still matches a full forward under continuous batching."""
+    model = tiny()
+    mixer = RunningSum(model.config.dim)
+    nn.init.normal_(mixer.u.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    nn.init.normal_(mixer.o.weight, std=0.02, generator=torch.Generator().manual_seed(1))
+    model.layers["0"].attention = mixer
+    requests = [Request(p, SamplingParams(max_new_tokens=4 + 2 * i, seed=i))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    generator = Generator(model, max_batch=3, max_len=64)
+    if decode == "static":
+        generator.graphs = DecodeGraphs(model, generator.cache, score, capture=False)
+    worst = 0.0
+    for request, completion in zip(requests, generator.generate(requests)):
+        assert len(completion.tokens) == request.params.max_new_tokens
+        reference = full_forward_logprobs(model, request.prompt_ids, completion.tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(reference, completion.logprobs)))
+    print(f"recurrent layer kind ({decode}): max |generator - full forward| = {worst:.1e}")
+    assert worst < 1e-5

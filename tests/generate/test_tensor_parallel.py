@@ -1,10 +1,12 @@
 """Generation with tensor parallelism (`torchloom generate --tp 2` under torchrun, gloo on the
-CPU): the same tokens and, within fp32 rounding, the same log-probabilities as one process."""
+CPU): the same tokens and, within fp32 rounding, the same log-probabilities as one process;
+weights updated in place on the split model."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +57,21 @@ def test_tp_needs_as_many_processes(tmp_path, hf_checkpoint, capsys):
                  "--device", "cpu"])  # fmt: skip
     assert code == 2
     assert "--tp 2 needs 2 processes" in capsys.readouterr().err
+
+
+def test_update_weights_on_a_tp2_model():
+    """Full tensors (each rank copies its box) and DTensors placed like the parameters (each
+    copies its shard) give what one process gives with those weights; storage is kept."""
+    worker = Path(__file__).with_name("tp_weights_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(worker)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-16000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    print(result)
+    assert result["pointers_kept"]
+    for source in ("full", "dtensor"):
+        assert result[source]["tokens_equal"], source
+        assert result[source]["max_logprob_diff"] < 1e-5, source

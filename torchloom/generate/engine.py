@@ -1,9 +1,11 @@
-"""The generator: the trained model's own forward with a KV cache, continuous batching,
-sampling, stop tokens, and each generated token's log-probability.
+"""The generator: the trained model's own forward with its generation state (each layer's
+own kind, ``model.new_cache``), continuous batching, sampling, stop tokens, and each generated
+token's log-probability.
 
-Requests wait in a queue; whenever cache slots are free, waiting requests are prefilled together
-(right-padded), then every active request advances one token per decode step. A request leaves
-as soon as it stops, and its slot takes the next waiting request before the following step.
+Requests wait in a queue (``submit``); each ``step`` is one scheduling round: when cache slots
+are free, waiting requests are prefilled together (right-padded); otherwise every active request
+advances one token. A request leaves as soon as it stops, and its slot takes the next waiting
+request in the following round. ``generate(requests)`` submits and steps until they are done.
 Log-probabilities are those of the model's own distribution (fp32 log-softmax of the logits,
 before temperature, top-k or top-p), so they equal a full forward pass over the sequence.
 """
@@ -18,8 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchloom.generate.cache import KVCache
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
+from torchloom.generate.weights import Weights, copy_weights_
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Completion:
 
 @dataclass
 class _Active:
-    index: int
+    id: int
     request: Request
     completion: Completion
     position: int
@@ -79,15 +81,17 @@ class _Active:
 
 
 class Generator:
-    """Generates with ``model`` (any torchloom decoder) in eval mode, without changing it.
+    """Generates with ``model`` (any torchloom decoder) without changing its module mode (the
+    forwards run under ``torch.no_grad()``; the models have no dropout).
 
     ``max_batch`` requests run at once (cache slots), each up to ``max_len`` tokens (prompt +
     generated; default the model's context). ``cuda_graphs`` (default: on a CUDA device)
     replays decode steps from CUDA graphs captured here, once per batch-size bucket;
     ``compile`` compiles those steps with inductor first (a minute or so, once per process).
     A tensor-parallel model (DTensor weights, see torchloom/generate/run.py) works too: each
-    rank caches its own kv heads and every rank gets the whole logits, so all ranks pick the
-    same tokens; CUDA graphs are then off by default (not verified with collectives).
+    rank's layers hold their own share of the state and every rank gets the whole logits, so
+    all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
+    collectives).
     """
 
     def __init__(
@@ -103,17 +107,14 @@ class Generator:
             raise ValueError(f"max_batch (cache slots) must be an integer >= 1; got {max_batch!r}")
         if max_len is not None and not _is_positive_int(max_len):
             raise ValueError(f"max_len must be None or an integer >= 1; got {max_len!r}")
-        self.model = model.eval()
-        self.config = model.config
+        self.model, self.config = model, model.config
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or self.config.max_seq_len
-        kv_heads = _local_kv_heads(model)
-        self.cache = KVCache(
-            self.config, max_batch, self.max_len, self.device, self.dtype, kv_heads
-        )
+        self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and kv_heads == self.config.num_kv_heads
+            sharded = any(isinstance(p, DTensor) for p in model.parameters())
+            cuda_graphs = self.device.type == "cuda" and not sharded
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
         if compile and self.config.batch_invariant:
@@ -124,11 +125,86 @@ class Generator:
                 "Drop compile (CUDA graphs still replay the decode steps)."
             )
         self.graphs = None
-        self._ahead: DecodeStep | None = None  # a greedy step launched before the last was read
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(
                 self.model, self.cache, score, capture=cuda_graphs, compile=compile
             )
+        self._waiting: deque[tuple[int, Request]] = deque()
+        self._active: dict[int, _Active] = {}  # by slot
+        self._free = list(range(max_batch))  # a heap: the lowest free slot goes first
+        self._finished: list[tuple[int, Completion]] = []  # what the next step() reports
+        self._next_id = 0
+        self._ahead: DecodeStep | None = None  # a greedy step launched before the last was read
+
+    # -- the API --------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> int:
+        """Queue ``request``; returns its id. A request that cannot run is reported by the next
+        ``step()`` with finish_reason 'error' and its reason."""
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        problem = self._problem(request)
+        if problem is None:
+            self._waiting.append((request_id, request))
+        else:
+            self._finished.append((request_id, Completion(finish_reason="error", error=problem)))
+        return request_id
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """One scheduling round: admit waiting requests into free slots with one prefill, or
+        else advance every active request by one token (one forward; a no-op when idle).
+        Returns (id, Completion) of the requests that finished in it, and of those refused by
+        ``submit`` or ended by ``update_weights`` since the last step."""
+        with torch.no_grad():
+            if self._waiting and self._free:
+                self._settle()  # the step launched ahead comes before the new rows
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
+                self._active.update(admitted)
+            elif self._active:
+                self._decode()
+            self._release()
+        finished, self._finished = self._finished, []
+        return finished
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting, running, or finished and not yet reported by ``step()``."""
+        return not (self._waiting or self._active or self._finished)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """One Completion per request, in order. A bad request gets finish_reason 'error' and
+        its reason; the others run normally. Requests submitted before keep running alongside;
+        those that finish meanwhile are reported by the next ``step()``."""
+        ids = [self.submit(request) for request in requests]
+        wanted = set(ids)
+        results: dict[int, Completion] = {}
+        others: list[tuple[int, Completion]] = []
+        while len(results) < len(ids):
+            for request_id, completion in self.step():
+                if request_id in wanted:
+                    results[request_id] = completion
+                else:
+                    others.append((request_id, completion))
+        self._finished += others
+        return [results[i] for i in ids]
+
+    def update_weights(self, weights: Weights, partial: bool = False) -> None:
+        """Copy new weights into the model's parameters in place (same storage, so the cache,
+        captured CUDA graphs and a compiled step stay valid), on each parameter's device.
+        ``weights``: {name: tensor} or (name, tensor) pairs under the model's parameter names,
+        full tensors or DTensors placed like the parameter (torchloom/generate/weights.py).
+        Every parameter must be given unless ``partial``; a wrong name or shape raises one
+        ValueError and copies nothing.
+
+        Between steps, with requests in flight: they go on with the new weights (their cache
+        keeps what the old weights computed for their earlier tokens). A step already launched
+        ahead is read first, so every step launched after this call uses the new weights."""
+        with torch.no_grad():
+            self._settle()
+        copy_weights_(self.model, weights, partial)
+
+    # -- scheduling -----------------------------------------------------------------------------
 
     def _problem(self, request: Request) -> str | None:
         prompt, params = request.prompt_ids, request.params
@@ -151,42 +227,29 @@ class Generator:
             )
         return None
 
-    @torch.no_grad()
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """One Completion per request, in order. A bad request gets finish_reason 'error' and
-        its reason; the others run normally."""
-        results: list[Completion] = [Completion() for _ in requests]
-        waiting: deque[int] = deque()
-        for i, request in enumerate(requests):
-            problem = self._problem(request)
-            if problem is None:
-                waiting.append(i)
-            else:
-                results[i] = Completion(finish_reason="error", error=problem)
-        free = list(range(self.cache.slots))  # a heap: the lowest free slot goes first
-        active: dict[int, _Active] = {}
-        while waiting or active:
-            admitted: dict[int, _Active] = {}
-            if waiting and free and self._ahead is not None:
-                self._settle(active)  # the step launched ahead comes first
-                _release(active, free)
-            while waiting and free:
-                i = waiting.popleft()
-                request = requests[i]
-                generator = None
-                if request.params.seed is not None:
-                    generator = torch.Generator(self.device).manual_seed(request.params.seed)
-                admitted[heapq.heappop(free)] = _Active(
-                    i, request, results[i], len(request.prompt_ids), generator
-                )
-            if admitted:
-                self._prefill(admitted)
-                active.update(admitted)
-            elif active:
-                self._decode(active)
-            _release(active, free)
-        self._ahead = None  # launched for rows that have stopped since: nothing to read
-        return results
+    def _admit(self) -> dict[int, _Active]:
+        """Waiting requests taken into free slots, by slot."""
+        admitted: dict[int, _Active] = {}
+        while self._waiting and self._free:
+            request_id, request = self._waiting.popleft()
+            generator = None
+            if request.params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(request.params.seed)
+            admitted[heapq.heappop(self._free)] = _Active(
+                request_id, request, Completion(), len(request.prompt_ids), generator
+            )
+        return admitted
+
+    def _release(self) -> None:
+        """Give the slots of requests that have finished back; report them."""
+        for slot in [s for s, a in self._active.items() if a.completion.finish_reason]:
+            state = self._active.pop(slot)
+            heapq.heappush(self._free, slot)
+            self._finished.append((state.id, state.completion))
+        if not self._active:
+            self._ahead = None  # launched for rows that have stopped since: nothing to read
+
+    # -- forwards -------------------------------------------------------------------------------
 
     def _prefill(self, admitted: dict[int, _Active]) -> None:
         slots = list(admitted)
@@ -197,18 +260,18 @@ class Generator:
             tokens_BT[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
         positions_BT = torch.arange(longest, device=self.device).expand(len(slots), -1)
         slot_ids_B = torch.tensor(slots, device=self.device)
-        logits_BTV = self.model(
-            tokens_BT, positions_BT, cache=self.cache.bind(slot_ids_B, positions_BT)
-        )
-        last_B = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        logits_BV = logits_BTV[torch.arange(len(slots), device=self.device), last_B]
+        lengths_B = torch.tensor([len(p) for p in prompts], device=self.device)
+        cache = self.cache.bind(slot_ids_B, positions_BT, lengths_B)
+        logits_BTV = self.model(tokens_BT, positions_BT, cache=cache)
+        logits_BV = logits_BTV[torch.arange(len(slots), device=self.device), lengths_B - 1]
         logprobs_BV, best_2B = score(logits_BV)
         self._emit(admitted, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
 
-    def _decode(self, active: dict[int, _Active]) -> None:
+    def _decode(self) -> None:
         if self.graphs is not None:
-            self._decode_static(active)
+            self._decode_static()
             return
+        active = self._active
         slots = list(active)
         tokens_B1 = torch.tensor(
             [[active[s].completion.tokens[-1]] for s in slots], device=self.device
@@ -221,11 +284,12 @@ class Generator:
         logprobs_BV, best_2B = score(logits_B1V[:, 0])
         self._emit(active, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
 
-    def _decode_static(self, active: dict[int, _Active]) -> None:
+    def _decode_static(self) -> None:
         """A step over slots 0..max(active) (free ones run on a dummy token; row = slot). When
         every row is greedy and one goes on after this step, the next step is launched before
         this one is read: its inputs (the argmax tokens) are already on the device."""
         assert self.graphs is not None
+        active = self._active
         step, self._ahead = self._ahead, None
         if step is None:
             rows = max(active) + 1
@@ -239,16 +303,18 @@ class Generator:
         )
         if greedy and going_on and self.graphs.bucket_for(max(active) + 1) == self.graphs.bucket:
             self._ahead = self.graphs.launch()
-        self._read(active, step)
+        self._read(step)
 
-    def _settle(self, active: dict[int, _Active]) -> None:
-        """Read the step launched ahead (its rows are exactly the active ones, all greedy)."""
+    def _settle(self) -> None:
+        """Read the step launched ahead, if any (its rows are exactly the active ones, all
+        greedy), and release the requests it ended."""
         step, self._ahead = self._ahead, None
-        assert step is not None
-        self._read(active, step)
+        if step is not None:
+            self._read(step)
+            self._release()
 
-    def _read(self, active: dict[int, _Active], step: DecodeStep) -> None:
-        self._emit(active, step.logprobs_BV, step.best(), list(active))  # row = slot
+    def _read(self, step: DecodeStep) -> None:
+        self._emit(self._active, step.logprobs_BV, step.best(), list(self._active))  # row = slot
 
     def _emit(
         self,
@@ -283,13 +349,6 @@ def _is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _release(active: dict[int, _Active], free: list[int]) -> None:
-    """Give the slots of requests that have finished back to the free heap."""
-    for slot in [s for s, a in active.items() if a.completion.finish_reason]:
-        del active[slot]
-        heapq.heappush(free, slot)
-
-
 def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 log-probabilities [B, V], [2, B] float64 of each row's argmax token and its
     log-probability): the model's own distribution, before any sampling setting. Token ids and
@@ -298,14 +357,6 @@ def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens_B = logprobs_BV.argmax(dim=-1)
     picked_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
     return logprobs_BV, torch.stack((tokens_B.double(), picked_B.double()))
-
-
-def _local_kv_heads(model: nn.Module) -> int:
-    """The kv heads this rank computes: all of them, or its share under tensor parallelism."""
-    config = model.config
-    weight = next(iter(model.layers.values())).attention.k_proj.weight
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
-    return local.shape[0] // config.resolved_head_dim
 
 
 def sample(

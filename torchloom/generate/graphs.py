@@ -2,10 +2,11 @@
 
 A decode step of a small batch is hundreds of tiny kernels, so on the GPU its time is mostly
 launch overhead. ``DecodeGraphs`` captures the model's one-token forward once per row count
-bucket (1, 2, 4, ... up to the cache's slots) over the leading slots of the KV cache
-(``KVCache.bind_leading``: static shapes, no host synchronisation), and replays the smallest
+bucket (1, 2, 4, ... up to the cache's slots) over the leading slots of the model's cache
+(``ModelCache.bind_leading``: static shapes, no host synchronisation), and replays the smallest
 bucket that covers the active slots. Rows of free slots inside a bucket compute on a dummy
-token at position 0 of their own slot, which the next prefill of that slot overwrites.
+token at position 0 of their own slot, which the next prefill of that slot overwrites (a
+position-0 row starts its slot afresh, so every state kind takes it alike).
 
 Each graph also runs ``finish`` on the step's logits (the generator's log-softmax and argmax)
 and writes the next step's inputs for greedy rows, so a step costs one replay and one small
@@ -18,12 +19,30 @@ kernels; the graphs then replay the compiled kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from torchloom.generate.cache import KVCache
+from torchloom.models.components.cache import ModelCache
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Python's cycle collector held off: a collection inside a capture may free a dead
+    generator's graphs (any caught in a reference cycle), and destroying a graph while another
+    is being captured invalidates that capture ("operation failed due to a previous error
+    during capture": 2 of the 10 GPU tests of tests/generate failed so on an H200, every run).
+    ``torch.cuda.graph`` no longer collects before capturing (torch 2.11)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def buckets(slots: int) -> list[int]:
@@ -66,14 +85,14 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        cache: KVCache,
+        cache: ModelCache,
         finish: Finish,
         capture: bool = True,
         compile: bool = False,
     ) -> None:
         """``capture=False`` runs the same static-shape steps without graphs (any device)."""
         self.cache, self.finish = cache, finish
-        device = cache.k[0].device
+        device = cache.device
         self.sizes = buckets(cache.slots)
         self._tokens_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
         self._positions_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
@@ -94,10 +113,14 @@ class DecodeGraphs:
             self._capture(device)
 
     def _model_step(self, model: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        # Not closing over self: without a reference cycle a dropped generator's graphs and
+        # cache are freed at once, not by the cycle collector (which could run in a capture).
+        finish = self.finish
+
         def step(
-            tokens_B1: torch.Tensor, positions_B1: torch.Tensor, cache: KVCache
+            tokens_B1: torch.Tensor, positions_B1: torch.Tensor, cache: ModelCache
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.finish(model(tokens_B1, positions_B1, cache=cache)[:, 0])
+            return finish(model(tokens_B1, positions_B1, cache=cache)[:, 0])
 
         return step
 
@@ -111,7 +134,7 @@ class DecodeGraphs:
                 for _ in range(warmup):
                     self._forward(rows)
         torch.cuda.current_stream(device).wait_stream(stream)
-        with torch.no_grad():
+        with torch.no_grad(), _no_garbage_collection():
             for rows in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -31,7 +31,10 @@ def load_model_and_tokenizer(
 ) -> tuple[nn.Module, Any]:
     """(model in eval mode, Tokenizer or None) from a Hugging Face folder, a torchloom model
     folder, or one step of a training checkpoint; ``batch_invariant`` builds it in that mode;
-    ``tp`` > 1 splits it over the ``tp`` ranks of the torchrun job (tensor parallelism)."""
+    ``tp`` > 1 splits it over the ``tp`` ranks of the torchrun job (tensor parallelism).
+
+    Built on meta and split there, so each rank allocates and reads only its own shards (the
+    loaders read the local box of every DTensor parameter); no rank holds the whole model."""
     from torchloom.checkpoint.convert import open_model_source
     from torchloom.checkpoint.hf import hf_architecture, load_hf_weights
     from torchloom.checkpoint.safetensors_io import load_into, parse_dtype
@@ -52,13 +55,13 @@ def load_model_and_tokenizer(
     target = parse_dtype(dtype)
     if target is not None:
         model.to(target)
+    if tp > 1:
+        tensor_parallel(model, get_model_spec(family), tp, device)
     model.to_empty(device=device)
     if source is None:
         load_hf_weights(model, Path(from_hf))
     else:
         load_into(model, source.reader, source.name)
-    if tp > 1:
-        tensor_parallel(model, get_model_spec(family), tp, device)
     tokenizer = None
     if folder is not None and (Path(folder) / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_file(folder)
@@ -66,8 +69,9 @@ def load_model_and_tokenizer(
 
 
 def tensor_parallel(model: nn.Module, spec: Any, tp: int, device: torch.device) -> None:
-    """Split the loaded model's heads and hidden units over the job's ranks: the family's
-    plan without sequence parallelism (a decode step has one token per sequence)."""
+    """Split the model's heads and hidden units over the job's ranks (on meta before its
+    weights load, or a loaded model): the family's plan without sequence parallelism (a
+    decode step has one token per sequence)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -29,8 +29,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
+from torchloom.models.components.cache import KVState
 from torchloom.models.components.norms import NORM_IMPLS
-from torchloom.models.components.param_init import ParamInit
+from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS
 
 AttentionBackend = Callable[
@@ -143,7 +144,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
 
 
 class LayerCache(Protocol):
-    """One layer's view of a generation KV cache (torchloom/generate/cache.py)."""
+    """One layer's KV state bound to a forward (models/components/cache.py)."""
 
     def attend(
         self, q_BHTd: torch.Tensor, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor
@@ -185,6 +186,7 @@ class Attention(nn.Module):
         norm_cls = NORM_IMPLS[norm_impl]
         self.q_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
         self.k_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
+        self.backend = backend  # new_state: the batch-invariant kernel decodes its own way
         self.attend = ATTENTION_BACKENDS[backend]
         self.rotate = ROPE_IMPLS[rope_impl]
 
@@ -212,6 +214,16 @@ class Attention(nn.Module):
         else:
             out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
         return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+    def new_state(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> KVState:
+        """This layer's generation state: keys and values of the kv heads this rank holds
+        (its share of k_proj under tensor parallelism), attended with the batch-invariant
+        kernel when that is this layer's backend."""
+        kv_heads = local_tensor(self.k_proj.weight).shape[0] // self.head_dim
+        invariant = self.backend == "batch_invariant"
+        return KVState(slots, kv_heads, max_len, self.head_dim, device, dtype, invariant)
 
     def init_weights(self, init: ParamInit) -> None:
         """Normal weights truncated at 3 std; q/k norms at one."""

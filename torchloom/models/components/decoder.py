@@ -29,6 +29,7 @@ from torchloom.models.components.attention import (
     LayerCache,
     shared_attention_input,
 )
+from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit
@@ -192,17 +193,12 @@ def _residual_std(cfg: DecoderConfig) -> float:
 
 MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention}
 """Token-mixer kinds: ``build(config, layer_index) -> module`` taking
-``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)`` and
-``flops_per_token(seq_len)``."""
+``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)``,
+``flops_per_token(seq_len)`` and ``new_state(slots, max_len, device, dtype)`` (its generation
+state: models/components/cache.py)."""
 FFNS: dict[str, Callable[[Any, int], nn.Module]] = {"swiglu": _swiglu}
 """Feed-forward kinds: ``build(config, layer_index) -> module`` taking ``x_BTD``, with
 ``init_weights(ParamInit)`` and ``flops_per_token(seq_len)``."""
-
-
-class ModelCache(Protocol):
-    """Generation state as the model sees it (torchloom/generate/cache.py)."""
-
-    def layer(self, index: int) -> LayerCache: ...
 
 
 class Objective(Protocol):
@@ -343,6 +339,17 @@ class Decoder(nn.Module):
         if self.config.batch_invariant:
             return batch_invariant.linear(h_BTD, weight_VD)
         return F.linear(h_BTD, weight_VD)
+
+    def new_cache(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> ModelCache:
+        """Generation state for ``slots`` sequences of up to ``max_len`` tokens: each block's
+        token mixer allocates its own kind (KV, latent, recurrent) from its own shapes."""
+        states = {
+            int(name): block.attention.new_state(slots, max_len, device, dtype)
+            for name, block in self.layers.items()
+        }
+        return ModelCache(states, slots, max_len, device)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of the whole model (see DecoderConfig.flops_per_token)."""

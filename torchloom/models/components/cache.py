@@ -1,0 +1,173 @@
+"""Generation state, owned by the layers: each layer kind allocates its own (``new_state``) from
+its own shapes, and the generator only binds a forward's rows to it.
+
+``ModelCache`` holds one state per layer for a fixed pool of ``slots`` sequences of up to
+``max_len`` tokens. A request owns one slot from its prefill until it ends, so requests join and
+leave between decode steps without moving anyone else's state. A forward is bound to the cache
+in one of two ways:
+
+- ``bind(slot_ids, positions, lengths)``: rows are any slots; attention reads keys up to the
+  furthest query (a host read of the positions). Used for prefill, and for decode steps
+  without CUDA graphs.
+- ``bind_leading(positions)``: rows are slots 0..rows-1 and every key index up to ``max_len``
+  is read through a mask, with no host synchronisation and no copy, so the step can be captured
+  in a CUDA graph (torchloom/generate/graphs.py).
+
+A row whose first position is 0 starts a new sequence in its slot, and in a prefill the tokens
+past ``lengths_B`` of a row are right-padding: a state that is not indexed by position (a
+recurrent or convolution state) resets on the first and stops before the second; a KV state
+needs neither (it is indexed by position, and padding keys sit where later tokens overwrite them).
+
+The KV state of grouped-query attention lives here: keys and values per layer as
+[slots, kv_heads, max_len, head_dim]; a token at position p of its sequence sits at index p of
+its slot. Latent (MLA) and recurrent (linear attention) states join as further kinds with the
+same ``bound(binding)`` contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from torchloom.kernels import batch_invariant
+
+
+class Binding:
+    """What every layer of one forward shares: the rows' slots and positions, how many key
+    indices to read, each row's real tokens (``lengths_B``; None: all T), and values computed
+    once for all layers (``memo``)."""
+
+    def __init__(
+        self,
+        slot_ids_B: torch.Tensor,
+        positions_BT: torch.Tensor,
+        length: int,
+        leading: bool,
+        lengths_B: torch.Tensor | None = None,
+    ) -> None:
+        self.slot_ids_B, self.positions_BT = slot_ids_B, positions_BT
+        self.length, self.leading, self.lengths_B = length, leading, lengths_B
+        self._memo: dict[str, Any] = {}
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed by the first layer that asks and shared with the rest."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+
+class LayerState(Protocol):
+    """One layer's generation state: ``bound(binding)`` is what the layer's forward receives
+    as its ``cache``."""
+
+    def bound(self, binding: Binding) -> Any: ...
+
+
+class ModelCache:
+    """Every layer's generation state for ``slots`` sequences of up to ``max_len`` tokens, by
+    layer index (``Decoder.new_cache`` asks each layer for its own)."""
+
+    def __init__(
+        self, states: dict[int, LayerState], slots: int, max_len: int, device: torch.device
+    ) -> None:
+        self.states, self.slots, self.max_len, self.device = states, slots, max_len, device
+        self._binding: Binding | None = None
+
+    def bind(
+        self,
+        slot_ids_B: torch.Tensor,
+        positions_BT: torch.Tensor,
+        lengths_B: torch.Tensor | None = None,
+    ) -> ModelCache:
+        """Set which slots the next forward's rows are and where their tokens go (row b's
+        tokens past ``lengths_B[b]`` are right-padding); returns self (pass it as
+        ``model(tokens, positions, cache=...)``)."""
+        length = int(positions_BT.max()) + 1  # keys past the furthest query are never visible
+        self._binding = Binding(
+            slot_ids_B, positions_BT, length, leading=False, lengths_B=lengths_B
+        )
+        return self
+
+    def bind_leading(self, positions_BT: torch.Tensor) -> ModelCache:
+        """Rows are slots 0..B-1 (B = positions_BT.shape[0]); shapes depend only on B."""
+        slot_ids_B = torch.arange(positions_BT.shape[0], device=positions_BT.device)
+        self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True)
+        return self
+
+    def layer(self, index: int) -> Any:
+        assert self._binding is not None, "bind() first"
+        return self.states[index].bound(self._binding)
+
+
+class KVState:
+    """Keys and values of one attention layer: [slots, kv_heads, max_len, head_dim] each."""
+
+    def __init__(
+        self,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        batch_invariant: bool = False,
+    ) -> None:
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.batch_invariant = batch_invariant
+
+    def bound(self, binding: Binding) -> _BoundKV:
+        return _BoundKV(self, binding)
+
+
+class _BoundKV:
+    """A KV state bound to one forward: stores this step's keys and values, attends to them."""
+
+    def __init__(self, state: KVState, binding: Binding) -> None:
+        self.state, self.binding = state, binding
+
+    def attend(
+        self, q_BHTd: torch.Tensor, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's rotated keys/values; attend the queries to the cached ones."""
+        bound, state = self.binding, self.state
+        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
+        # Advanced indexing [slots, :, positions] puts the indexed dims first: [B, T, K, d].
+        state.k[rows_B1, :, pos_BT] = k_BKTd.transpose(1, 2).to(state.k.dtype)
+        state.v[rows_B1, :, pos_BT] = v_BKTd.transpose(1, 2).to(state.v.dtype)
+        if bound.leading:  # a view of slots 0..B-1: no copy
+            rows = pos_BT.shape[0]
+            keys_BKLd, values_BKLd = state.k[:rows], state.v[:rows]
+        else:
+            keys_BKLd = state.k[bound.slot_ids_B, :, : bound.length]
+            values_BKLd = state.v[bound.slot_ids_B, :, : bound.length]
+        if state.batch_invariant:
+            return batch_invariant.attention(q_BHTd, keys_BKLd, values_BKLd, pos_BT)
+        hidden_B11TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))
+        return grouped_attention(q_BHTd, keys_BKLd, values_BKLd, hidden_B11TL)
+
+
+def _hidden_keys(bound: Binding) -> torch.Tensor:
+    """[B, 1, 1, T, L]: which key indices each query may not see (those past its position)."""
+    index_L = torch.arange(bound.length, device=bound.positions_BT.device)
+    return (index_L[None, None, :] > bound.positions_BT[:, :, None])[:, None, None]
+
+
+def grouped_attention(
+    q_BHTd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, hidden_B11TL: torch.Tensor
+) -> torch.Tensor:
+    """Query (b, t) attends to the key indices of row b that ``hidden_B11TL[b, 0, 0, t]`` does
+    not hide; GQA without repeating the kv heads (query head h = k * group + g reads kv head
+    k), fp32 softmax."""
+    B, H, T, d = q_BHTd.shape
+    K, L = k_BKLd.shape[1], k_BKLd.shape[2]
+    group = H // K
+    q_BKGd = q_BHTd.reshape(B, K, group * T, d)  # [B, K, (group, T), d]
+    scores_BKGL = (q_BKGd @ k_BKLd.to(q_BHTd.dtype).transpose(-1, -2)).float() * d**-0.5
+    scores_BKgTL = scores_BKGL.view(B, K, group, T, L).masked_fill(hidden_B11TL, float("-inf"))
+    probs_BKGL = scores_BKgTL.softmax(-1).view(B, K, group * T, L)
+    out_BKGd = probs_BKGL.to(q_BHTd.dtype) @ v_BKLd.to(q_BHTd.dtype)
+    return out_BKGd.reshape(B, H, T, d)
