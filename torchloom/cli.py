@@ -36,6 +36,7 @@ _USAGE = """usage: torchloom <command> [options]
 
 commands:
   train     train a recipe:  torchloom train --recipe NAME [--section.field VALUE ...]
+            (--dry-run: check the parallel layout and print per-rank memory, allocating nothing)
   convert   Hugging Face folder <-> torchloom model folder (`torchloom convert --help`)
   generate  sample from a model: torchloom generate --from-hf DIR --prompt TEXT (`--help`)
   recipes   list the registered recipes
@@ -78,14 +79,25 @@ def cmd_train(argv: list[str]) -> int:
     argv = list(argv)
     if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
         name = _pop_option(argv, "--recipe") or DEFAULT_RECIPE
-        title = f"torchloom train --recipe {name} [options]  (values shown are this recipe's)"
+        title = (
+            f"torchloom train --recipe {name} [options]  (values shown are this recipe's)\n"
+            "  --print-config  print the resolved config and exit\n"
+            "  --dry-run       build the model on the meta device under the real layout, check\n"
+            "                  that the layout divides it and print each rank's bytes of\n"
+            "                  parameters, gradients and optimizer state; allocates nothing"
+        )
         print(format_help(get_recipe(name).build(), title))
         return 0
     print_config = _pop_flag(argv, "--print-config")
+    dry = _pop_flag(argv, "--dry-run")
     name, job = resolve_job(argv)
     if print_config:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0
+    if dry:
+        from torchloom.train.dry_run import dry_run
+
+        return dry_run(job)
 
     from torchloom.parallel import destroy
     from torchloom.train.trainer import Trainer, TrainingInterrupted

@@ -68,9 +68,12 @@ def build_model_parts(
     dims: ParallelDims,
     device: torch.device,
     objective: Objective,
+    *,
+    allocate: bool = True,
 ) -> ModelParts:
     """Meta build, parallelize (pipeline stages, TP, recompute and compile, FSDP), then
-    materialize every module this rank holds (``materialize``)."""
+    materialize every module this rank holds (``materialize``). ``allocate=False`` stops
+    before materializing: every parameter stays on the meta device (the dry run)."""
     check_float8_device(config.float8, device)
     spec = get_model_spec(job.model.name)
     if dims.tp_enabled and spec.tp_plan is None:
@@ -86,10 +89,12 @@ def build_model_parts(
             objective=objective, wrap_blocks=wrap,
         )  # fmt: skip
         for stage in pipeline.stages:
-            materialize(stage, job, device)
+            if allocate:
+                materialize(stage, job, device)
         return ModelParts(config, pipeline.stages, pipeline, pipeline.local_model())
     parallelize(model, dims, seq_len=seq_len, tp_plan=spec.tp_plan, wrap_blocks=wrap)
-    materialize(model, job, device)
+    if allocate:
+        materialize(model, job, device)
     return ModelParts(config, model)
 
 

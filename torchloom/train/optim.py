@@ -119,6 +119,22 @@ OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, torch.device], list[
 """``--optimizer.name`` -> a function splitting a model's parameters among optimizers."""
 
 
+def _adamw_state_bytes(model: nn.Module, cfg: OptimizerConfig) -> int:
+    """exp_avg and exp_avg_sq shaped like each trainable parameter's local shard, in its dtype,
+    and a float32 step count per parameter (torch's AdamW and TritonAdamW alike)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(2 * _local(p).numel() * p.element_size() + 4 for p in params)
+
+
+OPTIMIZER_STATE_BYTES: dict[str, Callable[[nn.Module, OptimizerConfig], int]] = {
+    "adamw": _adamw_state_bytes,
+}
+"""``--optimizer.name`` -> the bytes of state its optimizers keep on this rank for a model (its
+parameters may be meta tensors): what ``torchloom train --dry-run`` reports without building
+the optimizer. Per model rather than per parameter, so an optimizer that splits parameters
+(Muon for matrices, AdamW for the rest) counts them the way its builder splits them."""
+
+
 class OptimizerContainer(Optimizer):
     """Several optimizers that the trainer, the lr schedule, clipping and checkpoints see as
     one. Its ``param_groups`` and ``state`` are read from its optimizers each time (loading a

@@ -1,0 +1,113 @@
+"""`torchloom train --dry-run`: per-rank bytes equal the real model's, refusals are one line, and
+a 70B layout is checked in seconds without allocating it."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from torchloom.cli import main, resolve_job
+from torchloom.models import build_model, resolve_model_config
+from torchloom.models.config import ModelConfig
+from torchloom.parallel import build_parallel_dims
+from torchloom.train.builders import build_model_config, build_objective
+from torchloom.train.dry_run import estimate_activations, kept_by_forward
+from torchloom.train.optim import OPTIMIZER_STATE_BYTES, OPTIMIZERS
+from torchloom.train.remat import apply_remat
+
+COLUMNS = ("params", "grads", "optimizer", "total", "activations", "peak_rss")
+
+
+def per_rank(output: str, unit: str = "bytes") -> dict[int, dict[str, float | None]]:
+    """The report's table in ``unit`` (bytes or GiB): {rank: {column: value or None}}."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith(f"({unit})")) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip() or line.split()[0] == "rank":
+            break
+        rank, *cells = line.split()
+        rows[int(rank)] = {c: None if v == "n/a" else float(v) for c, v in zip(COLUMNS, cells)}
+    return rows
+
+
+def test_every_optimizer_declares_its_state_bytes():
+    assert set(OPTIMIZER_STATE_BYTES) == set(OPTIMIZERS)
+
+
+def test_debug_dry_run_reports_the_real_model(capsys):
+    assert main(["train", "--recipe", "debug", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    row = per_rank(out)[0]
+    _, job = resolve_job(["--recipe", "debug"])
+    params = list(build_model(resolve_model_config(job.model)).parameters())  # materialized
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    assert params[0].device.type == "cpu"
+    assert row["params"] == row["grads"] == nbytes
+    # AdamW: exp_avg and exp_avg_sq in fp32 like each parameter, and a 4-byte step count.
+    assert row["optimizer"] == 2 * nbytes + 4 * len(params)
+    assert row["total"] == row["params"] + row["grads"] + row["optimizer"]
+    assert row["activations"] > 0
+    assert "not checked: the tokenizer's vocabulary" in out
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "selective", "every_k"])
+def test_activation_estimate_equals_a_real_forward(remat):
+    """The estimate (one block per kind on fake tensors, extrapolated) equals the bytes a real
+    forward of the whole model leaves alive for backward."""
+    overrides = '{"num_layers": 5}'
+    _, job = resolve_job(
+        ["--recipe", "debug", "--remat.mode", remat, "--model.overrides", overrides]
+    )
+    config, objective = build_model_config(job), build_objective(job)
+    cpu = torch.device("cpu")
+    dims = build_parallel_dims(job.parallel, cpu.type)  # one process: no process group
+    estimate = estimate_activations(job, config, dims, cpu, objective, micro=4)
+    model = build_model(config)
+    model.init_weights(0)
+    apply_remat(model.layers, job.remat, compile_enabled=False)
+    real = kept_by_forward(model, job=job, device=cpu, objective=objective, micro=4, autocast=None)
+    print(f"remat {remat}: estimate {estimate.bytes}, real forward keeps {real} bytes")
+    assert estimate.bytes == real
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--training.micro_batch_size", "3"], "global_batch_size=8 is not a multiple of"),
+        (["--training.seq_len", "1024"], "exceeds the model's max_seq_len 512"),
+    ],
+)
+def test_refused_layout_is_one_line(capsys, flags, message):
+    assert main(["train", "--recipe", "debug", *flags, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
+    assert message in captured.err
+
+
+@pytest.mark.distributed
+def test_70b_over_two_fsdp_ranks_halves_the_parameters():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "torchloom", "train", "--recipe", "debug", "--model.flavor", "70B",
+           "--parallel.dp_shard", "2", "--dry-run"]  # fmt: skip
+    start = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    print(proc.stdout, f"took {seconds:.1f} s")
+    rows = per_rank(proc.stdout)
+    config = resolve_model_config(ModelConfig(name="llama3", flavor="70B"))
+    model_bytes = config.num_params() * 4  # fp32
+    assert sorted(rows) == [0, 1]
+    for row in rows.values():
+        assert row["params"] == model_bytes // 2  # every 70B dimension splits evenly
+        assert row["activations"] is not None
+    peak_rss_gib = [row["peak_rss"] for row in per_rank(proc.stdout, "GiB").values()]
+    assert max(peak_rss_gib) < 3.0, peak_rss_gib
+    assert seconds < 120
