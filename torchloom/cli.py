@@ -162,12 +162,10 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
     prompt_ids = tok.encode_prompt(t.sample_prompt, chat)
     stop_ids = tok.stop_ids(chat)
     params = SamplingParams(t.sample_tokens, temperature=0.0, stop_ids=stop_ids)
-    was_training = model.training
     # One short request: graph capture would cost more than it saves.
     max_len = min(len(prompt_ids) + t.sample_tokens, model.config.max_seq_len)
     generator = Generator(model, max_batch=1, max_len=max_len, cuda_graphs=False)
     new = generator.generate([Request(prompt_ids, params)])[0].tokens
-    model.train(was_training)
     if new and new[-1] in stop_ids:
         new = new[:-1]
     print(f"sample: {t.sample_prompt!r} -> {tok.decode(new)!r}"[:400])

@@ -97,7 +97,7 @@ def _numbers(records: list[dict]) -> list[tuple]:
 def test_captured_steps_give_bitwise_the_eager_losses(tmp_path, overrides: list[str]) -> None:
     _, eager = _run(tmp_path, "eager", *overrides)
     trainer, graphed = _run(tmp_path, "graph", "--training.cuda_graph", "true", *overrides)
-    step_graph = trainer.step_graph
+    step_graph = trainer.train_step.graph
     assert step_graph is not None and step_graph.graph is not None, "steps 4-8 were replayed"
     assert len(step_graph.static_batches) == trainer.train_loader.grad_accum_steps
     print(f"eager: {_numbers(eager)}\ngraph: {_numbers(graphed)}")

@@ -35,16 +35,21 @@ def test_decay_shapes_end_at_the_floor():
     assert _curve("constant")[-1] == 1.0
 
 
-def test_scheduler_follows_the_multiplier_and_restores():
-    model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model, OptimizerConfig(lr=1.0), torch.device("cpu"))
-    cfg = LRScheduleConfig(warmup_steps=2)
-    sched = build_lr_scheduler(opt, cfg, 10)
+def _scheduled_rates(lr: float, cfg: LRScheduleConfig, total: int, steps: int):
+    """(optimizer, scheduler, the rate of each of the first ``steps`` steps)."""
+    opt = build_optimizer(torch.nn.Linear(4, 4), OptimizerConfig(lr=lr), torch.device("cpu"))
+    sched = build_lr_scheduler(opt, cfg, total)
     seen = []
-    for _ in range(5):
+    for _ in range(steps):
         seen.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
+    return opt, sched, seen
+
+
+def test_scheduler_follows_the_multiplier_and_restores():
+    cfg = LRScheduleConfig(warmup_steps=2)
+    opt, sched, seen = _scheduled_rates(1.0, cfg, 10, 5)
     assert seen == pytest.approx([lr_multiplier(s, 10, cfg) for s in range(5)])
     state = sched.state_dict()
     sched2 = build_lr_scheduler(opt, cfg, 10)
@@ -113,15 +118,8 @@ def test_every_step_follows_the_closed_form(decay, total, warmup, floor, fractio
 
 @pytest.mark.parametrize("decay", ["cosine", "linear", "wsd", "constant"])
 def test_scheduler_gives_every_step_its_float32_rate(decay):
-    model = torch.nn.Linear(2, 2)
-    opt = build_optimizer(model, OptimizerConfig(lr=2e-3), torch.device("cpu"))
     cfg = LRScheduleConfig(warmup_steps=3, decay=decay, min_lr_ratio=0.2, decay_fraction=0.5)
-    sched = build_lr_scheduler(opt, cfg, 12)
-    seen = []
-    for _ in range(12):
-        seen.append(sched.get_last_lr()[0])
-        opt.step()
-        sched.step()
+    _, _, seen = _scheduled_rates(2e-3, cfg, 12, 12)
     want = [float(np.float32(2e-3 * m)) for m in _expected_multipliers(cfg, 12)]
     assert seen == want, [g - w for g, w in zip(seen, want)]
 

@@ -129,6 +129,30 @@ def build_objective(job: JobConfig) -> Objective:
     return CrossEntropy(job.model.loss_impl)
 
 
+def micro_batch_size(job: JobConfig, dims: ParallelDims) -> int:
+    """Sequences per forward on one rank: --training.micro_batch_size, or the rank's share."""
+    t = job.training
+    return t.micro_batch_size or max(1, t.global_batch_sequences // dims.dp_size)
+
+
+def autocast_dtype(job: JobConfig, dims: ParallelDims, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast when asked for (auto: on the GPU), unless FSDP's mixed-precision policy
+    sets the compute dtype itself; None: no autocast."""
+    mp = job.training.mixed_precision
+    wanted = mp == "bf16" or (mp == "auto" and device.type == "cuda")
+    return torch.bfloat16 if wanted and dims.fsdp_mesh is None else None
+
+
+def check_seq_len(config: DecoderConfig, seq_len: int) -> None:
+    """Sequences must fit the model's context."""
+    if seq_len > config.max_seq_len:
+        raise ConfigError(
+            f"--training.seq_len {seq_len} exceeds the model's max_seq_len "
+            f"{config.max_seq_len}; lower seq_len or set "
+            f"--model.overrides '{{\"max_seq_len\": {seq_len}}}'."
+        )
+
+
 def build_data(job: JobConfig, dims: ParallelDims) -> tuple[Any, Any, Any]:
     """(tokenizer, train loader, validation loader or None) for this data rank."""
     t = job.training
@@ -136,7 +160,7 @@ def build_data(job: JobConfig, dims: ParallelDims) -> tuple[Any, Any, Any]:
         job.data,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_sequences,
-        micro_batch_size=t.micro_batch_size or max(1, t.global_batch_sequences // dims.dp_size),
+        micro_batch_size=micro_batch_size(job, dims),
         dp_rank=dims.dp_rank,
         dp_size=dims.dp_size,
         seed=t.seed,

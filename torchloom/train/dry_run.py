@@ -33,13 +33,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchloom.config.errors import ConfigError
 from torchloom.data.loader import check_batch_layout
 from torchloom.models import DecoderConfig, build_model
 from torchloom.parallel import ParallelDims, build_parallel_dims, destroy, init_distributed
 from torchloom.parallel.data_parallel import mixed_precision_policy
 from torchloom.parallel.pipeline import layers_per_stage, stage_model
-from torchloom.train.builders import build_model_config, build_model_parts, build_objective
+from torchloom.train.builders import (
+    autocast_dtype,
+    build_model_config,
+    build_model_parts,
+    build_objective,
+    check_seq_len,
+    micro_batch_size,
+)
 from torchloom.train.job import JobConfig
 from torchloom.train.loss import Objective
 from torchloom.train.optim import OPTIMIZER_STATE_BYTES
@@ -82,8 +88,7 @@ def dry_run(job: JobConfig) -> int:
     dims = build_parallel_dims(job.parallel, device.type)
     config = build_model_config(job)
     check_seq_len(config, t.seq_len)
-    # The share build_data gives each data rank.
-    micro = t.micro_batch_size or max(1, t.global_batch_sequences // dims.dp_size)
+    micro = micro_batch_size(job, dims)
     check_batch_layout(t.global_batch_sequences, micro, dims.dp_size, dims.dp_rank, t.seq_len)
     objective = build_objective(job)
     parts = build_model_parts(job, config, dims, device, objective, allocate=False)
@@ -99,17 +104,6 @@ def dry_run(job: JobConfig) -> int:
         print(format_report(job, config, dims, micro, rows, activations))
     destroy()
     return 0
-
-
-def check_seq_len(config: DecoderConfig, seq_len: int) -> None:
-    """The Trainer's check that sequences fit the model (its vocabulary check needs the
-    tokenizer, which a dry run does not load)."""
-    if seq_len > config.max_seq_len:
-        raise ConfigError(
-            f"--training.seq_len {seq_len} exceeds the model's max_seq_len "
-            f"{config.max_seq_len}; lower seq_len or set "
-            f"--model.overrides '{{\"max_seq_len\": {seq_len}}}'."
-        )
 
 
 def local_bytes(param: torch.Tensor) -> int:
@@ -177,9 +171,7 @@ def _compute_dtypes(
     asked for (auto: on the GPU)."""
     if dims.fsdp_mesh is not None:
         return mixed_precision_policy(dims.degrees, device.type).param_dtype, None
-    mp = job.training.mixed_precision
-    autocast = mp == "bf16" or (mp == "auto" and device.type == "cuda")
-    return torch.float32, torch.bfloat16 if autocast else None
+    return torch.float32, autocast_dtype(job, dims, device)
 
 
 def _probe(

@@ -24,7 +24,7 @@ from torchloom.models import DecoderConfig
 from torchloom.parallel import build_parallel_dims, init_distributed
 from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.state import full_state_items
-from torchloom.train.builders import TrainBuilders
+from torchloom.train.builders import TrainBuilders, autocast_dtype, check_seq_len
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
@@ -101,14 +101,10 @@ class Trainer:
             marker_extra={"family": job.model.name,
                           "model_config": to_dict(self.parts.saved_config)},
         )  # fmt: skip
-        # With FSDP the compute dtype is its mixed-precision policy; otherwise autocast.
-        autocast = self.dims.fsdp_mesh is None and (
-            t.mixed_precision == "bf16"
-            or (t.mixed_precision == "auto" and self.device.type == "cuda")
-        )
         self.step_parts = StepParts(
             self.model, self.pipeline, self.objective, self.optimizer, self.dims, self.device,
-            max_norm=t.max_norm or float("inf"), autocast_dtype=torch.bfloat16 if autocast else None,
+            max_norm=t.max_norm or float("inf"),
+            autocast_dtype=autocast_dtype(job, self.dims, self.device),
         )  # fmt: skip
         if t.cuda_graph:
             check_cuda_graph_runtime(self.device, self.dims.world_size)
@@ -122,7 +118,6 @@ class Trainer:
         return self.parts.saved_config
 
     def _check_fits(self, config: DecoderConfig) -> None:
-        t = self.job.training
         if config.vocab_size < self.tokenizer.vocab_size:
             raise ConfigError(
                 f"The tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
@@ -130,12 +125,7 @@ class Trainer:
                 f"--model.overrides '{{\"vocab_size\": {self.tokenizer.vocab_size}}}' or use a "
                 "tokenizer that matches the model."
             )
-        if t.seq_len > config.max_seq_len:
-            raise ConfigError(
-                f"--training.seq_len {t.seq_len} exceeds the model's max_seq_len "
-                f"{config.max_seq_len}; lower seq_len or set "
-                f"--model.overrides '{{\"max_seq_len\": {t.seq_len}}}'."
-            )
+        check_seq_len(config, self.job.training.seq_len)
 
     def _local(self, batch: Batch) -> Batch:
         """The batch on this rank's device; under context parallelism, this rank's tokens."""
