@@ -30,6 +30,7 @@ import torch
 
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.checkpoint.manager import CheckpointManager
+from torchloom.checkpoint.stateful import ModelState, OptimizerState
 from torchloom.checkpoint.storage import ParallelRead
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.remat import RematConfig, apply_remat
@@ -147,10 +148,11 @@ def bench_shape(
         shutil.rmtree(folder, ignore_errors=True)
         config_ = CheckpointConfig(interval=1, mode=mode, folder=str(folder), writer_threads=threads,
                                    keep_latest_k=1)  # fmt: skip
-        make = lambda c: CheckpointManager(  # noqa: E731
-            c, root, model=model, optimizer=optimizer, scheduler=scheduler, loader=_Loader(),
-            device=device, marker_extra={}, is_rank0=True,
-        )  # fmt: skip
+        parts = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer),
+                 "lr_scheduler": scheduler, "dataloader": _Loader()}  # fmt: skip
+        make = lambda c, parts=parts: CheckpointManager(  # noqa: E731
+            c, root, parts=parts, device=device, marker_extra={}, is_rank0=True
+        )
         manager = make(config_)
         manager.resume()
         records = []

@@ -143,6 +143,11 @@ def _resume_command(argv: list[str]) -> str:
     return shlex.join([*launcher, "train", *kept, "--checkpoint.resume", "true"])
 
 
+_SAMPLE_MAX_BYTES = 2 * 2**30
+"""After a distributed run, the sample loads the saved model onto rank 0 only up to this size:
+no rank holds a whole large model that its layout shards."""
+
+
 def _print_sample(trainer, model_dir: Path | None) -> None:
     """Greedy text after the recipe's prompt, from a single-device copy of the model (the saved
     one when the run was distributed, so no other rank has to take part)."""
@@ -155,6 +160,13 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
     model = trainer.model
     if trainer.dims.world_size > 1:
         if model_dir is None:
+            return
+        size = trainer.model_config.num_params() * 4
+        if size > _SAMPLE_MAX_BYTES:
+            print(
+                f"sample skipped: the model ({size / 2**30:.1f} GiB) is not gathered onto one "
+                f"rank; try `torchloom generate --checkpoint {model_dir} --prompt ...`"
+            )
             return
         model = load_model(model_dir, device=trainer.device)[0]
     tok = trainer.tokenizer

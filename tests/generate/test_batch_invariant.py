@@ -14,6 +14,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.kernels import batch_invariant
 from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.train.loss import IGNORE_INDEX, TokenLogProbs
 
 # The debug flavors, and a shape where nothing is a multiple of 16: one kv head of head_dim 20
 # (the GPU kernels need head_dim >= 16), widths 100 and 150, a vocabulary of 1000.
@@ -99,10 +100,14 @@ def check_bitwise_across_batches(model, device: str, label: str) -> None:
     sequence = torch.tensor(TARGET.prompt_ids + alone.tokens, device=device)
     batch = torch.zeros(3, len(sequence), dtype=torch.long, device=device)
     batch[0], batch[1], batch[2, :4] = 5, sequence, 9
+    # Through the trainer's own loss component (the RL objectives read it the same way).
     model.train()
-    logprobs = torch.log_softmax(model(batch).float(), -1)[1]
+    labels = torch.full_like(batch, IGNORE_INDEX)
+    labels[1, :-1] = sequence[1:]
+    out = model(batch, objective=TokenLogProbs(), targets={"labels": labels})
     prompt = len(TARGET.prompt_ids)
-    trainer = [logprobs[prompt - 1 + i, t].item() for i, t in enumerate(alone.tokens)]
+    logprobs = out.per_token["logprobs"][1, prompt - 1 : prompt - 1 + len(alone.tokens)]
+    trainer = logprobs.tolist()
     print(f"{label} {device}: generator {alone.logprobs[:3]}..., trainer {trainer[:3]}...")
     assert trainer == alone.logprobs  # bitwise
     # Every logit of every position: the sequence alone, and fourth of five longer rows.

@@ -6,6 +6,7 @@ guide (docs/adding_a_family.md) as a test."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -28,6 +29,7 @@ from torchloom.models import (
 )
 from torchloom.models.components import decoder
 from torchloom.models.components.decoder_plan import decoder_tp_plan
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, cross_entropy_sum
 from torchloom.train.trainer import Trainer
 
 
@@ -41,7 +43,14 @@ class GeluMLP(nn.Module):
         self.std = std
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x_BTD)))
+        hidden = F.gelu(self.fc1(x_BTD))
+        # An auxiliary loss the layer reports (as an MoE layer reports its balance loss).
+        self._aux = 1e-3 * hidden.square().mean()
+        return self.fc2(hidden)
+
+    def pop_auxiliary_losses(self) -> dict[str, torch.Tensor]:
+        aux, self._aux = getattr(self, "_aux", None), None
+        return {} if aux is None else {"activation": aux}
 
     def init_weights(self, init: ParamInit) -> None:
         init.trunc_normal_(self.fc1.weight, self.std)
@@ -97,12 +106,48 @@ def test_it_initializes_trains_saves_and_reloads(tmp_path) -> None:
     trainer = Trainer(job)
     result = trainer.train()
     assert result.last_loss < result.first_loss
+    logged = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(r["aux_activation"] > 0 for r in logged if "loss" in r)  # the layers' term, logged
     model, family, config = load_model(tmp_path / "run" / "model")
     assert family == "hybrid" and isinstance(config, HybridConfig)
     assert type(model.layers["2"].mlp) is GeluMLP
     tokens = torch.randint(0, 4096, (2, 16))
     with torch.no_grad():
         assert torch.equal(model(tokens), trainer.model.eval()(tokens))
+
+
+def test_auxiliary_losses_that_layers_report_join_the_objective() -> None:
+    """Each GELU layer reports an auxiliary term; the objective adds their sum times the
+    micro-batch's label count (so the step's division makes it a token-weighted mean) and logs
+    it; the gradient reaches fc1 through it."""
+    model = build_model(ModelConfig(name="hybrid"))
+    model.init_weights(0)
+    tokens = torch.randint(0, 4096, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = tokens.roll(-1, 1)
+    labels[:, -1] = IGNORE_INDEX
+    hidden = [F.gelu(model.layers[i].mlp.fc1(x)) for i, x in _mlp_inputs(model, tokens).items()]
+    aux = sum(1e-3 * h.square().mean() for h in hidden)
+    plain = cross_entropy_sum(model(tokens), labels)
+    model.auxiliary_losses()  # drop what the forward without an objective reported
+    out = model(tokens, objective=CrossEntropy(), targets={"labels": labels})
+    print(f"loss {out.loss.item():.6f} = CE {plain.item():.6f} + 22 x aux {aux.item():.3e}")
+    torch.testing.assert_close(out.loss, plain + 22 * aux)
+    torch.testing.assert_close(out.metrics["aux_activation"], 22 * aux.detach())
+    assert model.auxiliary_losses() == {}, "each term is handed over once"
+
+
+def _mlp_inputs(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The normed input each GELU layer's MLP saw (captured with forward hooks)."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [block.mlp.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, args[0]))
+             for i, block in model.layers.items() if isinstance(block.mlp, GeluMLP)]  # fmt: skip
+    model(tokens)
+    for hook in hooks:
+        hook.remove()
+    model.auxiliary_losses()  # drop what this extra forward reported
+    return seen
 
 
 def test_a_kind_without_a_tensor_parallel_split_is_refused() -> None:

@@ -7,6 +7,11 @@ last pipeline stage. It returns a ``LossOutput``: a loss *sum* over this micro-b
 metrics. The trainer divides the sum by the global batch's ``normalizer`` (the label-token count
 for cross-entropy), so gradient accumulation and data parallelism give the loss of one big
 batch. RL objectives (per-token log-probs, clipped ratios, KL) follow the same contract.
+
+Auxiliary losses that layers report during the forward (an MoE layer's load-balance term;
+``Decoder.auxiliary_losses``) join every objective's sum through ``with_auxiliary``, weighted
+by the micro-batch's share of the normalizer, so after the step's division each is the
+token-weighted mean over the global batch; they are logged as ``aux_<name>``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,16 @@ from torchloom.kernels.linear_cross_entropy import (
     linear_cross_entropy_sum,
 )
 
-__all__ = ["IGNORE_INDEX", "CrossEntropy", "LossOutput", "Objective", "cross_entropy_sum"]
+__all__ = [
+    "IGNORE_INDEX",
+    "CrossEntropy",
+    "LossOutput",
+    "Objective",
+    "TokenLogProbs",
+    "cross_entropy_sum",
+    "with_auxiliary",
+    "without_auxiliary",
+]
 
 
 @dataclass
@@ -33,7 +47,10 @@ class LossOutput:
     loss: torch.Tensor
     """The sum to differentiate, before division by the global normalizer (fp32, 0-dim)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Detached values to log (summed over micro-batches and ranks, then divided likewise)."""
+    """Detached sums to log: summed over micro-batches and data ranks, then divided by the
+    global normalizer, as the loss is."""
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    """[B, T] values an objective hands back whole (e.g. the labels' log-probabilities)."""
 
 
 class Objective(Protocol):
@@ -75,10 +92,64 @@ class CrossEntropy:
         labels_BT = targets["labels"]
         if self.impl == "chunked":
             head_VD = model.head_weight()
-            return LossOutput(
-                linear_cross_entropy_sum(h_BTD.flatten(0, 1), head_VD, labels_BT.flatten())
-            )
-        return LossOutput(cross_entropy_sum(model.logits(h_BTD), labels_BT))
+            loss = linear_cross_entropy_sum(h_BTD.flatten(0, 1), head_VD, labels_BT.flatten())
+        else:
+            loss = cross_entropy_sum(model.logits(h_BTD), labels_BT)
+        return with_auxiliary(LossOutput(loss), model, _label_count(labels_BT))
 
     def normalizer(self, batch: Any) -> int:
         return batch.num_label_tokens
+
+
+class TokenLogProbs:
+    """The log-probability of every label under the model, and the entropy of the model's
+    distribution at each position: what RL reads from the trainer's forward (``per_token``
+    ``logprobs`` and ``entropy``, [B, T], 0 where the label is IGNORE_INDEX). Its loss is the
+    cross-entropy sum, so it also trains. fp32 log-softmax of the logits, as the generator
+    scores tokens, so in batch-invariant mode the two agree bit for bit."""
+
+    fields = ("labels",)
+
+    def __init__(self, entropy: bool = True) -> None:
+        self.entropy = entropy
+
+    def __call__(
+        self, h_BTD: torch.Tensor, model: Any, targets: dict[str, torch.Tensor]
+    ) -> LossOutput:
+        labels_BT = targets["labels"]
+        valid_BT = labels_BT != IGNORE_INDEX
+        logprobs_BTV = torch.log_softmax(model.logits(h_BTD).float(), dim=-1)
+        picked_BT = logprobs_BTV.gather(-1, labels_BT.clamp(min=0)[..., None])[..., 0]
+        picked_BT = picked_BT.masked_fill(~valid_BT, 0.0)
+        per_token = {"logprobs": picked_BT}
+        if self.entropy:
+            entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+            per_token["entropy"] = entropy_BT.masked_fill(~valid_BT, 0.0)
+        out = LossOutput(-picked_BT.sum(), per_token=per_token)
+        return with_auxiliary(out, model, _label_count(labels_BT))
+
+    def normalizer(self, batch: Any) -> int:
+        return batch.num_label_tokens
+
+
+def with_auxiliary(out: LossOutput, model: Any, weight: torch.Tensor) -> LossOutput:
+    """``out`` with the auxiliary losses the model's layers reported in this forward added to
+    its sum, each times ``weight`` (this micro-batch's share of the normalizer), and logged as
+    ``aux_<name>``."""
+    collect = getattr(model, "auxiliary_losses", None)
+    terms = collect() if collect is not None else {}
+    for name, value in terms.items():
+        weighted = value * weight
+        out.loss = out.loss + weighted
+        out.metrics[f"aux_{name}"] = weighted.detach()
+    return out
+
+
+def without_auxiliary(out: LossOutput) -> torch.Tensor:
+    """The objective's own sum, the auxiliary terms taken back out (what validation reports)."""
+    aux = [value for name, value in out.metrics.items() if name.startswith("aux_")]
+    return out.loss.detach() - sum(aux) if aux else out.loss.detach()
+
+
+def _label_count(labels_BT: torch.Tensor) -> torch.Tensor:
+    return (labels_BT != IGNORE_INDEX).sum()

@@ -21,7 +21,7 @@ from torchloom.parallel import as_local, loss_context, sum_over_data_ranks
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.pipeline import Pipeline
 from torchloom.train.cuda_graph import StepGraph
-from torchloom.train.loss import Objective
+from torchloom.train.loss import LossOutput, Objective, without_auxiliary
 from torchloom.train.optim import clip_gradients
 
 
@@ -50,13 +50,12 @@ class StepParts:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """The objective's sum over one micro-batch (forward only; the caller backprops)."""
+    def forward(self, batch: Batch) -> LossOutput:
+        """The objective's output for one micro-batch (forward only; the caller backprops)."""
         targets = batch.fields(self.objective.fields)
         with self.autocast():
-            out = self.model(batch.tokens, batch.positions, batch.doc_ids,
-                             objective=self.objective, targets=targets)  # fmt: skip
-        return out.loss
+            return self.model(batch.tokens, batch.positions, batch.doc_ids,
+                              objective=self.objective, targets=targets)  # fmt: skip
 
     def normalizer(self, batches: Iterable[Batch]) -> torch.Tensor:
         """The global batch's normalizer: this rank's micro-batches' shares, summed over the
@@ -73,23 +72,32 @@ class StepParts:
 
 def backward_and_clip(
     parts: StepParts, batches: list[Batch], normalizer: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate the micro-batches' gradients and clip them; no host sync (a CUDA graph
-    captures this). Returns (the global loss, the gradient norm before clipping)."""
+    captures this). Returns (the global loss, the gradient norm before clipping, the
+    objective's metrics divided as the loss is; none under pipeline parallelism)."""
     loss = torch.zeros((), device=parts.device)
+    metrics: dict[str, torch.Tensor] = {}
     for batch in batches:
         if parts.pipeline is not None:
             with parts.autocast():
                 loss += parts.pipeline.step(batch, normalizer)
             continue
         with loss_context(parts.dims):
-            micro = parts.loss_sum(batch) / normalizer
+            out = parts.forward(batch)
+            micro = out.loss / normalizer
             micro.backward()
         loss += as_local(micro.detach())
+        for name, value in out.metrics.items():
+            metrics[name] = metrics.get(name, 0) + as_local(value).float() / normalizer
     loss = parts.sum_over_ranks(loss)  # the same value on every rank
+    if metrics:  # one collective for all of them
+        names = sorted(metrics)
+        summed = parts.sum_over_ranks(torch.stack([metrics[n] for n in names]))
+        metrics = dict(zip(names, summed.unbind(0)))
     pp_mesh = parts.dims.mesh("pp")
     norm = clip_gradients(parts.optimizer, parts.model.parameters(), parts.max_norm, pp_mesh)
-    return loss, norm
+    return loss, norm, metrics
 
 
 class TrainStep:
@@ -113,7 +121,11 @@ class TrainStep:
         self.graph = StepGraph(self._captured, parts.optimizer) if cuda_graph else None
         self.step = 0
 
-    def __call__(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, batches: list[Batch]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(the global loss, the gradient norm before clipping, the objective's metrics; none
+        from a captured step)."""
         self.step += 1
         parts, optimizer = self.parts, self.parts.optimizer
         normalizer = parts.normalizer(batches)
@@ -121,21 +133,21 @@ class TrainStep:
             self.before_update()
             loss, norm = self.graph(batches, normalizer)
             self._finite(loss)  # after the step: a captured step cannot skip it
-            return loss, norm
-        loss, norm = backward_and_clip(parts, batches, normalizer)
+            return loss, norm, {}
+        loss, norm, metrics = backward_and_clip(parts, batches, normalizer)
         if not self.skip_nonfinite or self._finite(loss):
             self.before_update()
             optimizer.step()
         if not self.skip_nonfinite:
             self._finite(loss)
         optimizer.zero_grad(set_to_none=True)
-        return loss, norm
+        return loss, norm, metrics
 
     def _captured(
         self, batches: list[Batch], normalizer: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step --training.cuda_graph captures: the same kernels as the eager step."""
-        loss, norm = backward_and_clip(self.parts, batches, normalizer)
+        loss, norm, _ = backward_and_clip(self.parts, batches, normalizer)
         self.parts.optimizer.step()
         return loss, norm
 
@@ -154,7 +166,8 @@ class TrainStep:
 
 @torch.no_grad()
 def validation_loss(parts: StepParts, batches: Iterable[Batch]) -> float:
-    """The objective's mean over held-out batches (nan without any), on every rank."""
+    """The objective's mean over held-out batches, without the layers' auxiliary terms (nan
+    without any batch), on every rank."""
     total = torch.zeros((), device=parts.device)
     count = torch.zeros((), dtype=torch.int64, device=parts.device)
     parts.model.eval()
@@ -164,7 +177,7 @@ def validation_loss(parts: StepParts, batches: Iterable[Batch]) -> float:
                 total += parts.pipeline.eval_loss_sum(batch)
         else:
             with loss_context(parts.dims):
-                total += as_local(parts.loss_sum(batch))
+                total += as_local(without_auxiliary(parts.forward(batch)))
         count += parts.objective.normalizer(batch)
     parts.model.train()
     # Every rank of a data group counts the same labels, so counts sum over data ranks only.

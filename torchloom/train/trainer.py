@@ -185,7 +185,7 @@ class Trainer:
                 batches = [self._local(b) for b in self.train_loader.next_step()]
                 data_seconds = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                loss, grad_norm = self.train_step(batches)
+                loss, grad_norm, step_metrics = self.train_step(batches)
                 self.scheduler.step()
                 self.step += 1
                 last_loss = loss.item()  # syncs, so the step time below is honest
@@ -196,12 +196,11 @@ class Trainer:
                 first_loss = last_loss if math.isnan(first_loss) else first_loss
                 if metrics.should_log(self.step):
                     seconds = time.perf_counter() - start
-                    metrics.log(
-                        metrics.step_record(
-                            self.step, last_loss, grad_norm.item(), lr, tokens_per_step,
-                            seconds, data_seconds, num_devices=self.dims.world_size,
-                        )
+                    record = metrics.step_record(
+                        self.step, last_loss, grad_norm.item(), lr, tokens_per_step, seconds,
+                        data_seconds, num_devices=self.dims.world_size,
                     )  # fmt: skip
+                    metrics.log(record | {k: v.item() for k, v in step_metrics.items()})
                 else:
                     metrics.advance(self.step)
                 if t.val_interval and self.step % t.val_interval == 0 and self.step < t.steps:

@@ -261,6 +261,7 @@ class Decoder(nn.Module):
         self.output: nn.Linear | None = None
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._aux_modules: list[nn.Module] | None = None  # found at the first call
 
     def forward_hidden(
         self,
@@ -314,6 +315,18 @@ class Decoder(nn.Module):
         if objective is not None:
             return objective(h_BTD, self, targets or {})
         return self.logits(h_BTD)
+
+    def auxiliary_losses(self) -> dict[str, torch.Tensor]:
+        """The auxiliary losses this forward's layers reported (an MoE layer's load-balance
+        term), summed by name over layers. A module reports through
+        ``pop_auxiliary_losses() -> {name: scalar tensor}``, which hands each term over once."""
+        if self._aux_modules is None:
+            self._aux_modules = [m for m in self.modules() if hasattr(m, "pop_auxiliary_losses")]
+        terms: dict[str, torch.Tensor] = {}
+        for module in self._aux_modules:
+            for name, value in module.pop_auxiliary_losses().items():
+                terms[name] = terms[name] + value if name in terms else value
+        return terms
 
     @property
     def has_head(self) -> bool:
