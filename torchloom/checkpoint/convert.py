@@ -117,7 +117,7 @@ def convert_from_hf(
     _check_output({"source folder": hf_dir}, out_dir, overwrite)
     spec, config = hf_architecture(hf_dir)
     shapes = parameter_shapes(spec.name, config)
-    reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config.tie_embeddings)
+    reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config)
     tensors = stream(reader, shapes, str(hf_dir), spec.hf_adapter.to_hf_name)
     tokenizer = hf_dir if _has_tokenizer(hf_dir) else None
     return write_model_folder(

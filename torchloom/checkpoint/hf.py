@@ -71,12 +71,15 @@ class HFReader:
     parameter uses are refused, except those the adapter says carry nothing to load and a tied
     checkpoint's copy of the head."""
 
-    def __init__(self, hf_dir: Path, adapter: HFAdapter, names: list[str], tied: bool) -> None:
+    def __init__(
+        self, hf_dir: Path, adapter: HFAdapter, names: list[str], config: DecoderConfig
+    ) -> None:
         self.folder = SafetensorsFolder(hf_dir)
         available = set(self.folder.names())
+        tied = config.tie_embeddings
         self.sources: dict[str, str | list[str]] = {}
         for name in names:
-            source = adapter.hf_names(name)
+            source = adapter.hf_names(name, config)
             if source == "lm_head.weight" and source not in available:
                 source = adapter.to_hf_name("embed_tokens.weight")  # untying a tied checkpoint
             self.sources[name] = source
@@ -128,7 +131,7 @@ def load_hf_weights(model: nn.Module, hf_dir: Path) -> None:
             "discard it. Drop the tie_embeddings transform."
         )
     names = list(model.state_dict().keys())
-    reader = HFReader(hf_dir, spec.hf_adapter, names, hf_config.tie_embeddings)
+    reader = HFReader(hf_dir, spec.hf_adapter, names, hf_config)
     load_into(model, reader, str(hf_dir), spec.hf_adapter.to_hf_name)
 
 

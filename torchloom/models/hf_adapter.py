@@ -196,19 +196,23 @@ class HFAdapter:
                     f"it changes in a {self.model_type} model, so it refuses rather than ignores it."
                 )
 
-    # Tensor names. Ours mirror HF's minus the "model." prefix, with three renamed modules.
-    def hf_names(self, name: str) -> str | list[str]:
-        """The Hugging Face tensor(s) torchloom's parameter ``name`` is made of: one name, or a
-        list of tensors stacked along a new first dim (a family's per-expert weights)."""
+    # Tensor names. Ours mirror HF's minus the "model." prefix, with a few renamed modules, and
+    # per-expert weights stacked into one parameter per projection.
+    def hf_names(self, name: str, config: Any) -> str | list[str]:
+        """The Hugging Face tensor(s) torchloom's parameter ``name`` of a model of ``config`` is
+        made of: one name, or a list of tensors stacked along a new first dim (the experts)."""
+        match = _OUR_EXPERTS.fullmatch(name)
+        if match:
+            return _expert_names(*match.groups(), config.moe.num_experts)
         return self.to_hf_name(name)
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of a torchloom parameter: itself, or its stacked parts one by one."""
-        source = self.hf_names(name)
-        if isinstance(source, str):
-            yield source, tensor
+        match = _OUR_EXPERTS.fullmatch(name)
+        if match is None:
+            yield self.to_hf_name(name), tensor
             return
-        yield from zip(source, tensor.unbind(0))
+        yield from zip(_expert_names(*match.groups(), tensor.shape[0]), tensor.unbind(0))
 
     def to_hf_name(self, name: str) -> str:
         """torchloom parameter name -> transformers name ('norm.weight' -> 'model.norm.weight')."""
@@ -218,20 +222,27 @@ class HFAdapter:
         if match:
             index, module, rest = match.groups()
             module = _OURS_TO_HF.get(module, module)
-            return f"model.layers.{index}.{module}.{rest}"
+            path = f"{module}.{rest}"
+            return f"model.layers.{index}.{_IN_LAYER_TO_HF.get(path, path)}"
         return "model." + name
 
     def from_hf_name(self, hf_name: str) -> str | None:
-        """transformers name -> torchloom name; None for tensors that carry nothing to load."""
+        """transformers name -> torchloom name (an expert's tensor -> the stacked parameter);
+        None for tensors that carry nothing to load."""
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None  # a buffer old checkpoints saved; RoPE frequencies come from the config
         if hf_name.startswith("lm_head."):
             return "output." + hf_name.removeprefix("lm_head.")
+        match = _HF_EXPERT.fullmatch(hf_name)
+        if match:
+            index, proj = match.groups()
+            return f"layers.{index}.mlp.experts.{proj}"
         match = _HF_LAYER.fullmatch(hf_name)
         if match:
             index, module, rest = match.groups()
             module = _HF_TO_OURS.get(module, module)
-            return f"layers.{index}.{module}.{rest}"
+            path = f"{module}.{rest}"
+            return f"layers.{index}.{_IN_LAYER_FROM_HF.get(path, path)}"
         if hf_name.startswith("model."):
             return hf_name.removeprefix("model.")
         raise ConfigError(
@@ -246,8 +257,23 @@ _HF_TO_OURS = {
     "post_attention_layernorm": "mlp_norm",
 }
 _OURS_TO_HF = {ours: hf for hf, ours in _HF_TO_OURS.items()}
+# Inside a layer (after the renames above): the MoE router is transformers' "gate".
+_IN_LAYER_FROM_HF = {
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+}
+_IN_LAYER_TO_HF = {ours: hf for hf, ours in _IN_LAYER_FROM_HF.items()}
+_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
+_HF_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight"
+)
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(\w+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(.+)")
+
+
+def _expert_names(index: str, proj: str, experts: int) -> list[str]:
+    """transformers' per-expert tensors of one stacked projection, in expert order."""
+    return [f"model.layers.{index}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
 
 def _rope_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> RopeConfig:

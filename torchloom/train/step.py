@@ -44,6 +44,12 @@ class StepParts:
     """Clip the global gradient norm to this (inf: measure only)."""
     autocast_dtype: torch.dtype | None = None
     """bf16 autocast when data parallelism does not set the compute dtype itself."""
+    expert_balance: Callable[[], dict[str, torch.Tensor]] | None = None
+    """Run after every optimizer step: the MoE layers' loads and bias updates, returning their
+    metrics (train/expert_balance.py); None for a model without MoE layers."""
+
+    def after_update(self) -> dict[str, torch.Tensor]:
+        return {} if self.expert_balance is None else self.expert_balance()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -133,7 +139,7 @@ class TrainStep:
             self.before_update()
             loss, norm = self.graph(batches, normalizer)
             self._finite(loss)  # after the step: a captured step cannot skip it
-            return loss, norm, {}
+            return loss, norm, parts.after_update()
         loss, norm, metrics = backward_and_clip(parts, batches, normalizer)
         if not self.skip_nonfinite or self._finite(loss):
             self.before_update()
@@ -141,7 +147,7 @@ class TrainStep:
         if not self.skip_nonfinite:
             self._finite(loss)
         optimizer.zero_grad(set_to_none=True)
-        return loss, norm, metrics
+        return loss, norm, metrics | parts.after_update()
 
     def _captured(
         self, batches: list[Batch], normalizer: torch.Tensor

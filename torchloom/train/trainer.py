@@ -26,6 +26,7 @@ from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.state import full_state_items
 from torchloom.train.builders import TrainBuilders, autocast_dtype, check_seq_len
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
+from torchloom.train.expert_balance import expert_balance
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.output import (
@@ -105,6 +106,7 @@ class Trainer:
             self.model, self.pipeline, self.objective, self.optimizer, self.dims, self.device,
             max_norm=t.max_norm or float("inf"),
             autocast_dtype=autocast_dtype(job, self.dims, self.device),
+            expert_balance=expert_balance(self.model, self.model_config, self.dims, self.device),
         )  # fmt: skip
         if t.cuda_graph:
             check_cuda_graph_runtime(self.device, self.dims.world_size)

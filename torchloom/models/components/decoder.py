@@ -31,6 +31,7 @@ from torchloom.models.components.attention import (
 )
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
+from torchloom.models.components.moe import MoE
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import ROPE_IMPLS, RotaryEmbedding
@@ -185,6 +186,13 @@ def _swiglu(cfg: Any, layer: int) -> nn.Module:
     )
 
 
+def _moe(cfg: Any, layer: int) -> nn.Module:
+    return MoE(
+        cfg.dim, cfg.moe, impl=cfg.mlp_impl, invariant=cfg.batch_invariant,
+        init_std=cfg.init_std, out_std=_residual_std(cfg),
+    )  # fmt: skip
+
+
 def _residual_std(cfg: DecoderConfig) -> float:
     """The std of a residual branch's output projection: init_std / sqrt(2 * num_layers), so
     the residual stream's variance does not grow with depth (GPT-2)."""
@@ -196,9 +204,10 @@ MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention}
 ``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)``,
 ``flops_per_token(seq_len)`` and ``new_state(slots, max_len, device, dtype)`` (its generation
 state: models/components/cache.py)."""
-FFNS: dict[str, Callable[[Any, int], nn.Module]] = {"swiglu": _swiglu}
+FFNS: dict[str, Callable[[Any, int], nn.Module]] = {"swiglu": _swiglu, "moe": _moe}
 """Feed-forward kinds: ``build(config, layer_index) -> module`` taking ``x_BTD``, with
-``init_weights(ParamInit)`` and ``flops_per_token(seq_len)``."""
+``init_weights(ParamInit)`` and ``flops_per_token(seq_len)`` (on the weights a token uses).
+'moe' reads the config's ``moe`` field (models/components/moe.py)."""
 
 
 class Objective(Protocol):

@@ -1,5 +1,6 @@
-"""The dense decoder of Llama 3 and Qwen3: every layer grouped-query attention with RoPE, then a
-SwiGLU feed-forward. ``TransformerConfig`` is their family config."""
+"""The decoder of Llama 3, Qwen3 and Qwen3-MoE: every layer grouped-query attention with RoPE,
+then a SwiGLU feed-forward (``TransformerConfig``) or, after the first dense layers, a mixture of
+experts (``MoETransformerConfig``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.decoder import DecoderConfig, LayerSpec
+from torchloom.models.components.moe import MoEConfig
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding
 
 
@@ -59,3 +61,29 @@ class TransformerConfig(DecoderConfig):
                 f"head_dim must be positive and even for RoPE, got {self.resolved_head_dim}."
             )
         self.rope.validate()
+
+
+@dataclass(frozen=True)
+class MoETransformerConfig(TransformerConfig):
+    """A decoder of grouped-query attention layers whose feed-forwards are mixtures of experts
+    after the first ``first_dense_layers`` (which keep a dense SwiGLU of ffn_dim): Qwen3-MoE."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Routing and experts of the MoE layers (override fields as 'moe.top_k', ...)."""
+    first_dense_layers: int = 0
+    """Layers 0 .. first_dense_layers - 1 keep a dense SwiGLU feed-forward."""
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [
+            LayerSpec("attention", "swiglu" if i < self.first_dense_layers else "moe")
+            for i in range(self.num_layers)
+        ]
+
+    def validate(self) -> None:
+        super().validate()
+        self.moe.validate()
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ConfigError(
+                f"model first_dense_layers must be in [0, num_layers={self.num_layers}], got "
+                f"{self.first_dense_layers}."
+            )
