@@ -56,11 +56,27 @@ def assert_fixed_order_arithmetic(model, dtype: torch.dtype) -> None:
     enough outputs that some round differently in bf16."""
     generator = torch.Generator().manual_seed(2)
     block = model.layers["0"]
-    for name, linear in (("q_proj", block.attention.q_proj), ("down_proj", block.mlp.down_proj)):
+    linears = [("q_proj", block.attention.q_proj)]
+    if hasattr(block.mlp, "down_proj"):  # a dense feed-forward (an MoE layer's experts: below)
+        linears.append(("down_proj", block.mlp.down_proj))
+    for name, linear in linears:
         x = torch.randn(64, linear.weight.shape[1], generator=generator).to(dtype)
         want = _tree_sum(x.float()[:, None, :] * linear.weight.float()[None]).to(dtype)
         diff = (linear(x).float() - want.float()).abs().max().item()
         assert torch.equal(linear(x), want), f"{name}: not the fixed order, max |diff| {diff:.2e}"
+    if hasattr(block.mlp, "experts"):  # MoE: the experts' rows, expert by expert, alike
+        experts = block.mlp.experts
+        x = torch.randn(512, experts.gate_proj.shape[2], generator=generator).to(dtype)
+        ends = torch.tensor(
+            [200, 200] + [512] * (experts.gate_proj.shape[0] - 2), dtype=torch.int32
+        )
+        rows = []
+        for row, e in zip(x, [0] * 200 + [2] * 312, strict=True):
+            gate, up = (_tree_sum(row.float() * w[e].float()).to(dtype)
+                        for w in (experts.gate_proj, experts.up_proj))  # fmt: skip
+            hidden = batch_invariant.pointwise(torch.nn.functional.silu, gate) * up
+            rows.append(_tree_sum(hidden.float() * experts.down_proj[e].float()).to(dtype))
+        assert torch.equal(experts(x, ends), torch.stack(rows)), "experts: not the fixed order"
     # Attention in fp32 whatever the case's dtype: it accumulates in fp32 for either, and a
     # bf16 output rounds most order differences away.
     B, H, K, T, d = 2, 4, 2, 48, 20
@@ -79,7 +95,7 @@ def assert_fixed_order_arithmetic(model, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
 def test_bitwise_across_batches_decode_and_trainer_forward(family, shape, dtype, device):
     model = invariant_model(family, dtype, device, shape)
     check_bitwise_across_batches(model, device, f"{family} {shape}")

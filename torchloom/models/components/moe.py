@@ -152,7 +152,7 @@ class Router(nn.Module):
             scores_NE = (
                 logits_NE.softmax(-1) if cfg.score_func == "softmax" else logits_NE.sigmoid()
             )
-        choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias
+        choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias.float()
         if cfg.num_groups > 1:
             choice_NE = _limit_to_groups(choice_NE, cfg.num_groups, cfg.top_groups)
         experts_NK = choice_NE.topk(cfg.top_k, dim=-1).indices
@@ -267,14 +267,17 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatch()
         self.invariant = invariant
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        # int64: counts stay exact whatever dtype the model is cast to.
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
+        )
         self._auxiliary: dict[str, torch.Tensor] = {}
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         weights_NK, experts_NK, scores_NE = self.router(x_ND)
-        if self.training and _first_pass():
+        if self.training:
             self._record(experts_NK, scores_NE, B)
         x_MD, ends_E, order = self.dispatcher.dispatch(x_ND, experts_NK, self.cfg.num_experts)
         y_NKD = self.dispatcher.combine(self.experts(x_MD, ends_E), order, x_ND.shape[0])
@@ -290,16 +293,19 @@ class MoE(nn.Module):
         return y_ND.view(B, T, D)
 
     def _record(self, experts_NK: torch.Tensor, scores_NE: torch.Tensor, rows: int) -> None:
-        """Count this training forward's tokens per expert; compute its balance loss."""
-        cfg = self.cfg
-        with torch.no_grad():
-            flat = experts_NK.reshape(-1)
-            self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float))
+        """Count this training forward's tokens per expert and keep its balance loss; a
+        recomputation in the backward computes the same ops (so checkpointing finds what it
+        saved) but neither counts nor reports again."""
+        cfg, first = self.cfg, _first_pass()
+        if first:
+            with torch.no_grad():
+                flat = experts_NK.reshape(-1)
+                self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
         if cfg.balance_loss != "none" and torch.is_grad_enabled():
             groups = rows if cfg.balance_loss == "sequence" else 1
-            self._auxiliary = {
-                "balance": cfg.balance_loss_coef * balance_loss(scores_NE, experts_NK, groups)
-            }
+            term = cfg.balance_loss_coef * balance_loss(scores_NE, experts_NK, groups)
+            if first:
+                self._auxiliary = {"balance": term}
 
     def pop_auxiliary_losses(self) -> dict[str, torch.Tensor]:
         """The balance loss of the last training forward, handed over once."""
@@ -320,6 +326,7 @@ class MoE(nn.Module):
         bias, rate = self.router.expert_bias, self.cfg.bias_update_rate
         if bias is None or not rate:
             return
+        load_E = load_E.float()
         bias += rate * torch.sign(load_E.mean() - load_E)
 
     def init_weights(self, init: ParamInit) -> None:

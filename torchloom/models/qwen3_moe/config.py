@@ -30,7 +30,7 @@ QWEN3_MOE_FLAVORS: dict[str, MoETransformerConfig] = {
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=16,
+        head_dim=32,  # heads * head_dim != dim, as in the released shapes
         ffn_dim=192,
         norm_eps=1e-6,
         rope=RopeConfig(theta=1000000.0),
