@@ -46,6 +46,18 @@ def test_train_benchmark_rows_and_loss_check(tmp_path):
     assert abs(rows["hf"]["losses"][0] - rows["torchloom-eager"]["losses"][0]) < 0.1
 
 
+def test_moe_train_benchmark_rows_agree(tmp_path):
+    out = tmp_path / "train_moe.json"
+    _run("train_moe.py", "--shapes", "tiny", "--device", "cpu", "--no-compile", "--steps", "2",
+         "--warmup", "1", "--rows", "torchloom", "torchloom-eager", "--json", str(out))  # fmt: skip
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["torchloom"]["active_params"] < rows["torchloom"]["params"]
+    # fp32 on the CPU, same init and batches: FSDP at world size 1 changes nothing.
+    eager, fsdp = rows["torchloom-eager"]["losses"], rows["torchloom"]["losses"]
+    assert max(abs(a - b) for a, b in zip(eager, fsdp, strict=True)) < 1e-5
+
+
 def test_generate_benchmark_runs(tmp_path):
     out = tmp_path / "generate.json"
     _run("generate.py", "--shape", "tiny", "--device", "cpu", "--batches", "1", "2",
