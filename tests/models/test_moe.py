@@ -165,3 +165,22 @@ def test_config_refusals() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             MoEConfig(**{"num_experts": 8, **bad}).validate()
+
+
+def test_compiles_as_one_graph_and_matches_eager() -> None:
+    """fullgraph: the per-expert loop (CPU) is one opaque op, nothing breaks the graph."""
+    layer = _layer(SOFTMAX).train()
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(2, 7, DIM, generator=torch.Generator().manual_seed(5))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager_out = layer(x1)
+    eager_out.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    compiled_out = compiled(x2)
+    compiled_out.square().sum().backward()
+    torch.testing.assert_close(compiled_out, eager_out)
+    torch.testing.assert_close(x2.grad, x1.grad)
+    for p, expected in zip(layer.parameters(), eager_grads, strict=True):
+        torch.testing.assert_close(p.grad, expected)
+    assert layer.take_load().sum().item() == 2 * (2 * 7 * SOFTMAX.top_k)  # both passes counted

@@ -40,28 +40,70 @@ def grouped_linear(
 ) -> torch.Tensor:
     """[M, O]: row block e of ``x_MD`` (rows ends[e-1]..ends[e]) times ``weight_EOD[e]``
     transposed. ``ends_E`` is the int32 cumulative row count per group (ends[-1] <= M; rows
-    past it are left zero)."""
-    if x_MD.is_cuda and torch.is_autocast_enabled("cuda"):  # autocast does not cover it
-        dtype = torch.get_autocast_dtype("cuda")
+    past it come out zero)."""
+    device = x_MD.device.type
+    if torch.is_autocast_enabled(device):  # autocast does not reach inside either path
+        dtype = torch.get_autocast_dtype(device)
         x_MD, weight_EOD = x_MD.to(dtype), weight_EOD.to(dtype)
     if not invariant and grouped_mm_supported(x_MD, weight_EOD):
         return torch._grouped_mm(x_MD, weight_EOD.transpose(-2, -1), offs=ends_E)
-    return _loop(x_MD, weight_EOD, ends_E, invariant)
+    return torch.ops.torchloom.grouped_linear_loop(
+        x_MD, weight_EOD.to(x_MD.dtype), ends_E, invariant
+    )
 
 
+# The reference as custom ops: opaque to the compiler (their row counts are data-dependent), so
+# a compiled region keeps them as one call instead of breaking its graph.
+
+
+def _bounds(ends_E: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) of every non-empty group, read on the host."""
+    bounds = [0, *ends_E.tolist()]
+    return [(e, lo, hi) for e, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
+
+
+@torch.library.custom_op("torchloom::grouped_linear_loop", mutates_args=())
 def _loop(
     x_MD: torch.Tensor, weight_EOD: torch.Tensor, ends_E: torch.Tensor, invariant: bool
 ) -> torch.Tensor:
-    """The reference: one matmul per group, the group bounds read on the host."""
+    """One matmul per group (the fixed-order linear when ``invariant``)."""
     linear = batch_invariant.linear if invariant else F.linear
-    bounds = [0, *ends_E.tolist()]
-    pieces = [
-        linear(x_MD[start:end], weight_EOD[e])
-        for e, (start, end) in enumerate(itertools.pairwise(bounds))
-        if end > start
-    ]
-    out_MO = torch.cat(pieces) if pieces else x_MD.new_zeros(0, weight_EOD.shape[1])
-    if bounds[-1] == x_MD.shape[0]:
-        return out_MO
-    tail = x_MD.new_zeros(x_MD.shape[0] - bounds[-1], weight_EOD.shape[1])
-    return torch.cat([out_MO, tail.to(out_MO.dtype)])
+    out_MO = x_MD.new_zeros(x_MD.shape[0], weight_EOD.shape[1])
+    for e, lo, hi in _bounds(ends_E):
+        out_MO[lo:hi] = linear(x_MD[lo:hi], weight_EOD[e])
+    return out_MO
+
+
+@_loop.register_fake
+def _(x_MD, weight_EOD, ends_E, invariant):
+    return x_MD.new_empty(x_MD.shape[0], weight_EOD.shape[1])
+
+
+@torch.library.custom_op("torchloom::grouped_linear_loop_backward", mutates_args=())
+def _loop_backward(
+    grad_MO: torch.Tensor, x_MD: torch.Tensor, weight_EOD: torch.Tensor, ends_E: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = torch.zeros_like(x_MD), torch.zeros_like(weight_EOD)
+    for e, lo, hi in _bounds(ends_E):
+        grad_x[lo:hi] = grad_MO[lo:hi] @ weight_EOD[e]
+        grad_w[e] = grad_MO[lo:hi].T @ x_MD[lo:hi]
+    return grad_x, grad_w
+
+
+@_loop_backward.register_fake
+def _(grad_MO, x_MD, weight_EOD, ends_E):
+    return torch.empty_like(x_MD), torch.empty_like(weight_EOD)
+
+
+def _save(ctx, inputs, output) -> None:
+    x_MD, weight_EOD, ends_E, _ = inputs
+    ctx.save_for_backward(x_MD, weight_EOD, ends_E)
+
+
+def _backward(ctx, grad_MO):
+    x_MD, weight_EOD, ends_E = ctx.saved_tensors
+    grad_x, grad_w = _loop_backward(grad_MO.contiguous(), x_MD, weight_EOD, ends_E)
+    return grad_x, grad_w, None, None
+
+
+_loop.register_autograd(_backward, setup_context=_save)
