@@ -36,6 +36,7 @@ _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 _HF_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
@@ -43,8 +44,9 @@ _HF_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidde
 
 @pytest.fixture
 def hf_checkpoint(tmp_path):
-    """Build a tiny transformers model with random weights (norms included, so every weight
-    matters), ``save_pretrained`` it under tmp_path/name: returns (folder, model in eval mode)."""
+    """Build a tiny transformers model with random weights (norms and MoE routing biases
+    included, so every weight matters), ``save_pretrained`` it under tmp_path/name: returns
+    (folder, model in eval mode)."""
 
     def build(model_type, name="hf", max_shard_size=None, seed=0, **config):
         import transformers
@@ -60,6 +62,9 @@ def hf_checkpoint(tmp_path):
             for param_name, param in model.named_parameters():
                 noise = torch.randn(param.shape, generator=generator)
                 param.copy_(1 + 0.1 * noise if "norm" in param_name else 0.1 * noise)
+            for buffer_name, buffer in model.named_buffers():  # zero-initialized routing bias
+                if buffer_name.endswith("e_score_correction_bias"):
+                    buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
         path = tmp_path / name
         model.save_pretrained(
             path, **({"max_shard_size": max_shard_size} if max_shard_size else {})

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from torchloom.checkpoint.model_io import save_model
 from torchloom.cli import main
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams, score
 from torchloom.generate.graphs import DecodeGraphs, buckets
@@ -35,11 +36,12 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9] * 11, [4, 4, 4], [100, 200, 300, 400], [
 
 
 @pytest.mark.parametrize("decode", ["gathered", "static"])
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3"])
 def test_logprobs_equal_a_full_forward_under_continuous_batching(family, decode):
     """6 requests of different lengths through 3 cache slots: requests join as others end.
     "static" runs the decode steps the GPU replays from CUDA graphs (leading slots, bucketed
-    row counts, free slots on dummy tokens), here eagerly."""
+    row counts, free slots on dummy tokens), here eagerly. deepseek_v3 decodes from its latent
+    cache (multi-head latent attention, kv_b_proj absorbed)."""
     model = tiny(family)
     requests = [Request(p, SamplingParams(max_new_tokens=4 + 2 * i, seed=i))
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
@@ -189,6 +191,27 @@ def test_generate_command(tmp_path, hf_checkpoint):
     assert len(records[0]["logprobs"]) == 5 and "vocabulary" in records[1]["error"]
     assert main(["generate", "--from-hf", str(folder), "--prompts-file", str(prompts),
                  "--top-p", "0"]) == 2  # fmt: skip
+
+
+def test_generate_command_on_a_saved_deepseek_v3_model(tmp_path):
+    """`torchloom generate --checkpoint` on a torchloom model folder of the deepseek_v3 debug
+    flavor (latent cache, MoE, MTP depths unused): greedy tokens are the full forward's."""
+    model = tiny("deepseek_v3")
+    save_model(model, "deepseek_v3", model.config, tmp_path / "model")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n"
+                       + json.dumps({"prompt_ids": [9]}) + "\n")  # fmt: skip
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--checkpoint", str(tmp_path / "model"), "--prompts-file",
+                 str(prompts), "--max-new-tokens", "6", "--temperature", "0", "--output",
+                 str(output)]) == 0  # fmt: skip
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    for record, prompt in zip(records, ([5, 6, 7], [9]), strict=True):
+        tokens = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+        assert record["tokens"] == tokens[len(prompt) :]
 
 
 # -- submit / step ---------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def hf_model() -> HFBuilder:
 
 @pytest.fixture
 def randomize() -> Callable[[Decoder, int], None]:
-    """Give every weight (norms included) a distinct random value, reproducibly."""
+    """Give every weight (norms and MoE choice biases included) a distinct random value,
+    reproducibly."""
 
     @torch.no_grad()
     def fill(model: Decoder, seed: int = 0) -> None:
@@ -47,5 +48,8 @@ def randomize() -> Callable[[Decoder, int], None]:
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
     return fill

@@ -20,7 +20,7 @@ from torchloom.models.llama3 import LLAMA3_FLAVORS
 
 
 def test_families_are_registered() -> None:
-    assert [spec.name for spec in list_models()] == ["llama3", "qwen3", "qwen3_moe"]
+    assert [spec.name for spec in list_models()] == ["deepseek_v3", "llama3", "qwen3", "qwen3_moe"]
     spec = get_model_spec("qwen3")
     assert spec.config_cls is TransformerConfig and "0.6B" in spec.flavors and spec.description
 

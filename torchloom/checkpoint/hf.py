@@ -21,6 +21,7 @@ from torchloom.checkpoint.safetensors_io import (
     load_into,
     parse_dtype,
     staged_folder,
+    weight_map,
     write_tensors,
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
@@ -59,7 +60,8 @@ def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
     hf_config = read_hf_config(hf_dir)
     try:
         spec = get_hf_model_spec(hf_config.get("model_type"))
-        return spec, spec.hf_adapter.config_from_hf(hf_config)
+        config = spec.hf_adapter.config_from_hf(hf_config)
+        return spec, spec.hf_adapter.config_for_tensors(config, lambda: weight_map(hf_dir))
     except ConfigError as err:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: {err}") from None
 

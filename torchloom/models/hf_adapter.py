@@ -14,7 +14,7 @@ tests/models/test_*_hf.py prove it).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -119,7 +119,7 @@ class HFAdapter:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=head_dim,
             norm_eps=float(get("rms_norm_eps")),
-            rope=_rope_from_hf(hf, get("max_position_embeddings")),
+            rope=rope_from_hf(hf, get("max_position_embeddings")),
             max_seq_len=get("max_position_embeddings"),
             qk_norm=self.qk_norm,
             tie_embeddings=bool(get("tie_word_embeddings")),
@@ -140,7 +140,7 @@ class HFAdapter:
                 f"This {self.model_type} model has qk_norm={cfg.qk_norm}, but transformers' "
                 f"{self.architecture} has qk_norm={self.qk_norm}; it cannot be exported as one."
             )
-        rope = _rope_to_hf(cfg.rope)
+        rope = rope_to_hf(cfg.rope)
         hf: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -161,7 +161,7 @@ class HFAdapter:
             # transformers 5 reads rope_parameters; 4.x reads rope_theta + rope_scaling.
             "rope_parameters": rope,
             "rope_theta": cfg.rope.theta,
-            "rope_scaling": None if cfg.rope.scaling == "none" else _without(rope, "rope_theta"),
+            "rope_scaling": None if cfg.rope.scaling == "none" else without_key(rope, "rope_theta"),
             "use_cache": True,
         }
         if dtype is not None:
@@ -171,6 +171,12 @@ class HFAdapter:
         if eos_token_id is not None:
             hf["eos_token_id"] = eos_token_id
         return hf
+
+    def config_for_tensors(self, config: Any, tensor_names: Callable[[], Iterable[str]]) -> Any:
+        """``config`` (read from config.json) fitted to what the checkpoint holds, given the
+        names of its tensors (read only if a family needs them): itself, unless a family's
+        config.json may announce parts that writers drop (DeepSeek-V3's MTP layers)."""
+        return config
 
     def _check_keys(self, hf: dict[str, Any]) -> None:
         if hf.get("model_type") != self.model_type:
@@ -276,7 +282,7 @@ def _expert_names(index: str, proj: str, experts: int) -> list[str]:
     return [f"model.layers.{index}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
 
-def _rope_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+def rope_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     """RopeConfig from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
     # transformers 5 prefers rope_scaling when both are present; so do we.
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -338,11 +344,11 @@ def _rope_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> RopeConfi
     )
 
 
-def _without(params: dict[str, Any], key: str) -> dict[str, Any]:
+def without_key(params: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k != key}
 
 
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
     """transformers 5's rope_parameters for ``rope``."""
     if rope.scaling == "none":
         return {"rope_type": "default", "rope_theta": rope.theta}

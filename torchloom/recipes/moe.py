@@ -20,3 +20,17 @@ def qwen3_moe_debug() -> JobConfig:
         lr_schedule=LRScheduleConfig(warmup_steps=5),
         output=OutputConfig(dir="outputs/qwen3_moe_debug"),
     )
+
+
+@register_recipe("deepseek_v3_debug")
+def deepseek_v3_debug() -> JobConfig:
+    """deepseek_v3's debug flavor (multi-head latent attention, 1 dense + 2 MoE layers of 8
+    experts in 2 groups with a shared expert and the balancing bias, one MTP depth) on the
+    built-in corpus: seconds on a CPU."""
+    return JobConfig(
+        model=ModelConfig(name="deepseek_v3", flavor="debug"),
+        training=TrainingConfig(steps=50, seq_len=128, global_batch_size=8, val_sequences=16),
+        optimizer=OptimizerConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=5),
+        output=OutputConfig(dir="outputs/deepseek_v3_debug"),
+    )

@@ -18,10 +18,22 @@ past ``lengths_B`` of a row are right-padding: a state that is not indexed by po
 recurrent or convolution state) resets on the first and stops before the second; a KV state
 needs neither (it is indexed by position, and padding keys sit where later tokens overwrite them).
 
-The KV state of grouped-query attention lives here: keys and values per layer as
-[slots, kv_heads, max_len, head_dim]; a token at position p of its sequence sits at index p of
-its slot. Latent (MLA) and recurrent (linear attention) states join as further kinds with the
-same ``bound(binding)`` contract.
+Two kinds live here, both indexed by position (a token at position p of its sequence sits at
+index p of its slot):
+
+- ``KVState``, grouped-query attention's keys and values per layer as
+  [slots, kv_heads, max_len, head_dim];
+- ``LatentState``, multi-head latent attention's (MLA, models/components/mla.py) normed latent
+  and rotated shared key per layer as [slots, max_len, kv_lora_rank + rope_dim]: the heads'
+  keys and values are never stored. It attends in latent space with kv_b_proj absorbed
+  (DeepSeek-V2's decoding form): each query's no-position part is mapped into the latent
+  space by its head's key up-projection, the scores are taken against the cached latents and
+  shared keys, and the probability-weighted latent is mapped out by the head's value
+  up-projection. That reads L x (kv_lora_rank + rope_dim) numbers per step instead of
+  up-projecting every cached position.
+
+Recurrent (linear attention) states join as further kinds with the same ``bound(binding)``
+contract.
 """
 
 from __future__ import annotations
@@ -171,3 +183,69 @@ def grouped_attention(
     probs_BKGL = scores_BKgTL.softmax(-1).view(B, K, group * T, L)
     out_BKGd = probs_BKGL.to(q_BHTd.dtype) @ v_BKLd.to(q_BHTd.dtype)
     return out_BKGd.reshape(B, H, T, d)
+
+
+class LatentState:
+    """The latent KV of one MLA layer: [slots, max_len, kv_lora_rank + rope_dim], each entry
+    the normed latent followed by the rotated key part all heads share."""
+
+    def __init__(
+        self,
+        slots: int,
+        max_len: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.kv_lora_rank = kv_lora_rank
+        self.entries = torch.zeros(slots, max_len, kv_lora_rank + rope_dim, device=device,
+                                   dtype=dtype)  # fmt: skip
+
+    def bound(self, binding: Binding) -> _BoundLatent:
+        return _BoundLatent(self, binding)
+
+
+class _BoundLatent:
+    """A latent state bound to one forward: stores this step's latents, attends to them."""
+
+    def __init__(self, state: LatentState, binding: Binding) -> None:
+        self.state, self.binding = state, binding
+
+    def attend(
+        self,
+        q_nope_BHTn: torch.Tensor,
+        q_rope_BHTr: torch.Tensor,
+        latent_BTc: torch.Tensor,
+        k_rope_BTr: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Store this step's normed latents and rotated shared keys; attend the queries to the
+        cached ones. ``kv_b_weight`` is kv_b_proj's weight [H * (n + v), c] for the heads this
+        rank holds; returns the heads' outputs [B, H, T, v], fp32 softmax."""
+        bound, state = self.binding, self.state
+        entries = state.entries
+        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
+        entries[rows_B1, pos_BT] = torch.cat([latent_BTc, k_rope_BTr], dim=-1).to(entries.dtype)
+        if bound.leading:  # a view of slots 0..B-1: no copy
+            cached_BLx = entries[: pos_BT.shape[0]]
+        else:
+            cached_BLx = entries[bound.slot_ids_B, : bound.length]
+        dtype, c = q_nope_BHTn.dtype, state.kv_lora_rank
+        cached_BLx = cached_BLx.to(dtype)
+        B, H, T, n = q_nope_BHTn.shape
+        w_HXc = kv_b_weight.to(dtype).view(H, -1, c)
+        w_uk_Hnc, w_uv_Hvc = w_HXc[:, :n], w_HXc[:, n:]
+        # Absorb the key up-projection into the query: q_nope . (W_uk c) = (W_uk^T q_nope) . c
+        q_latent_BHTc = torch.einsum("bhtn,hnc->bhtc", q_nope_BHTn, w_uk_Hnc)
+        q_BHTx = torch.cat([q_latent_BHTc, q_rope_BHTr], dim=-1)
+        scores_BHTL = (q_BHTx.flatten(1, 2) @ cached_BLx.transpose(1, 2)).float()
+        scores_BHTL = scores_BHTL.view(B, H, T, -1) * softmax_scale
+        hidden_B1TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))[:, 0]
+        probs_BHTL = scores_BHTL.masked_fill(hidden_B1TL, float("-inf")).softmax(-1)
+        out_latent_BHTc = (probs_BHTL.to(dtype).flatten(1, 2) @ cached_BLx[..., :c]).view(
+            B, H, T, c
+        )
+        # ... and the value up-projection into the output: W_uv (sum_s p_s c_s).
+        return torch.einsum("bhtc,hvc->bhtv", out_latent_BHTc, w_uv_Hvc)

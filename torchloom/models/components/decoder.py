@@ -14,7 +14,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from torchloom.models.components.attention import (
     shared_attention_input,
 )
 from torchloom.models.components.cache import ModelCache
+from torchloom.models.components.mla import MultiHeadLatentAttention, mla_softmax_scale
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.moe import MoE
 from torchloom.models.components.norms import NORM_IMPLS
@@ -42,7 +43,8 @@ class LayerSpec:
     """What one layer is made of."""
 
     mixer: str
-    """Token mixer, a key of MIXERS ('attention': grouped-query attention with RoPE)."""
+    """Token mixer, a key of MIXERS ('attention': grouped-query attention with RoPE; 'mla':
+    multi-head latent attention)."""
     ffn: str
     """Feed-forward, a key of FFNS ('swiglu')."""
 
@@ -180,6 +182,16 @@ def _attention(cfg: Any, layer: int) -> nn.Module:
     )  # fmt: skip
 
 
+def _mla(cfg: Any, layer: int) -> nn.Module:
+    return MultiHeadLatentAttention(
+        cfg.dim, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim, cfg.v_head_dim, mla_softmax_scale(cfg.qk_head_dim, cfg.rope),
+        rope_interleave=cfg.rope_interleave, norm_eps=cfg.norm_eps, backend=cfg.attn_backend,
+        norm_impl=cfg.norm_impl, rope_impl=cfg.rope_impl, init_std=cfg.init_std,
+        out_std=_residual_std(cfg),
+    )  # fmt: skip
+
+
 def _swiglu(cfg: Any, layer: int) -> nn.Module:
     return SwiGLU(
         cfg.dim, cfg.ffn_dim, impl=cfg.mlp_impl, init_std=cfg.init_std, out_std=_residual_std(cfg)
@@ -199,7 +211,7 @@ def _residual_std(cfg: DecoderConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
-MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention}
+MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention, "mla": _mla}
 """Token-mixer kinds: ``build(config, layer_index) -> module`` taking
 ``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)``,
 ``flops_per_token(seq_len)`` and ``new_state(slots, max_len, device, dtype)`` (its generation
@@ -216,6 +228,15 @@ class Objective(Protocol):
     def __call__(
         self, h_BTD: torch.Tensor, model: Decoder, targets: dict[str, torch.Tensor]
     ) -> Any: ...
+
+
+class LayerInputs(NamedTuple):
+    """What a block takes besides the hidden state (``Decoder.layer_inputs``)."""
+
+    cos_BTd: torch.Tensor | None
+    sin_BTd: torch.Tensor | None
+    documents: Any
+    """doc_ids_BT, or what the attention kernel builds from them once (flex's BlockMask)."""
 
 
 class Block(nn.Module):
@@ -286,13 +307,26 @@ class Decoder(nn.Module):
         block its layer's generation state; positions are then the tokens' places in their
         sequence.
         """
+        inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
+        h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
+        h_BTD = self.run_blocks(h_BTD, inputs, cache)
+        return self.norm(h_BTD) if self.norm is not None else h_BTD
+
+    def layer_inputs(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        cache: ModelCache | None = None,
+    ) -> LayerInputs:
+        """What every block takes besides the hidden state, computed once per forward: the
+        RoPE tables of the positions and the documents input of the layers' attention kernel."""
         B, T = tokens_BT.shape[:2]
         if positions_BT is None:
             positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         cos_BTd = sin_BTd = None
         if self.rope is not None:
             cos_BTd, sin_BTd = self.rope(positions_BT)
-        h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
         documents = doc_ids_BT  # what the layers' attention takes: ids, or a mask built from them
         if cache is None:  # the layers' kernel (context parallelism may have replaced it)
             attend = next(
@@ -300,10 +334,17 @@ class Decoder(nn.Module):
                  if hasattr(b.attention, "attend")), None,
             )  # fmt: skip
             documents = shared_attention_input(attend, doc_ids_BT, T, tokens_BT.device)
+        return LayerInputs(cos_BTd, sin_BTd, documents)
+
+    def run_blocks(
+        self, h_BTD: torch.Tensor, inputs: LayerInputs, cache: ModelCache | None = None
+    ) -> torch.Tensor:
+        """The blocks this model (or pipeline stage) holds, in order: the last one's output,
+        before the final norm."""
         for name, block in self.layers.items():
             layer_cache = None if cache is None else cache.layer(int(name))
-            h_BTD = block(h_BTD, cos_BTd, sin_BTd, documents, cache=layer_cache)
-        return self.norm(h_BTD) if self.norm is not None else h_BTD
+            h_BTD = block(h_BTD, *inputs, cache=layer_cache)
+        return h_BTD
 
     def forward(
         self,

@@ -85,11 +85,7 @@ def decoder_tp_plan(
         # Vocabulary rows split over ranks; the partial lookups are reduce-scattered by sequence.
         plan["embed_tokens"] = RowwiseParallel(input_layouts=replicated, output_layouts=Shard(1))
     for name, block in model.layers.items():
-        prefix = f"layers.{name}."
-        plan[prefix + "attention_norm"] = SequenceParallel()
-        plan.update(_prefixed(prefix + "attention", block.attention.tp_plan(True)))
-        plan[prefix + "mlp_norm"] = SequenceParallel()
-        plan.update(_prefixed(prefix + "mlp", block.mlp.tp_plan(True)))
+        plan.update(block_tp_plan(block, f"layers.{name}."))
     vocab_sharded = Shard(-1)
     if model.output is not None:
         if model.norm is not None:
@@ -109,6 +105,16 @@ def decoder_tp_plan(
             plan[""] = PrepareModuleOutput(
                 output_layouts=vocab_sharded, desired_output_layouts=replicated
             )
+    return plan
+
+
+def block_tp_plan(block: nn.Module, prefix: str) -> dict[str, ParallelStyle]:
+    """A decoder block's sequence-parallel plan (its norms, its mixer's and feed-forward's
+    own plans) under ``prefix``, the block's path in the model with a trailing dot."""
+    plan: dict[str, ParallelStyle] = {prefix + "attention_norm": SequenceParallel()}
+    plan.update(_prefixed(prefix + "attention", block.attention.tp_plan(True)))
+    plan[prefix + "mlp_norm"] = SequenceParallel()
+    plan.update(_prefixed(prefix + "mlp", block.mlp.tp_plan(True)))
     return plan
 
 

@@ -135,13 +135,15 @@ def _yarn_attention_factor(cfg: RopeConfig) -> float:
     """YaRN's cos/sin multiplier, which sharpens attention as the context grows."""
     if cfg.attention_factor is not None:
         return cfg.attention_factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if cfg.mscale and cfg.mscale_all_dim:
-        return mscale(cfg.factor, cfg.mscale) / mscale(cfg.factor, cfg.mscale_all_dim)
-    return mscale(cfg.factor)
+        return yarn_mscale(cfg.factor, cfg.mscale) / yarn_mscale(cfg.factor, cfg.mscale_all_dim)
+    return yarn_mscale(cfg.factor)
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's attention sharpening for a context extended ``factor`` times: 0.1 m ln(factor) + 1
+    (1 without extension)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 class RotaryEmbedding(nn.Module):
