@@ -45,10 +45,23 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp():
         check_sequence_parallel(15, 2)
 
 
-def test_unimplemented_axes_are_refused():
+def test_expert_parallel_refusals_name_the_numbers():
+    """Before any process group is touched: a dense model, experts that do not split."""
     dims = ParallelDims(ParallelConfig(ep=2, dp_shard=2), world_size=2, rank=0, device_type="cpu")
-    with pytest.raises(ConfigError, match=r"--parallel.ep 2 is not implemented yet"):
+    with pytest.raises(ConfigError, match=r"--parallel.ep 2 needs a mixture-of-experts model"):
         parallelize(debug_model(), dims, seq_len=16)
+    dims = ParallelDims(ParallelConfig(ep=3, dp_shard=3), world_size=3, rank=0, device_type="cpu")
+    with pytest.raises(
+        ConfigError, match=r"--parallel.ep 3 does not divide num_experts 8: .* 2, 4, 8"
+    ):
+        parallelize(debug_model("qwen3_moe"), dims, seq_len=16)
+    with pytest.raises(ConfigError, match=r"--parallel.ep 3 does not divide dp_shard x cp = 2 x 1"):
+        ParallelConfig(ep=3, dp_shard=2, tp=2).resolve(4)
+
+
+def test_moe_layers_split_under_any_tp():
+    plan = decoder_tp_plan(debug_model("qwen3_moe"), 2)
+    assert "layers.0.mlp" in plan and "layers.0.mlp.experts" not in plan
 
 
 def test_single_process_needs_no_mesh_and_parallelize_is_a_no_op():

@@ -17,5 +17,5 @@ def test_products_that_miss_the_world_are_refused_with_numbers():
         ParallelConfig(dp_shard=2, tp=2).resolve(8)
     with pytest.raises(ConfigError, match="--parallel.tp must be a positive integer"):
         ParallelConfig(tp=0).resolve(1)
-    with pytest.raises(ConfigError, match="--parallel.ep 3 must divide"):
+    with pytest.raises(ConfigError, match=r"--parallel.ep 3 does not divide dp_shard x cp = 4 x 1"):
         ParallelConfig(ep=3).resolve(4)

@@ -39,7 +39,9 @@ class ParallelConfig:
     pp_embedding_weight: float = 1.0
     """How many layers the embedding and the output head each count as when balancing stages."""
     ep: int = 1
-    """Expert-parallel degree for mixture-of-experts layers (borrowed from dp_shard x cp)."""
+    """Expert-parallel degree for mixture-of-experts layers: each of ep ranks, borrowed from
+    dp_shard x cp (ep must divide it), holds num_experts / ep experts and tokens travel to
+    them by all-to-all."""
     mixed_precision_param: ParamDtype = "auto"
     """Dtype data parallelism (FSDP) gathers parameters in for compute; the sharded master copy
     and the optimizer stay fp32. auto: bf16 on the GPU, fp32 on the CPU."""
@@ -126,10 +128,12 @@ class ParallelConfig:
                 + f" = {product}, but {world_size} processes were launched; make the product "
                 "equal the world size (or set --parallel.dp_shard -1 to fill it)."
             )
-        if (resolved.dp_shard * resolved.cp) % resolved.ep:
+        borrowed = resolved.dp_shard * resolved.cp
+        if borrowed % resolved.ep:
             raise ConfigError(
-                f"--parallel.ep {resolved.ep} must divide dp_shard x cp = "
-                f"{resolved.dp_shard * resolved.cp}."
+                f"--parallel.ep {resolved.ep} does not divide dp_shard x cp = {resolved.dp_shard} "
+                f"x {resolved.cp} = {borrowed}: expert parallelism borrows its ranks from those "
+                f"(it adds none). Choose an ep that divides {borrowed}, or raise dp_shard."
             )
         return resolved
 

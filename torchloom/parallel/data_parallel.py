@@ -15,13 +15,17 @@ global mean loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torchloom.parallel.config import ParallelConfig
-from torchloom.parallel.mesh import ParallelDims
+from torchloom.parallel.expert_parallel import moe_layers
+from torchloom.parallel.mesh import MoEMeshes, ParallelDims
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -40,35 +44,71 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """Shard (or replicate) ``model`` in place: each block, then the embedding and the head,
     then the root, which holds whatever is left (with tied embeddings, the embedding: the head
     reads ``embed_tokens.weight`` from the root's forward, so it must be gathered there).
+
+    A mixture-of-experts layer's weights that live on other meshes (``MoEMeshes``: experts under
+    expert parallelism, the whole layer under tensor parallelism) get their own FSDP groups
+    first, even without any other data parallelism (tp alone).
     """
     mesh, config = dims.fsdp_mesh, dims.degrees
-    if mesh is None:
-        return
-    replicate_only = dims.size("dp_shard_cp") == 1
-    policy = config.reshard_after_forward
     mp_policy = mixed_precision_policy(config, dims.device_type)
+    policy = config.reshard_after_forward
+    summed: list[nn.Module] = []
 
-    def reshard(default: bool) -> bool:
+    def shard(
+        module: nn.Module | list[nn.Module], on: DeviceMesh, default_reshard: bool, **kwargs
+    ) -> None:
+        ranks = on.size(on.ndim - 1)  # the shard dimension's (HSDP: after the replicate one)
         # Without sharding there is nothing to free; re-gathering would only copy.
-        if policy == "default":
-            return default and not replicate_only
-        return policy == "always"
-
-    def shard(module: nn.Module | list[nn.Module], default_reshard: bool) -> None:
-        fully_shard(
-            module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard(default_reshard)
-        )
+        reshard = default_reshard and ranks > 1 if policy == "default" else policy == "always"
+        fully_shard(module, mesh=on, mp_policy=mp_policy, reshard_after_forward=reshard, **kwargs)
+        if on.size() > 1:
+            summed.extend(module if isinstance(module, list) else [module])
 
     blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        # The last block's parameters are needed again right at the start of backward.
-        shard(block, default_reshard=i < len(blocks) - 1)
-    if model.output is not None:  # untied: the embedding is used only at the start of forward
-        if model.embed_tokens is not None:
-            shard(model.embed_tokens, default_reshard=True)
-        shard([m for m in (model.norm, model.output) if m is not None], default_reshard=False)
-    shard(model, default_reshard=False)
-    _sum_gradients(model, mesh)
+    moe = _moe_meshes(model, dims)
+    if moe is not None:
+        # Every MoE layer, in the blocks or elsewhere (DeepSeek-V3's multi-token prediction),
+        # before the groups that contain it. Those of the blocks before the last are not needed
+        # again before their backward.
+        early = {id(m) for block in blocks[:-1] for m in moe_layers(block)}
+        for layer in moe_layers(model):
+            default_reshard = id(layer) in early
+            if moe.ep is not None:
+                assert moe.experts is not None
+                placement = _expert_placement(moe.experts)
+                shard(layer.experts, moe.experts, default_reshard, shard_placement_fn=placement)
+            if moe.layer is not None:  # tp: the router and shared experts (and experts)
+                shard(layer, moe.layer, default_reshard)
+    if mesh is not None:
+        for i, block in enumerate(blocks):
+            # The last block's parameters are needed again right at the start of backward.
+            shard(block, mesh, default_reshard=i < len(blocks) - 1)
+        if model.output is not None:  # untied: the embedding is used only at the start
+            if model.embed_tokens is not None:
+                shard(model.embed_tokens, mesh, default_reshard=True)
+            head = [m for m in (model.norm, model.output) if m is not None]
+            shard(head, mesh, default_reshard=False)
+        shard(model, mesh, default_reshard=False)
+    _sum_gradients(summed)
+
+
+def _moe_meshes(model: nn.Module, dims: ParallelDims) -> MoEMeshes | None:
+    """The MoE meshes when ``model``'s MoE layers need groups of their own."""
+    if (dims.degrees.ep == 1 and not dims.tp_enabled) or not moe_layers(model):
+        return None
+    return dims.moe_meshes()
+
+
+def _expert_placement(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard]:
+    """FSDP shards experts' stacks by expert while each rank gets whole experts, else along
+    their second dimension (fewer local experts than ranks would leave shards empty)."""
+    ranks = mesh.size(mesh.ndim - 1)
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(0) if local.shape[0] % ranks == 0 else Shard(1)
+
+    return placement
 
 
 def shard_pipeline_stage(stage: nn.Module, dims: ParallelDims) -> None:
@@ -79,16 +119,16 @@ def shard_pipeline_stage(stage: nn.Module, dims: ParallelDims) -> None:
         return
     policy = mixed_precision_policy(dims.degrees, dims.device_type)
     fully_shard(stage, mesh=dims.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
-    _sum_gradients(stage, dims.fsdp_mesh)
+    if dims.fsdp_mesh.size() > 1:
+        _sum_gradients([stage])
 
 
-def _sum_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    if mesh.size() == 1:
-        # One rank: sum and mean agree, and with a divide factor set FSDP's one-rank path
-        # divides every gradient by it, even by 1.0 (one more pass over all of them).
-        return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            # Plain sums also on gloo, which lacks the pre-multiplied sum a factor asks for.
-            module.set_force_sum_reduction_for_comms(True)
+def _sum_gradients(modules: list[nn.Module]) -> None:
+    """Sum, not average, over the data ranks. Only for groups of more than one rank: with a
+    divide factor set FSDP's one-rank path divides every gradient by it, even by 1.0 (one more
+    pass over all of them)."""
+    for module in modules:
+        assert isinstance(module, FSDPModule)
+        module.set_gradient_divide_factor(1.0)
+        # Plain sums also on gloo, which lacks the pre-multiplied sum a factor asks for.
+        module.set_force_sum_reduction_for_comms(True)

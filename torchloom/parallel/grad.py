@@ -26,7 +26,10 @@ def clip_grad_norm_(
     ``clip_coefficient(grad_norm(...), max_norm)`` instead of this pass over the gradients."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(params, norm_type, pp_mesh)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    # One call per mesh: DTensor's foreach ops refuse tensors of different meshes (expert
+    # weights live on the expert-parallel mesh, the rest on FSDP's).
+    for group in _by_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -49,13 +52,13 @@ def grad_norm(
     each gradient, the same total every run; otherwise torch's ``get_total_norm``.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
     partial_norms = []
-    for mesh, group in by_mesh.items():
+    for mesh, group in _by_mesh(grads).items():
         if triton_kernel and mesh is None and norm_type == 2.0 and _triton_norm(group):
             partial_norms.append(squared_norm_partials(group).sum().sqrt())
+            continue
+        if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
+            partial_norms.extend(_expert_norms(group, norm_type, mesh))
             continue
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -65,6 +68,14 @@ def grad_norm(
     if pp_mesh is not None:
         total = _combine_over(total, norm_type, pp_mesh)
     return total
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict[DeviceMesh | None, list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (None: plain tensors)."""
+    groups: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return groups
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -78,9 +89,34 @@ def _triton_norm(grads: list[torch.Tensor]) -> bool:
     return use_triton(grads[0]) and all(g.device == device and g.is_contiguous() for g in grads)
 
 
-def _combine_over(norm: torch.Tensor, norm_type: float, mesh: DeviceMesh) -> torch.Tensor:
-    """The norm of the union of every rank's gradients along ``mesh`` (disjoint parameters)."""
-    group = mesh.get_group()
+def _expert_norms(
+    grads: list[torch.Tensor], norm_type: float, mesh: DeviceMesh
+) -> list[torch.Tensor]:
+    """Norms of gradients on an expert-parallel mesh (FSDP's dims, then ep), from their local
+    shards combined over every mesh dim that splits them. DTensor's own reduction cannot run
+    there (torch 2.13): it tries to merge the per-dim all-reduces into one over a flattened
+    mesh, and slicing that mesh fails when ep sits between FSDP's dims (tp inside efsdp)."""
+    by_split: dict[tuple[bool, ...], list[torch.Tensor]] = {}
+    for grad in grads:
+        if any(p.is_partial() for p in grad.placements):
+            raise AssertionError(f"unreduced gradient on the expert mesh: {grad.placements}")
+        # Shard and _StridedShard (FSDP over an ep-sharded dim) both split the tensor.
+        by_split.setdefault(tuple(not p.is_replicate() for p in grad.placements), []).append(grad)
+    norms = []
+    for split, group in by_split.items():
+        norm = torch.nn.utils.get_total_norm([g.to_local() for g in group], norm_type)
+        for dim, sharded in enumerate(split):
+            if sharded:
+                norm = _combine_over(norm, norm_type, mesh.get_group(dim))
+        norms.append(norm)
+    return norms
+
+
+def _combine_over(
+    norm: torch.Tensor, norm_type: float, over: DeviceMesh | dist.ProcessGroup
+) -> torch.Tensor:
+    """The norm of the union of every rank's gradients along ``over`` (disjoint parameters)."""
+    group = over.get_group() if isinstance(over, DeviceMesh) else over
     if norm_type == float("inf"):
         dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
         return norm

@@ -8,6 +8,9 @@ creates no process group and issues no collective; asking for it returns None. F
 - ``dp_shard_cp``: dp_shard x cp, the ranks FSDP shards parameters over;
 - ``dp_cp``: dp_replicate x dp_shard x cp, the ranks whose token losses and counts are summed.
 
+Mixture-of-experts layers have their own groups (``ParallelDims.moe_meshes``, built on first
+use): expert parallelism's ``ep`` ranks and those that shard the same experts.
+
 Flattened meshes are kept here rather than sliced back out of the root mesh by name: that
 slicing is deprecated from torch 2.11 on, while ``DeviceMesh._flatten`` returns the new mesh in
 both 2.11 and 2.13.
@@ -88,6 +91,14 @@ class ParallelDims:
     fsdp_mesh: DeviceMesh | None = None
     """The mesh data parallelism runs on: 1-D (dp_shard_cp) for FSDP, 2-D (dp_replicate,
     dp_shard_cp) for HSDP and replication, None without data parallelism."""
+    _moe: MoEMeshes | None = None
+
+    def moe_meshes(self) -> MoEMeshes:
+        """The groups of mixture-of-experts layers, created on the first call: a collective,
+        so every rank makes it, models without MoE layers never (see ``MoEMeshes``)."""
+        if self._moe is None:
+            self._moe = _build_moe_meshes(self)
+        return self._moe
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """The 1-D mesh of an axis or flattened group; None when it holds a single rank."""
@@ -123,6 +134,60 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.degrees.tp > 1
+
+
+@dataclass
+class MoEMeshes:
+    """Where a mixture-of-experts layer's weights live (parallel/expert_parallel.py).
+
+    Under sequence parallelism each tp rank routes its own tokens, so for an MoE layer the tp
+    ranks are data ranks like dp_shard and cp: the layer's data ranks are dp_shard x cp x tp
+    (times dp_replicate). Expert parallelism splits dp_shard x cp into ep groups of
+    neighbouring ranks (stride tp), each rank of a group holding num_experts / ep experts; the
+    dp_shard x cp x tp / ep ranks holding the same experts ("efsdp") shard them with FSDP.
+    """
+
+    ep: DeviceMesh | None
+    """The ranks that exchange tokens, each holding different experts (None: ep 1)."""
+    experts: DeviceMesh | None
+    """What the routed experts' weights are data-parallel over: efsdp, or (dp_replicate,
+    efsdp); with ep 1 and tp 1 the blocks' mesh; None without data parallelism."""
+    layer: DeviceMesh | None
+    """With tp > 1, what the layer's other weights (router, shared experts) are data-parallel
+    over: dp_shard x cp x tp, or (dp_replicate, that); None with tp 1 (they stay in their
+    block's FSDP group)."""
+
+
+def _build_moe_meshes(dims: ParallelDims) -> MoEMeshes:
+    degrees, root = dims.degrees, dims.world_mesh
+    ep, tp, replicate, shard = (
+        degrees.ep,
+        degrees.tp,
+        degrees.dp_replicate,
+        dims.size("dp_shard_cp"),
+    )
+    if root is None or (ep == 1 and tp == 1):
+        return MoEMeshes(None, dims.fsdp_mesh, None)
+    names = [
+        a for a in ("dp_replicate", "dp_shard", "cp", "tp") if a in (root.mesh_dim_names or ())
+    ]
+    data = root[tuple(names)]._flatten("moe_data") if len(names) > 1 else root[names[0]]
+    layer = None
+    if tp > 1:
+        layer = data if replicate == 1 else data._unflatten(0, (replicate, shard * tp),
+                                                            ("dp_replicate", "moe_shard"))  # fmt: skip
+    if ep == 1:
+        return MoEMeshes(None, layer, layer)
+    split = data._unflatten(0, (replicate, shard // ep, ep, tp),
+                            ("dp_replicate", "efsdp_dp", "ep", "efsdp_tp"))  # fmt: skip
+    if tp == 1:
+        experts = split["efsdp_dp"] if replicate == 1 else split["dp_replicate", "efsdp_dp"]
+    else:
+        efsdp = split["efsdp_dp", "efsdp_tp"]._flatten("efsdp")  # not neighbours: ep between
+        experts = (
+            efsdp if replicate == 1 else DeviceMesh._concatenate([split["dp_replicate"], efsdp])
+        )
+    return MoEMeshes(split["ep"], experts, layer)
 
 
 def build_parallel_dims(config: ParallelConfig, device_type: str) -> ParallelDims:

@@ -12,6 +12,7 @@ caller materializes the stages afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 
@@ -22,9 +23,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX
 from torchloom.models.components.decoder import Decoder, DecoderConfig, Objective
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.data_parallel import shard_pipeline_stage
+from torchloom.parallel.expert_parallel import check_expert_parallel, has_moe_layers, moe_layers
 from torchloom.parallel.loss_reduction import as_local
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.parallelize import parallelize
@@ -137,12 +140,34 @@ class _StageForward(nn.Module):
     """(tokens or hidden; positions, doc_ids and target_* fields as keywords) -> hidden, or the
     objective's loss sum on the last stage. Only the hidden state travels between stages: every
     pp rank holds the batch, so the schedule hands each stage its microbatch's keywords (torch
-    2.11's stages would also try to make received integer tensors require grad)."""
+    2.11's stages would also try to make received integer tensors require grad).
+
+    Auxiliary losses that an earlier stage's layers report (MoE balance) cannot travel with the
+    hidden state: the stage weights them as the objectives do (by the microbatch's label
+    tokens), divides them by the step's normalizer and adds them to the step's loss through the
+    hidden state's gradient (``_AddToLoss``); ``auxiliary`` keeps their sum for the log."""
 
     def __init__(self, model: Decoder, objective: Objective | None) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
+        self.divisor: torch.Tensor = torch.ones(())
+        self.auxiliary: torch.Tensor = torch.zeros(())
+        self.inferring = False
+
+    @contextlib.contextmanager
+    def metadata_inference(self) -> Iterator[None]:
+        """A forward torch's stage runs to learn shapes (``_Stage``), not a training one: the
+        MoE layers' token counts are put back afterwards and no auxiliary loss is kept."""
+        counts = [(m, m.tokens_per_expert.clone()) for m in moe_layers(self.model)]
+        self.inferring = True
+        try:
+            yield
+        finally:
+            self.inferring = False
+            for layer, count in counts:
+                layer.tokens_per_expert.copy_(count)
+                layer.pop_auxiliary_losses()
 
     def forward(
         self,
@@ -152,11 +177,54 @@ class _StageForward(nn.Module):
         doc_ids_BT: torch.Tensor | None,
         **targets: torch.Tensor,
     ) -> torch.Tensor:
-        if not self.model.has_head or self.objective is None:
-            return self.model(x, positions_BT, doc_ids_BT)
         fields = {name.removeprefix(_TARGET): value for name, value in targets.items()}
+        if not self.model.has_head or self.objective is None:
+            h = self.model(x, positions_BT, doc_ids_BT)
+            terms = self.model.auxiliary_losses()
+            if not terms or self.inferring:
+                return h
+            return self._add_auxiliary(h, sum(terms.values()), fields)
         out = self.model(x, positions_BT, doc_ids_BT, objective=self.objective, targets=fields)
         return out.loss.reshape(1)  # the schedule concatenates the micro-batches' outputs
+
+    def _add_auxiliary(
+        self, h: torch.Tensor, term: torch.Tensor, fields: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        if "labels" not in fields:
+            raise ConfigError(
+                "Layers before the last pipeline stage report auxiliary losses (MoE balance), "
+                "which are weighted by label tokens, but the objective reads no labels; set "
+                "--parallel.pp 1 or turn the layers' auxiliary loss off."
+            )
+        weighted = term * (fields["labels"] != IGNORE_INDEX).sum() / self.divisor
+        self.auxiliary = self.auxiliary + weighted.detach()
+        return _AddToLoss.apply(h, weighted)
+
+
+class _Stage(PipelineStage):
+    """torch's stage. From torch 2.13 it learns its inputs' and outputs' shapes by running the
+    stage's forward on the first microbatch before the first step: that forward must not count
+    as training (``_StageForward.metadata_inference``). Older versions lack the method: a no-op
+    there."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with self.submod.metadata_inference():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+
+class _AddToLoss(torch.autograd.Function):
+    """The identity on a stage's output whose backward also gives ``loss`` the gradient 1:
+    ``loss`` joins the step's loss wherever the pipeline's backward reaches this stage."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_like = (loss.shape, loss.dtype, loss.device)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.loss_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 class Pipeline:
@@ -217,7 +285,8 @@ class Pipeline:
         return loss_sum.sum() / self._divisor
 
     def _keywords(self, batch) -> dict[str, torch.Tensor | None]:
-        fields = batch.fields(self.objective.fields) if self.has_last else {}
+        # Every stage: earlier ones weight their layers' auxiliary losses by the labels.
+        fields = batch.fields(self.objective.fields)
         return {"positions_BT": batch.positions, "doc_ids_BT": batch.doc_ids,
                 **{_TARGET + name: value for name, value in fields.items()}}  # fmt: skip
 
@@ -226,6 +295,9 @@ class Pipeline:
         returns this rank's summed microbatch losses (zero on ranks without the last stage)."""
         self.check_batch_size(batch.tokens.shape[0])
         self._divisor = normalizer
+        for wrapper in self.wrappers:
+            wrapper.divisor = normalizer
+            wrapper.auxiliary = torch.zeros((), device=normalizer.device)
         losses: list[torch.Tensor] = []
         first = any(s.embed_tokens is not None for s in self.stages)
         args = (batch.tokens,) if first else ()
@@ -235,6 +307,8 @@ class Pipeline:
         total = torch.zeros((), device=batch.tokens.device)
         for loss in losses:
             total += as_local(loss.detach()).float()
+        for wrapper in self.wrappers:  # earlier stages' auxiliary losses
+            total += wrapper.auxiliary
         return total
 
     @torch.no_grad()
@@ -356,6 +430,9 @@ def build_pipeline(
     the other ranks' layers are never allocated."""
     config = dims.degrees
     counts = layers_per_stage(model.config, config)
+    check_expert_parallel(model, config.ep)
+    if has_moe_layers(model):
+        dims.moe_meshes()  # a collective: every rank, before stages without MoE layers split off
     if config.pp_schedule == "zbv" and not zbv_runs_on(device.type):
         raise ConfigError(
             f"--parallel.pp_schedule zbv does not run on the CPU (gloo) with torch "
@@ -382,7 +459,7 @@ def build_pipeline(
         wrapper = _StageForward(stage, objective)
         shard_pipeline_stage(wrapper, dims)
         wrappers.append(wrapper)
-        pipe_stages.append(PipelineStage(wrapper, s, num_stages, device, group=pp_mesh.get_group()))
+        pipe_stages.append(_Stage(wrapper, s, num_stages, device, group=pp_mesh.get_group()))
     pipeline = Pipeline(stages, wrappers, stage_ids, owners, dims, microbatches, objective)
     stage_arg = pipe_stages[0] if per_rank == 1 else pipe_stages
     pipeline.schedule = cls(

@@ -25,7 +25,13 @@ from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
 from torchloom.config.errors import ConfigError
 from torchloom.data import build_dataloaders
 from torchloom.kernels.float8 import check_float8_device
-from torchloom.models import DecoderConfig, build_model, get_model_spec, resolve_model_config
+from torchloom.models import (
+    Attention,
+    DecoderConfig,
+    build_model,
+    get_model_spec,
+    resolve_model_config,
+)
 from torchloom.parallel import ParallelDims, parallelize
 from torchloom.parallel.pipeline import Pipeline, build_pipeline
 from torchloom.train.compile import compile_regions
@@ -82,6 +88,7 @@ def build_model_parts(
         )
     with torch.device("meta"):
         model = build_model(config)
+    check_layout(model, dims)
     seq_len, wrap = job.training.seq_len, block_wrapper(job, dims)
     if dims.degrees.pp > 1:
         pipeline = build_pipeline(
@@ -96,6 +103,30 @@ def build_model_parts(
     if allocate:
         materialize(model, job, device)
     return ModelParts(config, model)
+
+
+def check_layout(model: nn.Module, dims: ParallelDims) -> None:
+    """ConfigError for layouts the model's parts cannot take yet: multi-token prediction
+    under pipeline or context parallelism (its blocks follow the last stage and shift tokens
+    along the whole sequence), and token mixers other than grouped-query attention under
+    context parallelism (which swaps the kernel of Attention layers only)."""
+    pp, cp = dims.degrees.pp, dims.degrees.cp
+    if getattr(model, "mtp", None) is not None and (pp > 1 or cp > 1):
+        axis = "pp" if pp > 1 else "cp"
+        raise ConfigError(
+            f"--parallel.{axis} {pp if pp > 1 else cp} with multi-token prediction is not "
+            "supported yet; set --model.overrides '{\"mtp_layers\": 0}' or "
+            f"--parallel.{axis} 1."
+        )
+    if cp > 1:
+        kinds = sorted({type(b.attention).__name__ for b in model.layers.values()
+                        if not isinstance(b.attention, Attention)})  # fmt: skip
+        if kinds:
+            raise ConfigError(
+                f"--parallel.cp {cp} supports grouped-query attention layers only; this "
+                f"model's {', '.join(kinds)} layers would attend within each rank's share of "
+                "the sequence. Set --parallel.cp 1."
+            )
 
 
 def materialize(model: nn.Module, job: JobConfig, device: torch.device) -> None:

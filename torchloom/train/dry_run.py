@@ -6,6 +6,8 @@ Each rank counts the bytes of its own parameter shards (``DTensor.to_local()`` o
 gradients (one per trainable parameter, shaped and typed like its local shard: FSDP keeps
 sharded gradients, without FSDP the local parameter is the whole tensor or its TP shard) and the
 optimizer state (``OPTIMIZER_STATE_BYTES``, train/optim.py). Rank 0 gathers and prints them.
+With expert parallelism a rank's experts are its num_experts / ep, further split by FSDP over
+the ranks sharing them (parallel/expert_parallel.py): the local shards say so.
 
 The activation estimate runs the forward of a model holding one block of each distinct kind
 (layer spec x recomputed or not), and of that model with a second block of one kind, on fake
@@ -158,6 +160,12 @@ def estimate_activations(
         f"estimate of what autograd keeps from one micro-batch's forward for its backward "
         f"({micro} x {job.training.seq_len} tokens, {compute} compute, remat {job.remat.mode}"
         + (", eager blocks: compiled ones may keep less" if job.compile.enabled else "")
+        + (
+            f"; ep {dims.degrees.ep}: as many expert rows per rank as without, which holds when "
+            "the routing is balanced"
+            if dims.degrees.ep > 1
+            else ""
+        )
         + "); excludes allocator overhead, temporary buffers and gathered FSDP parameters"
     )
     return Activations(total, note)
@@ -304,7 +312,8 @@ def format_report(
     lines = [
         f"dry run: {name}, {_count(count)} parameters = {_gib(nbytes)} ({nbytes} bytes, "
         f"{dtype}) on {dims.world_size} process(es): dp_replicate {d.dp_replicate} x dp_shard "
-        f"{d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}",
+        f"{d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}"
+        + (f"; ep {d.ep} (from dp_shard x cp)" if d.ep > 1 else ""),
         f"layout: the model divides over this mesh (checked: tensor-parallel split, pipeline "
         f"stages, sequence lengths, micro-batches); {t.global_batch_sequences} x {t.seq_len} "
         f"tokens per step = {accum} micro-batch(es) of {micro} on each of {dims.dp_size} data "

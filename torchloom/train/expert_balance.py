@@ -4,8 +4,11 @@ summed over the step's micro-batches and data ranks, move the layers' choice bia
 ``expert_load/<layer>/min``, ``/max`` (tokens per expert over the global batch) and ``/cv``
 (their coefficient of variation, std / mean; 0 is perfectly balanced).
 
-Under pipeline parallelism each stage fills the rows of its own layers and one sum over the
-stages gives every rank every layer's load.
+Every rank counts distinct tokens: the data ranks their rows, the cp and tp (sequence
+parallel) ranks their parts of the sequences, and under pipeline parallelism each stage fills
+the rows of its own layers only. So one sum over all ranks counts each token once and gives
+every rank every layer's load. Expert parallelism changes nothing here: a token is counted
+where it is routed, before it travels.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchloom.models import DecoderConfig
-from torchloom.parallel import ParallelDims, sum_over_data_ranks
+from torchloom.parallel import ParallelDims
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -48,10 +51,8 @@ class ExpertBalance:
         loads_LE = torch.zeros(len(self.rows), self.num_experts, device=self.device)
         for layer, module in self.held.items():
             loads_LE[self.rows[layer]] = module.take_load()
-        loads_LE = sum_over_data_ranks(loads_LE, self.dims)
-        pp_mesh = self.dims.mesh("pp")
-        if pp_mesh is not None:
-            dist.all_reduce(loads_LE, group=pp_mesh.get_group())
+        if dist.is_initialized() and self.dims.world_size > 1:
+            dist.all_reduce(loads_LE)
         for layer, module in self.held.items():
             module.update_bias(loads_LE[self.rows[layer]])
         mean_L = loads_LE.mean(1)

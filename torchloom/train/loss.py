@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from torchloom.kernels.linear_cross_entropy import (
     IGNORE_INDEX,
@@ -140,6 +141,10 @@ def with_auxiliary(out: LossOutput, model: Any, weight: torch.Tensor) -> LossOut
     terms = collect() if collect is not None else {}
     for name, value in terms.items():
         weighted = value * weight
+        if isinstance(out.loss, DTensor):  # tensor parallelism's loss-parallel sum
+            # The layers' terms are the same on every tp rank (parallel/expert_parallel.py):
+            # replicated, counted once.
+            weighted = DTensor.from_local(weighted, out.loss.device_mesh, out.loss.placements)
         out.loss = out.loss + weighted
         out.metrics[f"aux_{name}"] = weighted.detach()
     return out

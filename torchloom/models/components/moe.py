@@ -28,12 +28,15 @@ to the objective as the auxiliary term ``balance``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
@@ -202,9 +205,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
         """Rows of ``x_MD`` sorted by expert, expert e's ending at ``ends_E[e]`` (this rank's
         experts: under expert parallelism a shard of the stack)."""
-        gate_MI = grouped_linear(x_MD, self.gate_proj, ends_E, self.invariant)
-        up_MI = grouped_linear(x_MD, self.up_proj, ends_E, self.invariant)
-        return grouped_linear(self.gated(gate_MI, up_MI), self.down_proj, ends_E, self.invariant)
+        gate, up, down = (_own_experts(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate_MI = grouped_linear(x_MD, gate, ends_E, self.invariant)
+        up_MI = grouped_linear(x_MD, up, ends_E, self.invariant)
+        return grouped_linear(self.gated(gate_MI, up_MI), down, ends_E, self.invariant)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         init.trunc_normal_(self.gate_proj, std)
@@ -212,26 +216,72 @@ class GroupedExperts(nn.Module):
         init.trunc_normal_(self.down_proj, out_std)
 
 
+def _own_experts(weight_EOD: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: under expert parallelism the stack is a DTensor split by
+    experts (parallel/expert_parallel.py), and the dispatcher hands over rows for these only."""
+    return weight_EOD.to_local() if isinstance(weight_EOD, DTensor) else weight_EOD
+
+
 class LocalDispatch:
     """(token, expert) pairs to the experts of this rank (all of them) and back, in order.
 
     ``dispatch`` returns the pairs' inputs sorted by expert, where each expert's rows end, and
-    what ``combine`` needs to put the outputs back; neither synchronises with the host."""
+    what ``combine`` needs to put the outputs back; neither synchronises with the host. Both
+    moves are gathers by a permutation whose gradients are gathers too (``_SortRows``,
+    ``_UnsortRows``): no scatter-add with atomics, so the backward is as fast as the forward
+    and deterministic."""
 
     def dispatch(
         self, x_ND: torch.Tensor, experts_NK: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x_MD: M = N * k rows sorted by expert, ends_E int32, the pairs' sorted order)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(x_MD: M = N * k rows sorted by expert, ends_E int32, (order, inverse) of the sort:
+        sorted row i is pair order[i] = token * k + choice, pair p is sorted row inverse[p])."""
         K = experts_NK.shape[1]
         flat = experts_NK.reshape(-1)
-        order = flat.argsort(stable=True)  # pair index (token * K + choice), by expert
-        return x_ND[order // K], _ends(flat, num_experts), order
-
-    def combine(self, y_MD: torch.Tensor, order: torch.Tensor, N: int) -> torch.Tensor:
-        """[N, k, D]: the expert outputs back in (token, choice) order."""
+        order = flat.argsort(stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_MD.index_select(0, inverse).view(N, -1, y_MD.shape[-1])
+        x_MD = _SortRows.apply(x_ND, order, inverse, K)
+        return x_MD, _ends(flat, num_experts), (order, inverse)
+
+    def combine(
+        self, y_MD: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor], N: int
+    ) -> torch.Tensor:
+        """[N, k, D]: the expert outputs back in (token, choice) order."""
+        order, inverse = route
+        return _UnsortRows.apply(y_MD, order, inverse).view(N, -1, y_MD.shape[-1])
+
+
+class _SortRows(torch.autograd.Function):
+    """x_ND's rows for the sorted pairs (row order[i] // k); the gradient gathers each token's
+    k pair gradients back (by ``inverse``) and sums them in fp32."""
+
+    @staticmethod
+    def forward(ctx, x_ND, order, inverse, K: int):
+        ctx.save_for_backward(inverse)
+        ctx.K = K
+        return x_ND.index_select(0, order // K)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (inverse,) = ctx.saved_tensors
+        grad_NKD = grad_MD.index_select(0, inverse).view(-1, ctx.K, grad_MD.shape[-1])
+        return grad_NKD.sum(1, dtype=torch.float32).to(grad_MD.dtype), None, None, None
+
+
+class _UnsortRows(torch.autograd.Function):
+    """Sorted rows back in pair order (gather by ``inverse``); the gradient gathers by
+    ``order``."""
+
+    @staticmethod
+    def forward(ctx, y_MD, order, inverse):
+        ctx.save_for_backward(order)
+        return y_MD.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        (order,) = ctx.saved_tensors
+        return grad_MD.index_select(0, order), None, None
 
 
 def _ends(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -265,6 +315,13 @@ class MoE(nn.Module):
             width = cfg.num_shared_experts * cfg.expert_dim
             self.shared_experts = SwiGLU(dim, width, impl, init_std, out_std)
         self.dispatcher = LocalDispatch()
+        """Where the (token, expert) pairs go: ``dispatch(x_ND, experts_NK, num_experts) ->
+        (x_MD sorted by expert, ends_E, state)`` and ``combine(y_MD, state, N) -> y_NKD``;
+        expert parallelism installs its all-to-all one (parallel/expert_parallel.py)."""
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums per-sequence statistics over the ranks holding other tokens of the same
+        sequences (sequence or context parallelism install it), so the balance loss sees whole
+        sequences; None: this rank holds whole sequences."""
         self.invariant = invariant
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
         # int64: counts stay exact whatever dtype the model is cast to.
@@ -303,7 +360,9 @@ class MoE(nn.Module):
                 self.tokens_per_expert.scatter_add_(0, flat, torch.ones_like(flat))
         if cfg.balance_loss != "none" and torch.is_grad_enabled():
             groups = rows if cfg.balance_loss == "sequence" else 1
-            term = cfg.balance_loss_coef * balance_loss(scores_NE, experts_NK, groups)
+            term = cfg.balance_loss_coef * balance_loss(
+                scores_NE, experts_NK, groups, self.sequence_sum
+            )
             if first:
                 self._auxiliary = {"balance": term}
 
@@ -340,6 +399,22 @@ class MoE(nn.Module):
             local_tensor(self.router.expert_bias).zero_()
         local_tensor(self.tokens_per_expert).zero_()
 
+    def check_tp(self, tp: int) -> None:
+        """Any tp degree: under tensor parallelism the layer is not split (see tp_plan)."""
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """Under sequence parallelism each tp rank routes its own tokens (its part of every
+        sequence) through the whole layer, as a data rank would: no all-gather, and the layer's
+        weights are data-parallel over tp too (their gradients summed there; parallel/mesh.py
+        ``MoEMeshes``). Without it (generation) every rank computes the replicated stream."""
+        if not sequence_parallel:
+            return {}
+        # The norm before hands over a sequence-sharded DTensor; the residual stream is local.
+        local = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        return {"": local}
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token on the weights a token uses: the router, its top_k experts
         and the shared experts, 6 per weight (2 forward, 4 backward)."""
@@ -351,10 +426,16 @@ class MoE(nn.Module):
         return 6 * active
 
 
-def balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor, groups: int) -> torch.Tensor:
+def balance_loss(
+    scores_NE: torch.Tensor,
+    experts_NK: torch.Tensor,
+    groups: int,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """sum_i f_i P_i averaged over ``groups`` equal runs of tokens (sequences; 1: all), with
     f_i = E / (k T) * (pairs routed to i) and P_i the mean normalised score of i over the run's
-    T tokens (see the module docstring). Uncoefficiented."""
+    T tokens (see the module docstring). Uncoefficiented. ``sequence_sum``: see
+    ``MoE.sequence_sum`` (the runs' counts, score sums and lengths summed over ranks)."""
     N, E = scores_NE.shape
     K = experts_NK.shape[1]
     T = N // groups
@@ -362,8 +443,14 @@ def balance_loss(scores_NE: torch.Tensor, experts_NK: torch.Tensor, groups: int)
     flat_GM = experts_NK.reshape(groups, T * K)
     counts_GE = torch.zeros(groups, E, device=scores_NE.device)
     counts_GE.scatter_add_(1, flat_GM, torch.ones_like(flat_GM, dtype=counts_GE.dtype))
-    f_GE = counts_GE * (E / (K * T))
-    return (f_GE * probs_GTE.mean(1)).sum(-1).mean()
+    if sequence_sum is None:
+        f_GE = counts_GE * (E / (K * T))
+        return (f_GE * probs_GTE.mean(1)).sum(-1).mean()
+    tokens_G1 = counts_GE.new_full((groups, 1), T)
+    summed = sequence_sum(torch.cat([counts_GE, probs_GTE.sum(1), tokens_G1], dim=1))
+    counts_GE, prob_sums_GE, tokens_G1 = summed.split([E, E, 1], dim=1)
+    f_GE = counts_GE * E / (K * tokens_G1)
+    return (f_GE * prob_sums_GE / tokens_G1).sum(-1).mean()
 
 
 def _first_pass() -> bool:
