@@ -1,7 +1,7 @@
 """Mixture-of-experts training speed on one device: torchloom's training step on MoE shapes,
 the same step as benchmarks/train.py (whose helpers it reuses), one table, JSON to --json.
 
-    python benchmarks/train_moe.py                                   # DeepSeek-V3 16B cut to 6 layers
+    python benchmarks/train_moe.py --optimizer triton                # DeepSeek-V3 16B cut to 6 layers
     python benchmarks/train_moe.py --shapes qwen3-30B-A3B-6L --batch 4
     python benchmarks/train_moe.py --shapes tiny --device cpu --no-compile --steps 2 --warmup 1
 
@@ -9,12 +9,15 @@ Shapes. dsv3-16B-6L: the deepseek_v3 "16B" flavor (DeepSeek-V2-Lite's shape: MLA
 kv_lora_rank 512, 64 routed + 2 shared experts, top-6, vocab 102400) cut to 6 layers (1 dense +
 5 MoE), seq 4096, the shape TorchTitan's deepseek_v3 16B debug run uses; qwen3-30B-A3B-6L:
 Qwen3-30B-A3B (128 experts, top-8) cut to 6 layers; tiny / dsv3-tiny: the debug flavors, for
-the CPU.
+the CPU. benchmarks/torchtitan_moe.py runs TorchTitan's own trainer on dsv3-16B-6L for a
+side-by-side (benchmarks/RESULTS.md).
 
 Rows. torchloom: FSDP at world size 1 (fp32 master weights, bf16 compute, fp32 gradient
 reduction), each block compiled, experts as grouped GEMMs (torch._grouped_mm on sm90+);
 torchloom-chunked: that with the chunked fused output head + cross-entropy (no [B, T, V]
-logits); torchloom-autocast: bf16 autocast over fp32 weights, no FSDP, compiled;
+logits); torchloom-autocast: bf16 autocast over fp32 weights, no FSDP, compiled (gradients and
+AdamW in fp32 as with FSDP, without its world-size-1 copies); torchloom-autocast-chunked: that
+with the chunked head;
 torchloom-eager: autocast, nothing compiled. Random tokens, AdamW, clip 1.0, as train.py.
 
 FLOPs on active parameters: DecoderConfig.flops_per_token (each layer's own count: attention,
@@ -32,12 +35,13 @@ import sys
 from pathlib import Path
 
 import torch
-from train import SEED, _fmt, _free, matmul_tflops, measure, torchloom_step
+from train import SEED, _fmt, _free, matmul_tflops, measure, profile_steps, torchloom_step
 
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.parallel import ParallelConfig, build_parallel_dims, destroy
 from torchloom.train.loss import CrossEntropy
 from torchloom.train.metrics import device_peak_tflops
+from torchloom.train.profiling import format_kernel_summary
 
 SHAPES = {  # name: (family, flavor, architecture overrides, default sequence length)
     "tiny": ("qwen3_moe", "debug", {}, 256),
@@ -45,14 +49,20 @@ SHAPES = {  # name: (family, flavor, architecture overrides, default sequence le
     "dsv3-16B-6L": ("deepseek_v3", "16B", {"num_layers": 6, "mtp_layers": 0}, 4096),
     "qwen3-30B-A3B-6L": ("qwen3_moe", "30B-A3B", {"num_layers": 6}, 4096),
 }
-ROWS = ("torchloom", "torchloom-chunked", "torchloom-autocast", "torchloom-eager")
+ROWS = (
+    "torchloom",
+    "torchloom-chunked",
+    "torchloom-autocast",
+    "torchloom-autocast-chunked",
+    "torchloom-eager",
+)
 ROW_WIDTH = max(map(len, ROWS))
 
 
 def run_row(row: str, shape: str, args: argparse.Namespace, device: torch.device, dims,
             batches: list[torch.Tensor]) -> dict:  # fmt: skip
     family, flavor, overrides, _ = SHAPES[shape]
-    loss_impl = "chunked" if row == "torchloom-chunked" else "full"
+    loss_impl = "chunked" if row.endswith("-chunked") else "full"
     model_cfg = ModelConfig(name=family, flavor=flavor, overrides=overrides, loss_impl=loss_impl)
     cfg = resolve_model_config(model_cfg)
     seq = batches[0].shape[1] - 1
@@ -63,8 +73,11 @@ def run_row(row: str, shape: str, args: argparse.Namespace, device: torch.device
         fsdp = dims if row in ("torchloom", "torchloom-chunked") else None
         compile_ = not args.no_compile and row != "torchloom-eager"
         step = torchloom_step(cfg, CrossEntropy(loss_impl), device, torch.float32, seq, fsdp,
-                              compile_, args.remat)  # fmt: skip
+                              compile_, args.remat, args.optimizer)  # fmt: skip
         seconds, losses = measure(step, batches, args.warmup, device)
+        if args.profile_steps and device.type == "cuda":
+            record["profile"] = profile_steps(step, batches[: args.profile_steps], device)
+            print(format_kernel_summary(f"{row} {shape}", record["profile"]), flush=True)
     except Exception as err:  # an OOM (or anything else) becomes this row's error
         record["error"] = (
             f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
@@ -83,7 +96,8 @@ def run_row(row: str, shape: str, args: argparse.Namespace, device: torch.device
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["dsv3-16B-6L"], choices=list(SHAPES))
-    parser.add_argument("--rows", nargs="+", default=["torchloom", "torchloom-chunked"],
+    default_rows = ["torchloom-autocast-chunked", "torchloom-chunked"]
+    parser.add_argument("--rows", nargs="+", default=default_rows,
                         choices=ROWS)  # fmt: skip
     parser.add_argument("--batch", type=int, default=4, help="sequences per step")
     parser.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's)")
@@ -91,6 +105,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
     parser.add_argument("--remat", default="none", help="--remat.mode of the torchloom rows")
     parser.add_argument("--no-compile", action="store_true", help="compile nothing")
+    parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
+                        help="the torchloom rows' AdamW (--optimizer.implementation)")  # fmt: skip
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing, profile this many steps per row (GPU kernel table)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/train_moe_bench.json"))
     args = parser.parse_args()
@@ -126,7 +148,8 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling,
         "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]), "rows": rows,
+        "command": shlex.join([sys.executable, *sys.argv]), "optimizer": args.optimizer,
+        "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
     destroy()
