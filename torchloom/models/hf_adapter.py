@@ -140,17 +140,32 @@ class HFAdapter:
                 f"This {self.model_type} model has qk_norm={cfg.qk_norm}, but transformers' "
                 f"{self.architecture} has qk_norm={self.qk_norm}; it cannot be exported as one."
             )
+        hf = self.shared_hf_config(cfg, dtype, bos_token_id, eos_token_id)
+        hf |= {
+            "intermediate_size": cfg.ffn_dim,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.resolved_head_dim,
+        }
+        return hf
+
+    def shared_hf_config(
+        self,
+        cfg: Any,
+        dtype: str | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> dict[str, Any]:
+        """The config.json keys every family writes alike: architecture, sizes, norm, RoPE
+        (transformers 5 reads rope_parameters; 4.x rope_theta + rope_scaling), the family's
+        fixed options, dtype and special tokens."""
         rope = rope_to_hf(cfg.rope)
         hf: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.dim,
-            "intermediate_size": cfg.ffn_dim,
             "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.resolved_head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_eps,
             "max_position_embeddings": cfg.max_seq_len,
@@ -158,7 +173,6 @@ class HFAdapter:
             "attention_bias": False,
             "attention_dropout": 0.0,
             **{key: values[0] for key, values in self.family_options.items()},
-            # transformers 5 reads rope_parameters; 4.x reads rope_theta + rope_scaling.
             "rope_parameters": rope,
             "rope_theta": cfg.rope.theta,
             "rope_scaling": None if cfg.rope.scaling == "none" else without_key(rope, "rope_theta"),

@@ -31,7 +31,7 @@ import torch
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.deepseek_v3.config import DeepSeekV3Config
-from torchloom.models.hf_adapter import HFAdapter, rope_from_hf, rope_to_hf, without_key
+from torchloom.models.hf_adapter import HFAdapter, rope_from_hf
 
 # DeepseekV3Config's defaults (transformers 5) for keys a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -163,16 +163,10 @@ class DeepSeekV3HFAdapter(HFAdapter):
                 "transformers' DeepseekV3ForCausalLM computes (sigmoid scores with the balancing "
                 "bias, and shared experts); it cannot be exported as one."
             )
-        rope = rope_to_hf(cfg.rope)
-        hf: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.dim,
+        hf = self.shared_hf_config(cfg, dtype, bos_token_id, eos_token_id)
+        hf |= {
             "intermediate_size": cfg.ffn_dim,
             "moe_intermediate_size": moe.expert_dim,
-            "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_heads,
             "q_lora_rank": cfg.q_lora_rank or None,
             "kv_lora_rank": cfg.kv_lora_rank,
@@ -189,27 +183,10 @@ class DeepSeekV3HFAdapter(HFAdapter):
             "norm_topk_prob": moe.normalize_top_k,
             "routed_scaling_factor": moe.route_scale,
             "num_nextn_predict_layers": cfg.mtp_layers,
-            "hidden_act": "silu",
-            "rms_norm_eps": cfg.norm_eps,
-            "max_position_embeddings": cfg.max_seq_len,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            **{key: values[0] for key, values in self.family_options.items()},
-            "rope_parameters": rope,
-            "rope_theta": cfg.rope.theta,
-            "rope_scaling": None if cfg.rope.scaling == "none" else without_key(rope, "rope_theta"),
-            "use_cache": True,
         }
         if moe.balance_loss != "none":
             hf |= {"aux_loss_alpha": moe.balance_loss_coef,
                    "seq_aux": moe.balance_loss == "sequence"}  # fmt: skip
-        if dtype is not None:
-            hf["dtype"] = hf["torch_dtype"] = dtype
-        if bos_token_id is not None:
-            hf["bos_token_id"] = bos_token_id
-        if eos_token_id is not None:
-            hf["eos_token_id"] = eos_token_id
         return hf
 
     def config_for_tensors(
