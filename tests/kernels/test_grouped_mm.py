@@ -12,12 +12,12 @@ from torchloom.models.components.param_init import ParamInit
 pytestmark = pytest.mark.gpu
 
 
-def _case(counts: list[int], unused: int, D: int = 256, O: int = 384):
+def _case(counts: list[int], unused: int, D: int = 256, out_dim: int = 384):
     """Rows sorted by group (some groups empty, ``unused`` rows past the last end), weights."""
     torch.manual_seed(0)
     M = sum(counts) + unused
     x = torch.randn(M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(len(counts), O, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    w = (torch.randn(len(counts), out_dim, D, device="cuda") / D**0.5).to(torch.bfloat16)
     w.requires_grad_(True)
     ends = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     return x, w, ends
