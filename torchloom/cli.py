@@ -1,4 +1,4 @@
-"""`torchloom <command>`: train, convert, generate, recipes, plot.
+"""`torchloom <command>`: train, rl, convert, generate, recipes, plot.
 
 Every command turns bad input into one clear line on stderr and exit status 2.
 """
@@ -37,6 +37,7 @@ _USAGE = """usage: torchloom <command> [options]
 commands:
   train     train a recipe:  torchloom train --recipe NAME [--section.field VALUE ...]
             (--dry-run: check the parallel layout and print per-rank memory, allocating nothing)
+  rl        RL post-training of a recipe:  torchloom rl --recipe rl_debug [--rl.field VALUE ...]
   convert   Hugging Face folder <-> torchloom model folder (`torchloom convert --help`)
   generate  sample from a model: torchloom generate --from-hf DIR --prompt TEXT (`--help`)
   recipes   list the registered recipes
@@ -122,6 +123,46 @@ def cmd_train(argv: list[str]) -> int:
         )
         _print_sample(trainer, result.model_dir)
     destroy()
+    return 0
+
+
+def cmd_rl(argv: list[str]) -> int:
+    """`torchloom rl --recipe NAME`: the same config system as train, with the ``rl`` section."""
+    from torchloom.rl.config import RLJobConfig
+
+    argv = list(argv)
+    name = _pop_option(list(argv), "--recipe") or "rl_debug"
+    recipe = get_recipe(name)
+    if not isinstance(recipe.build(), RLJobConfig):
+        rl_recipes = [r.name for r in list_recipes() if isinstance(r.build(), RLJobConfig)]
+        raise ConfigError(
+            f"Recipe '{name}' is a training recipe, not an RL one; run it with `torchloom train`, "
+            f"or pick an RL recipe: {', '.join(rl_recipes)}."
+        )
+    if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
+        title = (
+            f"torchloom rl --recipe {name} [options]  (values shown are this recipe's)\n"
+            "  --print-config  print the resolved config and exit\n"
+            "  --training.steps counts policy updates"
+        )
+        print(format_help(recipe.build(), title))
+        return 0
+    print_config = _pop_flag(argv, "--print-config")
+    argv = [a for a in argv]
+    if "--recipe" not in argv:
+        argv = ["--recipe", name, *argv]
+    name, job = resolve_job(argv)
+    if print_config:
+        print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
+        return 0
+    from torchloom.rl.loop import RLTrainer, prepare_initial_model
+
+    prepare_initial_model(job)
+    result = RLTrainer(job).train()
+    print(
+        f"done: {result['steps']} policy updates, mean reward {result['reward_first']:.3f} "
+        f"(first fifth) -> {result['reward_last']:.3f} (last fifth)"
+    )
     return 0
 
 
@@ -475,6 +516,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": cmd_train,
+    "rl": cmd_rl,
     "convert": cmd_convert,
     "generate": cmd_generate,
     "recipes": cmd_recipes,

@@ -36,6 +36,7 @@ __all__ = [
     "Objective",
     "TokenLogProbs",
     "cross_entropy_sum",
+    "label_logprobs",
     "with_auxiliary",
     "without_auxiliary",
 ]
@@ -120,8 +121,7 @@ class TokenLogProbs:
         labels_BT = targets["labels"]
         valid_BT = labels_BT != IGNORE_INDEX
         logprobs_BTV = torch.log_softmax(model.logits(h_BTD).float(), dim=-1)
-        picked_BT = logprobs_BTV.gather(-1, labels_BT.clamp(min=0)[..., None])[..., 0]
-        picked_BT = picked_BT.masked_fill(~valid_BT, 0.0)
+        picked_BT = picked_logprobs(logprobs_BTV, labels_BT)
         per_token = {"logprobs": picked_BT}
         if self.entropy:
             entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
@@ -131,6 +131,18 @@ class TokenLogProbs:
 
     def normalizer(self, batch: Any) -> int:
         return batch.num_label_tokens
+
+
+def label_logprobs(h_BTD: torch.Tensor, model: Any, labels_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] log-probability of each label under the model (fp32 log-softmax of the logits,
+    as the generator scores tokens; 0 where the label is IGNORE_INDEX)."""
+    return picked_logprobs(torch.log_softmax(model.logits(h_BTD).float(), dim=-1), labels_BT)
+
+
+def picked_logprobs(logprobs_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """The labels' entries of [B, T, V] log-probabilities, 0 where the label is ignored."""
+    picked_BT = logprobs_BTV.gather(-1, labels_BT.clamp(min=0)[..., None])[..., 0]
+    return picked_BT.masked_fill(labels_BT == IGNORE_INDEX, 0.0)
 
 
 def with_auxiliary(out: LossOutput, model: Any, weight: torch.Tensor) -> LossOutput:

@@ -223,8 +223,9 @@ def _fmt(value: Any) -> str:
 
 def _console_line(r: dict[str, Any], total: int) -> str:
     mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    rl = f"reward {r['reward_mean']:.3f}  " if "reward_mean" in r else ""  # torchloom rl's steps
     return (
-        f"step {r['step']:>{len(str(total))}}/{total}  loss {r['loss']:.4f}  "
+        f"step {r['step']:>{len(str(total))}}/{total}  {rl}loss {r['loss']:.4f}  "
         f"grad {r['grad_norm']:.3f}  lr {r['lr']:.2e}  {r['tps']:,.0f} tok/s  "
         f"{r['tflops']:.2f} TFLOP/s  mfu {mfu}  mem {r['mem_gib']:.2f} GiB  "
         f"data {1000 * r['data_wait_s']:.1f} ms"

@@ -1,0 +1,125 @@
+"""The RL loop end to end on a tiny random model (CPU): metrics, bitwise trainer/generator
+log-probs in batch-invariant mode, exact resume of a synchronous run, the lag bound of an
+off-policy run under a slow trainer and a slow generator, and in-place weight sync.
+
+The task is registered here in a few lines, as a user's would be: a reply earns 1 when it has
+an even number of characters, which a random model's replies do about half the time, so groups
+have rewards to compare and steps update the policy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchloom.cli import main, resolve_job
+from torchloom.rl.env import Prompt
+from torchloom.rl.loop import RLTrainer
+from torchloom.rl.tasks import TASKS, Check, register_task
+
+
+def _even_length(reply: str, answer: object) -> Check:
+    return Check(format_ok=True, correct=len(reply) % 2 == 0)
+
+
+if "even_length" not in TASKS:
+    register_task("even_length", lambda rng: Prompt(f"Say a word ({rng.randrange(100)}).",
+                                                   meta={"task": "even_length"}), _even_length)  # fmt: skip
+
+BASE = ["--recipe", "rl_debug", "--checkpoint.initial_load_hf", "", "--data.tokenizer",
+        "builtin:stdlib_bpe", "--rl.init_recipes", "[]", "--rl.task", "even_length",
+        "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--rl.max_new_tokens", "6",
+        "--training.seq_len", "64", "--metrics.tensorboard", "false",
+        "--checkpoint.save_final_model", "false", "--optimizer.lr", "1e-3"]  # fmt: skip
+KEYS = {"step", "reward_mean", "reward_max", "response_len_mean", "logprob_diff_max", "kl",
+        "clip_frac", "policy_lag", "gen_tps", "train_tps", "weight_sync_s", "time_generate_s",
+        "time_train_s", "time_sync_s", "loss", "grad_norm", "lr"}  # fmt: skip
+
+
+def records(output_dir: Path) -> list[dict]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "reward_mean" in r]
+
+
+def trainer(tmp_path: Path, *args: str) -> RLTrainer:
+    _, job = resolve_job([*BASE, "--output.dir", str(tmp_path), *args])
+    return RLTrainer(job)
+
+
+def test_batch_invariant_on_policy_log_probs_are_bitwise(tmp_path: Path) -> None:
+    assert main(["rl", *BASE, "--output.dir", str(tmp_path), "--training.steps", "2",
+                 "--model.batch_invariant", "true"]) == 0  # fmt: skip
+    rows = records(tmp_path)
+    print([(r["step"], r["reward_mean"], r["logprob_diff_max"]) for r in rows])
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(r) >= KEYS, KEYS - set(r)
+        assert r["logprob_diff_max"] == 0.0  # the trainer's forward = the generator's, bit for bit
+        assert r["policy_lag"] == 0 and r["weight_sync_s"] == 0.0
+        assert r["groups_kept"] > 0 and r["grad_norm"] > 0  # the policy was updated
+
+
+def test_without_batch_invariance_the_difference_is_small_and_reported(tmp_path: Path) -> None:
+    rl = trainer(tmp_path, "--training.steps", "1")
+    before = [p.detach().clone() for p in rl.model.parameters()]
+    rl.train()
+    (row,) = records(tmp_path)
+    print(f"logprob_diff_max {row['logprob_diff_max']:.2e}")
+    assert 0.0 <= row["logprob_diff_max"] < 1e-4
+    assert any(not torch.equal(a, p) for a, p in zip(before, rl.model.parameters(), strict=True))
+
+
+def test_a_resumed_synchronous_run_continues_bitwise(tmp_path: Path) -> None:
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = ["--checkpoint.interval", "2"]
+    trainer(whole, "--training.steps", "4", *args).train()
+    trainer(split, "--training.steps", "2", *args).train()
+    trainer(split, "--training.steps", "4", *args, "--checkpoint.resume", "true").train()
+    keys = ("step", "reward_mean", "loss", "grad_norm", "response_len_mean", "clip_frac")
+    expected = [{k: r[k] for k in keys} for r in records(whole)]
+    got = [{k: r[k] for k in keys} for r in records(split)]
+    print(expected)
+    assert got == expected
+
+
+@pytest.mark.parametrize("slow", ["trainer", "generator"])
+def test_offpolicy_lag_stays_within_the_bound(tmp_path: Path, slow: str, monkeypatch) -> None:
+    """max_offpolicy_steps 1: the generator makes batch s + 1 while the trainer trains on
+    batch s, so after the first batch every rollout is one update old, never more, whether the
+    trainer or the generator is the slow side."""
+    rl = trainer(tmp_path, "--training.steps", "4", "--rl.max_offpolicy_steps", "1")
+    name = "_update" if slow == "trainer" else "_rollouts"
+    original = getattr(rl, name)
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.4 + 0.2 * random.random())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rl, name, slowed)
+    rl.train()
+    lags = [r["policy_lag"] for r in records(tmp_path)]
+    print(f"slow {slow}: policy lags {lags}")
+    assert len(lags) == 4 and max(lags) <= 1
+    assert lags == [0, 1, 1, 1]  # the first batch comes from the initial policy, unawaited
+    assert all(r["weight_sync_s"] > 0 for r in records(tmp_path)[2:])  # pulled before batch 3
+
+
+def test_weight_sync_gives_the_generator_the_trainers_weights_in_place(tmp_path: Path) -> None:
+    rl = trainer(tmp_path, "--training.steps", "1", "--rl.max_offpolicy_steps", "1")
+    assert rl.gen_model is not rl.model
+    storage = {n: p.data_ptr() for n, p in rl.gen_model.named_parameters()}
+    with torch.no_grad():
+        for p in rl.model.parameters():
+            p.add_(torch.randn_like(p))
+    rl.version = 1
+    assert rl._sync_generator() > 0
+    for (name, mine), theirs in zip(rl.gen_model.named_parameters(), rl.model.parameters(),
+                                    strict=True):  # fmt: skip
+        assert torch.equal(mine, theirs), name
+        assert mine.data_ptr() == storage[name]  # copied into the same storage
+    assert rl.gen_version == 1

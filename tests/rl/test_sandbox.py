@@ -1,0 +1,184 @@
+"""The Python sandbox (torchloom/rl/sandbox.py) and the tool environment built on it
+(torchloom/rl/tool_env.py). Each run starts an interpreter (~0.1 s); the file stays fast."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+
+from torchloom.rl.env import Prompt
+from torchloom.rl.sandbox import SandboxResult, run_python
+from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
+
+
+def _describe(result: SandboxResult) -> str:
+    return (
+        f"exit {result.exit_code}, killed {result.killed_reason}, {result.wall_s:.2f} s, "
+        f"netns {result.network_isolated}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
+    )
+
+
+def test_prints_come_back() -> None:
+    result = run_python("import sys\nprint('hello', 6 * 7)\nprint('oops', file=sys.stderr)")
+    assert result.ok, _describe(result)
+    assert (result.stdout, result.stderr) == ("hello 42\n", "oops\n"), _describe(result)
+    assert not result.truncated and not result.timed_out
+
+
+def test_errors_show_the_models_traceback_and_exit_code() -> None:
+    result = run_python("x = 1\n1 / 0")
+    assert result.exit_code == 1, _describe(result)
+    assert 'File "main.py", line 2' in result.stderr, _describe(result)
+    assert result.stderr.strip().endswith("ZeroDivisionError: division by zero"), _describe(result)
+    assert run_python("import sys; sys.exit(3)").exit_code == 3
+
+
+def test_infinite_loop_is_killed_at_the_wall_limit() -> None:
+    start = time.monotonic()
+    result = run_python("print('started')\nwhile True:\n    pass", timeout_s=1.0)
+    elapsed = time.monotonic() - start
+    assert result.timed_out and result.killed_reason == "timeout", _describe(result)
+    assert elapsed < 3.0, f"returned after {elapsed:.2f} s for a 1 s limit"
+    assert result.stdout == "started\n", _describe(result)  # lines printed before the kill
+
+
+def test_memory_bomb_fails_in_the_child() -> None:
+    at_once = run_python("x = bytearray(10**10)", memory_mb=128)
+    assert at_once.exit_code == 1 and "MemoryError" in at_once.stderr, _describe(at_once)
+    growing = run_python(
+        "chunks = []\nwhile True:\n    chunks.append(bytearray(2**20))", memory_mb=128, timeout_s=20
+    )
+    assert growing.exit_code == 1 and "MemoryError" in growing.stderr, _describe(growing)
+
+
+def test_network_is_blocked() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        code = f"""
+import socket
+for name, attempt in [
+    ("connect", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2)),
+    ("getaddrinfo", lambda: socket.getaddrinfo("localhost", 80)),
+]:
+    try:
+        attempt()
+        print(name, "worked")
+    except OSError as error:
+        print(name, "failed:", type(error).__name__)
+"""
+        result = run_python(code)
+        try:
+            connection, _ = listener.accept()
+            connection.close()
+            accepted = True
+        except TimeoutError:
+            accepted = False
+    assert not accepted, "the sandboxed code reached a socket of the test process"
+    assert "worked" not in result.stdout, _describe(result)
+    assert result.stdout.count("failed: PermissionError") == 2, _describe(result)
+
+
+def test_writes_stay_in_the_working_folder(tmp_path) -> None:
+    outside = tmp_path / "escaped.txt"
+    code = f"""
+import os
+for name, attempt in [
+    ("open", lambda: open({str(outside)!r}, "w")),
+    ("os.open", lambda: os.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT)),
+    ("climb", lambda: open(os.path.relpath({str(outside)!r}), "w")),
+    ("rename", lambda: os.rename("main.py", {str(outside)!r})),
+    ("mkdir", lambda: os.mkdir({str(tmp_path / "made")!r})),
+    ("symlink", lambda: os.symlink({str(tmp_path)!r}, "link")),
+]:
+    try:
+        attempt()
+        print(name, "worked")
+    except PermissionError:
+        print(name, "refused")
+with open("inside.txt", "w") as f:
+    f.write("kept")
+print(open("inside.txt").read())
+"""
+    result = run_python(code)
+    assert result.ok, _describe(result)
+    assert result.stdout.count("refused") == 6 and "worked" not in result.stdout, _describe(result)
+    assert result.stdout.endswith("kept\n"), _describe(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a write escaped the sandbox"
+
+
+def test_processes_are_refused() -> None:
+    code = """
+import os, subprocess
+for name, attempt in [
+    ("subprocess", lambda: subprocess.run(["true"])),
+    ("os.system", lambda: os.system("true")),
+    ("os.fork", os.fork),
+    ("os.kill", lambda: os.kill(os.getppid(), 0)),
+]:
+    try:
+        attempt()
+        print(name, "worked")
+    except PermissionError:
+        print(name, "refused")
+"""
+    result = run_python(code)
+    assert result.ok, _describe(result)
+    assert result.stdout.count("refused") == 4, _describe(result)
+
+
+def test_large_output_is_truncated_quickly() -> None:
+    start = time.monotonic()
+    result = run_python("print('x' * 10**6)\nwhile True:\n    pass", max_output_chars=100)
+    elapsed = time.monotonic() - start
+    assert result.truncated and result.killed_reason == "output_limit", _describe(result)
+    assert result.stdout == "x" * 100, _describe(result)
+    assert elapsed < 4.0, f"took {elapsed:.2f} s to cut 1 MB of output (timeout 5 s)"
+
+
+def test_tool_env_runs_code_then_scores_the_answer() -> None:
+    prompt = Prompt("What is 123456 * 789?", answer="97406784")
+    env = PythonToolEnv(max_turns=3)
+    assert env.reset(prompt).startswith("What is 123456 * 789?")
+    turn = env.step("Let me compute it.\n```python\nprint(123456 * 789)\n```")
+    assert not turn.done and turn.observation == "Output:\n97406784", turn
+    assert turn.info["tool_calls"] == 1
+    turn = env.step("The tool says so.\nAnswer: 97406784")
+    assert turn.done and turn.reward == 1.0, turn
+
+    env.reset(prompt)
+    turn = env.step("Answer: 97406785")
+    assert turn.done and turn.reward == 0.0 and turn.info["answer"] == "97406785", turn
+
+
+def test_tool_env_cuts_the_episode_at_max_turns() -> None:
+    env = PythonToolEnv(max_turns=2)
+    env.reset(Prompt("What is 2 + 2?", answer="4"))
+    turn = env.step("```python\nraise ValueError('no')\n```")
+    assert not turn.done and "ValueError: no" in turn.observation, turn
+    assert "[exit code 1]" in turn.observation, turn
+    turn = env.step("```python\nprint(4)\n```")
+    assert turn.done and turn.reward == 0.0, turn
+
+
+def test_tool_prompts_resume_with_the_same_prompts() -> None:
+    source = tool_prompts(seed=7)
+    stream = iter(source)
+    seen = list(itertools.islice(stream, 20))
+    state = source.state_dict()
+    expected = [(p.text, p.answer) for p in itertools.islice(stream, 5)]
+
+    resumed = tool_prompts(seed=7)
+    resumed.load_state_dict(state)
+    got = [(p.text, p.answer) for p in itertools.islice(iter(resumed), 5)]
+    assert got == expected
+    other_seed = list(itertools.islice(iter(tool_prompts(seed=8)), 5))
+    assert [p.text for p in other_seed] != [p.text for p in seen[:5]]
+    assert len({p.meta["task"] for p in seen}) == 4, [p.meta for p in seen]
+    for prompt in seen:
+        if prompt.meta["task"] == "product":
+            a, b = prompt.text.removeprefix("What is ").removesuffix("?").split(" * ")
+            assert prompt.answer == int(a) * int(b), prompt
