@@ -92,6 +92,10 @@ def cmd_train(argv: list[str]) -> int:
     print_config = _pop_flag(argv, "--print-config")
     dry = _pop_flag(argv, "--dry-run")
     name, job = resolve_job(argv)
+    if type(job) is not JobConfig:  # an RL recipe (RLJobConfig) carries its own loop
+        raise ConfigError(
+            f"Recipe '{name}' is an RL recipe; run it with `torchloom rl --recipe {name}`."
+        )
     if print_config:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0

@@ -3,6 +3,7 @@ and resumable prompt streams, and questions worded exactly as the SFT chat set w
 
 from __future__ import annotations
 
+import random
 import re
 from itertools import islice
 
@@ -220,3 +221,17 @@ def test_sort_worded_as_chat_tasks() -> None:
         assert 3 <= len(numbers) <= 6
         descending_order = match.re is descending
         assert prompt.answer == sorted(numbers, reverse=descending_order), prompt
+
+
+def test_letters_task_is_worded_as_the_sft_set_and_checks_the_count() -> None:
+    from torchloom.rl.tasks import letters_prompt
+
+    prompt = letters_prompt(random.Random(3))
+    word = prompt.text.split('"')[1]
+    assert prompt.text == f'How many letters are in the word "{word}"?'
+    assert prompt.answer == len(word) and prompt.meta["task"] == "letters"
+    env = make_env(prompt)
+    env.reset(prompt)
+    assert env.step(f'The word "{word}" has {len(word)} letters.').reward == 1.0
+    env.reset(prompt)
+    assert env.step(f'The word "{word}" has {len(word) + 1} letters.').reward == 0.0

@@ -17,16 +17,16 @@ SFT_HF = "outputs/sft_tiny/hf"
 
 @register_recipe("rl_debug")
 def rl_debug() -> RLJobConfig:
-    """GRPO on the builtin arithmetic task from sft_tiny's model (trained first if missing)."""
+    """GRPO on the builtin letter-count task from sft_tiny's model (trained first if missing)."""
     return RLJobConfig(
         model=ModelConfig(name="llama3", flavor="debug"),
         data=DataConfig(tokenizer=SFT_HF),
-        training=TrainingConfig(steps=40, seq_len=128, max_norm=1.0),
-        optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0),
+        training=TrainingConfig(steps=60, seq_len=128, max_norm=1.0),
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
         lr_schedule=LRScheduleConfig(warmup_steps=0, decay="constant"),
         checkpoint=CheckpointConfig(initial_load_hf=SFT_HF),
         rl=RLConfig(
-            task="arithmetic",
+            task="letters",
             prompts_per_step=8,
             group_size=8,
             max_new_tokens=16,

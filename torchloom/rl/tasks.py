@@ -1,6 +1,7 @@
 """Built-in verifiable tasks for RL: seeded prompt streams and one-turn exact-match environments.
 
 - ``arithmetic``: add or subtract two numbers below 100, asked exactly as the SFT chat set asks.
+- ``letters``: how many letters a word has, asked as the SFT chat set asks.
 - ``sort``: sort 3 to 6 numbers up or down, asked exactly as the SFT chat set asks.
 - ``countdown``: reach a target from given numbers with ``+ - *``; not in the SFT set.
 - ``mixed``: arithmetic or sort, chosen per prompt.
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 # Private on purpose there; used here so RL questions stay worded exactly as the SFT ones.
-from torchloom.data.chat_tasks import _add, _sort_numbers, _subtract
+from torchloom.data.chat_tasks import _add, _count_letters, _sort_numbers, _subtract
 from torchloom.rl.env import Environment, Prompt, PromptSource, Turn
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -38,6 +39,13 @@ def arithmetic_prompt(rng: random.Random) -> Prompt:
     """An addition or subtraction question; the answer is the integer result."""
     question, _, result = rng.choice((_add, _subtract))(rng)
     return Prompt(question, answer=result, meta={"task": "arithmetic"})
+
+
+def letters_prompt(rng: random.Random) -> Prompt:
+    """How many letters a word has; the answer is the count (checked as arithmetic is: the
+    reply's last number)."""
+    question, _, count = _count_letters(rng)
+    return Prompt(question, answer=count, meta={"task": "letters"})
 
 
 def sort_prompt(rng: random.Random) -> Prompt:
@@ -110,6 +118,7 @@ class TaskSource:
 
 _PROMPTS: dict[str, Callable[[random.Random], Prompt]] = {
     "arithmetic": arithmetic_prompt,
+    "letters": letters_prompt,
     "sort": sort_prompt,
     "countdown": countdown_prompt,
     "mixed": mixed_prompt,
@@ -213,6 +222,7 @@ def check_countdown(reply: str, answer: dict[str, Any]) -> Check:
 
 CHECKS: dict[str, Callable[[str, Any], Check]] = {
     "arithmetic": check_arithmetic,
+    "letters": check_arithmetic,
     "sort": check_sort,
     "countdown": check_countdown,
 }
