@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import queue
 import threading
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from torchloom.rl.rollout import Rollout, RolloutBatch, generate_rollouts
 from torchloom.rl.tasks import TASKS, make_env
 from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
 from torchloom.train.builders import build_model_config, build_model_parts, check_seq_len
-from torchloom.train.loss import IGNORE_INDEX, label_logprobs
+from torchloom.train.loss import IGNORE_INDEX, LossOutput, label_logprobs, with_auxiliary
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
@@ -64,7 +63,8 @@ class PolicyGradient:
     """The RL objective: the clipped policy-gradient loss of a micro-batch of rollouts, as a
     sum of weighted token losses (the step divides by the global normalizer)."""
 
-    fields = ("labels", "advantages", "weights", "behavior_logprobs", "ref_logprobs")
+    fields = ("labels", "advantages", "weights", "normalizer", "behavior_logprobs",
+              "ref_logprobs")  # fmt: skip
 
     def __init__(self, job: RLJobConfig) -> None:
         self.cfg = job.rl
@@ -73,7 +73,12 @@ class PolicyGradient:
             job.model.batch_invariant and self.cfg.max_offpolicy_steps == 0
         )
 
-    def __call__(self, h_BTD: torch.Tensor, model: Any, targets: dict[str, torch.Tensor]) -> Any:
+    def __call__(
+        self, h_BTD: torch.Tensor, model: Any, targets: dict[str, torch.Tensor]
+    ) -> LossOutput:
+        """The weighted token-loss sum; metrics as sums over the trained tokens (``tokens``,
+        ``clip_frac``, ``kl``) and ``logprob_diff_max``. Layers' auxiliary terms (MoE balance)
+        join it as in every objective, weighted by this micro-batch's share of the normalizer."""
         cfg, labels_BT = self.cfg, targets["labels"]
         logprobs_BT = label_logprobs(h_BTD, model, labels_BT)
         mask_BT = labels_BT != IGNORE_INDEX
@@ -87,13 +92,10 @@ class PolicyGradient:
         )  # fmt: skip
         tokens = mask_BT.sum()
         diff_BT = torch.where(mask_BT, (logprobs_BT.detach() - behavior_BT).abs(), 0.0)
-        return {
-            "loss": (out.per_token_BT * targets["weights"]).sum(),
-            "clip_frac": out.clip_frac * tokens,
-            "kl": out.kl * tokens,
-            "tokens": tokens,
-            "logprob_diff_max": diff_BT.max(),
-        }
+        metrics = {"tokens": tokens, "clip_frac": out.clip_frac * tokens, "kl": out.kl * tokens,
+                   "logprob_diff_max": diff_BT.max()}  # fmt: skip
+        loss = LossOutput((out.per_token_BT * targets["weights"]).sum(), metrics)
+        return with_auxiliary(loss, model, targets["normalizer"])
 
 
 def policy_batches(
@@ -142,12 +144,11 @@ class RolloutBuffer:
 
 
 def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    return {"version": batch.version, "seconds": batch.seconds,
-            "rollouts": [vars(r) for r in batch.rollouts]}  # fmt: skip
+    return {**vars(batch), "rollouts": [vars(r) for r in batch.rollouts]}
 
 
 def _batch_from_dict(d: dict[str, Any]) -> RolloutBatch:
-    return RolloutBatch([Rollout(**r) for r in d["rollouts"]], d["version"], d["seconds"])
+    return RolloutBatch(**{**d, "rollouts": [Rollout(**r) for r in d["rollouts"]]})
 
 
 class RLTrainer:
@@ -192,6 +193,7 @@ class RLTrainer:
         else:
             self.prompts = TASKS[r.task](seed=t.seed)
             self.make_env = lambda prompt: make_env(prompt, r.format_reward)
+        self.prompt_stream = iter(self.prompts)  # reads the source's position as it goes
         self.buffer = RolloutBuffer()
         parts: dict[str, Any] = {
             "model": ModelState(self.model),
@@ -218,8 +220,7 @@ class RLTrainer:
 
     def _rollouts(self, step: int) -> RolloutBatch:
         r = self.job.rl
-        prompts_iter = iter(self.prompts)
-        prompts = [next(prompts_iter) for _ in range(r.prompts_per_step)]
+        prompts = [next(self.prompt_stream) for _ in range(r.prompts_per_step)]
         self.gen_model.eval()
         try:
             return generate_rollouts(
@@ -252,7 +253,7 @@ class RLTrainer:
         advantages_NG = group_advantages(rewards_NG, r.normalize_std)
         keep_N = informative_groups(rewards_NG) if r.filter_zero_variance else None
         kept = [x for x in rollouts if keep_N is None or keep_N[x.group]]
-        advantages = [advantages_NG.flatten()[i].item() for i, x in enumerate(rollouts)
+        advantages = [a for a, x in zip(advantages_NG.flatten().tolist(), rollouts, strict=True)
                       if keep_N is None or keep_N[x.group]]  # fmt: skip
         metrics = {"loss": 0.0, "grad_norm": 0.0, "kl": 0.0, "clip_frac": 0.0,
                    "logprob_diff_max": 0.0,
@@ -264,16 +265,16 @@ class RLTrainer:
         normalizer = sum(b["normalizer"] for b in batches).clamp(min=1).float()
         totals: dict[str, torch.Tensor] = {}
         for b in batches:
-            targets = {k: b[k] for k in ("labels", "advantages", "weights", "behavior_logprobs")}
+            targets = {k: b[k] for k in PolicyGradient.fields if k in b}
             if self.reference is not None:
                 with torch.no_grad():
                     ref = self.reference(b["tokens"], objective=_LabelLogprobs(),
                                          targets={"labels": b["labels"]})  # fmt: skip
                 targets["ref_logprobs"] = ref
             out = self.model(b["tokens"], objective=self.objective, targets=targets)
-            (out["loss"] / normalizer).backward()
-            for key, value in out.items():
-                value = value.detach()
+            (out.loss / normalizer).backward()
+            totals["loss"] = totals.get("loss", 0) + out.loss.detach()
+            for key, value in out.metrics.items():
                 if key == "logprob_diff_max":
                     totals[key] = torch.maximum(totals.get(key, value), value)
                 else:
@@ -289,7 +290,8 @@ class RLTrainer:
             "kl": (totals["kl"] / tokens).item(), "clip_frac": (totals["clip_frac"] / tokens).item(),
             "logprob_diff_max": totals["logprob_diff_max"].item(),
         }  # fmt: skip
-        return metrics
+        aux = {k: (v / normalizer).item() for k, v in totals.items() if k.startswith("aux_")}
+        return metrics | aux
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -312,10 +314,7 @@ class RLTrainer:
                 source.start(self.step)
             while self.step < t.steps:
                 start = time.perf_counter()
-                if source is None:
-                    batch, sync_s = self._rollouts(self.step + 1), 0.0
-                else:
-                    batch, sync_s = source.next()
+                batch = self._rollouts(self.step + 1) if source is None else source.next()
                 waited = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]
                 train_start = time.perf_counter()
@@ -325,11 +324,7 @@ class RLTrainer:
                 self.step += 1
                 self.version = self.step
                 train_s = time.perf_counter() - train_start
-                record = self._record(batch, step_metrics, lr, waited, train_s, sync_s, start)
-                record = metrics.step_record(
-                    self.step, record["loss"], record["grad_norm"], lr,
-                    sum(len(x.tokens) - 1 for x in batch.rollouts), record["step_s"], waited,
-                ) | record  # fmt: skip
+                record = self._record(metrics, batch, step_metrics, lr, waited, train_s, start)
                 rewards.append(record["reward_mean"])
                 if metrics.should_log(self.step):
                     metrics.log(record)
@@ -354,26 +349,26 @@ class RLTrainer:
         return {"steps": self.step, "reward_first": sum(rewards[:fifth]) / fifth,
                 "reward_last": sum(rewards[-fifth:]) / fifth}  # fmt: skip
 
-    def _record(self, batch: RolloutBatch, update: dict[str, float], lr: float, gen_s: float,
-                train_s: float, sync_s: float, start: float) -> dict[str, Any]:  # fmt: skip
+    def _record(self, metrics: MetricsLogger, batch: RolloutBatch, update: dict[str, float],
+                lr: float, gen_s: float, train_s: float, start: float) -> dict[str, Any]:  # fmt: skip
+        """The step's record: training's fields (``step_record``: tps over the trained tokens,
+        memory, ...) and the RL ones (docs/rl.md)."""
         rollouts = batch.rollouts
         generated = sum(x.generated for x in rollouts)
         trained = sum(len(x.tokens) - 1 for x in rollouts)
         rewards = [x.reward for x in rollouts]
         correct = [float(x.info.get("correct", x.reward >= 1.0)) for x in rollouts]
-        step_s = time.perf_counter() - start
-        return {
-            "step": self.step, "loss": update["loss"], "grad_norm": update["grad_norm"], "lr": lr,
+        record = metrics.step_record(self.step, update["loss"], update["grad_norm"], lr, trained,
+                                     time.perf_counter() - start, gen_s)  # fmt: skip
+        return record | update | {
             "reward_mean": sum(rewards) / len(rewards), "reward_max": max(rewards),
             "correct_frac": sum(correct) / len(correct),
             "response_len_mean": generated / len(rollouts),
-            "logprob_diff_max": update["logprob_diff_max"], "kl": update["kl"],
-            "clip_frac": update["clip_frac"], "policy_lag": self.step - 1 - batch.version,
-            "groups_kept": update["groups_kept"],
+            "policy_lag": self.step - 1 - batch.version,
             "gen_tps": generated / max(batch.seconds, 1e-9),
-            "train_tps": trained / max(train_s, 1e-9), "tps": trained / max(step_s, 1e-9),
-            "weight_sync_s": sync_s, "time_generate_s": gen_s, "time_train_s": train_s,
-            "time_sync_s": sync_s, "step_s": step_s, "time": time.time(),
+            "train_tps": trained / max(train_s, 1e-9), "weight_sync_s": batch.sync_seconds,
+            "time_generate_s": gen_s, "time_train_s": train_s,
+            "time_sync_s": batch.sync_seconds,
         }  # fmt: skip
 
     def _start(self) -> int:
@@ -422,21 +417,23 @@ class _LabelLogprobs:
 
 class _Producer:
     """The generator thread of an off-policy run: batch s is generated by the newest policy
-    once that policy is at most ``max_offpolicy_steps`` updates behind step s's."""
+    once that policy is at most ``max_offpolicy_steps`` updates behind step s's.
+
+    Generated batches wait in the trainer's ``RolloutBuffer`` (the one queue, so a checkpoint
+    taken while the thread is paused holds exactly the batches not yet trained on; a resumed
+    run trains on those first and generates from the next step on)."""
 
     def __init__(self, trainer: RLTrainer) -> None:
         self.trainer = trainer
         self.lag = trainer.job.rl.max_offpolicy_steps
-        self.ready: queue.Queue = queue.Queue()
+        self.pending = trainer.buffer.batches
         self.cond = threading.Condition()
         self.paused = self.stopping = self.busy = False
+        self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def start(self, step: int) -> None:
-        for batch in self.trainer.buffer.batches:  # restored from a checkpoint
-            self.ready.put((batch, 0.0))
-        first = step + 1 + len(self.trainer.buffer.batches)
-        self.trainer.buffer.batches = []
+        first = step + 1 + len(self.pending)  # a resumed run's buffer holds the next batches
         self.thread = threading.Thread(target=self._run, args=(first,), daemon=True)
         self.thread.start()
 
@@ -452,27 +449,30 @@ class _Producer:
                     if self.stopping:
                         return
                     self.busy = True
+                batch = None
                 try:
                     sync_s = trainer._sync_generator()
                     batch = trainer._rollouts(step)
+                    batch.sync_seconds = sync_s
                 finally:
                     with self.cond:
                         self.busy = False
+                        if batch is not None:
+                            self.pending.append(batch)
                         self.cond.notify_all()
-                self.ready.put((batch, sync_s))
-                trainer.buffer.batches.append(batch)
         except BaseException as err:  # handed to the trainer thread
-            self.ready.put(err)
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
 
-    def next(self) -> tuple[RolloutBatch, float]:
+    def next(self) -> RolloutBatch:
+        """The oldest batch not trained on yet (waits for the generator)."""
         with self.cond:
             self.cond.notify_all()  # the trainer's version moved: the generator may go on
-        item = self.ready.get()
-        if isinstance(item, BaseException):
-            raise item
-        batch, sync_s = item
-        self.trainer.buffer.batches.remove(batch) if batch in self.trainer.buffer.batches else None
-        return batch, sync_s
+            self.cond.wait_for(lambda: self.pending or self.error is not None)
+            if self.error is not None:
+                raise self.error
+            return self.pending.pop(0)
 
     def pause(self) -> None:
         """Hold the generator between batches (for a consistent checkpoint)."""

@@ -46,11 +46,13 @@ class Rollout:
 
 @dataclass
 class RolloutBatch:
-    """One step's rollouts, and how long generating them took."""
+    """One step's rollouts, how long generating them took, and how long pulling the weights
+    that generated them took (0 when nothing was pulled)."""
 
     rollouts: list[Rollout]
     version: int
     seconds: float
+    sync_seconds: float = 0.0
 
 
 @dataclass
