@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torchloom.config.errors import ConfigError
-from torchloom.models.components.moe import LocalDispatch
+from torchloom.models.components.moe import LocalDispatch, permute_rows
 from torchloom.parallel.mesh import ParallelDims
 
 
@@ -124,6 +124,8 @@ class _Route:
     """The local sort of the pairs by expert (LocalDispatch's route: order, inverse)."""
     regroup: torch.Tensor
     """Received row i of the by-expert layout is arrival row regroup[i]."""
+    arrival: torch.Tensor
+    """Its inverse: arrival row j is by-expert row arrival[j]."""
     sent: list[int]
     """Rows sent to each ep rank."""
     received: list[int]
@@ -161,16 +163,17 @@ class AllToAllDispatch:
             output_size=arrived_MD.shape[0],
         )
         regroup = (block_M % per_rank).argsort(stable=True)
+        arrival = torch.empty_like(regroup)
+        arrival[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         ends_L = arriving_RL.sum(0).cumsum(0).to(torch.int32)
-        return arrived_MD[regroup], ends_L, _Route(order, regroup, sent, received)
+        route = _Route(order, regroup, arrival, sent, received)
+        return permute_rows(arrived_MD, regroup, arrival), ends_L, route
 
     @torch.compiler.disable
     def combine(self, y_MD: torch.Tensor, route: _Route, N: int) -> torch.Tensor:
         """[N, k, D]: every pair's output back on its token's rank, in (token, choice) order."""
-        arrival = torch.empty_like(route.regroup)
-        arrival[route.regroup] = torch.arange(route.regroup.numel(), device=y_MD.device)
-        back_MD = _AllToAll.apply(y_MD.index_select(0, arrival), route.sent, route.received,
-                                  self.group)  # fmt: skip
+        by_arrival_MD = permute_rows(y_MD, route.arrival, route.regroup)
+        back_MD = _AllToAll.apply(by_arrival_MD, route.sent, route.received, self.group)
         return self.local.combine(back_MD, route.order, N)
 
 

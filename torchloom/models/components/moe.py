@@ -228,7 +228,7 @@ class LocalDispatch:
     ``dispatch`` returns the pairs' inputs sorted by expert, where each expert's rows end, and
     what ``combine`` needs to put the outputs back; neither synchronises with the host. Both
     moves are gathers by a permutation whose gradients are gathers too (``_SortRows``,
-    ``_UnsortRows``): no scatter-add with atomics, so the backward is as fast as the forward
+    ``permute_rows``): no scatter-add with atomics, so the backward is as fast as the forward
     and deterministic."""
 
     def dispatch(
@@ -249,7 +249,7 @@ class LocalDispatch:
     ) -> torch.Tensor:
         """[N, k, D]: the expert outputs back in (token, choice) order."""
         order, inverse = route
-        return _UnsortRows.apply(y_MD, order, inverse).view(N, -1, y_MD.shape[-1])
+        return permute_rows(y_MD, inverse, order).view(N, -1, y_MD.shape[-1])
 
 
 class _SortRows(torch.autograd.Function):
@@ -269,19 +269,22 @@ class _SortRows(torch.autograd.Function):
         return grad_NKD.sum(1, dtype=torch.float32).to(grad_MD.dtype), None, None, None
 
 
-class _UnsortRows(torch.autograd.Function):
-    """Sorted rows back in pair order (gather by ``inverse``); the gradient gathers by
-    ``order``."""
+def permute_rows(x_MD: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x_MD[index]`` for a permutation ``index`` whose inverse is ``inverse``; the gradient
+    is the gather ``grad[inverse]`` (autograd's own would be a scatter-add with atomics)."""
+    return _PermuteRows.apply(x_MD, index, inverse)
 
+
+class _PermuteRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_MD, order, inverse):
-        ctx.save_for_backward(order)
-        return y_MD.index_select(0, inverse)
+    def forward(ctx, x_MD, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x_MD.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad_MD):
-        (order,) = ctx.saved_tensors
-        return grad_MD.index_select(0, order), None, None
+        (inverse,) = ctx.saved_tensors
+        return grad_MD.index_select(0, inverse), None, None
 
 
 def _ends(flat_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
