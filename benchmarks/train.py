@@ -358,32 +358,39 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else format(value, spec) + suffix
 
 
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """The options of how the training step is timed and built (shared with train_moe.py)."""
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
+    parser.add_argument("--remat", default="none", choices=get_args(RematMode),
+                        help="recomputation of the torchloom rows")  # fmt: skip
+    parser.add_argument("--no-compile", action="store_true", help="compile nothing")
+    parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
+                        help="the torchloom rows' AdamW (--optimizer.implementation)")  # fmt: skip
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile this many steps per row (GPU kernel table)")  # fmt: skip
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bench_device(name: str) -> torch.device:
+    """The device to time on (a CUDA device made current)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    return device
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1B"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
-    parser.add_argument("--remat", default="none", choices=get_args(RematMode),
-                        help="recomputation of the torchloom row")  # fmt: skip
-    parser.add_argument("--no-compile", action="store_true", help="compile nothing")
-    parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
-                        help="the compiled torchloom rows' AdamW (--optimizer.implementation)")  # fmt: skip
-    parser.add_argument(
-        "--profile-steps",
-        type=int,
-        default=0,
-        help="after timing, profile this many steps per row (GPU kernel table)",
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_step_options(parser)
     parser.add_argument("--json", type=Path, default=Path("outputs/train_bench.json"))
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
-        torch.cuda.set_device(device)
+    device = bench_device(args.device)
     peak, device_name = device_peak_tflops(device)
     ceiling, matmul = matmul_tflops(device)
     print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul}), data-sheet peak "

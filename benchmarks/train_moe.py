@@ -35,7 +35,17 @@ import sys
 from pathlib import Path
 
 import torch
-from train import SEED, _fmt, _free, matmul_tflops, measure, profile_steps, torchloom_step
+from train import (
+    SEED,
+    _fmt,
+    _free,
+    add_step_options,
+    bench_device,
+    matmul_tflops,
+    measure,
+    profile_steps,
+    torchloom_step,
+)
 
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.parallel import ParallelConfig, build_parallel_dims, destroy
@@ -100,26 +110,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=default_rows,
                         choices=ROWS)  # fmt: skip
     parser.add_argument("--batch", type=int, default=4, help="sequences per step")
-    parser.add_argument("--seq", type=int, help="tokens per sequence (default: the shape's)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
-    parser.add_argument("--remat", default="none", help="--remat.mode of the torchloom rows")
-    parser.add_argument("--no-compile", action="store_true", help="compile nothing")
-    parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
-                        help="the torchloom rows' AdamW (--optimizer.implementation)")  # fmt: skip
-    parser.add_argument(
-        "--profile-steps",
-        type=int,
-        default=0,
-        help="after timing, profile this many steps per row (GPU kernel table)",
-    )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_step_options(parser)
     parser.add_argument("--json", type=Path, default=Path("outputs/train_moe_bench.json"))
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
-        torch.cuda.set_device(device)
+    device = bench_device(args.device)
     peak, device_name = device_peak_tflops(device)
     ceiling, matmul = matmul_tflops(device)
     print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul})", flush=True)
