@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +55,29 @@ def randomize() -> Callable[[Decoder, int], None]:
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
     return fill
+
+
+@pytest.fixture
+def generate_matches_greedy(tmp_path: Path) -> Callable[[Path, nn.Module, int], None]:
+    """Check that `torchloom generate` on the Hugging Face folder ``path``, with prompts of
+    different lengths decoded together, gives ``reference``'s greedy continuations."""
+
+    def check(path: Path, reference: nn.Module, max_new_tokens: int) -> None:
+        from torchloom.cli import main
+
+        prompts = [[5, 17, 300, 2], [9], [44, 45, 46, 47, 48, 49]]
+        prompts_file = tmp_path / "prompts.jsonl"
+        prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+        out = tmp_path / "out.jsonl"
+        assert main(["generate", "--from-hf", str(path), "--prompts-file", str(prompts_file),
+                     "--greedy", "--max-new-tokens", str(max_new_tokens), "--device", "cpu",
+                     "--dtype", "fp32", "--output", str(out)]) == 0  # fmt: skip
+        ours = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+        for prompt, tokens in zip(prompts, ours, strict=True):
+            expected = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=None,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+            assert tokens == expected, (prompt, tokens, expected)
+
+    return check

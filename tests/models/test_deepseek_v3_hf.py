@@ -91,44 +91,28 @@ def test_training_step_matches_transformers(hf_checkpoint) -> None:
         torch.testing.assert_close(ours, hf, rtol=1e-4, atol=1e-6)
 
 
-def test_generate_command_matches_transformers_greedy(hf_checkpoint, tmp_path) -> None:
+def test_generate_command_matches_transformers_greedy(
+    hf_checkpoint, generate_matches_greedy
+) -> None:
     """`torchloom generate` (latent cache, kv_b_proj absorbed) on prompts of different lengths
     decoded together gives transformers' greedy continuations (its cache up-projects)."""
     path, reference = hf_checkpoint("deepseek_v3", **DS_TINY)
-    prompts = [[5, 17, 300, 2], [9], [44, 45, 46, 47, 48, 49]]
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
-    out = tmp_path / "out.jsonl"
-    assert main(["generate", "--from-hf", str(path), "--prompts-file", str(prompts_file),
-                 "--greedy", "--max-new-tokens", "8", "--device", "cpu", "--dtype", "fp32",
-                 "--output", str(out)]) == 0  # fmt: skip
-    ours = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
-        )[0, len(prompt) :].tolist()
-        assert tokens == expected, (prompt, tokens, expected)
+    generate_matches_greedy(path, reference, max_new_tokens=8)
 
 
-def _random_model(**changes) -> DeepSeekV3:
-    cfg = replace(DEEPSEEK_V3_FLAVORS["debug"], vocab_size=512, **changes)
-    model = build_model(cfg)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
-        for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+def _random_model(randomize, **changes) -> DeepSeekV3:
+    model = build_model(replace(DEEPSEEK_V3_FLAVORS["debug"], vocab_size=512, **changes))
+    randomize(model)
     return model.eval()
 
 
-def test_export_with_mtp_loads_in_transformers_and_its_mtp_model(tmp_path, logits_parity):
+def test_export_with_mtp_loads_in_transformers_and_its_mtp_model(
+    tmp_path, logits_parity, randomize
+):
     """Our export: transformers' model gives our logits, and transformers' MTP model (which
     reads model.layers.3.* through its own name conversions) gives our MTP depth's output for
     the same previous hidden state; torchloom reads the export back exactly."""
-    model = _random_model()
+    model = _random_model(randomize)
     save_hf(tmp_path / "hf", "deepseek_v3", model.config, model.state_dict().items())
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_config["num_nextn_predict_layers"] == 1
@@ -159,10 +143,10 @@ def test_export_with_mtp_loads_in_transformers_and_its_mtp_model(tmp_path, logit
         assert torch.equal(ours_t, theirs_t), name
 
 
-def test_mtp_layers_in_a_checkpoint(tmp_path) -> None:
+def test_mtp_layers_in_a_checkpoint(tmp_path, randomize) -> None:
     """Copies of the embedding and head in an MTP layer (DeepSeek-V3's files) are skipped; a
     checkpoint holding only some of the announced MTP layers is refused by name."""
-    model = _random_model(mtp_layers=2)
+    model = _random_model(randomize, mtp_layers=2)
     save_hf(tmp_path / "hf", "deepseek_v3", model.config, model.state_dict().items())
     file = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(file)
@@ -182,7 +166,7 @@ def test_mtp_layers_in_a_checkpoint(tmp_path) -> None:
         torchloom.from_hf(tmp_path / "hf")
 
 
-def test_convert_both_ways(tmp_path, hf_checkpoint, capsys, logits_parity) -> None:
+def test_convert_both_ways(tmp_path, hf_checkpoint, capsys, logits_parity, randomize) -> None:
     path, _ = hf_checkpoint("deepseek_v3", max_shard_size="100KB", **DS_TINY)
     for args in (["--from-hf", path, "--to", tmp_path / "tl"],
                  ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
@@ -191,7 +175,7 @@ def test_convert_both_ways(tmp_path, hf_checkpoint, capsys, logits_parity) -> No
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name
-    model = _random_model(mtp_layers=0, first_dense_layers=2)
+    model = _random_model(randomize, mtp_layers=0, first_dense_layers=2)
     save_model(model, "deepseek_v3", model.config, tmp_path / "ours")
     assert main(["convert", "--from", str(tmp_path / "ours"), "--to-hf",
                  str(tmp_path / "ours_hf")]) == 0  # fmt: skip

@@ -111,22 +111,10 @@ def test_config_refusals() -> None:
         ADAPTER.config_to_hf(sigmoid)
 
 
-def test_generate_command_matches_transformers_greedy(hf_checkpoint, tmp_path) -> None:
+def test_generate_command_matches_transformers_greedy(
+    hf_checkpoint, generate_matches_greedy
+) -> None:
     """`torchloom generate` on a Qwen3-MoE folder: prompts of different lengths decoded
     together give transformers' greedy continuations."""
-    from torchloom.cli import main
-
     path, reference = hf_checkpoint("qwen3_moe", **MOE_TINY)
-    prompts = [[5, 17, 300, 2], [9], [44, 45, 46, 47, 48, 49]]
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
-    out = tmp_path / "out.jsonl"
-    assert main(["generate", "--from-hf", str(path), "--prompts-file", str(prompts_file),
-                 "--greedy", "--max-new-tokens", "6", "--device", "cpu", "--dtype", "fp32",
-                 "--output", str(out)]) == 0  # fmt: skip
-    ours = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        expected = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
-        )[0, len(prompt) :].tolist()
-        assert tokens == expected, (prompt, tokens, expected)
+    generate_matches_greedy(path, reference, max_new_tokens=6)
