@@ -62,3 +62,20 @@ def test_recomputation_counts_each_token_once(uninterrupted, tmp_path) -> None:
     for ours, theirs in zip(remat, full[:2], strict=True):
         for key in ("expert_load/0/min", "expert_load/0/max", "expert_load/1/max"):
             assert ours[key] == theirs[key], key
+
+
+def test_deepseek_v3_balances_its_layers_and_keeps_the_mtp_bias(tmp_path) -> None:
+    """deepseek_v3_debug (sigmoid routing with the choice bias, an MTP depth with its own MoE
+    layer): the decoder's MoE layers are balanced and logged; the MTP depth's bias, past the
+    layers, stays as initialized."""
+    out = tmp_path / "ds"
+    flags = [*COMMON[2:], "--recipe", "deepseek_v3_debug", "--training.steps", "3",
+             "--output.dir", str(out)]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]  # fmt: skip
+    assert {"expert_load/1/cv", "expert_load/2/cv"} <= set(records[-1])
+    assert not any(k.startswith("expert_load/3/") for k in records[-1])  # the MTP depth's
+    with safe_open(out / "model" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("layers.1.mlp.router.expert_bias").abs().max() > 0
+        assert f.get_tensor("mtp.layers.3.block.mlp.router.expert_bias").abs().max() == 0

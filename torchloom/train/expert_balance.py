@@ -41,8 +41,10 @@ class ExpertBalance:
         self.rows = {layer: row for row, layer in enumerate(moe_layers)}
         self.held: dict[int, nn.Module] = {}
         for name, module in model.named_modules():
-            if hasattr(module, "take_load"):
-                matches = _LAYER.findall(name + ".")
+            matches = _LAYER.findall(name + ".") if hasattr(module, "take_load") else ()
+            # The decoder's MoE layers only: a module elsewhere (DeepSeek-V3's multi-token
+            # prediction, numbered past the layers) keeps its bias as loaded.
+            if matches and int(matches[-1]) in self.rows:
                 self.held[int(matches[-1])] = module
 
     def __call__(self) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.decoder import Block, Decoder, LayerInputs, Objective
-from torchloom.models.components.moe import MoE
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v3.config import DeepSeekV3Config
@@ -40,9 +39,9 @@ class MTPBlock(nn.Module):
         self.enorm = norm_cls(cfg.dim, cfg.norm_eps)
         self.hnorm = norm_cls(cfg.dim, cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        # Its MoE layer (if any) keeps its choice bias as loaded: expert balancing covers the
+        # decoder's layers (train/expert_balance.py), and this index is past them.
         self.block = Block(cfg, index, cfg.layer_specs()[-1])
-        if type(self.block.mlp) is MoE:
-            self.block.mlp.__class__ = _FixedBiasMoE
         self.norm = norm_cls(cfg.dim, cfg.norm_eps)
         self.init_std = cfg.init_std
 
@@ -65,16 +64,6 @@ class MTPBlock(nn.Module):
         block = self.block
         mixer, ffn = block.attention.flops_per_token(seq_len), block.mlp.flops_per_token(seq_len)
         return mixer + ffn + 6 * self.eh_proj.weight.numel()
-
-
-class _FixedBiasMoE(MoE):
-    """An MTP block's MoE, its choice bias kept as loaded: train/expert_balance.py balances the
-    MoE layers of ``layers`` by index and cannot place one outside them, so this one hides its
-    load (``take_load``) from it."""
-
-    @property
-    def take_load(self) -> None:  # type: ignore[override]
-        raise AttributeError("an MTP block's MoE layer is not balanced")
 
 
 class MultiTokenPrediction(nn.Module):
