@@ -159,14 +159,22 @@ def cmd_rl(argv: list[str]) -> int:
     if print_config:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0
+    from torchloom.parallel import destroy
     from torchloom.rl.loop import RLTrainer, prepare_initial_model
 
     prepare_initial_model(job)
-    result = RLTrainer(job).train()
-    print(
-        f"done: {result['steps']} policy updates, mean reward {result['reward_first']:.3f} "
-        f"(first fifth) -> {result['reward_last']:.3f} (last fifth)"
-    )
+    trainer = RLTrainer(job)
+    try:
+        result = trainer.train()
+    except BaseException:
+        destroy(barrier=False)
+        raise
+    destroy()
+    if trainer.dims.is_rank0:
+        print(
+            f"done: {result['steps']} policy updates, mean reward {result['reward_first']:.3f} "
+            f"(first fifth) -> {result['reward_last']:.3f} (last fifth)"
+        )
     return 0
 
 

@@ -22,7 +22,20 @@ def test_bad_input_gets_one_clear_error(capsys) -> None:
         ("train", "--recipe", "rl_debug"): "run it with `torchloom rl --recipe rl_debug`",
         ("rl", "--rl.group_size", "1"): "--rl.group_size must be at least 2",
         ("rl", "--rl.max_offpolicy_steps", "-1"): "--rl.max_offpolicy_steps must be >= 0",
-        ("rl", "--parallel.dp_shard", "2"): "torchloom rl runs on one device for now",
+        ("rl", "--parallel.dp_shard", "2"): "or use --rl.placement disaggregated",
+        ("rl", "--rl.placement", "disaggregated", "--parallel.pp", "2"): "--parallel.pp 2 is not "
+        "supported there yet",
+        (
+            "rl",
+            "--rl.placement",
+            "disaggregated",
+            "--checkpoint.initial_load_hf",
+            "",
+            "--rl.init_recipes",
+            "[]",
+            "--data.tokenizer",
+            "builtin:stdlib_bpe",
+        ): "needs trainer ranks beside its --rl.generator_ranks 1",
         ("rl", "--rl.grup_size", "4"): "Did you mean '--rl.group_size'",
     }
     for argv, message in cases.items():

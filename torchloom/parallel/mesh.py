@@ -190,13 +190,22 @@ def _build_moe_meshes(dims: ParallelDims) -> MoEMeshes:
     return MoEMeshes(split["ep"], experts, layer)
 
 
-def build_parallel_dims(config: ParallelConfig, device_type: str) -> ParallelDims:
+def build_parallel_dims(
+    config: ParallelConfig, device_type: str, ranks: int | None = None
+) -> ParallelDims:
     """Resolve the degrees against the launched world and build the mesh on ``device_type``
-    ("cuda" or "cpu"); call it on every rank, after ``init_distributed``."""
+    ("cuda" or "cpu"); call it on every rank, after ``init_distributed``.
+
+    ``ranks``: lay the mesh over the first ``ranks`` processes only (the trainer's ranks of a
+    disaggregated RL job, torchloom/rl/disaggregated.py). Every process still calls this, since
+    creating a group is collective over the whole world; the others get dims they never use."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks is not None:
+        world_size = ranks
     degrees = config.resolve(world_size)
     if world_size == 1 and not degrees.fsdp_always:
-        return ParallelDims(degrees, world_size, 0, device_type)
+        return ParallelDims(degrees, world_size, dist.get_rank() if dist.is_initialized() else 0,
+                            device_type)  # fmt: skip
     if not dist.is_initialized():
         # FSDP on a single process still needs a process group: a one-rank one, no torchrun.
         backend = "nccl" if device_type == "cuda" else "gloo"
@@ -210,9 +219,12 @@ def build_parallel_dims(config: ParallelConfig, device_type: str) -> ParallelDim
     replicate_only = sizes["dp_replicate"] > 1 and unsharded
     keep_shard_axis = unsharded and (replicate_only or degrees.fsdp_always)
     names = tuple(a for a in MESH_AXES if sizes[a] > 1 or (a == "dp_shard" and keep_shard_axis))
-    dims.world_mesh = init_device_mesh(
-        device_type, tuple(sizes[a] for a in names), mesh_dim_names=names
-    )
+    shape = tuple(sizes[a] for a in names)
+    if world_size == dist.get_world_size():
+        dims.world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    else:
+        ranks_grid = torch.arange(world_size).view(shape)
+        dims.world_mesh = DeviceMesh(device_type, ranks_grid, mesh_dim_names=names)
     dims.meshes = {a: dims.world_mesh[a] for a in names if sizes[a] > 1}
     flattened: dict[tuple[str, ...], DeviceMesh] = {}
     for name, axes in FLATTENED.items():

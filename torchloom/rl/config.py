@@ -33,9 +33,17 @@ class RLConfig:
     max_offpolicy_steps: int = 0
     """How many policy updates a rollout may lag behind the policy that trains on it: 0 =
     synchronous and exactly on-policy; k > 0 lets generation run ahead, overlapping training."""
-    placement: Literal["colocated"] = "colocated"
-    """Where the generator runs: colocated shares the trainer's devices and, when on-policy,
-    its very parameters (weight sync is nothing; with lag, an in-place device copy)."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """Where the generator runs. colocated: on the trainer's device (one process), sharing its
+    very parameters when on-policy (weight sync is nothing; with lag, an in-place device copy).
+    disaggregated: on the last ``generator_ranks`` processes of the torchrun job, the others
+    training (with --parallel.dp_shard / tp); weights go over torch.distributed after each
+    update (docs/rl.md)."""
+    generator_ranks: int = 1
+    """With disaggregated placement: how many processes generate, each with a whole copy of
+    the model and its share of the step's prompts."""
+    sync_bucket_mb: int = 256
+    """With disaggregated placement: weights travel in flat buckets of up to this many MiB."""
     normalize_std: bool = True
     """GRPO advantages divided by the group's reward std (false: Dr. GRPO, centred only)."""
     filter_zero_variance: bool = True
@@ -65,7 +73,8 @@ class RLConfig:
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_turns",
-                     "micro_batch_size", "generator_slots"):  # fmt: skip
+                     "micro_batch_size", "generator_slots", "generator_ranks",
+                     "sync_bucket_mb"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"--rl.{name} must be at least 1; got {getattr(self, name)}.")
         if self.max_offpolicy_steps < 0:
@@ -97,13 +106,28 @@ class RLJobConfig(JobConfig):
 
     def validate(self) -> None:
         super().validate()
-        p = self.parallel
-        if max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep) > 1:
+        p, r = self.parallel, self.rl
+        if r.placement == "colocated" and max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp,
+                                                 p.ep) > 1:  # fmt: skip
             raise ConfigError(
-                "torchloom rl runs on one device for now (colocated trainer and generator); set "
-                "every --parallel degree to 1. Disaggregated and data-parallel RL are not "
-                "implemented yet."
+                "Colocated RL runs the trainer and the generator on one device; set every "
+                "--parallel degree to 1, or use --rl.placement disaggregated to train on several "
+                "ranks (data or tensor parallel) beside generator ranks."
             )
+        if r.placement == "disaggregated":
+            unsupported = {"dp_replicate": p.dp_replicate, "cp": p.cp, "pp": p.pp, "ep": p.ep}
+            unsupported = {name: v for name, v in unsupported.items() if v > 1}
+            if unsupported:
+                name, value = next(iter(unsupported.items()))
+                raise ConfigError(
+                    f"Disaggregated RL trains with --parallel.dp_shard and --parallel.tp; "
+                    f"--parallel.{name} {value} is not supported there yet. Set it to 1."
+                )
+            if r.kl_coef > 0:
+                raise ConfigError(
+                    "--rl.kl_coef > 0 (a frozen reference model) is not supported with "
+                    "disaggregated placement yet; use colocated placement or --rl.kl_coef 0."
+                )
         if self.compile.enabled:
             raise ConfigError(
                 "torchloom rl runs the trainer's modules in the generator too; with regional "

@@ -25,24 +25,28 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.manager import CheckpointManager, on_rank0
-from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.checkpoint.stateful import ModelState, OptimizerState
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data.build import build_tokenizer
 from torchloom.generate.engine import Generator
-from torchloom.parallel import build_parallel_dims, init_distributed
+from torchloom.models import build_model
+from torchloom.parallel import build_parallel_dims, init_distributed, loss_context
+from torchloom.parallel.data_parallel import mixed_precision_policy
 from torchloom.parallel.state import full_state_items
 from torchloom.rl.config import RLJobConfig
+from torchloom.rl.disaggregated import Link, last_version_sent, policy_needed, trainer_ranks
 from torchloom.rl.losses import (
     group_advantages,
     informative_groups,
@@ -57,6 +61,7 @@ from torchloom.train.loss import IGNORE_INDEX, LossOutput, label_logprobs, with_
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
+from torchloom.train.trainer import export_final_model
 
 
 class PolicyGradient:
@@ -100,15 +105,16 @@ class PolicyGradient:
 
 def policy_batches(
     rollouts: list[Rollout], advantages: list[float], micro: int, mode: str, max_len: int,
-    device: torch.device,
+    device: torch.device, multiple: int = 1,
 ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
     """The rollouts as right-padded micro-batches: tokens (inputs), labels (the next token on
     generated positions, IGNORE_INDEX elsewhere), the generator's log-probs of the labels,
-    advantages and the normalization weights."""
+    advantages and the normalization weights. Lengths are padded to a ``multiple`` (tensor
+    parallelism's sequence split)."""
     batches = []
     for start in range(0, len(rollouts), micro):
         chunk = rollouts[start : start + micro]
-        T = max(len(r.tokens) for r in chunk) - 1
+        T = -(-(max(len(r.tokens) for r in chunk) - 1) // multiple) * multiple
         tokens_BT = torch.zeros(len(chunk), T, dtype=torch.long)
         labels_BT = torch.full((len(chunk), T), IGNORE_INDEX, dtype=torch.long)
         behavior_BT = torch.zeros(len(chunk), T)
@@ -157,7 +163,10 @@ class RLTrainer:
     def __init__(self, job: RLJobConfig) -> None:
         self.job, t, r = job, job.training, job.rl
         self.device = init_distributed(t.device)
-        self.dims = build_parallel_dims(job.parallel, self.device.type)
+        # Disaggregated: the first ranks train, over a mesh of their own; the others generate.
+        self.trainers = trainer_ranks(r)
+        self.dims = build_parallel_dims(job.parallel, self.device.type, self.trainers or None)
+        self.is_generator = bool(self.trainers) and self.dims.rank >= self.trainers
         self.output_dir = Path(job.output.dir)
         if r.task not in TASKS and r.task != "python_tool":
             raise ConfigError(
@@ -177,6 +186,32 @@ class RLTrainer:
                 f"holds {self.model_config.vocab_size}; use the tokenizer the model was trained with."
             )
         check_seq_len(self.model_config, t.seq_len)
+        self.link = None
+        if self.trainers:
+            if self.dims.world_mesh is not None:
+                self.dims.moe_meshes()  # collective: the generator ranks join its creation
+            dtype = mixed_precision_policy(self.dims.degrees, self.device.type).param_dtype
+            if self.dims.world_mesh is None:  # one trainer rank: no FSDP, no cast
+                dtype = torch.float32
+            self.link = Link(self.trainers, self.device, dtype, r.sync_bucket_mb)
+        if r.task == "python_tool":  # multi-turn: the model's code runs in the sandbox
+            self.prompts = tool_prompts(seed=t.seed)
+            self.make_env = lambda prompt: PythonToolEnv(max_turns=r.max_turns)
+        else:
+            self.prompts = TASKS[r.task](seed=t.seed)
+            self.make_env = lambda prompt: make_env(prompt, r.format_reward)
+        self.prompt_stream = iter(self.prompts)  # reads the source's position as it goes
+        self.version = 0  # optimizer steps the policy has taken
+        self.gen_version = 0
+        self.params_lock = threading.Lock()
+        self.step = 0
+        if self.is_generator:
+            self._init_generator_rank()
+        else:
+            self._init_trainer()
+
+    def _init_trainer(self) -> None:
+        job, t, r = self.job, self.job.training, self.job.rl
         self.objective = PolicyGradient(job)
         self.parts = build_model_parts(
             job, self.model_config, self.dims, self.device, self.objective
@@ -187,18 +222,13 @@ class RLTrainer:
         self.reference = None
         if r.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
-        if r.task == "python_tool":  # multi-turn: the model's code runs in the sandbox
-            self.prompts = tool_prompts(seed=t.seed)
-            self.make_env = lambda prompt: PythonToolEnv(max_turns=r.max_turns)
-        else:
-            self.prompts = TASKS[r.task](seed=t.seed)
-            self.make_env = lambda prompt: make_env(prompt, r.format_reward)
-        self.prompt_stream = iter(self.prompts)  # reads the source's position as it goes
         self.buffer = RolloutBuffer()
+        self.prompt_position = PromptPosition(self.prompts)
         parts: dict[str, Any] = {
             "model": ModelState(self.model),
             "optimizer": OptimizerState(self.model, self.optimizer),
-            "lr_scheduler": self.scheduler, "prompts": self.prompts, "rollouts": self.buffer,
+            "lr_scheduler": self.scheduler, "prompts": self.prompt_position,
+            "rollouts": self.buffer,
         }  # fmt: skip
         if self.reference is not None:
             parts["reference"] = ModelState(self.reference)
@@ -207,14 +237,30 @@ class RLTrainer:
             parts=parts, marker_extra={"family": job.model.name,
                                        "model_config": to_dict(self.parts.saved_config)},
         )  # fmt: skip
+        if self.link is not None:
+            return  # the generator ranks generate
         # On-policy: the trainer's own modules generate; with lag, a copy of them does.
         self.gen_model = self.model if r.max_offpolicy_steps == 0 else copy.deepcopy(self.model)
         self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
                                    max_len=t.seq_len, cuda_graphs=False)  # fmt: skip
-        self.version = 0  # optimizer steps the policy has taken
-        self.gen_version = 0
-        self.params_lock = threading.Lock()
-        self.step = 0
+
+    def _init_generator_rank(self) -> None:
+        """A generator rank of a disaggregated job: a whole model in the trainer's compute
+        dtype (its values arrive from the trainer), and a checkpointer that saves the step
+        alongside the trainer's."""
+        job, r = self.job, self.job.rl
+        assert self.link is not None
+        with torch.device("meta"):
+            self.gen_model = build_model(self.model_config)
+        self.gen_model.to_empty(device=self.device)
+        self.gen_model.to(self.link.dtype).eval()
+        self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
+                                   max_len=job.training.seq_len, cuda_graphs=False)  # fmt: skip
+        own = [p for p in job.checkpoint.exclude_from_loading if p in ("train_state", "rng")]
+        self.checkpointer = CheckpointManager(
+            replace(job.checkpoint, exclude_from_loading=own), self.output_dir,
+            device=self.device, is_rank0=False, parts={}, marker_extra={},
+        )  # fmt: skip
 
     # -- rollouts -------------------------------------------------------------------------------
 
@@ -261,24 +307,26 @@ class RLTrainer:
         if not kept:
             return metrics
         batches = policy_batches(kept, advantages, r.micro_batch_size, r.loss_normalization,
-                                 r.max_new_tokens, self.device)  # fmt: skip
+                                 r.max_new_tokens, self.device, self.dims.degrees.tp)  # fmt: skip
         normalizer = sum(b["normalizer"] for b in batches).clamp(min=1).float()
         totals: dict[str, torch.Tensor] = {}
-        for b in batches:
+        for b in self._my_share(batches):
             targets = {k: b[k] for k in PolicyGradient.fields if k in b}
             if self.reference is not None:
                 with torch.no_grad():
                     ref = self.reference(b["tokens"], objective=_LabelLogprobs(),
                                          targets={"labels": b["labels"]})  # fmt: skip
                 targets["ref_logprobs"] = ref
-            out = self.model(b["tokens"], objective=self.objective, targets=targets)
-            (out.loss / normalizer).backward()
+            with loss_context(self.dims):  # vocabulary-sharded logits under tp
+                out = self.model(b["tokens"], objective=self.objective, targets=targets)
+                (out.loss / normalizer).backward()
             totals["loss"] = totals.get("loss", 0) + out.loss.detach()
             for key, value in out.metrics.items():
                 if key == "logprob_diff_max":
                     totals[key] = torch.maximum(totals.get(key, value), value)
                 else:
                     totals[key] = totals.get(key, 0) + value
+        totals = self._over_data_ranks(totals)
         grad_norm = clip_gradients(self.optimizer, self.model.parameters(),
                                    job.training.max_norm or float("inf"))  # fmt: skip
         with self.params_lock:
@@ -293,9 +341,38 @@ class RLTrainer:
         aux = {k: (v / normalizer).item() for k, v in totals.items() if k.startswith("aux_")}
         return metrics | aux
 
+    def _my_share(self, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """This data rank's micro-batches of the step (all of them on one rank). Every rank runs
+        as many forwards as the busiest one (FSDP gathers weights in each): the idle ones run a
+        copy of a micro-batch with nothing to train (no labels, no weight)."""
+        size, rank = self.dims.dp_size, self.dims.dp_rank
+        if size == 1:
+            return batches
+        mine = batches[rank::size]
+        idle = dict(batches[0])
+        idle |= {"labels": torch.full_like(idle["labels"], IGNORE_INDEX),
+                 "weights": torch.zeros_like(idle["weights"]),
+                 "normalizer": torch.zeros_like(idle["normalizer"])}  # fmt: skip
+        return mine + [idle] * (-(-len(batches) // size) - len(mine))
+
+    def _over_data_ranks(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's metric sums (and the log-prob difference's max) over the data ranks."""
+        mesh = self.dims.mesh("dp")
+        if mesh is None:
+            return totals
+        group = mesh.get_group()
+        summed = sorted(k for k in totals if k != "logprob_diff_max")
+        values = torch.stack([torch.as_tensor(totals[k], dtype=torch.float64) for k in summed])
+        dist.all_reduce(values, group=group)
+        highest = totals["logprob_diff_max"].clone()
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+        return dict(zip(summed, values, strict=True)) | {"logprob_diff_max": highest}
+
     # -- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
+        if self.is_generator:
+            return self._serve()
         job, t, r = self.job, self.job.training, self.job.rl
         self.step = self._start()
         self.version = self.gen_version = self.step
@@ -307,7 +384,11 @@ class RLTrainer:
             f"task {r.task}, {r.prompts_per_step} prompts x {r.group_size} rollouts per update, "
             f"{t.steps} updates, max_offpolicy_steps {r.max_offpolicy_steps}"
         )
-        source = _Producer(self) if r.max_offpolicy_steps else None
+        source: _Producer | _Remote | None = None
+        if self.link is not None:
+            source = _Remote(self)
+        elif r.max_offpolicy_steps:
+            source = _Producer(self)
         rewards: list[float] = []
         try:
             if source is not None:
@@ -323,6 +404,8 @@ class RLTrainer:
                 self.scheduler.step()
                 self.step += 1
                 self.version = self.step
+                if source is not None:
+                    source.updated()
                 train_s = time.perf_counter() - train_start
                 record = self._record(metrics, batch, step_metrics, lr, waited, train_s, start)
                 rewards.append(record["reward_mean"])
@@ -345,9 +428,38 @@ class RLTrainer:
             if source is not None:
                 source.stop()
             metrics.close()
-        fifth = max(1, len(rewards) // 5)
-        return {"steps": self.step, "reward_first": sum(rewards[:fifth]) / fifth,
-                "reward_last": sum(rewards[-fifth:]) / fifth}  # fmt: skip
+        return _summary(self.step, rewards)
+
+    def _serve(self) -> dict[str, float]:
+        """A generator rank's run (disaggregated placement, torchloom/rl/disaggregated.py):
+        take each step's prompts, generate its share with the newest policy the lag bound
+        needs, hand the rollouts over; checkpoint the step alongside the trainer."""
+        t, r, link = self.job.training, self.job.rl, self.link
+        assert link is not None
+        start = self._start()
+        version = start
+        link.receive_weights(self.gen_model)
+        rewards = []
+        for step in range(start + 1, t.steps + 1):
+            prompts = link.prompts()
+            mine = link.my_share(len(prompts))
+            sync_s = 0.0
+            while version < policy_needed(step, start, r.max_offpolicy_steps):
+                sync_s += link.receive_weights(self.gen_model)
+                version += 1
+            part = generate_rollouts(
+                self.generator, self.tokenizer, [prompts[i] for i in mine], self.make_env, r,
+                seed=t.seed, step=step, version=version, groups=mine,
+            )  # fmt: skip
+            part.sync_seconds = sync_s
+            if step - 1 > start and self.checkpointer.should_save(step - 1, t.steps):
+                self.checkpointer.save(step - 1, 0)
+            batch = link.rollouts(part)
+            rewards.append(sum(x.reward for x in batch.rollouts) / len(batch.rollouts))
+        if t.steps > start and self.checkpointer.should_save(t.steps, t.steps):
+            self.checkpointer.save(t.steps, 0)
+        self.checkpointer.finish()
+        return _summary(t.steps, rewards)
 
     def _record(self, metrics: MetricsLogger, batch: RolloutBatch, update: dict[str, float],
                 lr: float, gen_s: float, train_s: float, start: float) -> dict[str, Any]:  # fmt: skip
@@ -395,15 +507,9 @@ class RLTrainer:
         return step or 0
 
     def _export(self, metrics: MetricsLogger) -> None:
-        job, family, config = self.job, self.job.model.name, self.parts.saved_config
-        if job.checkpoint.save_final_model:
-            write_model_folder(self.output_dir / "model", family, config,
-                               full_state_items(self.model), self.tokenizer)  # fmt: skip
-            metrics.print(f"saved the model to {self.output_dir / 'model'}")
-        if job.checkpoint.export_hf:
-            save_hf(self.output_dir / "hf", family, config, full_state_items(self.model),
-                    self.tokenizer)  # fmt: skip
-            metrics.print(f"exported a Hugging Face folder to {self.output_dir / 'hf'}")
+        export_final_model(self.job, self.output_dir, self.parts.saved_config, self.tokenizer,
+                           self.dims.is_rank0, metrics.print,
+                           lambda: full_state_items(self.model))  # fmt: skip
 
 
 class _LabelLogprobs:
@@ -413,6 +519,77 @@ class _LabelLogprobs:
 
     def __call__(self, h_BTD: torch.Tensor, model: Any, targets: dict[str, torch.Tensor]) -> Any:
         return label_logprobs(h_BTD, model, targets["labels"])
+
+
+def _summary(steps: int, rewards: list[float]) -> dict[str, float]:
+    fifth = max(1, len(rewards) // 5)
+    return {"steps": steps, "reward_first": sum(rewards[:fifth]) / fifth,
+            "reward_last": sum(rewards[-fifth:]) / fifth}  # fmt: skip
+
+
+class PromptPosition:
+    """The prompt source's position as of the last step trained (what a checkpoint holds):
+    prompts drawn ahead of it for the generator ranks are drawn again by a resumed run."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.marked: dict[str, Any] | None = None
+
+    def mark(self) -> None:
+        """Take the position now as the one to save (call when every prompt drawn belongs to
+        the step being trained or an older one, before drawing ahead)."""
+        self.marked = copy.deepcopy(self.source.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.marked if self.marked is not None else self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+        self.marked = None
+
+
+class _Remote:
+    """The trainer ranks' side of disaggregated placement: sends each step's prompts and the
+    policies the generator ranks need, receives the batches (torchloom/rl/disaggregated.py)."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+        assert trainer.link is not None
+        self.link = trainer.link
+        self.sync_s = 0.0
+
+    def start(self, step: int) -> None:
+        self.sync_s = self.link.send_weights(self.trainer.model)
+        self._send_prompts()
+
+    def _send_prompts(self) -> None:
+        trainer = self.trainer
+        count = trainer.job.rl.prompts_per_step
+        self.link.prompts([next(trainer.prompt_stream) for _ in range(count)])
+
+    def next(self) -> RolloutBatch:
+        batch = self.link.rollouts()
+        self.trainer.prompt_position.mark()  # every prompt drawn so far is this batch's or older
+        if self.trainer.step + 2 <= self.trainer.job.training.steps:
+            self._send_prompts()  # the generator ranks start on them while this one trains
+        batch.sync_seconds = self.sync_s  # what sending the weights cost the trainer
+        return batch
+
+    def updated(self) -> None:
+        """The policy moved: send it if the generator ranks will ever use it."""
+        trainer, r = self.trainer, self.trainer.job.rl
+        self.sync_s = 0.0
+        if trainer.version <= last_version_sent(trainer.job.training.steps, r.max_offpolicy_steps):
+            self.sync_s = self.link.send_weights(trainer.model)
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.link.wait_sent()
 
 
 class _Producer:
@@ -465,10 +642,14 @@ class _Producer:
                 self.error = err
                 self.cond.notify_all()
 
+    def updated(self) -> None:
+        """The trainer's version moved: the generator may go on."""
+        with self.cond:
+            self.cond.notify_all()
+
     def next(self) -> RolloutBatch:
         """The oldest batch not trained on yet (waits for the generator)."""
         with self.cond:
-            self.cond.notify_all()  # the trainer's version moved: the generator may go on
             self.cond.wait_for(lambda: self.pending or self.error is not None)
             if self.error is not None:
                 raise self.error
@@ -502,6 +683,12 @@ def prepare_initial_model(job: RLJobConfig) -> None:
     start = job.checkpoint.initial_load_hf
     if not start or Path(start).exists() or not job.rl.init_recipes:
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            f"--checkpoint.initial_load_hf {start} does not exist, and the recipes that build "
+            f"it ({', '.join(job.rl.init_recipes)}) run on one process; run them first "
+            f"(torchloom train --recipe NAME), then launch this job again."
+        )
     for name in job.rl.init_recipes:
         recipe_job = get_recipe(name).build()
         recipe_job.training.device = job.training.device

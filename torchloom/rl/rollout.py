@@ -83,14 +83,18 @@ def generate_rollouts(
     seed: int,
     step: int,
     version: int,
+    groups: list[int] | None = None,
 ) -> RolloutBatch:
     """``cfg.group_size`` episodes per prompt, run to their end (done, or ``cfg.max_turns``
-    replies, or a reply cut at ``max_new_tokens``)."""
+    replies, or a reply cut at ``max_new_tokens``). ``groups``: each prompt's index among the
+    step's prompts (default 0, 1, ...; a generator rank holding a share of them passes theirs),
+    which numbers its rollouts' groups and sampling seeds."""
     start = time.perf_counter()
     stop_ids = tokenizer.stop_ids(chat=True)
-    episodes = []
-    for group, prompt in enumerate(prompts):
-        for _ in range(cfg.group_size):
+    episodes, seeds = [], []
+    for group, prompt in zip(groups or range(len(prompts)), prompts, strict=True):
+        for member in range(cfg.group_size):
+            seeds.append(group * cfg.group_size + member)
             env = make_env(prompt)
             messages = [{"role": "user", "content": env.reset(prompt)}]
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -103,7 +107,7 @@ def generate_rollouts(
         if not active:
             break
         requests = [Request(list(e.rollout.tokens), _sampling(cfg, stop_ids,
-                                                           request_seed(seed, step, i, turn)))
+                                                           request_seed(seed, step, seeds[i], turn)))
                     for i, e in active]  # fmt: skip
         for (_, episode), completion in zip(active, generator.generate(requests), strict=True):
             if completion.finish_reason == "error":

@@ -135,8 +135,20 @@ class TokenLogProbs:
 
 def label_logprobs(h_BTD: torch.Tensor, model: Any, labels_BT: torch.Tensor) -> torch.Tensor:
     """[B, T] log-probability of each label under the model (fp32 log-softmax of the logits,
-    as the generator scores tokens; 0 where the label is IGNORE_INDEX)."""
-    return picked_logprobs(torch.log_softmax(model.logits(h_BTD).float(), dim=-1), labels_BT)
+    as the generator scores tokens; 0 where the label is IGNORE_INDEX).
+
+    Vocabulary-sharded logits (tensor parallelism's loss_parallel, whose context must wrap the
+    forward and the backward) go through the cross-entropy, which DTensor computes shard by
+    shard; the result is the same log-softmax entry, negated."""
+    logits_BTV = model.logits(h_BTD)
+    if isinstance(logits_BTV, DTensor):
+        nll_N = torch.nn.functional.cross_entropy(
+            logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )  # fmt: skip
+        nll_N = nll_N.full_tensor() if isinstance(nll_N, DTensor) else nll_N
+        return -nll_N.view(labels_BT.shape)
+    return picked_logprobs(torch.log_softmax(logits_BTV.float(), dim=-1), labels_BT)
 
 
 def picked_logprobs(logprobs_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -275,32 +277,39 @@ class Trainer:
         )
 
     def _export(self, metrics: MetricsLogger) -> Path | None:
-        """Write the final model (and an HF folder when asked). Every rank takes part in
-        gathering the full tensors, one at a time; rank 0 alone writes."""
-        job, family, config = self.job, self.job.model.name, self.saved_config
-        model_dir = self.output_dir / "model"
-        writes = []
-        if job.checkpoint.save_final_model:
-            writes.append(
-                (
-                    lambda items: write_model_folder(
-                        model_dir, family, config, items, self.tokenizer
-                    ),
-                    f"saved the model to {model_dir}",
-                )
-            )
-        if job.checkpoint.export_hf:
-            hf_dir = self.output_dir / "hf"
-            writes.append((lambda items: save_hf(hf_dir, family, config, items, self.tokenizer),
-                           f"exported a Hugging Face folder to {hf_dir}"))  # fmt: skip
-        for write, done in writes:
-            if self.pipeline is not None:  # rank 0 receives the other stages' tensors
-                items = self.pipeline.full_state_items()
-            else:
-                items = full_state_items(self.model)
-            if self.is_rank0:
-                write(items)
-            for _ in items:  # the other ranks still take part in every gather
-                pass
-            metrics.print(done)
-        return model_dir if job.checkpoint.save_final_model else None
+        """Write the final model (and an HF folder when asked); see ``export_final_model``."""
+        pipeline = self.pipeline  # rank 0 receives the other stages' tensors
+        return export_final_model(
+            self.job, self.output_dir, self.saved_config, self.tokenizer, self.is_rank0,
+            metrics.print,
+            lambda: pipeline.full_state_items() if pipeline else full_state_items(self.model),
+        )  # fmt: skip
+
+
+def export_final_model(
+    job: JobConfig, output_dir: Path, config: Any, tokenizer: Any, is_rank0: bool,
+    say: Callable[[str], None], state_items: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+) -> Path | None:  # fmt: skip
+    """Write the final model folder (--checkpoint.save_final_model) and a Hugging Face folder
+    (--checkpoint.export_hf) under ``output_dir``; returns the model folder, if written. Every
+    rank takes part in gathering the full tensors (``state_items()``, one at a time); rank 0
+    alone writes."""
+    family = job.model.name
+    model_dir = output_dir / "model"
+    writes = []
+    if job.checkpoint.save_final_model:
+        writes.append((lambda items: write_model_folder(model_dir, family, config, items,
+                                                        tokenizer),
+                       f"saved the model to {model_dir}"))  # fmt: skip
+    if job.checkpoint.export_hf:
+        hf_dir = output_dir / "hf"
+        writes.append((lambda items: save_hf(hf_dir, family, config, items, tokenizer),
+                       f"exported a Hugging Face folder to {hf_dir}"))  # fmt: skip
+    for write, done in writes:
+        items = state_items()
+        if is_rank0:
+            write(items)
+        for _ in items:  # the other ranks still take part in every gather
+            pass
+        say(done)
+    return model_dir if job.checkpoint.save_final_model else None
