@@ -315,6 +315,9 @@ class RunningSumState:
     def bound(self, binding):
         return BoundRunningSum(self.h_SD, binding)
 
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        self.h_SD[dst_slots_S] = self.h_SD[src_slot].clone()  # not by position: the whole slot
+
 
 class BoundRunningSum:
     def __init__(self, h_SD, binding) -> None:

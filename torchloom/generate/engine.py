@@ -3,9 +3,10 @@ own kind, ``model.new_cache``), continuous batching, sampling, stop tokens, and 
 token's log-probability.
 
 Requests wait in a queue (``submit``); each ``step`` is one scheduling round: when cache slots
-are free, waiting requests are prefilled together (right-padded); otherwise every active request
-advances one token. A request leaves as soon as it stops, and its slot takes the next waiting
-request in the following round. ``generate(requests)`` submits and steps until they are done.
+are free, waiting requests are prefilled together (right-padded; requests admitted together with
+the same prompt, like an RL group, share one prefill); otherwise every active request advances
+one token. A request leaves as soon as it stops, and its slot takes the next waiting request
+in the following round. ``generate(requests)`` submits and steps until they are done.
 Log-probabilities are those of the model's own distribution (fp32 log-softmax of the logits,
 before temperature, top-k or top-p), so they equal a full forward pass over the sequence.
 """
@@ -134,6 +135,7 @@ class Generator:
         self._free = list(range(max_batch))  # a heap: the lowest free slot goes first
         self._finished: list[tuple[int, Completion]] = []  # what the next step() reports
         self._next_id = 0
+        self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared: once)
         self._ahead: DecodeStep | None = None  # a greedy step launched before the last was read
 
     # -- the API --------------------------------------------------------------------------------
@@ -252,20 +254,30 @@ class Generator:
     # -- forwards -------------------------------------------------------------------------------
 
     def _prefill(self, admitted: dict[int, _Active]) -> None:
-        slots = list(admitted)
-        prompts = [admitted[s].request.prompt_ids for s in slots]
+        """One right-padded forward with a row per distinct prompt. Requests with the same
+        prompt share its row: the state it leaves in the first one's slot is copied to the
+        others' slots, and each draws its first token from the row with its own generator."""
+        groups: dict[tuple[int, ...], list[int]] = {}  # each distinct prompt's slots
+        for slot, state in admitted.items():
+            groups.setdefault(tuple(state.request.prompt_ids), []).append(slot)
+        prompts = list(groups)
         longest = max(map(len, prompts))
-        tokens_BT = torch.zeros(len(slots), longest, dtype=torch.long, device=self.device)
+        tokens_BT = torch.zeros(len(prompts), longest, dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):
             tokens_BT[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        positions_BT = torch.arange(longest, device=self.device).expand(len(slots), -1)
-        slot_ids_B = torch.tensor(slots, device=self.device)
+        positions_BT = torch.arange(longest, device=self.device).expand(len(prompts), -1)
+        slot_ids_B = torch.tensor([slots[0] for slots in groups.values()], device=self.device)
         lengths_B = torch.tensor([len(p) for p in prompts], device=self.device)
         cache = self.cache.bind(slot_ids_B, positions_BT, lengths_B)
         logits_BTV = self.model(tokens_BT, positions_BT, cache=cache)
-        logits_BV = logits_BTV[torch.arange(len(slots), device=self.device), lengths_B - 1]
+        logits_BV = logits_BTV[torch.arange(len(prompts), device=self.device), lengths_B - 1]
+        self.prefill_tokens += sum(map(len, prompts))
+        for prompt, (first, *others) in zip(prompts, groups.values()):
+            if others:
+                self.cache.copy_slot(first, others, len(prompt))
+        row_of = {slot: row for row, slots in enumerate(groups.values()) for slot in slots}
         logprobs_BV, best_2B = score(logits_BV)
-        self._emit(admitted, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
+        self._emit(admitted, logprobs_BV, best_2B.tolist(), [row_of[s] for s in admitted])
 
     def _decode(self) -> None:
         if self.graphs is not None:

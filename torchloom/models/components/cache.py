@@ -18,6 +18,12 @@ past ``lengths_B`` of a row are right-padding: a state that is not indexed by po
 recurrent or convolution state) resets on the first and stops before the second; a KV state
 needs neither (it is indexed by position, and padding keys sit where later tokens overwrite them).
 
+Every state kind also implements ``copy_slot(src_slot, dst_slots_S, length)``: make the slots
+``dst_slots_S`` hold what ``src_slot`` holds after a sequence's first ``length`` tokens. The
+generator prefills a prompt that several requests share (an RL group) once and copies its
+slot to the others' (``ModelCache.copy_slot``); a state indexed by position copies indices
+0..length-1, one that is not (recurrent, convolution) its whole slot.
+
 Two kinds live here, both indexed by position (a token at position p of its sequence sits at
 index p of its slot):
 
@@ -33,7 +39,7 @@ index p of its slot):
   up-projecting every cached position.
 
 Recurrent (linear attention) states join as further kinds with the same ``bound(binding)``
-contract.
+and ``copy_slot`` contract.
 """
 
 from __future__ import annotations
@@ -72,9 +78,11 @@ class Binding:
 
 class LayerState(Protocol):
     """One layer's generation state: ``bound(binding)`` is what the layer's forward receives
-    as its ``cache``."""
+    as its ``cache``; ``copy_slot`` gives other slots one slot's state (module docstring)."""
 
     def bound(self, binding: Binding) -> Any: ...
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None: ...
 
 
 class ModelCache:
@@ -108,6 +116,13 @@ class ModelCache:
         self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True)
         return self
 
+    def copy_slot(self, src_slot: int, dst_slots: list[int], length: int) -> None:
+        """Every layer's state of ``src_slot`` after ``length`` tokens, copied to ``dst_slots``
+        (which then continue that sequence on their own)."""
+        dst_slots_S = torch.tensor(dst_slots, device=self.device)
+        for state in self.states.values():
+            state.copy_slot(src_slot, dst_slots_S, length)
+
     def layer(self, index: int) -> Any:
         assert self._binding is not None, "bind() first"
         return self.states[index].bound(self._binding)
@@ -133,6 +148,11 @@ class KVState:
 
     def bound(self, binding: Binding) -> _BoundKV:
         return _BoundKV(self, binding)
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        # The source is cloned: indexed assignment refuses one that overlaps its target tensor.
+        self.k[dst_slots_S, :, :length] = self.k[src_slot, :, :length].clone()
+        self.v[dst_slots_S, :, :length] = self.v[src_slot, :, :length].clone()
 
 
 class _BoundKV:
@@ -204,6 +224,9 @@ class LatentState:
 
     def bound(self, binding: Binding) -> _BoundLatent:
         return _BoundLatent(self, binding)
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        self.entries[dst_slots_S, :length] = self.entries[src_slot, :length].clone()  # as KV's
 
 
 class _BoundLatent:
