@@ -93,3 +93,19 @@ def test_step_floor_refuses_without_a_gpu():
                             capture_output=True, text=True, timeout=120, cwd=ROOT,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
     assert result.returncode == 1 and "run it on a CUDA machine" in result.stderr
+
+
+def test_rl_chain_benchmark_reports_the_curve_and_the_time_split(tmp_path):
+    """benchmarks/rl_gpu.py end to end at the tiny shape (a random model, 2 updates)."""
+    out = tmp_path / "rl.json"
+    stdout = _run("rl_gpu.py", "--recipe", "rl_debug", "--json", str(out), "--",
+                  "--checkpoint.initial_load_hf", "", "--data.tokenizer", "builtin:stdlib_bpe",
+                  "--rl.init_recipes", "[]", "--training.steps", "2", "--rl.prompts_per_step",
+                  "2", "--rl.group_size", "2", "--training.device", "cpu",
+                  "--metrics.tensorboard", "false", "--output.dir", str(tmp_path / "run"))  # fmt: skip
+    print(stdout)
+    report = json.loads(out.read_text())
+    assert report["steps"] == 2 and len(report["reward_curve"]) == 2
+    assert report["gen_tps_median"] > 0 and report["train_tps_median"] > 0
+    assert set(report["time_split_s"]) == {"time_generate_s", "time_train_s", "time_sync_s"}
+    assert "time split: generate" in stdout

@@ -61,7 +61,7 @@ from torchloom.train.loss import IGNORE_INDEX, LossOutput, label_logprobs, with_
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer, clip_gradients
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
-from torchloom.train.trainer import export_final_model
+from torchloom.train.trainer import Trainer, export_final_model
 
 
 class PolicyGradient:
@@ -674,15 +674,16 @@ class _Producer:
             self.thread.join(timeout=60)
 
 
-def prepare_initial_model(job: RLJobConfig) -> None:
+def prepare_initial_model(job: RLJobConfig) -> dict[str, float]:
     """Run ``rl.init_recipes`` when the starting model (--checkpoint.initial_load_hf) is
-    missing: each recipe trains with its own defaults unless its output already exists."""
+    missing: each recipe trains with its own defaults unless its output already exists.
+    Returns the seconds each recipe that ran took."""
     from torchloom.config.recipes import get_recipe
-    from torchloom.train.trainer import Trainer
 
     start = job.checkpoint.initial_load_hf
+    seconds: dict[str, float] = {}
     if not start or Path(start).exists() or not job.rl.init_recipes:
-        return
+        return seconds
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             f"--checkpoint.initial_load_hf {start} does not exist, and the recipes that build "
@@ -696,9 +697,12 @@ def prepare_initial_model(job: RLJobConfig) -> None:
         if done.exists():
             continue
         print(f"torchloom rl: {start} is missing; training recipe {name} first", flush=True)
+        began = time.perf_counter()
         Trainer(recipe_job).train()
+        seconds[name] = time.perf_counter() - began
     if not Path(start).exists():
         raise ConfigError(
             f"--checkpoint.initial_load_hf {start} still does not exist after the recipes "
             f"{job.rl.init_recipes}; point it at a Hugging Face folder of the model to train."
         )
+    return seconds
