@@ -77,7 +77,7 @@ def rl_gpu() -> RLJobConfig:
     job = rl_debug()
     job.data.tokenizer = job.checkpoint.initial_load_hf = SFT_500M_HF
     job.training = TrainingConfig(steps=80, seq_len=128, max_norm=1.0)
-    job.optimizer = OptimizerConfig(lr=2e-6, weight_decay=0.0)
+    job.optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0)
     job.rl = RLConfig(task="letters", prompts_per_step=16, group_size=8, max_new_tokens=24,
                       micro_batch_size=32, generator_slots=128,
                       init_recipes=["llama3_500m", "sft_500m"])  # fmt: skip
