@@ -73,13 +73,15 @@ def sft_500m() -> JobConfig:
 
 @register_recipe("rl_gpu")
 def rl_gpu() -> RLJobConfig:
-    """GRPO at 0.5B on the letter-count task, on one GPU: pre-training and SFT first if missing."""
+    """GRPO at 0.5B on countdown (not in the SFT set), on one GPU: pre-training and SFT first."""
     job = rl_debug()
     job.data.tokenizer = job.checkpoint.initial_load_hf = SFT_500M_HF
-    job.training = TrainingConfig(steps=80, seq_len=128, max_norm=1.0)
+    job.training = TrainingConfig(steps=150, seq_len=128, max_norm=1.0)
     job.optimizer = OptimizerConfig(lr=1e-5, weight_decay=0.0)
-    job.rl = RLConfig(task="letters", prompts_per_step=16, group_size=8, max_new_tokens=24,
-                      micro_batch_size=32, generator_slots=128,
+    # The SFT model already answers the letter-count task (0.94 reward from the first update,
+    # benchmarks/RESULTS.md); countdown starts at 0, and its format reward gives a signal.
+    job.rl = RLConfig(task="countdown", format_reward=0.1, prompts_per_step=16, group_size=8,
+                      max_new_tokens=24, micro_batch_size=32, generator_slots=128,
                       init_recipes=["llama3_500m", "sft_500m"])  # fmt: skip
     job.output.dir = "outputs/rl_gpu"
     return job
