@@ -109,3 +109,12 @@ def test_rl_chain_benchmark_reports_the_curve_and_the_time_split(tmp_path):
     assert report["gen_tps_median"] > 0 and report["train_tps_median"] > 0
     assert set(report["time_split_s"]) == {"time_generate_s", "time_train_s", "time_sync_s"}
     assert "time split: generate" in stdout
+
+
+def test_sampling_benchmark_runs_both_draws(tmp_path):
+    out = tmp_path / "sampling.json"
+    _run("sampling.py", "--shape", "tiny", "--device", "cpu", "--requests", "4",
+         "--new-tokens", "3", "--json", str(out))  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["draw"] for r in rows] == ["per-row", "batched"]
+    assert all(r["tokens"] == 12 and r["tokens_per_s"] > 0 for r in rows)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
+from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 
 
@@ -78,7 +79,8 @@ class _Active:
     completion: Completion
     position: int
     """Position the next fed token takes (prompt length + tokens generated - 1)."""
-    generator: torch.Generator | None
+    seed: int
+    """Its random stream (torchloom/generate/sampling.py)."""
 
 
 class Generator:
@@ -234,11 +236,11 @@ class Generator:
         admitted: dict[int, _Active] = {}
         while self._waiting and self._free:
             request_id, request = self._waiting.popleft()
-            generator = None
-            if request.params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(request.params.seed)
+            seed = request.params.seed
+            if seed is None:
+                seed = int(torch.randint(2**62, ()))
             admitted[heapq.heappop(self._free)] = _Active(
-                request_id, request, Completion(), len(request.prompt_ids), generator
+                request_id, request, Completion(), len(request.prompt_ids), seed
             )
         return admitted
 
@@ -338,16 +340,17 @@ class Generator:
         """Record each row's next token with its log-probability and end rows that stop.
         ``logprobs_BV`` and ``best`` (argmax tokens and their log-probabilities, on the host)
         come from ``score(logits)``; row ``index[i]`` belongs to the i-th state. Greedy rows
-        take the argmax (one host transfer for all of them); sampling rows draw from their own
-        log-probabilities."""
+        take the argmax, sampling rows draw together from their own streams (one host transfer
+        each)."""
         best_tokens, best_logprobs = best
-        for row, state in zip(index, rows.values()):
+        states = list(rows.values())
+        drawn = _draw(states, logprobs_BV, index)
+        for i, (row, state) in enumerate(zip(index, states)):
             completion, params = state.completion, state.request.params
             if params.temperature == 0:
                 token, logprob = int(best_tokens[row]), best_logprobs[row]
             else:
-                token = sample(logprobs_BV[row], params, state.generator)
-                logprob = logprobs_BV[row, token].item()
+                token, logprob = drawn[i]
             completion.tokens.append(token)
             completion.logprobs.append(logprob)
             state.position = len(state.request.prompt_ids) + len(completion.tokens) - 1
@@ -371,27 +374,25 @@ def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logprobs_BV, torch.stack((tokens_B.double(), picked_B.double()))
 
 
-def sample(
-    logprobs_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """One token id from a row of log-probabilities under the request's sampling settings.
+def _draw(
+    states: list[_Active], logprobs_BV: torch.Tensor, index: list[int]
+) -> dict[int, tuple[int, float]]:
+    """(token, log-probability) for each sampling state i (row ``index[i]``), drawn together."""
+    sampling = [i for i, s in enumerate(states) if s.request.params.temperature > 0]
+    if not sampling:
+        return {}
+    device = logprobs_BV.device
 
-    Top-k keeps every token at least as likely as the k-th; top-p keeps a token if the tokens
-    strictly more likely than it hold less than top_p together. So tied tokens are kept or
-    dropped together, never one of them by its place in the sort."""
-    if params.temperature == 0:
-        return int(logprobs_V.argmax())
-    scores_V = logprobs_V / params.temperature
-    if params.top_k:
-        kth = scores_V.topk(min(params.top_k, scores_V.numel())).values[-1]
-        scores_V = scores_V.masked_fill(scores_V < kth, float("-inf"))
-    probs_V = torch.softmax(scores_V, dim=-1)
-    if params.top_p < 1:
-        sorted_V, order_V = probs_V.sort(descending=True)
-        # Keep a token if the tokens more likely than it hold less than top_p together: a tie
-        # counts the mass before its first member (sorted descending, ties are contiguous).
-        first_of_tie_V = torch.searchsorted(-sorted_V, -sorted_V, side="left")
-        before_V = (sorted_V.cumsum(0) - sorted_V)[first_of_tie_V]
-        sorted_V = sorted_V.masked_fill(before_V >= params.top_p, 0.0)
-        probs_V = torch.zeros_like(probs_V).scatter(0, order_V, sorted_V)
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+    def column(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
+    params = [states[i].request.params for i in sampling]
+    logprobs_SV = logprobs_BV[column([index[i] for i in sampling])]
+    tokens_S = sample_rows(
+        logprobs_SV, column([p.temperature for p in params]), column([p.top_k for p in params]),
+        column([p.top_p for p in params]), column([states[i].seed for i in sampling]),
+        column([len(states[i].completion.tokens) for i in sampling]),
+    )  # fmt: skip
+    picked_S = logprobs_SV.gather(1, tokens_S[:, None])[:, 0]
+    pairs = torch.stack((tokens_S.double(), picked_S.double()), dim=1).tolist()
+    return {i: (int(token), logprob) for i, (token, logprob) in zip(sampling, pairs, strict=True)}

@@ -242,7 +242,14 @@ class RLTrainer:
         # On-policy: the trainer's own modules generate; with lag, a copy of them does.
         self.gen_model = self.model if r.max_offpolicy_steps == 0 else copy.deepcopy(self.model)
         self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
-                                   max_len=t.seq_len, cuda_graphs=False)  # fmt: skip
+                                   max_len=t.seq_len, cuda_graphs=self._graphs())  # fmt: skip
+
+    def _graphs(self) -> bool | None:
+        """Decode from CUDA graphs on a GPU (the engine's default): the optimizer and the weight
+        sync write the parameters in place, so the captured graphs read each new policy. Not
+        in batch-invariant mode, whose bitwise match with the trainer is verified for the eager
+        decode (a graph's step attends over every key index of its slot, masked)."""
+        return False if self.job.model.batch_invariant else None
 
     def _init_generator_rank(self) -> None:
         """A generator rank of a disaggregated job: a whole model in the trainer's compute
@@ -255,7 +262,8 @@ class RLTrainer:
         self.gen_model.to_empty(device=self.device)
         self.gen_model.to(self.link.dtype).eval()
         self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
-                                   max_len=job.training.seq_len, cuda_graphs=False)  # fmt: skip
+                                   max_len=job.training.seq_len,
+                                   cuda_graphs=self._graphs())  # fmt: skip
         own = [p for p in job.checkpoint.exclude_from_loading if p in ("train_state", "rng")]
         self.checkpointer = CheckpointManager(
             replace(job.checkpoint, exclude_from_loading=own), self.output_dir,

@@ -1,0 +1,81 @@
+"""Sampling a batch of rows at once, each row from its own reproducible random stream.
+
+A request's stream is counter-based: the noise for its n-th generated token is a hash of (its
+seed, n, the token id), computed on the device for every row in one set of tensor ops. A draw
+therefore depends on the request alone, not on the batch it shares a step with, the device's
+random state or how many requests ran before it; and a step with a hundred sampling rows costs
+a handful of kernels and one host read instead of a hundred small draws.
+
+The draw is Gumbel-max: the argmax, over the tokens top-k and top-p keep, of the
+temperature-scaled log-probabilities plus independent Gumbel noise is distributed as the
+softmax of those scaled log-probabilities renormalised over the kept tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # 2^64 / golden ratio, as a signed int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (``>>`` on tensors is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer: every output bit depends on every input bit (int64 products wrap
+    modulo 2^64)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_noise(seeds_B: torch.Tensor, counters_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] fp32 in (0, 1): row b's noise for draw ``counters_B[b]`` of stream
+    ``seeds_B[b]`` (int64 tensors on the device the noise is wanted on)."""
+    key_B = _mix(_mix(seeds_B) + counters_B * _GOLDEN)
+    ids_V = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
+    bits_BV = _shift_right(_mix(key_B[:, None] + ids_V * _GOLDEN), 40)  # 24 random bits
+    return (bits_BV.float() + 0.5) * 2.0**-24
+
+
+def kept_tokens(
+    scores_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> torch.Tensor:
+    """[B, V] bool: the tokens each row may draw. Top-k keeps every token at least as likely as
+    the k-th (0: all); then top-p, on the top-k renormalised probabilities, keeps a token if the
+    tokens strictly more likely than it hold less than top_p together (1: all). So tied tokens
+    are kept or dropped together, never one of them by its place in the sort."""
+    V = scores_BV.shape[-1]
+    k_B = torch.where(top_k_B > 0, top_k_B.clamp(max=V), V)
+    sorted_BV = scores_BV.sort(dim=-1, descending=True).values
+    kth_B1 = sorted_BV.gather(1, (k_B - 1)[:, None])
+    kept_BV = scores_BV >= kth_B1
+    probs_BV = torch.softmax(scores_BV.masked_fill(~kept_BV, float("-inf")), dim=-1)
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+    # Sorted descending, ties are contiguous: a tie counts the mass before its first member.
+    first_of_tie_BV = torch.searchsorted(-sorted_BV, -sorted_BV, side="left")
+    before_BV = (sorted_BV.cumsum(-1) - sorted_BV).gather(1, first_of_tie_BV)
+    nucleus_sorted_BV = (before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
+    nucleus_BV = torch.zeros_like(kept_BV).scatter(1, order_BV, nucleus_sorted_BV)
+    return kept_BV & nucleus_BV
+
+
+def sample_rows(
+    logprobs_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    counters_B: torch.Tensor,
+) -> torch.Tensor:
+    """[B] token ids, row b drawn from its log-probabilities under its own settings (temperature
+    > 0) with draw ``counters_B[b]`` of stream ``seeds_B[b]``."""
+    scores_BV = logprobs_BV.float() / temperature_B[:, None]
+    kept_BV = kept_tokens(scores_BV, top_k_B, top_p_B)
+    noise_BV = uniform_noise(seeds_B, counters_B, scores_BV.shape[-1])
+    gumbel_BV = -torch.log(-torch.log(noise_BV))
+    return (scores_BV + gumbel_BV).masked_fill(~kept_BV, float("-inf")).argmax(dim=-1)
