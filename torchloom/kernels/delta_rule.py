@@ -1,0 +1,288 @@
+"""The gated delta rule (Gated DeltaNet, Kimi Delta Attention): a recurrent state S [K, V] per
+head that decays, then is corrected towards each new key/value pair.
+
+Per token t (``g_t`` the log decay, <= 0, one per head or one per key channel)::
+
+    S = diag(exp(g_t)) S          # decay (a scalar gate multiplies the whole state)
+    u = v_t - S^T k_t             # what the state still gets wrong about v_t
+    S = S + beta_t k_t u^T        # delta-rule correction
+    o_t = S^T (scale q_t)
+
+``delta_rule_reference`` is that loop, the definition. ``delta_rule_chunked`` computes the same
+in chunks for training: inside a chunk the corrections solve one unit lower-triangular system
+(the WY / UT form), and the state passes from chunk to chunk. ``delta_rule_step`` is one decode
+token. Everything runs in fp32; outputs come back in v's dtype, states in fp32.
+
+Shapes: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H]`` or ``[B, T, H, K]``, beta
+``[B, T, H]``, state ``[B, H, K, V]``. q and k are used as given (layers L2-normalise them).
+
+Packed rows: with ``doc_ids_BT`` (contiguous documents per row) the state restarts from zero at
+every token whose document differs from the previous token's; the initial state belongs to
+each row's first document, the returned state is that of its last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def delta_rule_step(
+    q_BHK: torch.Tensor,
+    k_BHK: torch.Tensor,
+    v_BHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BH: torch.Tensor,
+    state_BHKV: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: ``g`` is [B, H] or [B, H, K]; returns (o [B, H, V], new fp32 state)."""
+    scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (x.float() for x in (q_BHK, k_BHK, v_BHV))
+    decay = g.float().exp()
+    decay = decay[..., None, None] if decay.dim() == 2 else decay[..., None]
+    state = state_BHKV.float() * decay
+    u_BHV = v - torch.einsum("bhk,bhkv->bhv", k, state)
+    state = state + beta_BH.float()[..., None, None] * k[..., :, None] * u_BHV[..., None, :]
+    o_BHV = torch.einsum("bhk,bhkv->bhv", q * scale, state)
+    return o_BHV.to(v_BHV.dtype), state
+
+
+def delta_rule_reference(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    scale: float | None = None,
+    doc_ids_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token (the module docstring); returns (o [B, T, H, V], state)."""
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    state = _initial_state(state_BHKV, B, H, K, V, q_BTHK.device)
+    outputs = []
+    for t in range(T):
+        if doc_ids_BT is not None and t > 0:
+            new_doc_B = doc_ids_BT[:, t] != doc_ids_BT[:, t - 1]
+            state = state.masked_fill(new_doc_B[:, None, None, None], 0.0)
+        o_BHV, state = delta_rule_step(
+            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale
+        )
+        outputs.append(o_BHV)
+    o_BTHV = torch.stack(outputs, dim=1) if outputs else v_BTHV.new_zeros(B, 0, H, V)
+    return o_BTHV, state
+
+
+def delta_rule_chunked(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    doc_ids_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as ``delta_rule_reference``, chunk by chunk (differentiable, fp32).
+
+    With G the gates' cumulative sum inside a chunk (from its start) and S0 the state entering
+    it, the state just after token i is ``diag(exp(G_i)) S0 + sum_{j<=i} diag(exp(G_i - G_j))
+    k_j w_j^T``, where the corrections w solve ``(I + A) W = beta (V - (k exp(G)) S0)`` with
+    ``A_ij = beta_i k_i^T diag(exp(G_i - G_j)) k_j`` for j < i. Every decay used is a relative
+    one, exp(G_i - G_j) with j <= i (or of the chunk's end), so nothing grows past 1. A
+    per-channel gate makes those decays a [C, C, K] tensor per chunk (memory ~C x the keys').
+    Documents (``doc_ids_BT``) cut the chain: a decay across a document start is zero.
+    """
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    state = _initial_state(state_BHKV, B, H, K, V, q_BTHK.device)
+    per_channel = g.dim() == 4
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, H, ...] -> [B, H, N, C, ...], zero padded: a padded token has beta = 0 (no
+        # correction) and g = 0 (no decay), so it leaves the state as it is.
+        x = _ContiguousGrad.apply(x.float()).transpose(1, 2)
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
+        return x.reshape(B, H, N, C, *x.shape[3:])
+
+    q, k, v, beta = chunks(q_BTHK * scale), chunks(k_BTHK), chunks(v_BTHV), chunks(beta_BTH)
+    G = chunks(g).cumsum(dim=3)  # [B, H, N, C] or [B, H, N, C, K]
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    links = _document_links(doc_ids_BT, N, C) if doc_ids_BT is not None else None
+    visible = causal_CC if links is None else causal_CC & links[0]  # [(B, 1, N,) C, C]
+    if per_channel:
+        # exp(G_i - G_j) for j <= i, masked before the exp (j > i would grow).
+        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, N, C, C, K]
+        decay = diff.masked_fill(~visible[..., None], float("-inf")).exp()
+        kk = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", k, k, decay)
+        qk = torch.einsum("bhnik,bhnjk,bhnijk->bhnij", q, k, decay)
+        G_end = G[..., -1:, :]  # [B, H, N, 1, K]
+        to_end, from_start = (G_end - G).exp(), G.exp()  # each key's decay to the chunk's end
+        end_decay = G_end.squeeze(3)[..., :, None]  # [B, H, N, K, 1]
+    else:
+        diff = G[..., :, None] - G[..., None, :]  # [B, H, N, C, C]
+        decay = diff.masked_fill(~visible, float("-inf")).exp()
+        kk = (k @ k.transpose(-1, -2)) * decay
+        qk = (q @ k.transpose(-1, -2)) * decay
+        G_end = G[..., -1:]  # [B, H, N, 1]
+        to_end, from_start = (G_end - G).exp()[..., None], G.exp()[..., None]
+        end_decay = G_end[..., None]  # [B, H, N, 1, 1]
+    end_decay = end_decay.exp()
+    if links is not None:  # only tokens of the document the state holds (carries on) see it
+        _, from_start_mask, to_end_mask, carry = links
+        from_start = from_start * from_start_mask[..., None]
+        to_end = to_end * to_end_mask[..., None]
+        end_decay = end_decay * carry[..., None, None]
+    k_to_end = k * to_end
+    q_from_start, k_from_start = q * from_start, k * from_start
+    strict_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    A = (beta[..., None] * kk).masked_fill(~strict_CC, 0.0)
+    eye = torch.eye(C, device=q.device)
+    system = eye + A
+    # W = U - Wk @ S0: the corrections' part from the chunk's own values, and from the state.
+    U = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
+    Wk = torch.linalg.solve_triangular(
+        system, beta[..., None] * k_from_start, upper=False, unitriangular=True
+    )
+    outputs = []
+    for n in range(N):
+        W_CV = U[:, :, n] - Wk[:, :, n] @ state
+        outputs.append(q_from_start[:, :, n] @ state + qk[:, :, n] @ W_CV)
+        state = end_decay[:, :, n] * state + k_to_end[:, :, n].transpose(-1, -2) @ W_CV
+    o = torch.stack(outputs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
+    return o.transpose(1, 2).to(v_BTHV.dtype), state
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous: the inputs' gradients come back through
+    transposes, and a compiled backward of the projection that made an input may ``view``
+    its gradient (which a transposed layout refuses)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _document_links(
+    doc_ids_BT: torch.Tensor, N: int, C: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For chunks of C tokens ([B, 1, N, ...] each, broadcasting over heads): which pairs share
+    a document ([C, C]), which tokens are in the document of the state entering the chunk, which
+    are in the document of the chunk's last token (the state leaving it), and whether that
+    state carries the entering one on. Padding continues the last token's document."""
+    B, T = doc_ids_BT.shape
+    docs_BL = torch.cat([doc_ids_BT, doc_ids_BT[:, -1:].expand(B, N * C - T)], dim=1)
+    docs_BNC = docs_BL.view(B, N, C)
+    last_BN = docs_BNC[..., -1]
+    entering_BN = torch.cat([docs_BNC[:, :1, 0], last_BN[:, :-1]], dim=1)  # row start: its own
+    same_BNCC = docs_BNC[..., :, None] == docs_BNC[..., None, :]
+    from_start_BNC = docs_BNC == entering_BN[..., None]
+    to_end_BNC = docs_BNC == last_BN[..., None]
+    carry_BN = last_BN == entering_BN
+    return (
+        same_BNCC[:, None],
+        from_start_BNC[:, None].float(),
+        to_end_BNC[:, None].float(),
+        carry_BN[:, None].float(),
+    )
+
+
+def delta_rule(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+    doc_ids_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule for a whole sequence. ``impl``: "torch" (``delta_rule_chunked``),
+    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable)."""
+    if impl not in ("auto", "torch", "fla"):
+        raise ValueError(f"unknown delta rule impl {impl!r}: choose auto, torch or fla")
+    if impl == "fla" or (impl == "auto" and q_BTHK.is_cuda and _fla_available()):
+        return _delta_rule_fla(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT)
+    return delta_rule_chunked(
+        q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT=doc_ids_BT
+    )
+
+
+def _initial_state(
+    state_BHKV: torch.Tensor | None, B: int, H: int, K: int, V: int, device: torch.device
+) -> torch.Tensor:
+    if state_BHKV is None:
+        return torch.zeros(B, H, K, V, device=device, dtype=torch.float32)
+    return state_BHKV.float()
+
+
+# --- GPU fast path: fla-core's Triton kernels (not a dependency; untested on CPU) -------------
+
+
+def _fla_available() -> bool:
+    try:
+        import fla.ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _delta_rule_fla(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None,
+    scale: float | None,
+    doc_ids_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunked kernels, [B, T, H, ...] layout; the final state comes back in fp32.
+    Documents become fla's variable-length sequences: the rows flattened into one, cut at
+    every document start (cu_seqlens)."""
+    scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
+    initial = None if state_BHKV is None else state_BHKV.float()
+    varlen: dict = {}
+    if doc_ids_BT is not None:
+        B, T = doc_ids_BT.shape
+        starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+        starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+        starts = starts_BT.flatten()
+        end = torch.tensor([B * T], device=starts.device)
+        varlen["cu_seqlens"] = torch.cat([starts.nonzero().flatten(), end])
+        sequence_BT = (starts.cumsum(0) - 1).view(B, T)  # each token's sequence index
+        if initial is not None:  # a row's state starts its first document
+            per_sequence = initial.new_zeros(
+                int(varlen["cu_seqlens"].numel()) - 1, *initial.shape[1:]
+            )
+            per_sequence[sequence_BT[:, 0]] = initial
+            initial = per_sequence
+        q_BTHK, k_BTHK, v_BTHV, g, beta_BTH = (
+            x.flatten(0, 1)[None] for x in (q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)
+        )
+    if g.dim() == 4:
+        from fla.ops.kda import chunk_kda
+
+        kernel = chunk_kda
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        kernel = chunk_gated_delta_rule
+    o, state = kernel(
+        q_BTHK, k_BTHK, v_BTHV, g.float(), beta_BTH,
+        scale=scale, initial_state=initial, output_final_state=True, **varlen,
+    )  # fmt: skip
+    if doc_ids_BT is not None:  # back to rows; each row's state is its last document's
+        o, state = o.view(B, T, *o.shape[2:]), state[sequence_BT[:, -1]]
+    return o.to(v_BTHV.dtype), state.float()
