@@ -36,12 +36,15 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9] * 11, [4, 4, 4], [100, 200, 300, 400], [
 
 
 @pytest.mark.parametrize("decode", ["gathered", "static"])
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "qwen3_5"]
+)
 def test_logprobs_equal_a_full_forward_under_continuous_batching(family, decode):
     """6 requests of different lengths through 3 cache slots: requests join as others end.
     "static" runs the decode steps the GPU replays from CUDA graphs (leading slots, bucketed
     row counts, free slots on dummy tokens), here eagerly. deepseek_v3 decodes from its latent
-    cache (multi-head latent attention, kv_b_proj absorbed)."""
+    cache (multi-head latent attention, kv_b_proj absorbed); kimi_linear's KDA layers and
+    qwen3_next's / qwen3_5's Gated DeltaNet layers from their recurrent state."""
     model = tiny(family)
     requests = [Request(p, SamplingParams(max_new_tokens=4 + 2 * i, seed=i))
                 for i, p in enumerate(PROMPTS)]  # fmt: skip

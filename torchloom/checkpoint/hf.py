@@ -82,6 +82,10 @@ class HFReader:
         self.sources: dict[str, str | list[str]] = {}
         for name in names:
             source = adapter.hf_names(name, config)
+            if isinstance(source, str):
+                source = adapter.held_name(source, available)
+            else:
+                source = [adapter.held_name(part, available) for part in source]
             if source == "lm_head.weight" and source not in available:
                 source = adapter.to_hf_name("embed_tokens.weight")  # untying a tied checkpoint
             self.sources[name] = source

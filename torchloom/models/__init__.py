@@ -3,7 +3,15 @@
 Importing a family package registers it, so importing this package registers them all.
 """
 
-from torchloom.models import deepseek_v3, llama3, qwen3, qwen3_moe  # noqa: F401  (registers)
+from torchloom.models import (  # noqa: F401  (registers)
+    deepseek_v3,
+    kimi_linear,
+    llama3,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+)
 from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
 from torchloom.models.components.decoder import Block, Decoder, DecoderConfig, LayerSpec
 from torchloom.models.components.mlp import SwiGLU

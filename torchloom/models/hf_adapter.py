@@ -89,6 +89,9 @@ class HFAdapter:
     """Family-only options and the values we support (the first is written on export)."""
     ignored_keys: ClassVar[frozenset[str]] = frozenset()
     """Family keys that cannot change the network as configured (checked elsewhere)."""
+    reads_also: ClassVar[tuple[str, ...]] = ()
+    """Further config.json model_types this adapter reads (a multimodal checkpoint whose
+    language model is this family's); export always writes ``model_type``."""
 
     def config_from_hf(self, hf: dict[str, Any]) -> TransformerConfig:
         """The TransformerConfig of an HF config.json; ConfigError for what we cannot run."""
@@ -225,6 +228,12 @@ class HFAdapter:
         if match:
             return _expert_names(*match.groups(), config.moe.num_experts)
         return self.to_hf_name(name)
+
+    def held_name(self, hf_name: str, available: set[str]) -> str:
+        """The name under which a folder holding the tensors ``available`` keeps the tensor
+        ``hf_names`` calls ``hf_name``: itself, unless a family's writers disagree on a name
+        (Kimi Linear's dense feed-forward)."""
+        return hf_name
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of a torchloom parameter: itself, or its stacked parts one by one."""

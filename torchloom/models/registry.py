@@ -83,7 +83,8 @@ def list_models() -> list[ModelSpec]:
 
 def get_hf_model_spec(model_type: str | None) -> ModelSpec:
     """The family that reads Hugging Face checkpoints of ``model_type`` ('llama' -> llama3)."""
-    by_type = {s.hf_adapter.model_type: s for s in _MODELS.values() if s.hf_adapter is not None}
+    adapters = [(s, s.hf_adapter) for s in _MODELS.values() if s.hf_adapter is not None]
+    by_type = {t: s for s, a in adapters for t in (a.model_type, *a.reads_also)}
     if model_type not in by_type:
         known = ", ".join(f"{t} ({s.name})" for t, s in sorted(by_type.items()))
         hint = did_you_mean(str(model_type), by_type)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts recipes on the built-in English corpus: small enough for a CPU."""
+"""Mixture-of-experts and hybrid linear-attention recipes on the built-in English corpus: small
+enough for a CPU."""
 
 from __future__ import annotations
 
@@ -34,3 +35,40 @@ def deepseek_v3_debug() -> JobConfig:
         lr_schedule=LRScheduleConfig(warmup_steps=5),
         output=OutputConfig(dir="outputs/deepseek_v3_debug"),
     )
+
+
+@register_recipe("kimi_linear_debug")
+def kimi_linear_debug() -> JobConfig:
+    """kimi_linear's debug flavor (3 Kimi Delta Attention layers and 1 NoPE MLA layer, 1 dense
+    + 3 MoE layers of 8 experts with a shared expert and the balancing bias) on the built-in
+    corpus: seconds on a CPU."""
+    return JobConfig(
+        model=ModelConfig(name="kimi_linear", flavor="debug"),
+        training=TrainingConfig(steps=50, seq_len=128, global_batch_size=8, val_sequences=16),
+        optimizer=OptimizerConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=5),
+        output=OutputConfig(dir="outputs/kimi_linear_debug"),
+    )
+
+
+@register_recipe("qwen3_next_debug")
+def qwen3_next_debug() -> JobConfig:
+    """qwen3_next's debug flavor (3 Gated DeltaNet layers and 1 gated attention layer, MoE of 8
+    experts with a gated shared expert) on the built-in corpus: seconds on a CPU."""
+    return JobConfig(
+        model=ModelConfig(name="qwen3_next", flavor="debug"),
+        training=TrainingConfig(steps=50, seq_len=128, global_batch_size=8, val_sequences=16),
+        optimizer=OptimizerConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=5),
+        output=OutputConfig(dir="outputs/qwen3_next_debug"),
+    )
+
+
+@register_recipe("qwen3_5_debug")
+def qwen3_5_debug() -> JobConfig:
+    """qwen3_5's debug flavor (the dense Qwen3.5 text decoder: 3 Gated DeltaNet layers, then 1
+    gated attention layer, SwiGLU feed-forwards) on the built-in corpus: seconds on a CPU."""
+    job = qwen3_next_debug()
+    job.model = ModelConfig(name="qwen3_5", flavor="debug")
+    job.output.dir = "outputs/qwen3_5_debug"
+    return job

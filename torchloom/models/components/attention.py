@@ -156,6 +156,11 @@ class LayerCache(Protocol):
 class Attention(nn.Module):
     """Multi-head self-attention with grouped kv heads, optional q/k RMSNorm (Qwen3) and RoPE.
 
+    Gated attention (Qwen3-Next, ``output_gate``): q_proj also emits, per head, a gate for the
+    head's output, which is multiplied by sigmoid(gate) before o_proj. ``rotary_dim`` below
+    head_dim rotates only each head's first rotary_dim channels (partial RoPE); cos/sin then
+    have rotary_dim channels.
+
     Head counts are read from the projection shapes at run time (``view(B, T, -1, head_dim)``),
     so a tensor-parallel plan that shards q/k/v column-wise and o row-wise just works.
     """
@@ -173,19 +178,26 @@ class Attention(nn.Module):
         rope_impl: str = "torch",
         init_std: float = 0.02,
         out_std: float | None = None,
+        output_gate: bool = False,
+        rotary_dim: int | None = None,
+        make_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         """``init_std``: q/k/v; ``out_std``: o, the residual branch's output (default
-        init_std)."""
+        init_std). ``make_norm(dim)`` builds the q/k norms (default: norm_impl's RMSNorm)."""
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        self.output_gate = output_gate
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
-        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
+        q_width = num_heads * head_dim * (2 if output_gate else 1)  # per head: query, gate
+        self.q_proj = nn.Linear(dim, q_width, bias=False)
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=False)
-        norm_cls = NORM_IMPLS[norm_impl]
-        self.q_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = norm_cls(head_dim, norm_eps) if qk_norm else None
+        if make_norm is None:
+            make_norm = functools.partial(NORM_IMPLS[norm_impl], eps=norm_eps)
+        self.q_norm = make_norm(head_dim) if qk_norm else None
+        self.k_norm = make_norm(head_dim) if qk_norm else None
         self.backend = backend  # new_state: the batch-invariant kernel decodes its own way
         self.attend = ATTENTION_BACKENDS[backend]
         self.rotate = ROPE_IMPLS[rope_impl]
@@ -201,19 +213,36 @@ class Attention(nn.Module):
         """With ``cache`` (generation), this call's keys and values are stored in it and the
         queries attend to every cached position up to their own."""
         B, T, _ = x_BTD.shape
-        q_BTHd = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
+        gate_BTX = None
+        if self.output_gate:
+            q_BTHd, gate_BTHd = self.q_proj(x_BTD).view(B, T, -1, 2 * self.head_dim).chunk(2, -1)
+            gate_BTX = gate_BTHd.reshape(B, T, -1)
+        else:
+            q_BTHd = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
         k_BTKd = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
         v_BTKd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
-        q_BHTd = self.rotate(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
-        k_BKTd = self.rotate(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
+        q_BHTd = self._rotate(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
+        k_BKTd = self._rotate(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
         v_BKTd = v_BTKd.transpose(1, 2)
         if cache is not None:
             out_BHTd = cache.attend(q_BHTd, k_BKTd, v_BKTd)
         else:
             out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
-        return self.o_proj(out_BHTd.transpose(1, 2).reshape(B, T, -1))
+        out_BTX = out_BHTd.transpose(1, 2).reshape(B, T, -1)
+        if gate_BTX is not None:
+            out_BTX = out_BTX * torch.sigmoid(gate_BTX)
+        return self.o_proj(out_BTX)
+
+    def _rotate(
+        self, x_BTHd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor
+    ) -> torch.Tensor:
+        """RoPE on each head's first rotary_dim channels; the rest pass unrotated."""
+        if self.rotary_dim == self.head_dim:
+            return self.rotate(x_BTHd, cos_BTr, sin_BTr)
+        rotated, passed = x_BTHd.split([self.rotary_dim, self.head_dim - self.rotary_dim], -1)
+        return torch.cat([self.rotate(rotated.contiguous(), cos_BTr, sin_BTr), passed], dim=-1)
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
@@ -241,11 +270,11 @@ class Attention(nn.Module):
         weights = sum(
             p.weight.numel() for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         )
-        return 6 * weights + 6 * self.q_proj.weight.shape[0] * seq_len
+        return 6 * weights + 6 * self.o_proj.weight.shape[1] * seq_len
 
     def check_tp(self, tp: int) -> None:
         """ConfigError unless ``tp`` divides both head counts (each rank takes whole heads)."""
-        heads = self.q_proj.weight.shape[0] // self.head_dim
+        heads = self.o_proj.weight.shape[1] // self.head_dim
         kv_heads = self.k_proj.weight.shape[0] // self.head_dim
         for name, value in (("num_heads", heads), ("num_kv_heads", kv_heads)):
             if value % tp:

@@ -38,8 +38,14 @@ index p of its slot):
   up-projection. That reads L x (kv_lora_rank + rope_dim) numbers per step instead of
   up-projecting every cached position.
 
-Recurrent (linear attention) states join as further kinds with the same ``bound(binding)``
-and ``copy_slot`` contract.
+One kind is not indexed by position:
+
+- ``RecurrentState``, a linear-attention layer's (Gated DeltaNet, KDA) recurrent state
+  [slots, heads, key_dim, value_dim] in fp32 and the last ``kernel - 1`` inputs of its short
+  causal convolution [slots, channels, kernel - 1]. A row whose first position is 0 starts
+  from zeros; a prefill row's state stops at its last real token (``lengths_B``): its padding
+  tokens neither decay nor update the state, and the convolution keeps the inputs before
+  ``lengths_B``.
 """
 
 from __future__ import annotations
@@ -48,8 +54,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.delta_rule import delta_rule, delta_rule_step
 
 
 class Binding:
@@ -272,3 +280,92 @@ class _BoundLatent:
         )
         # ... and the value up-projection into the output: W_uv (sum_s p_s c_s).
         return torch.einsum("bhtc,hvc->bhtv", out_latent_BHTc, w_uv_Hvc)
+
+
+class RecurrentState:
+    """A linear-attention layer's generation state: the delta rule's recurrent state
+    [slots, heads, key_dim, value_dim] (fp32) and the convolution's last inputs
+    [slots, channels, kernel - 1] (module docstring)."""
+
+    def __init__(
+        self,
+        slots: int,
+        channels: int,
+        kernel: int,
+        heads: int,
+        key_dim: int,
+        value_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.conv = torch.zeros(slots, channels, kernel - 1, device=device, dtype=dtype)
+        self.recurrent = torch.zeros(
+            slots, heads, key_dim, value_dim, device=device, dtype=torch.float32
+        )
+
+    def bound(self, binding: Binding) -> BoundRecurrent:
+        return BoundRecurrent(self, binding)
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        # The state after `length` tokens is the whole slot (nothing here is indexed by position).
+        self.conv[dst_slots_S] = self.conv[src_slot].clone()
+        self.recurrent[dst_slots_S] = self.recurrent[src_slot].clone()
+
+
+class BoundRecurrent:
+    """A recurrent state bound to one forward: continues each row's convolution and delta rule
+    from its slot (from zeros where the row starts at position 0) and stores where it ends."""
+
+    def __init__(self, state: RecurrentState, binding: Binding) -> None:
+        self.state, self.binding = state, binding
+        self.fresh_B = binding.positions_BT[:, 0] == 0
+
+    def convolve(self, x_BTC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution of ``x_BTC`` (weight [channels, 1, width]) after
+        each row's previous inputs; keeps each row's last width - 1 real inputs."""
+        B, T, C = x_BTC.shape
+        keep = weight_C1W.shape[-1] - 1
+        slots = self.binding.slot_ids_B
+        previous_BCk = self.state.conv[slots].to(x_BTC.dtype)
+        previous_BCk = previous_BCk.masked_fill(self.fresh_B[:, None, None], 0.0)
+        inputs_BCL = torch.cat([previous_BCk, x_BTC.transpose(1, 2)], dim=-1)  # L = keep + T
+        out_BCT = F.conv1d(inputs_BCL, weight_C1W.to(x_BTC.dtype), groups=C)
+        if keep:
+            lengths_B = self._lengths(B, T, x_BTC.device)
+            # Token t sits at index keep + t: the last `keep` real inputs end at keep + length.
+            index_Bk = lengths_B[:, None] + torch.arange(keep, device=x_BTC.device)
+            self.state.conv[slots] = inputs_BCL.gather(
+                2, index_Bk[:, None, :].expand(B, C, keep)
+            ).to(self.state.conv.dtype)
+        return out_BCT.transpose(1, 2)
+
+    def delta_rule(
+        self,
+        q_BTHK: torch.Tensor,
+        k_BTHK: torch.Tensor,
+        v_BTHV: torch.Tensor,
+        g: torch.Tensor,
+        beta_BTH: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gated delta rule (torchloom/kernels/delta_rule.py) from each row's state; stores
+        the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]."""
+        T = q_BTHK.shape[1]
+        slots = self.binding.slot_ids_B
+        state_BHKV = self.state.recurrent[slots].masked_fill(self.fresh_B[:, None, None, None], 0)
+        if self.binding.lengths_B is not None:  # padding: no decay (g = 0), no update (beta = 0)
+            real_BT = torch.arange(T, device=q_BTHK.device) < self.binding.lengths_B[:, None]
+            beta_BTH = beta_BTH * real_BT[..., None]
+            g = g * (real_BT[..., None, None] if g.dim() == 4 else real_BT[..., None])
+        if T == 1:
+            o_BHV, state_BHKV = delta_rule_step(
+                q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV
+            )
+            o_BTHV = o_BHV[:, None]
+        else:
+            o_BTHV, state_BHKV = delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV)
+        self.state.recurrent[slots] = state_BHKV
+        return o_BTHV
+
+    def _lengths(self, B: int, T: int, device: torch.device) -> torch.Tensor:
+        lengths_B = self.binding.lengths_B
+        return torch.full((B,), T, device=device) if lengths_B is None else lengths_B

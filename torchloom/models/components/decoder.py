@@ -30,6 +30,8 @@ from torchloom.models.components.attention import (
     shared_attention_input,
 )
 from torchloom.models.components.cache import ModelCache
+from torchloom.models.components.kda import KimiDeltaAttention
+from torchloom.models.components.linear_attention import GatedDeltaNet
 from torchloom.models.components.mla import MultiHeadLatentAttention, mla_softmax_scale
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.moe import MoE
@@ -44,7 +46,8 @@ class LayerSpec:
 
     mixer: str
     """Token mixer, a key of MIXERS ('attention': grouped-query attention with RoPE; 'mla':
-    multi-head latent attention)."""
+    multi-head latent attention; 'gated_attention': Qwen3-Next's gated attention;
+    'gated_deltanet': Gated DeltaNet linear attention; 'kda': Kimi Delta Attention)."""
     ffn: str
     """Feed-forward, a key of FFNS ('swiglu')."""
 
@@ -95,6 +98,11 @@ class DecoderConfig:
     def rotary(self) -> RotaryEmbedding | None:
         """The RoPE tables the model computes once per forward for its layers (None: none)."""
         return None
+
+    def make_norm(self, dim: int) -> nn.Module:
+        """An RMSNorm over ``dim`` channels as this architecture defines it (the blocks' and
+        the final norm), computed by the ``norm_impl`` kernel."""
+        return NORM_IMPLS[self.norm_impl](dim, self.norm_eps)
 
     def build(self) -> nn.Module:
         """The family's model for this config, on the current default device (built on meta
@@ -186,8 +194,34 @@ def _mla(cfg: Any, layer: int) -> nn.Module:
     return MultiHeadLatentAttention(
         cfg.dim, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
         cfg.qk_rope_head_dim, cfg.v_head_dim, mla_softmax_scale(cfg.qk_head_dim, cfg.rope),
-        rope_interleave=cfg.rope_interleave, norm_eps=cfg.norm_eps, backend=cfg.attn_backend,
-        norm_impl=cfg.norm_impl, rope_impl=cfg.rope_impl, init_std=cfg.init_std,
+        rope_interleave=cfg.rope_interleave, norm_eps=cfg.latent_norm_eps,
+        backend=cfg.attn_backend, norm_impl=cfg.norm_impl, rope_impl=cfg.rope_impl,
+        init_std=cfg.init_std, out_std=_residual_std(cfg),
+    )  # fmt: skip
+
+
+def _kda(cfg: Any, layer: int) -> nn.Module:
+    return KimiDeltaAttention(
+        cfg.dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size, norm_eps=cfg.norm_eps,
+        init_std=cfg.init_std, out_std=_residual_std(cfg),
+    )  # fmt: skip
+
+
+def _gated_attention(cfg: Any, layer: int) -> nn.Module:
+    """Qwen3-Next's full attention: output gate, partial RoPE, q/k norms of the config's kind."""
+    return Attention(
+        cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=True,
+        norm_eps=cfg.norm_eps, backend=cfg.attn_backend, norm_impl=cfg.norm_impl,
+        rope_impl=cfg.rope_impl, init_std=cfg.init_std, out_std=_residual_std(cfg),
+        output_gate=True, rotary_dim=cfg.rotary_dim, make_norm=cfg.make_norm,
+    )  # fmt: skip
+
+
+def _gated_deltanet(cfg: Any, layer: int) -> nn.Module:
+    return GatedDeltaNet(
+        cfg.dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim, cfg.linear_conv_kernel, cfg.norm_eps,
+        fused_projections=cfg.linear_fused_projections, init_std=cfg.init_std,
         out_std=_residual_std(cfg),
     )  # fmt: skip
 
@@ -211,7 +245,10 @@ def _residual_std(cfg: DecoderConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
-MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {"attention": _attention, "mla": _mla}
+MIXERS: dict[str, Callable[[Any, int], nn.Module]] = {
+    "attention": _attention, "mla": _mla, "kda": _kda, "gated_attention": _gated_attention,
+    "gated_deltanet": _gated_deltanet,
+}  # fmt: skip
 """Token-mixer kinds: ``build(config, layer_index) -> module`` taking
 ``(x_BTD, cos_BTd, sin_BTd, documents, cache=None)``, with ``init_weights(ParamInit)``,
 ``flops_per_token(seq_len)`` and ``new_state(slots, max_len, device, dtype)`` (its generation
@@ -245,10 +282,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, index: int, spec: LayerSpec) -> None:
         super().__init__()
-        norm_cls = NORM_IMPLS[cfg.norm_impl]
-        self.attention_norm = norm_cls(cfg.dim, cfg.norm_eps)
+        self.attention_norm = cfg.make_norm(cfg.dim)
         self.attention = MIXERS[spec.mixer](cfg, index)
-        self.mlp_norm = norm_cls(cfg.dim, cfg.norm_eps)
+        self.mlp_norm = cfg.make_norm(cfg.dim)
         self.mlp = FFNS[spec.ffn](cfg, index)
 
     def forward(
@@ -287,7 +323,7 @@ class Decoder(nn.Module):
         self.rope = cfg.rotary()
         specs = cfg.layer_specs()
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, specs[i]) for i in range(len(specs))})
-        self.norm: nn.Module | None = NORM_IMPLS[cfg.norm_impl](cfg.dim, cfg.norm_eps)
+        self.norm: nn.Module | None = cfg.make_norm(cfg.dim)
         self.output: nn.Linear | None = None
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -14,6 +14,9 @@ under the same names):
 - the softmax scale is 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times mscale^2 under
   DeepSeek's YaRN (``mla_softmax_scale``).
 
+Without RoPE tables (``cos_BTd`` None: a model whose config has no rotary, as Kimi Linear's
+MLA layers) nothing is rotated: the "rope" parts are plain query/key channels (NoPE).
+
 DeepSeek checkpoints lay each rotated part out as interleaved pairs (x0, x1), (x2, x3), ...
 (``rope_interleave``); the pairs are gathered into the "rotate half" layout before the shared
 RoPE rotation, which gives the numbers transformers computes with its interleaved rotation.
@@ -133,8 +136,8 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos_BTd: torch.Tensor,
-        sin_BTd: torch.Tensor,
+        cos_BTd: torch.Tensor | None,
+        sin_BTd: torch.Tensor | None,
         doc_ids_BT: torch.Tensor | None = None,
         cache: BoundLatentCache | None = None,
     ) -> torch.Tensor:
@@ -151,8 +154,10 @@ class MultiHeadLatentAttention(nn.Module):
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
         latent_BTc = self.kv_a_layernorm(latent_BTc)
-        q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
-        k_rope_BT1r = self.rotate(self._halves(k_rope_BTr[:, :, None]), cos_BTd, sin_BTd)
+        k_rope_BT1r = k_rope_BTr[:, :, None]
+        if cos_BTd is not None:  # no tables: NoPE (Kimi Linear), the parts stay as they are
+            q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
+            k_rope_BT1r = self.rotate(self._halves(k_rope_BT1r), cos_BTd, sin_BTd)
         if cache is not None:
             out_BHTv = cache.attend(
                 q_nope_BTHn.transpose(1, 2), q_rope_BTHr.transpose(1, 2), latent_BTc,

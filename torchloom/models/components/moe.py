@@ -57,6 +57,9 @@ class MoEConfig:
     """Hidden width of each expert's SwiGLU."""
     num_shared_experts: int = 0
     """Experts every token goes through, as one SwiGLU of width num_shared_experts * expert_dim."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x w_g), a learned per-token gate (Qwen2-MoE,
+    Qwen3-Next); needs shared experts."""
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     """How router logits become scores."""
     num_groups: int = 1
@@ -88,6 +91,8 @@ class MoEConfig:
             raise ConfigError(
                 f"model moe.num_shared_experts must be >= 0, got {self.num_shared_experts}."
             )
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ConfigError("model moe.shared_expert_gate needs moe.num_shared_experts >= 1.")
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})."
@@ -314,9 +319,12 @@ class MoE(nn.Module):
         self.router = Router(dim, cfg, invariant)
         self.experts = GroupedExperts(dim, cfg, impl, invariant)
         self.shared_experts: SwiGLU | None = None
+        self.shared_expert_gate: nn.Linear | None = None
         if cfg.num_shared_experts:
             width = cfg.num_shared_experts * cfg.expert_dim
             self.shared_experts = SwiGLU(dim, width, impl, init_std, out_std)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.dispatcher = LocalDispatch()
         """Where the (token, expert) pairs go: ``dispatch(x_ND, experts_NK, num_experts) ->
         (x_MD sorted by expert, ends_E, state)`` and ``combine(y_MD, state, N) -> y_NKD``;
@@ -349,7 +357,10 @@ class MoE(nn.Module):
             y_ND = weighted_NKD.sum(1, dtype=torch.float32)
         y_ND = y_ND.to(y_NKD.dtype)
         if self.shared_experts is not None:
-            y_ND = y_ND + self.shared_experts(x_ND)
+            shared_ND = self.shared_experts(x_ND)
+            if self.shared_expert_gate is not None:
+                shared_ND = torch.sigmoid(self.shared_expert_gate(x_ND)) * shared_ND
+            y_ND = y_ND + shared_ND
         return y_ND.view(B, T, D)
 
     def _record(self, experts_NK: torch.Tensor, scores_NE: torch.Tensor, rows: int) -> None:
@@ -398,6 +409,8 @@ class MoE(nn.Module):
         self.experts.init_weights(init, self.init_std, self.out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init)
+        if self.shared_expert_gate is not None:
+            init.normal_(self.shared_expert_gate.weight, self.init_std)
         if self.router.expert_bias is not None:
             local_tensor(self.router.expert_bias).zero_()
         local_tensor(self.tokens_per_expert).zero_()
@@ -426,6 +439,8 @@ class MoE(nn.Module):
         active = cfg.num_experts * dim + cfg.top_k * 3 * cfg.expert_dim * dim
         if self.shared_experts is not None:
             active += self.shared_experts.flops_per_token(seq_len) // 6
+        if self.shared_expert_gate is not None:
+            active += dim
         return 6 * active
 
 

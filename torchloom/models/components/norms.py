@@ -47,6 +47,33 @@ class BatchInvariantRMSNorm(RMSNorm):
         return batch_invariant.rms_norm(x, self.weight, self.eps)
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in fp32 and cast back once: the weight is stored as its
+    offset from one, so it starts at zero (Qwen3-Next, Qwen3.5, Gemma 3). ``impl`` names the
+    kernel as NORM_IMPLS does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "torch") -> None:
+        super().__init__()
+        self.eps, self.impl = eps, impl
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = _NORM_FUNCTIONS[self.impl]
+        return norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.zeros_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, zero-centered"
+
+
+_NORM_FUNCTIONS = {
+    "torch": rms_norm,
+    "triton": rms_norm_fused,
+    "batch_invariant": batch_invariant.rms_norm,
+}
+
 NORM_IMPLS: dict[str, type[nn.Module]] = {
     "torch": RMSNorm,
     "triton": TritonRMSNorm,

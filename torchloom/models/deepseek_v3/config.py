@@ -60,6 +60,11 @@ class DeepSeekV3Config(DecoderConfig):
         """Query/key channels per head: qk_nope_head_dim + qk_rope_head_dim."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def latent_norm_eps(self) -> float:
+        """Epsilon of MLA's q_a_layernorm and kv_a_layernorm: norm_eps."""
+        return self.norm_eps
+
     def layer_specs(self) -> list[LayerSpec]:
         return [
             LayerSpec("mla", "swiglu" if i < self.first_dense_layers else "moe")

@@ -156,12 +156,18 @@ class DeepSeekV3HFAdapter(HFAdapter):
     ) -> dict[str, Any]:
         """A config.json for ``cfg`` that transformers loads as DeepseekV3ForCausalLM."""
         moe = cfg.moe
-        if moe.score_func != "sigmoid" or not moe.expert_bias or not moe.num_shared_experts:
+        if (
+            moe.score_func != "sigmoid"
+            or not moe.expert_bias
+            or not moe.num_shared_experts
+            or moe.shared_expert_gate
+        ):
             raise ConfigError(
                 f"This model's routing (score_func {moe.score_func!r}, expert_bias "
-                f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}) is not what "
-                "transformers' DeepseekV3ForCausalLM computes (sigmoid scores with the balancing "
-                "bias, and shared experts); it cannot be exported as one."
+                f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}, "
+                f"shared_expert_gate {moe.shared_expert_gate}) is not what transformers' "
+                "DeepseekV3ForCausalLM computes (sigmoid scores with the balancing bias, and "
+                "ungated shared experts); it cannot be exported as one."
             )
         hf = self.shared_hf_config(cfg, dtype, bos_token_id, eos_token_id)
         hf |= {

@@ -1,0 +1,207 @@
+"""Kimi Delta Attention (KDA; Kimi Linear, arXiv 2510.26692): the gated delta rule with a forget
+gate per key channel, the linear-attention token mixer of Kimi Linear (mixer kind ``kda``).
+
+Per token x (module names are those of Kimi Linear's checkpoints, so its weights load under
+the same names):
+
+- ``q_proj``, ``k_proj``, ``v_proj`` (``num_heads * head_dim`` each), each through its short
+  causal depthwise convolution (``q_conv1d``, ``k_conv1d``, ``v_conv1d``, ``conv_size`` taps)
+  and SiLU; q and k L2-normalised per head;
+- the forget gate, a log decay per head and key channel:
+  ``g = -exp(A_log) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)`` (a low-rank projection);
+- the update strength ``beta = sigmoid(b_proj(x))``, one per head;
+- the gated delta rule (kernels/delta_rule.py) with scale head_dim^-1/2;
+- each head's output RMS-normed and gated, ``o_norm(o) * sigmoid(g_b_proj(g_a_proj(x)))``,
+  then ``o_proj``.
+
+Training runs the chunked delta rule over whole rows; packed documents are first spread to one
+row each (the recurrence and the convolutions start afresh at every document), and gathered
+back. Generation keeps, per slot, the recurrent state [heads, head_dim, head_dim] (fp32) and
+the last ``conv_size - 1`` convolution inputs (``RecurrentState``, models/components/cache.py,
+as Gated DeltaNet's): a prefill runs the chunked rule from the slot's state, a decode step the
+one-token update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchloom.kernels.delta_rule import delta_rule
+from torchloom.models.components.cache import BoundRecurrent, RecurrentState
+from torchloom.models.components.linear_attention import causal_conv1d, l2_normalize
+from torchloom.models.components.param_init import ParamInit, local_tensor
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim, times sigmoid(gate); in fp32, cast back at the end."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.ones_(self.weight)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA with the forward of the other token mixers: ``(x_BTD, cos_BTd, sin_BTd, doc_ids_BT,
+    cache=None)``; it uses no position tables (the recurrence orders the tokens)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        conv_size: int = 4,
+        norm_eps: float = 1e-5,
+        init_std: float = 0.02,
+        out_std: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.conv_size = num_heads, head_dim, conv_size
+        self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
+        width = num_heads * head_dim
+        self.q_proj = nn.Linear(dim, width, bias=False)
+        self.k_proj = nn.Linear(dim, width, bias=False)
+        self.v_proj = nn.Linear(dim, width, bias=False)
+        # Depthwise, causal (left-padded in forward): weights [width, 1, conv_size].
+        self.q_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        self.k_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        self.v_conv1d = nn.Conv1d(width, width, conv_size, groups=width, bias=False)
+        self.f_a_proj = nn.Linear(dim, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1))  # the checkpoints' layout
+        self.b_proj = nn.Linear(dim, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(dim, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps)
+        self.o_proj = nn.Linear(width, dim, bias=False)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor | None = None,
+        sin_BTd: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        cache: BoundRecurrent | None = None,
+    ) -> torch.Tensor:
+        """With ``cache`` (generation) the rows continue their slots' states (a row at position
+        0 starts afresh) and leave them there."""
+        if cache is None and doc_ids_BT is not None:
+            if not isinstance(doc_ids_BT, torch.Tensor):
+                raise ValueError(
+                    "Kimi Delta Attention takes packed documents as doc_ids, not a "
+                    f"{type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
+                )
+            spread = DocumentRows.of(doc_ids_BT)
+            if spread is not None:
+                return spread.gather(self._mix(spread.scatter(x_BTD), None))
+        return self._mix(x_BTD, cache)
+
+    def _mix(self, x_BTD: torch.Tensor, cache: BoundRecurrent | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H, d = self.num_heads, self.head_dim
+        qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
+        weight_C1W = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        if cache is None:
+            qkv_BTC = F.silu(causal_conv1d(qkv_BTC, weight_C1W))
+        else:
+            qkv_BTC = F.silu(cache.convolve(qkv_BTC, weight_C1W))
+        q_BTHd, k_BTHd, v_BTHd = (t.view(B, T, H, d) for t in qkv_BTC.chunk(3, dim=-1))
+        q_BTHd, k_BTHd = l2_normalize(q_BTHd), l2_normalize(k_BTHd)
+        g_BTHd = self.forget_gate(x_BTD)
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        if cache is not None:
+            o_BTHd = cache.delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH)
+        else:
+            o_BTHd, _ = delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH)
+        gate_BTHd = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
+        o_BTHd = self.o_norm(o_BTHd.to(x_BTD.dtype), gate_BTHd)
+        return self.o_proj(o_BTHd.reshape(B, T, H * d))
+
+    def forget_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Log decay per head and key channel, [B, T, H, head_dim] fp32 (<= 0)."""
+        B, T, _ = x_BTD.shape
+        raw = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        # softplus, taken as the identity above 20 (as FLA and transformers do)
+        raw_BTHd = raw.view(B, T, self.num_heads, self.head_dim)
+        softplus = torch.where(raw_BTHd > 20.0, raw_BTHd, torch.log1p(torch.exp(raw_BTHd)))
+        return -torch.exp(self.A_log.float()) * softplus
+
+    def new_state(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> RecurrentState:
+        """This layer's generation state: per slot the fp32 recurrent state and the last
+        conv_size - 1 convolution inputs (its size does not grow with max_len)."""
+        d = self.head_dim
+        return RecurrentState(
+            slots, 3 * self.num_heads * d, self.conv_size, self.num_heads, d, d, device, dtype
+        )
+
+    @torch.no_grad()
+    def init_weights(self, init: ParamInit) -> None:
+        """Projections normal truncated at 3 std (o_proj at out_std); convolutions uniform in
+        +-1/sqrt(conv_size) (PyTorch's Conv1d default); FLA's gate init: exp(A_log) uniform in
+        [1, 16] and softplus(dt_bias) log-uniform in [1e-3, 1e-1]; the norm at one."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj,
+                     self.b_proj, self.g_a_proj, self.g_b_proj):  # fmt: skip
+            init.trunc_normal_(proj.weight, self.init_std)
+        init.trunc_normal_(self.o_proj.weight, self.out_std)
+        bound = 1 / math.sqrt(self.conv_size)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            init.uniform_(conv.weight, -bound, bound)
+        init.uniform_(self.A_log, 1.0, 16.0)
+        local_tensor(self.A_log).log_()
+        init.uniform_(self.dt_bias, math.log(1e-3), math.log(1e-1))
+        dt = local_tensor(self.dt_bias).exp().clamp_min(1e-4)
+        local_tensor(self.dt_bias).copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+        self.o_norm.init_weights(init)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per weight (projections and convolution taps), plus the
+        recurrence's three head_dim x head_dim products per head (k^T S, the rank-one update,
+        q^T S) at 2 FLOPs each, times 3 for forward and backward; independent of seq_len."""
+        weights = sum(p.numel() for name, p in self.named_parameters()
+                      if name.endswith("weight") and "norm" not in name)  # fmt: skip
+        return 6 * weights + 18 * self.num_heads * self.head_dim * self.head_dim
+
+
+class DocumentRows:
+    """Packed rows spread to one row per document (right-padded) and back: every document
+    then starts its recurrence and convolutions afresh."""
+
+    def __init__(self, doc_BT: torch.Tensor, offset_BT: torch.Tensor, docs: int, length: int):
+        self.doc_BT, self.offset_BT, self.docs, self.length = doc_BT, offset_BT, docs, length
+
+    @staticmethod
+    def of(doc_ids_BT: torch.Tensor) -> DocumentRows | None:
+        """None when every row holds one document (nothing to spread)."""
+        B, T = doc_ids_BT.shape
+        starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+        starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+        docs = int(starts_BT.sum())  # a host read: the spread shape
+        if docs == B:
+            return None
+        doc_BT = starts_BT.flatten().cumsum(0).view(B, T) - 1
+        index_BT = torch.arange(T, device=doc_ids_BT.device).expand(B, T)
+        start_BT = torch.where(starts_BT, index_BT, 0).cummax(dim=1).values
+        offset_BT = index_BT - start_BT
+        return DocumentRows(doc_BT, offset_BT, docs, int(offset_BT.max()) + 1)
+
+    def scatter(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        out_NLD = x_BTD.new_zeros(self.docs, self.length, x_BTD.shape[-1])
+        return out_NLD.index_put((self.doc_BT, self.offset_BT), x_BTD)
+
+    def gather(self, y_NLD: torch.Tensor) -> torch.Tensor:
+        return y_NLD[self.doc_BT, self.offset_BT]

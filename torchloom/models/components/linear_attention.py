@@ -1,0 +1,216 @@
+"""Linear-attention token mixers: Gated DeltaNet (Yang et al. 2024) as Qwen3-Next and Qwen3.5
+define it.
+
+A Gated DeltaNet layer keeps, per value head, a recurrent state S [key_dim, value_dim] updated
+by the gated delta rule (torchloom/kernels/delta_rule.py) instead of attending to past keys:
+
+- q, k, v come from one projection through a short causal depthwise convolution and SiLU;
+  q and k are L2-normalised per head, and each key head serves num_v_heads / num_k_heads
+  consecutive value heads;
+- the decay is g = -exp(A_log) * softplus(a + dt_bias) and the write strength beta = sigmoid(b),
+  with a and b one number per value head from their own projections;
+- each head's output goes through an RMSNorm gated by silu(z) (z projected from the input),
+  then out_proj.
+
+Two checkpoint layouts hold the same projections. Qwen3.5's are separate (in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a). Qwen3-Next fuses them per key-head group
+(``fused_projections``): in_proj_qkvz's rows are, for each key head, its q, its k, then the v
+and z of its value heads; in_proj_ba's are, for each key head, the b then the a of its value
+heads. The module keeps the layout it loads, so weights load as they are.
+
+Generation state: ``RecurrentState`` (models/components/cache.py), the recurrent state and the
+convolution's last inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchloom.config.errors import ConfigError
+from torchloom.kernels.delta_rule import delta_rule
+from torchloom.kernels.rmsnorm import rms_norm
+from torchloom.models.components.cache import BoundRecurrent, RecurrentState
+from torchloom.models.components.param_init import ParamInit
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as fla and transformers compute)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def causal_conv1d(
+    x_BTC: torch.Tensor, weight_C1W: torch.Tensor, doc_ids_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Depthwise causal convolution along T: output t sees inputs t - width + 1 .. t (with
+    ``doc_ids_BT``, only those of its own document)."""
+    width = weight_C1W.shape[-1]
+    weight_C1W = weight_C1W.to(x_BTC.dtype)
+    if doc_ids_BT is None:
+        x_BCT = F.pad(x_BTC.transpose(1, 2), (width - 1, 0))
+        return F.conv1d(x_BCT, weight_C1W, groups=x_BTC.shape[-1]).transpose(1, 2)
+    T = x_BTC.shape[1]
+    x_BLC = F.pad(x_BTC, (0, 0, width - 1, 0))
+    docs_BL = F.pad(doc_ids_BT, (width - 1, 0), value=-1)  # -1: no document
+    out_BTC = torch.zeros_like(x_BTC)
+    for tap in range(width):  # tap j reads input t - (width - 1 - j)
+        same_BT1 = (docs_BL[:, tap : tap + T] == doc_ids_BT)[..., None]
+        out_BTC = out_BTC + weight_C1W[:, 0, tap] * x_BLC[:, tap : tap + T] * same_BT1
+    return out_BTC
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output times silu(gate): weight * (x / rms(x)) * silu(z), the
+    statistics and the gate in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.ones_(self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet token mixer (module docstring): ``forward(x_BTD, cos, sin, documents,
+    cache=None)``, cos/sin unused (no positions)."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        norm_eps: float = 1e-6,
+        fused_projections: bool = False,
+        init_std: float = 0.02,
+        out_std: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.fused_projections = fused_projections
+        self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
+        conv_dim = 2 * self.key_dim + self.value_dim
+        if fused_projections:
+            self.in_proj_qkvz = nn.Linear(dim, conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(dim, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(dim, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(dim, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(dim, num_v_heads, bias=False)
+        # Depthwise: weight [channels, 1, kernel]; its padding is applied by causal_conv1d.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor | None = None,
+        sin_BTd: torch.Tensor | None = None,
+        doc_ids_BT: Any = None,
+        cache: BoundRecurrent | None = None,
+    ) -> torch.Tensor:
+        """With ``doc_ids_BT`` (packed rows) every document starts from a zero state and its
+        convolution sees only its own tokens. With ``cache`` (generation), each row continues
+        from its slot's state and leaves its state there."""
+        if doc_ids_BT is not None and not isinstance(doc_ids_BT, torch.Tensor):
+            raise ConfigError(
+                "Gated DeltaNet layers read packed documents as ids, but the attention kernel "
+                f"handed them a {type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
+            )
+        B, T, _ = x_BTD.shape
+        qkv_BTC, z_BTHv, b_BTH, a_BTH = self._projections(x_BTD)
+        weight = self.conv1d.weight
+        if cache is None:
+            qkv_BTC = causal_conv1d(qkv_BTC, weight, doc_ids_BT)
+        else:
+            qkv_BTC = cache.convolve(qkv_BTC, weight)
+        q_BTC, k_BTC, v_BTC = F.silu(qkv_BTC).split(
+            [self.key_dim, self.key_dim, self.value_dim], -1
+        )
+        q_BTHk = l2_normalize(q_BTC.reshape(B, T, -1, self.head_k_dim))
+        k_BTHk = l2_normalize(k_BTC.reshape(B, T, -1, self.head_k_dim))
+        v_BTHv = v_BTC.reshape(B, T, -1, self.head_v_dim)
+        group = v_BTHv.shape[2] // q_BTHk.shape[2]  # value heads per key head
+        if group > 1:
+            q_BTHk = q_BTHk.repeat_interleave(group, dim=2)
+            k_BTHk = k_BTHk.repeat_interleave(group, dim=2)
+        beta_BTH = b_BTH.sigmoid()
+        g_BTH = -self.A_log.float().exp() * F.softplus(a_BTH.float() + self.dt_bias)
+        if cache is None:
+            o_BTHv, _ = delta_rule(q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT)
+        else:
+            o_BTHv = cache.delta_rule(q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH)
+        o_BTHv = self.norm(o_BTHv, z_BTHv)
+        return self.out_proj(o_BTHv.reshape(B, T, -1))
+
+    def _projections(
+        self, x_BTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q|k|v channels [B, T, 2 key_dim + value_dim], z [B, T, Hv, dv], b, a [B, T, Hv])."""
+        B, T, _ = x_BTD.shape
+        if not self.fused_projections:
+            z_BTHv = self.in_proj_z(x_BTD).view(B, T, -1, self.head_v_dim)
+            return self.in_proj_qkv(x_BTD), z_BTHv, self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)
+        # Per key head: q, k, then the v and z of its group of value heads (module docstring).
+        group = self.num_v_heads // self.num_k_heads
+        dk, gv = self.head_k_dim, group * self.head_v_dim
+        qkvz_BTNx = self.in_proj_qkvz(x_BTD).view(B, T, self.num_k_heads, -1)
+        q, k, v, z = qkvz_BTNx.split([dk, dk, gv, gv], dim=-1)
+        qkv_BTC = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
+        b_BTNg, a_BTNg = self.in_proj_ba(x_BTD).view(B, T, self.num_k_heads, -1).chunk(2, -1)
+        z_BTHv = z.reshape(B, T, -1, self.head_v_dim)
+        return qkv_BTC, z_BTHv, b_BTNg.reshape(B, T, -1), a_BTNg.reshape(B, T, -1)
+
+    def new_state(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> RecurrentState:
+        """The recurrent state of every value head and the convolution's last inputs."""
+        channels, _, kernel = self.conv1d.weight.shape
+        return RecurrentState(
+            slots, channels, kernel, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            device, dtype,
+        )  # fmt: skip
+
+    def init_weights(self, init: ParamInit) -> None:
+        """Projections normal (out_proj at out_std), the convolution uniform in +-1/sqrt(width)
+        (torch's default bound), dt_bias 1 and log A uniform in [0, log 16] (A in [1, 16], as
+        Mamba-2 draws it); the gated norm at one."""
+        projections = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                       "in_proj_a")  # fmt: skip
+        for name in projections:
+            if hasattr(self, name):
+                init.trunc_normal_(getattr(self, name).weight, self.init_std)
+        init.trunc_normal_(self.out_proj.weight, self.out_std)
+        bound = self.conv1d.weight.shape[-1] ** -0.5
+        init.uniform_(self.conv1d.weight, -bound, bound)
+        init.ones_(self.dt_bias)
+        init.uniform_(self.A_log, 0.0, math.log(16.0))
+        self.norm.init_weights(init)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per projection weight, plus the chunked delta rule's
+        per-head work, about 6 x (4 key_dim x value_dim + 2 x chunk x (key_dim + value_dim)):
+        the state read and update per token and the intra-chunk products (chunk 64)."""
+        weights = sum(
+            m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear | nn.Conv1d)
+        )
+        per_head = 4 * self.head_k_dim * self.head_v_dim + 128 * (self.head_k_dim + self.head_v_dim)
+        return 6 * weights + 6 * self.num_v_heads * per_head
