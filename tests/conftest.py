@@ -79,6 +79,34 @@ def hf_checkpoint(tmp_path):
 
 
 @pytest.fixture
+def hf_training_step(hf_checkpoint):
+    """``step(model_type, length=33, **config)``: a tiny random transformers checkpoint
+    (``hf_checkpoint``), torchloom's model read from it, and one training step of each on the
+    same random window (ours gets w[:-1] with labels w[1:], as the trainer computes the loss;
+    transformers shifts inside, so it gets w). Asserts the losses agree (rtol 1e-5) and returns
+    (model, reference), their gradients in place."""
+
+    def step(model_type, length=33, **config):
+        import torchloom
+        from torchloom.train.loss import cross_entropy_sum
+
+        path, reference = hf_checkpoint(model_type, **config)
+        model = torchloom.from_hf(path).train()
+        reference.train()
+        window = torch.randint(0, 512, (2, length), generator=torch.Generator().manual_seed(1))
+        inputs, labels = window[:, :-1], window[:, 1:]
+        loss = cross_entropy_sum(model(inputs), labels) / labels.numel()
+        loss.backward()
+        hf_loss = reference(input_ids=window, labels=window).loss
+        hf_loss.backward()
+        print(f"{model_type} loss: ours {loss.item():.6f}, transformers {hf_loss.item():.6f}")
+        torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+        return model, reference
+
+    return step
+
+
+@pytest.fixture
 def logits_parity():
     """Compare two logits tensors: print the max abs difference and KL(theirs || ours), and
     assert a relative error (max abs diff / max abs logit) below ``rel``."""

@@ -23,7 +23,6 @@ from torchloom.cli import main
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3, DeepSeekV3HFAdapter
-from torchloom.train.loss import cross_entropy_sum
 
 ADAPTER = DeepSeekV3HFAdapter()
 # 1 dense + 2 MoE layers of 8 experts in 2 groups (1 per token), one shared expert.
@@ -56,19 +55,9 @@ def test_from_hf_logits_match_transformers(case, hf_checkpoint, logits_parity) -
     logits_parity(f"deepseek_v3 {case}", model(tokens), reference(tokens).logits)
 
 
-def test_training_step_matches_transformers(hf_checkpoint) -> None:
+def test_training_step_matches_transformers(hf_training_step) -> None:
     """Loss and gradients of the latent projections, the norms, the router and the experts."""
-    path, reference = hf_checkpoint("deepseek_v3", **DS_TINY)
-    model = torchloom.from_hf(path).train()
-    reference.train()
-    window = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
-    inputs, labels = window[:, :-1], window[:, 1:]
-    loss = cross_entropy_sum(model(inputs), labels) / labels.numel()
-    loss.backward()
-    hf_loss = reference(input_ids=window, labels=window).loss
-    hf_loss.backward()
-    print(f"deepseek_v3 loss: ours {loss.item():.6f}, transformers {hf_loss.item():.6f}")
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+    model, reference = hf_training_step("deepseek_v3", **DS_TINY)
     theirs = reference.model.layers
     pairs = {
         "q_a_layernorm": (model.layers["0"].attention.q_a_layernorm.weight,

@@ -18,7 +18,6 @@ from torchloom.cli import main
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.kimi_linear import KIMI_LINEAR_FLAVORS, KimiLinearHFAdapter
-from torchloom.train.loss import cross_entropy_sum
 
 ADAPTER = KimiLinearHFAdapter()
 # KDA, MLA, KDA, MLA; 1 dense + 3 MoE layers of 8 experts (2 per token) and a shared expert.
@@ -48,19 +47,9 @@ def test_from_hf_logits_match_transformers(case, hf_checkpoint, logits_parity) -
     logits_parity(f"kimi_linear {case}", model(tokens), reference(tokens).logits)
 
 
-def test_training_step_matches_transformers(hf_checkpoint) -> None:
+def test_training_step_matches_transformers(hf_training_step) -> None:
     """Loss and the gradients of KDA's gates and convolutions, MLA and the experts."""
-    path, reference = hf_checkpoint("kimi_linear", **KL_TINY)
-    model = torchloom.from_hf(path).train()
-    reference.train()
-    window = torch.randint(0, 512, (2, 41), generator=torch.Generator().manual_seed(1))
-    inputs, labels = window[:, :-1], window[:, 1:]
-    loss = cross_entropy_sum(model(inputs), labels) / labels.numel()
-    loss.backward()
-    hf_loss = reference(input_ids=window, labels=window).loss
-    hf_loss.backward()
-    print(f"kimi_linear loss: ours {loss.item():.6f}, transformers {hf_loss.item():.6f}")
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+    model, reference = hf_training_step("kimi_linear", **KL_TINY, length=41)
     ours, theirs = model.layers, reference.model.layers
     gate_grad, _ = theirs[2].mlp.experts.gate_up_proj.grad.chunk(2, dim=1)
     q_conv_grad = theirs[0].self_attn.conv1d.weight.grad.chunk(3, dim=0)[0]

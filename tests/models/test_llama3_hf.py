@@ -13,7 +13,6 @@ import torchloom
 from torchloom.config.errors import ConfigError
 from torchloom.models import Decoder, TransformerConfig, get_hf_model_spec
 from torchloom.models.llama3 import LLAMA3_FLAVORS, Llama3HFAdapter
-from torchloom.train.loss import cross_entropy_sum
 
 ADAPTER = Llama3HFAdapter()
 # A short original context, so the 8 frequencies of head_dim 16 fall in every scaling regime.
@@ -40,20 +39,9 @@ def test_from_hf_logits_match_transformers(rope, hf_checkpoint, logits_parity) -
     logits_parity(f"llama GQA 4/2 rope={rope}", model(tokens), reference(tokens).logits)
 
 
-def test_training_step_matches_transformers(hf_checkpoint) -> None:
+def test_training_step_matches_transformers(hf_training_step) -> None:
     """Same weights and batch: our loss (as the trainer computes it) and gradients equal HF's."""
-    path, reference = hf_checkpoint("llama", rope_parameters=ROPES["llama3"])
-    model = torchloom.from_hf(path).train()
-    reference.train()
-    window = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1))
-    # We feed inputs w[:-1] with labels w[1:]; transformers shifts internally, so it gets w twice.
-    inputs, labels = window[:, :-1], window[:, 1:]
-    loss = cross_entropy_sum(model(inputs), labels) / labels.numel()
-    loss.backward()
-    hf_loss = reference(input_ids=window, labels=window).loss
-    hf_loss.backward()
-    print(f"llama loss: ours {loss.item():.6f}, transformers {hf_loss.item():.6f}")
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+    model, reference = hf_training_step("llama", rope_parameters=ROPES["llama3"])
     for name in ("embed_tokens.weight", "layers.0.attention.q_proj.weight",
                  "layers.1.mlp.down_proj.weight", "layers.1.mlp_norm.weight", "output.weight"):  # fmt: skip
         ours, theirs = (

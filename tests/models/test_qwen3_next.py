@@ -14,7 +14,6 @@ import torchloom
 from torchloom.checkpoint.hf import save_hf
 from torchloom.config.errors import ConfigError
 from torchloom.models.qwen3_next import QWEN3_NEXT_FLAVORS, Qwen3NextHFAdapter
-from torchloom.train.loss import cross_entropy_sum
 
 ADAPTER = Qwen3NextHFAdapter()
 # 4 layers (3 DeltaNet, then gated attention), 2 key heads serving 4 value heads, 4 experts
@@ -46,18 +45,9 @@ def test_from_hf_logits_match_transformers(layers, hf_checkpoint, logits_parity)
                   reference(tokens).logits)  # fmt: skip
 
 
-def test_training_step_matches_transformers(hf_checkpoint) -> None:
+def test_training_step_matches_transformers(hf_training_step) -> None:
     """Loss and the gradients of the DeltaNet, attention and shared-expert gate weights."""
-    path, reference = hf_checkpoint("qwen3_next", **NEXT_TINY)
-    model = torchloom.from_hf(path).train()
-    reference.train()
-    window = torch.randint(0, 512, (2, 41), generator=torch.Generator().manual_seed(1))
-    inputs, labels = window[:, :-1], window[:, 1:]
-    loss = cross_entropy_sum(model(inputs), labels) / labels.numel()
-    loss.backward()
-    hf_loss = reference(input_ids=window, labels=window).loss
-    hf_loss.backward()
-    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
+    model, reference = hf_training_step("qwen3_next", **NEXT_TINY, length=41)
     theirs = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         hf_name = ADAPTER.to_hf_name(name)
