@@ -39,12 +39,14 @@ def test_fused_layout_is_a_permutation_of_the_split_one() -> None:
     group, gv = VALUE_HEADS // KEY_HEADS, VALUE_HEADS // KEY_HEADS * DV
     rows = fused.in_proj_qkvz.weight.view(KEY_HEADS, 2 * DK + 2 * gv, DIM)
     q, k, v, z = rows.split([DK, DK, gv, gv], dim=1)
-    split.in_proj_qkv.weight.copy_(torch.cat([t.reshape(-1, DIM) for t in (q, k, v)]))
+    for name, part in (("in_proj_q", q), ("in_proj_k", k), ("in_proj_v", v)):
+        split.get_submodule(name).weight.copy_(part.reshape(-1, DIM))
     split.in_proj_z.weight.copy_(z.reshape(-1, DIM))
     b, a = fused.in_proj_ba.weight.view(KEY_HEADS, 2 * group, DIM).chunk(2, dim=1)
     split.in_proj_b.weight.copy_(b.reshape(-1, DIM))
     split.in_proj_a.weight.copy_(a.reshape(-1, DIM))
-    for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+    for name in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log",
+                 "norm.weight", "out_proj.weight"):  # fmt: skip
         split.get_parameter(name).copy_(fused.get_parameter(name))
     x = torch.randn(2, 19, DIM, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(split(x), fused(x), rtol=1e-6, atol=1e-6)

@@ -1,5 +1,6 @@
 """The hybrid linear-attention families' debug recipes train on the built-in data, and under
-FSDP (gloo, CPU: `torchloom train --parallel.dp_shard 2`) give the single-process losses;
+FSDP and tensor parallelism (gloo, CPU: `torchloom train --parallel.dp_shard 2`, `--parallel.tp
+2`, both) give the single-process losses;
 context parallelism is refused with one clear message (the linear layers' recurrent state does
 not pass between ranks)."""
 
@@ -31,17 +32,29 @@ def losses(output_dir) -> list[float]:
             if "loss" in r or "val_loss" in r]  # fmt: skip
 
 
+# Layouts beside one process: FSDP, TP (heads of every mixer split, sequence parallel), and for
+# the fused-projection model with experts both at once.
+LAYOUTS = {
+    "dp_shard 2": (2, ["--parallel.dp_shard", "2"]),
+    "tp 2": (2, ["--parallel.tp", "2"]),
+    "dp_shard 2 x tp 2": (4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]),
+}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_fsdp_matches_one_process(tmp_path, recipe, torchrun_train):
-    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+def test_fsdp_and_tp_match_one_process(tmp_path, recipe, torchrun_train):
+    single = tmp_path / "single"
     assert main(["train", "--recipe", recipe, *COMMON, "--output.dir", str(single)]) == 0
-    torchrun_train(2, "--recipe", recipe, *COMMON, "--output.dir", str(sharded),
-                   "--parallel.dp_shard", "2")  # fmt: skip
-    one, two = losses(single), losses(sharded)
-    diff = max(abs(a - b) for a, b in zip(one, two, strict=True))
-    print(f"{recipe}: one process {one}, dp_shard 2 {two}, max |diff| {diff:.2e}")
-    assert len(one) == 5 and diff < 1e-5  # val before, 3 steps, val after
-    assert one[-1] < one[0]  # it trains: the validation loss falls
+    one = losses(single)
+    assert len(one) == 5 and one[-1] < one[0]  # val before, 3 steps, val after; it trains
+    layouts = LAYOUTS if recipe == "qwen3_next_debug" else dict(list(LAYOUTS.items())[:2])
+    for name, (nproc, flags) in layouts.items():
+        out = tmp_path / name.replace(" ", "_")
+        torchrun_train(nproc, "--recipe", recipe, *COMMON, "--output.dir", str(out), *flags)
+        other = losses(out)
+        diff = max(abs(a - b) for a, b in zip(one, other, strict=True))
+        print(f"{recipe}: one process {one}, {name} {other}, max |diff| {diff:.2e}")
+        assert diff < 1e-5, f"{recipe} {name}: losses differ by {diff:.2e}"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

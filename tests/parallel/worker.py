@@ -159,8 +159,8 @@ def compare(layout_name: str, family: str, reference: list, runs: list, seconds:
     result = {"layout": layout_name, "family": family, "seconds": round(seconds, 2)}
     result["loss_diff"] = max(abs(r["loss"] - p["loss"]) for r, p in zip(reference, runs))
     result["norm_diff"] = max(abs(r["norm"] - p["norm"]) for r, p in zip(reference, runs))
-    result["param_diff"] = max(
-        (r["params"][name] - p["params"][name]).abs().max().item()
+    result["param_diff"], result["worst_param"] = max(
+        ((r["params"][name] - p["params"][name]).abs().max().item(), name)
         for r, p in zip(reference, runs)
         for name in r["params"]
     )

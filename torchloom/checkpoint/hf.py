@@ -36,6 +36,7 @@ from torchloom.models import (
     get_model_spec,
 )
 from torchloom.models.config import apply_component_choices
+from torchloom.models.hf_adapter import RowSlice
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -68,8 +69,9 @@ def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
 
 class HFReader:
     """A Hugging Face folder's tensors under torchloom's parameter names, through the family's
-    adapter: each parameter from one HF tensor, or from several stacked (per-expert weights);
-    any box of it read without the rest (a rank's shard). Tensors of the folder that no
+    adapter: each parameter from one HF tensor, from several stacked (per-expert weights) or
+    from some rows of one (a part of a fused tensor); any box of it read without the rest (a
+    rank's shard). Tensors of the folder that no
     parameter uses are refused, except those the adapter says carry nothing to load and a tied
     checkpoint's copy of the head."""
 
@@ -79,11 +81,13 @@ class HFReader:
         self.folder = SafetensorsFolder(hf_dir)
         available = set(self.folder.names())
         tied = config.tie_embeddings
-        self.sources: dict[str, str | list[str]] = {}
+        self.sources: dict[str, str | list[str] | RowSlice] = {}
         for name in names:
             source = adapter.hf_names(name, config)
             if isinstance(source, str):
                 source = adapter.held_name(source, available)
+            elif isinstance(source, RowSlice):
+                source = source._replace(name=adapter.held_name(source.name, available))
             else:
                 source = [adapter.held_name(part, available) for part in source]
             if source == "lm_head.weight" and source not in available:
@@ -110,18 +114,25 @@ class HFReader:
         source = self.sources[name]
         if isinstance(source, str):
             return self.folder.shape(source)
+        if isinstance(source, RowSlice):
+            return [source.stop - source.start, *self.folder.shape(source.name)[1:]]
         return [len(source), *self.folder.shape(source[0])]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         source = self.sources[name]
         if isinstance(source, str):
             return self.folder.read(source, box)
+        if isinstance(source, RowSlice):
+            rows = range(source.start, source.stop)[box[0] if box else slice(None)]
+            return self.folder.read(source.name, (slice(rows.start, rows.stop), *(box or ())[1:]))
         rows = range(len(source))[box[0]] if box else range(len(source))
         inner = box[1:] if box else None
         return torch.stack([self.folder.read(source[i], inner) for i in rows])
 
 
-def _as_list(source: str | list[str]) -> list[str]:
+def _as_list(source: str | list[str] | RowSlice) -> list[str]:
+    if isinstance(source, RowSlice):
+        return [source.name]
     return [source] if isinstance(source, str) else source
 
 
@@ -197,7 +208,7 @@ def save_hf(
     adapter = _adapter(family)
     adapter.config_to_hf(config)  # refuse what transformers cannot hold before writing anything
     target_dtype = parse_dtype(dtype)
-    hf_tensors = (item for name, tensor in named_tensors for item in adapter.to_hf(name, tensor))
+    hf_tensors = adapter.tensors_to_hf(named_tensors)
     with staged_folder(path) as tmp:
         summary = write_tensors(tmp, hf_tensors, max_shard_bytes, target_dtype)
         bos_id, eos_id = write_tokenizer(tmp, tokenizer)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -72,6 +72,15 @@ _ROPE_TYPE_KEYS = {
              "mscale_all_dim", "attention_factor", "truncate"},
 }  # fmt: skip
 _ROPE_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+
+class RowSlice(NamedTuple):
+    """Rows [start, stop) of one Hugging Face tensor: a parameter that transformers keeps
+    fused with others in one tensor (Qwen3.5's in_proj_qkv holds q, k and v)."""
+
+    name: str
+    start: int
+    stop: int
 
 
 class HFAdapter:
@@ -221,9 +230,10 @@ class HFAdapter:
 
     # Tensor names. Ours mirror HF's minus the "model." prefix, with a few renamed modules, and
     # per-expert weights stacked into one parameter per projection.
-    def hf_names(self, name: str, config: Any) -> str | list[str]:
+    def hf_names(self, name: str, config: Any) -> str | list[str] | RowSlice:
         """The Hugging Face tensor(s) torchloom's parameter ``name`` of a model of ``config`` is
-        made of: one name, or a list of tensors stacked along a new first dim (the experts)."""
+        made of: one name, a list of tensors stacked along a new first dim (the experts), or
+        some rows of one tensor (a part of a fused tensor)."""
         match = _OUR_EXPERTS.fullmatch(name)
         if match:
             return _expert_names(*match.groups(), config.moe.num_experts)
@@ -234,6 +244,14 @@ class HFAdapter:
         ``hf_names`` calls ``hf_name``: itself, unless a family's writers disagree on a name
         (Kimi Linear's dense feed-forward)."""
         return hf_name
+
+    def tensors_to_hf(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for a stream of torchloom parameters (``to_hf`` of each, unless a
+        family joins several parameters into one tensor)."""
+        for name, tensor in named_tensors:
+            yield from self.to_hf(name, tensor)
 
     def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of a torchloom parameter: itself, or its stacked parts one by one."""

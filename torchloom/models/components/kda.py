@@ -29,9 +29,18 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from torchloom.config.errors import ConfigError
 from torchloom.kernels.delta_rule import delta_rule
 from torchloom.models.components.cache import BoundRecurrent, RecurrentState
+from torchloom.models.components.head_parallel import (
+    HeadParallel,
+    ReplicatedModule,
+    local_shard,
+    shared_by_heads,
+)
 from torchloom.models.components.linear_attention import causal_conv1d, l2_normalize
 from torchloom.models.components.param_init import ParamInit, local_tensor
 
@@ -47,7 +56,8 @@ class SigmoidGatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+        weight = shared_by_heads(self.weight)  # under tp, applied to this rank's heads only
+        return (weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
 
     def init_weights(self, init: ParamInit) -> None:
         init.ones_(self.weight)
@@ -55,7 +65,10 @@ class SigmoidGatedRMSNorm(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     """KDA with the forward of the other token mixers: ``(x_BTD, cos_BTd, sin_BTd, doc_ids_BT,
-    cache=None)``; it uses no position tables (the recurrence orders the tokens)."""
+    cache=None)``; it uses no position tables (the recurrence orders the tokens).
+
+    Head counts are read from the local projection shapes in forward, so a tensor-parallel
+    rank holding a share of the heads (``tp_plan``) runs the same code."""
 
     def __init__(
         self,
@@ -105,15 +118,19 @@ class KimiDeltaAttention(nn.Module):
                     f"{type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
                 )
             spread = DocumentRows.of(doc_ids_BT)
-            if spread is not None:
-                return spread.gather(self._mix(spread.scatter(x_BTD), None))
-        return self._mix(x_BTD, cache)
+            if spread is not None:  # o_proj on the packed rows (sequence parallelism splits them)
+                return self.o_proj(spread.gather(self._mix(spread.scatter(x_BTD), None)))
+        return self.o_proj(self._mix(x_BTD, cache))
 
     def _mix(self, x_BTD: torch.Tensor, cache: BoundRecurrent | None) -> torch.Tensor:
+        """The heads' gated, normed outputs [B, T, H * head_dim], before o_proj."""
         B, T, _ = x_BTD.shape
-        H, d = self.num_heads, self.head_dim
+        d = self.head_dim
         qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
-        weight_C1W = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        H = qkv_BTC.shape[-1] // (3 * d)  # this rank's heads
+        weight_C1W = torch.cat(
+            [local_shard(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        )
         if cache is None:
             qkv_BTC = F.silu(causal_conv1d(qkv_BTC, weight_C1W))
         else:
@@ -128,26 +145,26 @@ class KimiDeltaAttention(nn.Module):
             o_BTHd, _ = delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH)
         gate_BTHd = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
         o_BTHd = self.o_norm(o_BTHd.to(x_BTD.dtype), gate_BTHd)
-        return self.o_proj(o_BTHd.reshape(B, T, H * d))
+        return o_BTHd.reshape(B, T, H * d)
 
     def forget_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Log decay per head and key channel, [B, T, H, head_dim] fp32 (<= 0)."""
         B, T, _ = x_BTD.shape
-        raw = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        raw = self.f_b_proj(self.f_a_proj(x_BTD)).float() + local_shard(self.dt_bias).float()
         # softplus, taken as the identity above 20 (as FLA and transformers do)
-        raw_BTHd = raw.view(B, T, self.num_heads, self.head_dim)
+        raw_BTHd = raw.view(B, T, -1, self.head_dim)
         softplus = torch.where(raw_BTHd > 20.0, raw_BTHd, torch.log1p(torch.exp(raw_BTHd)))
-        return -torch.exp(self.A_log.float()) * softplus
+        return -torch.exp(local_shard(self.A_log).float()) * softplus
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
     ) -> RecurrentState:
-        """This layer's generation state: per slot the fp32 recurrent state and the last
-        conv_size - 1 convolution inputs (its size does not grow with max_len)."""
+        """This layer's generation state: per slot the fp32 recurrent state of the heads this
+        rank holds and the last conv_size - 1 convolution inputs (its size does not grow with
+        max_len)."""
         d = self.head_dim
-        return RecurrentState(
-            slots, 3 * self.num_heads * d, self.conv_size, self.num_heads, d, d, device, dtype
-        )
+        heads = local_shard(self.q_conv1d.weight).shape[0] // d
+        return RecurrentState(slots, 3 * heads * d, self.conv_size, heads, d, d, device, dtype)
 
     @torch.no_grad()
     def init_weights(self, init: ParamInit) -> None:
@@ -175,6 +192,37 @@ class KimiDeltaAttention(nn.Module):
         weights = sum(p.numel() for name, p in self.named_parameters()
                       if name.endswith("weight") and "norm" not in name)  # fmt: skip
         return 6 * weights + 18 * self.num_heads * self.head_dim * self.head_dim
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError unless ``tp`` divides the heads (each rank takes whole heads)."""
+        if self.num_heads % tp:
+            raise ConfigError(
+                f"--parallel.tp {tp} does not divide the model's KDA heads ({self.num_heads}): "
+                "every tensor-parallel rank must hold whole heads. Choose a tp that divides "
+                f"{self.num_heads}."
+            )
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """Heads split: q/k/v, b, and the gates' second (per-channel) projections column-wise,
+        the convolutions and dt_bias by rows and A_log by head, o_proj row-wise. The gates'
+        low-rank first projections are replicated (their gradients are whole on every rank:
+        the column-wise layers after them sum their input's gradient), and so is the output
+        norm's weight (its gradient summed over tp). With ``sequence_parallel`` the input is
+        gathered first and o_proj's output scattered back along the sequence."""
+        rows = Shard(0)
+        colwise = ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj")
+        return {
+            "": HeadParallel(
+                {"q_conv1d.weight": rows, "k_conv1d.weight": rows, "v_conv1d.weight": rows,
+                 "dt_bias": rows, "A_log": Shard(2), "o_norm.weight": Replicate()},
+                gather_input=sequence_parallel,
+            ),
+            **{name: ColwiseParallel() for name in colwise},
+            "f_a_proj": ReplicatedModule(),
+            "g_a_proj": ReplicatedModule(),
+            "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
+            else RowwiseParallel(),
+        }  # fmt: skip
 
 
 class DocumentRows:

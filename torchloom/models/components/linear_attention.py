@@ -12,11 +12,14 @@ by the gated delta rule (torchloom/kernels/delta_rule.py) instead of attending t
 - each head's output goes through an RMSNorm gated by silu(z) (z projected from the input),
   then out_proj.
 
-Two checkpoint layouts hold the same projections. Qwen3.5's are separate (in_proj_qkv,
-in_proj_z, in_proj_b, in_proj_a). Qwen3-Next fuses them per key-head group
+Two checkpoint layouts hold the same projections. Qwen3-Next fuses them per key-head group
 (``fused_projections``): in_proj_qkvz's rows are, for each key head, its q, its k, then the v
 and z of its value heads; in_proj_ba's are, for each key head, the b then the a of its value
-heads. The module keeps the layout it loads, so weights load as they are.
+heads. The module keeps these as they are. Qwen3.5's are separate, except that its in_proj_qkv
+stacks all q rows, then all k, then all v: the module holds them as in_proj_q, in_proj_k and
+in_proj_v (the HF adapter reads and writes the stacked tensor). Likewise the checkpoints'
+conv1d, whose channels are all q, all k, all v, is q_conv1d, k_conv1d and v_conv1d here. With
+every parameter laid out by heads, tensor parallelism splits each by rows (``tp_plan``).
 
 Generation state: ``RecurrentState`` (models/components/cache.py), the recurrent state and the
 convolution's last inputs.
@@ -30,11 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.delta_rule import delta_rule
 from torchloom.kernels.rmsnorm import rms_norm
 from torchloom.models.components.cache import BoundRecurrent, RecurrentState
+from torchloom.models.components.head_parallel import HeadParallel, local_shard, shared_by_heads
 from torchloom.models.components.param_init import ParamInit
 
 
@@ -74,7 +80,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+        weight = shared_by_heads(self.weight)  # under tp, applied to this rank's heads only
+        return (rms_norm(x, weight, self.eps) * F.silu(gate.float())).to(x.dtype)
 
     def init_weights(self, init: ParamInit) -> None:
         init.ones_(self.weight)
@@ -82,7 +89,10 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """The Gated DeltaNet token mixer (module docstring): ``forward(x_BTD, cos, sin, documents,
-    cache=None)``, cos/sin unused (no positions)."""
+    cache=None)``, cos/sin unused (no positions).
+
+    Head counts are read from the local projection shapes in forward, so a tensor-parallel
+    rank holding a share of the heads (``tp_plan``) runs the same code."""
 
     def __init__(
         self,
@@ -103,17 +113,21 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.fused_projections = fused_projections
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
-        conv_dim = 2 * self.key_dim + self.value_dim
         if fused_projections:
-            self.in_proj_qkvz = nn.Linear(dim, conv_dim + self.value_dim, bias=False)
+            self.in_proj_qkvz = nn.Linear(dim, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(dim, 2 * num_v_heads, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(dim, conv_dim, bias=False)
+            self.in_proj_q = nn.Linear(dim, self.key_dim, bias=False)
+            self.in_proj_k = nn.Linear(dim, self.key_dim, bias=False)
+            self.in_proj_v = nn.Linear(dim, self.value_dim, bias=False)
             self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(dim, num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(dim, num_v_heads, bias=False)
-        # Depthwise: weight [channels, 1, kernel]; its padding is applied by causal_conv1d.
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
+        # Depthwise: weights [channels, 1, kernel]; their padding is applied by causal_conv1d.
+        widths = {"q": self.key_dim, "k": self.key_dim, "v": self.value_dim}
+        for part, width in widths.items():
+            conv = nn.Conv1d(width, width, conv_kernel, groups=width, bias=False)
+            setattr(self, f"{part}_conv1d", conv)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
@@ -136,15 +150,17 @@ class GatedDeltaNet(nn.Module):
                 f"handed them a {type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
             )
         B, T, _ = x_BTD.shape
-        qkv_BTC, z_BTHv, b_BTH, a_BTH = self._projections(x_BTD)
-        weight = self.conv1d.weight
-        if cache is None:
-            qkv_BTC = causal_conv1d(qkv_BTC, weight, doc_ids_BT)
-        else:
-            qkv_BTC = cache.convolve(qkv_BTC, weight)
-        q_BTC, k_BTC, v_BTC = F.silu(qkv_BTC).split(
-            [self.key_dim, self.key_dim, self.value_dim], -1
+        q_BTC, k_BTC, v_BTC, z_BTHv, b_BTH, a_BTH = self._projections(x_BTD)
+        key_width, value_width = q_BTC.shape[-1], v_BTC.shape[-1]  # this rank's heads
+        qkv_BTC = torch.cat([q_BTC, k_BTC, v_BTC], dim=-1)
+        weight_C1W = torch.cat(
+            [local_shard(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         )
+        if cache is None:
+            qkv_BTC = causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT)
+        else:
+            qkv_BTC = cache.convolve(qkv_BTC, weight_C1W)
+        q_BTC, k_BTC, v_BTC = F.silu(qkv_BTC).split([key_width, key_width, value_width], -1)
         q_BTHk = l2_normalize(q_BTC.reshape(B, T, -1, self.head_k_dim))
         k_BTHk = l2_normalize(k_BTC.reshape(B, T, -1, self.head_k_dim))
         v_BTHv = v_BTC.reshape(B, T, -1, self.head_v_dim)
@@ -153,7 +169,8 @@ class GatedDeltaNet(nn.Module):
             q_BTHk = q_BTHk.repeat_interleave(group, dim=2)
             k_BTHk = k_BTHk.repeat_interleave(group, dim=2)
         beta_BTH = b_BTH.sigmoid()
-        g_BTH = -self.A_log.float().exp() * F.softplus(a_BTH.float() + self.dt_bias)
+        A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
+        g_BTH = -A_log.float().exp() * F.softplus(a_BTH.float() + dt_bias)
         if cache is None:
             o_BTHv, _ = delta_rule(q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT)
         else:
@@ -161,46 +178,50 @@ class GatedDeltaNet(nn.Module):
         o_BTHv = self.norm(o_BTHv, z_BTHv)
         return self.out_proj(o_BTHv.reshape(B, T, -1))
 
-    def _projections(
-        self, x_BTD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q|k|v channels [B, T, 2 key_dim + value_dim], z [B, T, Hv, dv], b, a [B, T, Hv])."""
+    def _projections(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k [B, T, key channels], v [B, T, value channels], z [B, T, Hv, dv], b, a
+        [B, T, Hv], of this rank's heads."""
         B, T, _ = x_BTD.shape
         if not self.fused_projections:
             z_BTHv = self.in_proj_z(x_BTD).view(B, T, -1, self.head_v_dim)
-            return self.in_proj_qkv(x_BTD), z_BTHv, self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)
+            q_BTC, k_BTC, v_BTC = (
+                p(x_BTD) for p in (self.in_proj_q, self.in_proj_k, self.in_proj_v)
+            )
+            return q_BTC, k_BTC, v_BTC, z_BTHv, self.in_proj_b(x_BTD), self.in_proj_a(x_BTD)
         # Per key head: q, k, then the v and z of its group of value heads (module docstring).
         group = self.num_v_heads // self.num_k_heads
         dk, gv = self.head_k_dim, group * self.head_v_dim
-        qkvz_BTNx = self.in_proj_qkvz(x_BTD).view(B, T, self.num_k_heads, -1)
+        qkvz_BTNx = self.in_proj_qkvz(x_BTD).view(B, T, -1, 2 * dk + 2 * gv)
         q, k, v, z = qkvz_BTNx.split([dk, dk, gv, gv], dim=-1)
-        qkv_BTC = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
-        b_BTNg, a_BTNg = self.in_proj_ba(x_BTD).view(B, T, self.num_k_heads, -1).chunk(2, -1)
+        b_BTNg, a_BTNg = self.in_proj_ba(x_BTD).view(B, T, -1, 2 * group).chunk(2, -1)
+        q_BTC, k_BTC, v_BTC = (t.reshape(B, T, -1) for t in (q, k, v))
         z_BTHv = z.reshape(B, T, -1, self.head_v_dim)
-        return qkv_BTC, z_BTHv, b_BTNg.reshape(B, T, -1), a_BTNg.reshape(B, T, -1)
+        return q_BTC, k_BTC, v_BTC, z_BTHv, b_BTNg.reshape(B, T, -1), a_BTNg.reshape(B, T, -1)
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
     ) -> RecurrentState:
-        """The recurrent state of every value head and the convolution's last inputs."""
-        channels, _, kernel = self.conv1d.weight.shape
+        """The recurrent state of every value head this rank holds and the convolution's last
+        inputs."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        channels = sum(local_shard(c.weight).shape[0] for c in convs)
+        heads = local_shard(self.A_log).shape[0]
+        kernel = self.q_conv1d.weight.shape[-1]
         return RecurrentState(
-            slots, channels, kernel, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-            device, dtype,
-        )  # fmt: skip
+            slots, channels, kernel, heads, self.head_k_dim, self.head_v_dim, device, dtype
+        )
 
     def init_weights(self, init: ParamInit) -> None:
-        """Projections normal (out_proj at out_std), the convolution uniform in +-1/sqrt(width)
-        (torch's default bound), dt_bias 1 and log A uniform in [0, log 16] (A in [1, 16], as
-        Mamba-2 draws it); the gated norm at one."""
-        projections = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
-                       "in_proj_a")  # fmt: skip
-        for name in projections:
-            if hasattr(self, name):
-                init.trunc_normal_(getattr(self, name).weight, self.init_std)
+        """Projections normal (out_proj at out_std), the convolutions uniform in
+        +-1/sqrt(width) (torch's default bound), dt_bias 1 and log A uniform in [0, log 16]
+        (A in [1, 16], as Mamba-2 draws it); the gated norm at one."""
+        for module in self.children():
+            if isinstance(module, nn.Linear) and module is not self.out_proj:
+                init.trunc_normal_(module.weight, self.init_std)
         init.trunc_normal_(self.out_proj.weight, self.out_std)
-        bound = self.conv1d.weight.shape[-1] ** -0.5
-        init.uniform_(self.conv1d.weight, -bound, bound)
+        bound = self.q_conv1d.weight.shape[-1] ** -0.5
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            init.uniform_(conv.weight, -bound, bound)
         init.ones_(self.dt_bias)
         init.uniform_(self.A_log, 0.0, math.log(16.0))
         self.norm.init_weights(init)
@@ -214,3 +235,34 @@ class GatedDeltaNet(nn.Module):
         )
         per_head = 4 * self.head_k_dim * self.head_v_dim + 128 * (self.head_k_dim + self.head_v_dim)
         return 6 * weights + 6 * self.num_v_heads * per_head
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError unless ``tp`` divides the key heads (each rank takes whole key heads and
+        the value heads that read them)."""
+        if self.num_k_heads % tp:
+            raise ConfigError(
+                f"--parallel.tp {tp} does not divide the model's linear_num_key_heads "
+                f"({self.num_k_heads}): every tensor-parallel rank must hold whole Gated "
+                f"DeltaNet heads. Choose a tp that divides {self.num_k_heads}."
+            )
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """Heads split: every input projection column-wise (the fused ones are grouped per key
+        head, the separate ones per head, so a contiguous share of rows is whole heads), the
+        convolutions, A_log and dt_bias by rows, out_proj row-wise; the output norm's weight
+        is replicated (its gradient summed over tp). With ``sequence_parallel`` the input is
+        gathered first and out_proj's output scattered back along the sequence."""
+        rows = Shard(0)
+        plan: dict[str, ParallelStyle] = {
+            "": HeadParallel(
+                {"q_conv1d.weight": rows, "k_conv1d.weight": rows, "v_conv1d.weight": rows,
+                 "A_log": rows, "dt_bias": rows, "norm.weight": Replicate()},
+                gather_input=sequence_parallel,
+            ),
+            "out_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
+            else RowwiseParallel(),
+        }  # fmt: skip
+        for name, module in self.named_children():
+            if name.startswith("in_proj_") and isinstance(module, nn.Linear):
+                plan[name] = ColwiseParallel()
+        return plan

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.attention import ATTENTION_BACKENDS
 from torchloom.models.components.cache import LatentState
+from torchloom.models.components.head_parallel import ReplicatedModule
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS, RopeConfig, yarn_mscale
@@ -242,7 +243,7 @@ class MultiHeadLatentAttention(nn.Module):
         their input's gradient over tp, and ``rope_key_heads`` does the same for the shared
         rotated key. With ``sequence_parallel`` the input is gathered first and o_proj's
         output scattered back along the sequence."""
-        replicated = _Replicated()
+        replicated = ReplicatedModule()
         plan: dict[str, ParallelStyle] = {
             "kv_a_proj_with_mqa": replicated,
             "kv_a_layernorm": replicated,
@@ -277,21 +278,6 @@ class BoundLatentCache(Protocol):
         kv_b_weight: torch.Tensor,
         softmax_scale: float,
     ) -> torch.Tensor: ...
-
-
-class _Replicated(ParallelStyle):
-    """The module's parameters as replicated DTensors on the tp mesh; local tensors in and
-    out (the module computes the same thing on every rank)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                         for x in inputs)  # fmt: skip
-
-        def to_local(_: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-            return output.to_local()
-
-        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
 class _SumInputGradient(ParallelStyle):

@@ -14,11 +14,14 @@ checkpoints (``mtp.*`` tensors, ``mtp_*`` keys) are skipped.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
+
+import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
-from torchloom.models.hf_adapter import HFAdapter, rope_from_hf
+from torchloom.models.hf_adapter import HFAdapter, RowSlice, rope_from_hf
 from torchloom.models.qwen3_next.config import (
     LAYER_TYPES,
     Qwen3NextConfig,
@@ -52,6 +55,10 @@ _DELTANET = re.compile(
     r"(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d|dt_bias|A_log"
     r"|norm|out_proj)\b"
 )
+# DeltaNet parameters that are one part of a tensor the checkpoints stack: q, k, v (in order)
+# of conv1d (both layouts) and of in_proj_qkv (Qwen3.5's).
+_PART = re.compile(r"(layers\.\d+\.attention\.)(?:(q|k|v)_conv1d|in_proj_(q|k|v))\.weight")
+_PART_INDEX = {"q": 0, "k": 1, "v": 2}
 
 
 class Qwen3NextHFAdapter(HFAdapter):
@@ -254,7 +261,40 @@ class Qwen3NextHFAdapter(HFAdapter):
 
     # -- tensor names ---------------------------------------------------------------------
 
+    def hf_names(self, name: str, config: Any) -> str | list[str] | RowSlice:
+        match = _PART.fullmatch(name)
+        if match is None:
+            return super().hf_names(name, config)
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        index = _PART_INDEX[match.group(2) or match.group(3)]
+        start = key_dim * index
+        return RowSlice(self.to_hf_name(name), start, start + (key_dim, key_dim, value_dim)[index])
+
+    def tensors_to_hf(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor as ``to_hf`` writes it, except the q, k, v parts of a DeltaNet layer's
+        conv1d and in_proj_qkv, which are written stacked once all three have come."""
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in named_tensors:
+            match = _PART.fullmatch(name)
+            if match is None:
+                yield from self.to_hf(name, tensor)
+                continue
+            hf_name = self.to_hf_name(name)
+            held = parts.setdefault(hf_name, {})
+            held[_PART_INDEX[match.group(2) or match.group(3)]] = tensor
+            if len(held) == len(_PART_INDEX):
+                yield hf_name, torch.cat([held[i] for i in range(len(_PART_INDEX))])
+                del parts[hf_name]
+        if parts:
+            raise ValueError(f"{sorted(parts)} lack some of their q, k, v parts")
+
     def to_hf_name(self, name: str) -> str:
+        match = _PART.fullmatch(name)
+        if match:  # a part of a stacked tensor: that tensor's name
+            name = match.group(1) + ("conv1d" if match.group(2) else "in_proj_qkv") + ".weight"
         hf_name = super().to_hf_name(name)
         hf_name = hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
         prefix, sep, rest = hf_name.partition(".self_attn.")
