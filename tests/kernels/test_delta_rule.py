@@ -84,6 +84,21 @@ def test_prefill_then_steps_equal_whole_sequence() -> None:
     assert _rel(o, o_all) < 1e-5 and _rel(state, s_all) < 1e-5
 
 
+def test_grouped_unnormalised_qk_as_the_layers_pass_them() -> None:
+    """q/k with a third of v's heads, unnormalised, ``normalize_qk``: the same as normalising
+    them and repeating each for its consecutive value heads (whole sequence and one step)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(B, 9, 1, K, generator=gen) * 3 for _ in range(2))
+    _, _, v, g, beta = _inputs(9, per_channel=False, seed=4)
+    explicit = [F.normalize(x, dim=-1, eps=0).repeat_interleave(H, dim=2) for x in (q, k)]
+    o, s = delta_rule(q, k, v, g, beta, normalize_qk=True)
+    o_ref, s_ref = delta_rule_reference(*explicit, v, g, beta)
+    assert _rel(o, o_ref) < 1e-5 and _rel(s, s_ref) < 1e-5
+    o_t, _ = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                               torch.zeros(B, H, K, V), normalize_qk=True)  # fmt: skip
+    assert _rel(o_t, o_ref[:, 0]) < 1e-5
+
+
 def test_bf16_inputs_return_bf16_outputs_fp32_state() -> None:
     q, k, v, g, beta = _inputs(10, per_channel=True, dtype=torch.bfloat16)
     o, s = delta_rule(q, k, v, g, beta, impl="torch")
@@ -148,27 +163,30 @@ def test_document_gradients_match_reference() -> None:
 def test_fla_kernels_match_the_chunked_form_on_gpu(per_channel: bool) -> None:
     """fla's Triton kernels (impl "fla": chunk_gated_delta_rule / chunk_kda, documents as
     variable-length sequences) against the fp32 chunked form: outputs, final states and
-    gradients, bf16 inputs, an initial state and packed documents."""
+    gradients, with an initial state and packed documents, as the layers call them: q and k
+    unnormalised in fp32 (``normalize_qk``; Gated DeltaNet's with half as many heads as v),
+    v in bf16."""
     pytest.importorskip("fla.ops", reason="fla-core is not installed (pip install fla-core)")
     gen = torch.Generator().manual_seed(5)
-    shape = (2, 200, 4)
-    q = F.normalize(torch.randn(*shape, 64, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(*shape, 64, generator=gen), dim=-1)
-    v = torch.randn(*shape, 64, generator=gen)
-    g = -F.softplus(torch.randn(*shape, *((64,) if per_channel else ()), generator=gen))
-    beta = torch.rand(*shape, generator=gen)
-    state = torch.randn(2, 4, 64, 64, generator=gen) * 0.1
-    docs = torch.cat([torch.zeros(2, 70), torch.ones(2, 130)], dim=1).long().cuda()
-    inputs = [x.cuda() for x in (q, k, v)]
-    inputs = [x.to(torch.bfloat16) for x in inputs] + [g.cuda(), beta.cuda().to(torch.bfloat16)]
+    B, T, H = 2, 200, 4
+    qk_heads = H if per_channel else H // 2  # KDA: as many; Gated DeltaNet: grouped
+    q = torch.randn(B, T, qk_heads, 64, generator=gen)
+    k = torch.randn(B, T, qk_heads, 64, generator=gen)
+    v = torch.randn(B, T, H, 64, generator=gen)
+    g = -F.softplus(torch.randn(B, T, H, *((64,) if per_channel else ()), generator=gen))
+    beta = torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, 64, 64, generator=gen) * 0.1
+    docs = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long().cuda()
+    inputs = [q.cuda(), k.cuda(), v.cuda().to(torch.bfloat16), g.cuda(), beta.cuda()]
     results = []
     for impl in ("torch", "fla"):
         leaves = [x.clone().requires_grad_() for x in inputs]
-        o, s = delta_rule(*leaves, state.cuda(), impl=impl, doc_ids_BT=docs)
+        o, s = delta_rule(*leaves, state.cuda(), impl=impl, doc_ids_BT=docs, normalize_qk=True)
+        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
         (o.float().square().sum() + s.square().sum()).backward()
         results.append([o, s] + [x.grad for x in leaves])
     names = ["o", "state", "dq", "dk", "dv", "dg", "dbeta"]
     for name, ours, theirs in zip(names, results[0], results[1], strict=True):
-        rel = _rel(theirs, ours)
+        rel = _rel(theirs.float(), ours.float())
         print(f"fla vs torch {name}: rel {rel:.1e}")
         assert rel < 2e-2, name

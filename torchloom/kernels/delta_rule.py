@@ -14,7 +14,10 @@ in chunks for training: inside a chunk the corrections solve one unit lower-tria
 token. Everything runs in fp32; outputs come back in v's dtype, states in fp32.
 
 Shapes: q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, g ``[B, T, H]`` or ``[B, T, H, K]``, beta
-``[B, T, H]``, state ``[B, H, K, V]``. q and k are used as given (layers L2-normalise them).
+``[B, T, H]``, state ``[B, H, K, V]``. ``delta_rule`` and ``delta_rule_step`` also take q and k
+with fewer heads than v (each serving HV / H consecutive value heads, Gated DeltaNet's
+grouping) and, with ``normalize_qk``, L2-normalise them per head (fla does both inside its
+kernels); otherwise q and k are used as given.
 
 Packed rows: with ``doc_ids_BT`` (contiguous documents per row) the state restarts from zero at
 every token whose document differs from the previous token's; the initial state belongs to
@@ -26,6 +29,24 @@ from __future__ import annotations
 import torch
 
 
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as fla and transformers compute)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def _per_value_head(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalize_qk: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k normalised if asked, and repeated to v's heads (dim -2) if they have fewer."""
+    if normalize_qk:
+        q, k = l2_normalize(q), l2_normalize(k)
+    group = v.shape[-2] // q.shape[-2]
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+    return q, k
+
+
 def delta_rule_step(
     q_BHK: torch.Tensor,
     k_BHK: torch.Tensor,
@@ -34,9 +55,11 @@ def delta_rule_step(
     beta_BH: torch.Tensor,
     state_BHKV: torch.Tensor,
     scale: float | None = None,
+    normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token: ``g`` is [B, H] or [B, H, K]; returns (o [B, H, V], new fp32 state)."""
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
+    q_BHK, k_BHK = _per_value_head(q_BHK, k_BHK, v_BHV, normalize_qk)
     q, k, v = (x.float() for x in (q_BHK, k_BHK, v_BHV))
     decay = g.float().exp()
     decay = decay[..., None, None] if decay.dim() == 2 else decay[..., None]
@@ -207,13 +230,19 @@ def delta_rule(
     scale: float | None = None,
     impl: str = "auto",
     doc_ids_BT: torch.Tensor | None = None,
+    normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule for a whole sequence. ``impl``: "torch" (``delta_rule_chunked``),
-    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable)."""
+    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable).
+    q and k may have fewer heads than v; ``normalize_qk``: L2-normalise them (module
+    docstring)."""
     if impl not in ("auto", "torch", "fla"):
         raise ValueError(f"unknown delta rule impl {impl!r}: choose auto, torch or fla")
     if impl == "fla" or (impl == "auto" and q_BTHK.is_cuda and _fla_available()):
-        return _delta_rule_fla(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT)
+        return _delta_rule_fla(
+            q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
+        )
+    q_BTHK, k_BTHK = _per_value_head(q_BTHK, k_BTHK, v_BTHV, normalize_qk)
     return delta_rule_chunked(
         q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT=doc_ids_BT
     )
@@ -247,11 +276,15 @@ def _delta_rule_fla(
     state_BHKV: torch.Tensor | None,
     scale: float | None,
     doc_ids_BT: torch.Tensor | None = None,
+    normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's chunked kernels, [B, T, H, ...] layout; the final state comes back in fp32.
-    Documents become fla's variable-length sequences: the rows flattened into one, cut at
-    every document start (cu_seqlens)."""
+    """fla's chunked kernels, [B, T, H, ...] layout, q/k heads grouped and normalised inside
+    them; the final state comes back in fp32. Documents become fla's variable-length
+    sequences: the rows flattened into one, cut at every document start (cu_seqlens)."""
     scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
+    # The kernels multiply q, k, v and beta together in their own dtype (a tl.dot of two dtypes
+    # fails), and layers hand q and k over in fp32 (their L2 norm's) next to a bf16 v.
+    q_BTHK, k_BTHK, beta_BTH = (x.to(v_BTHV.dtype) for x in (q_BTHK, k_BTHK, beta_BTH))
     initial = None if state_BHKV is None else state_BHKV.float()
     varlen: dict = {}
     if doc_ids_BT is not None:
@@ -281,7 +314,8 @@ def _delta_rule_fla(
         kernel = chunk_gated_delta_rule
     o, state = kernel(
         q_BTHK, k_BTHK, v_BTHV, g.float(), beta_BTH,
-        scale=scale, initial_state=initial, output_final_state=True, **varlen,
+        scale=scale, initial_state=initial, output_final_state=True,
+        use_qk_l2norm_in_kernel=normalize_qk, **varlen,
     )  # fmt: skip
     if doc_ids_BT is not None:  # back to rows; each row's state is its last document's
         o, state = o.view(B, T, *o.shape[2:]), state[sequence_BT[:, -1]]

@@ -346,9 +346,11 @@ class BoundRecurrent:
         v_BTHV: torch.Tensor,
         g: torch.Tensor,
         beta_BTH: torch.Tensor,
+        normalize_qk: bool = False,
     ) -> torch.Tensor:
         """The gated delta rule (torchloom/kernels/delta_rule.py) from each row's state; stores
-        the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]."""
+        the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]; q and k
+        as ``delta_rule`` takes them (grouped, normalised there with ``normalize_qk``)."""
         T = q_BTHK.shape[1]
         slots = self.binding.slot_ids_B
         state_BHKV = self.state.recurrent[slots].masked_fill(self.fresh_B[:, None, None, None], 0)
@@ -358,11 +360,14 @@ class BoundRecurrent:
             g = g * (real_BT[..., None, None] if g.dim() == 4 else real_BT[..., None])
         if T == 1:
             o_BHV, state_BHKV = delta_rule_step(
-                q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV
-            )
+                q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV,
+                normalize_qk=normalize_qk,
+            )  # fmt: skip
             o_BTHV = o_BHV[:, None]
         else:
-            o_BTHV, state_BHKV = delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV)
+            o_BTHV, state_BHKV = delta_rule(
+                q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, normalize_qk=normalize_qk
+            )
         self.state.recurrent[slots] = state_BHKV
         return o_BTHV
 

@@ -41,7 +41,7 @@ from torchloom.models.components.head_parallel import (
     local_shard,
     shared_by_heads,
 )
-from torchloom.models.components.linear_attention import causal_conv1d, l2_normalize
+from torchloom.models.components.linear_attention import causal_conv1d
 from torchloom.models.components.param_init import ParamInit, local_tensor
 
 
@@ -136,13 +136,13 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv_BTC = F.silu(cache.convolve(qkv_BTC, weight_C1W))
         q_BTHd, k_BTHd, v_BTHd = (t.view(B, T, H, d) for t in qkv_BTC.chunk(3, dim=-1))
-        q_BTHd, k_BTHd = l2_normalize(q_BTHd), l2_normalize(k_BTHd)
         g_BTHd = self.forget_gate(x_BTD)
         beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        # q and k are L2-normalised per head by the delta rule (by fla inside its kernels).
         if cache is not None:
-            o_BTHd = cache.delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH)
+            o_BTHd = cache.delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True)
         else:
-            o_BTHd, _ = delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH)
+            o_BTHd, _ = delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True)
         gate_BTHd = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
         o_BTHd = self.o_norm(o_BTHd.to(x_BTD.dtype), gate_BTHd)
         return o_BTHd.reshape(B, T, H * d)

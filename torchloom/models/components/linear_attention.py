@@ -44,12 +44,6 @@ from torchloom.models.components.head_parallel import HeadParallel, local_shard,
 from torchloom.models.components.param_init import ParamInit
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as fla and transformers compute)."""
-    x = x.float()
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
-
-
 def causal_conv1d(
     x_BTC: torch.Tensor, weight_C1W: torch.Tensor, doc_ids_BT: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -161,20 +155,20 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv_BTC = cache.convolve(qkv_BTC, weight_C1W)
         q_BTC, k_BTC, v_BTC = F.silu(qkv_BTC).split([key_width, key_width, value_width], -1)
-        q_BTHk = l2_normalize(q_BTC.reshape(B, T, -1, self.head_k_dim))
-        k_BTHk = l2_normalize(k_BTC.reshape(B, T, -1, self.head_k_dim))
+        # Each key head serves num_v_heads / num_k_heads consecutive value heads; the delta rule
+        # L2-normalises q and k and repeats them (fla inside its kernels).
+        q_BTNk = q_BTC.reshape(B, T, -1, self.head_k_dim)
+        k_BTNk = k_BTC.reshape(B, T, -1, self.head_k_dim)
         v_BTHv = v_BTC.reshape(B, T, -1, self.head_v_dim)
-        group = v_BTHv.shape[2] // q_BTHk.shape[2]  # value heads per key head
-        if group > 1:
-            q_BTHk = q_BTHk.repeat_interleave(group, dim=2)
-            k_BTHk = k_BTHk.repeat_interleave(group, dim=2)
         beta_BTH = b_BTH.sigmoid()
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
         g_BTH = -A_log.float().exp() * F.softplus(a_BTH.float() + dt_bias)
         if cache is None:
-            o_BTHv, _ = delta_rule(q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT)
+            o_BTHv, _ = delta_rule(
+                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
+            )
         else:
-            o_BTHv = cache.delta_rule(q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH)
+            o_BTHv = cache.delta_rule(q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, normalize_qk=True)
         o_BTHv = self.norm(o_BTHv, z_BTHv)
         return self.out_proj(o_BTHv.reshape(B, T, -1))
 
