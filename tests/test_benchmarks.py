@@ -67,6 +67,26 @@ def test_generate_benchmark_runs(tmp_path):
     assert {r["row"] for r in rows} == {"ours", "hf-eager"}
 
 
+def test_hybrid_benchmark_rows(tmp_path):
+    """benchmarks/hybrid.py at the tiny shape: the 3:1 hybrid and its all-attention twin, our
+    Gated DeltaNet layer and transformers' of the same shape, each against its baseline."""
+    out = tmp_path / "hybrid.json"
+    _run("hybrid.py", "--device", "cpu", "--shape", "tiny", "--compile", "none", "--rows",
+         "hybrid", "full", "layer", "hf-layer", "--seq-lens", "64", "--tokens", "128",
+         "--steps", "2", "--warmup", "1", "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == {"hybrid", "full", "layer", "hf-layer"}
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows.values()), rows
+    assert report["delta_rule"] == "torch" and set(report["hf_kernels"]) == {"delta_rule", "conv"}
+    linear, full = "linear_attention", "full_attention"
+    assert rows["hybrid"]["layer_types"] == [linear, linear, linear, full]
+    assert rows["full"]["layer_types"] == [full] * 4
+    # One layer of the same shape: the same parameters, whoever built it.
+    assert rows["layer"]["params"] == rows["hf-layer"]["params"]
+    assert rows["hybrid"]["ratio_over"] == "full" and rows["layer"]["ratio_over"] == "hf-layer"
+
+
 def test_step_floor_memory_model(monkeypatch):
     """benchmarks/step_floor.py's memory-bound term: the parameter counts are llama3's, the
     optimizer's bytes per parameter are AdamW's plus the norm's read, and every activation term
