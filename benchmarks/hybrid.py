@@ -23,12 +23,16 @@ bf16 autocast, chunked output head + token-mean cross-entropy, backward, clip to
 32768 tokens a step an eager Gated DeltaNet block saves about 10 GiB for its backward, 12 of
 them more than an H200 holds). --compile: blocks compiles each block whole as one graph
 (train.py's torchloom rows; fla's kernels are torch.compiler.disable'd, so this fails where the
-delta rule runs on fla); deltanet-eager (default) compiles each block but leaves the Gated
-DeltaNet mixers eager; graph-breaks compiles each block whole, letting Dynamo break the graph
-around fla's kernels; none compiles nothing.
-The delta rule runs fla's Triton kernels on CUDA when fla-core is importable, else torch's
-chunked form: the layers call delta_rule with impl "auto", there is no per-model switch (the
-JSON's delta_rule says which ran).
+delta rule runs on fla); deltanet-eager compiles each block but leaves the Gated DeltaNet
+mixers eager; graph-breaks (default; what `torchloom train --compile.enabled true` does when
+fla runs) compiles each block whole, letting Dynamo break the graph around fla's kernels; none
+compiles nothing.
+The delta rule runs fla's Triton kernels on CUDA when fla-core is importable (and, for
+training, its backward is safe: fla 0.6 refuses its gated backward on Hopper with Triton >=
+3.4, < 3.7.1, fla issue #640), else torch's chunked form: the layers call delta_rule with impl
+"auto", there is no per-model switch (the JSON's delta_rule says which ran). --fla-unchecked
+lifts both refusals to time fla's kernels there; the gradients may then be wrong, so its
+numbers say what the kernels cost, not that training works.
 
 layer / layer-compiled: torchloom's GatedDeltaNet of that shape (taken from a one-layer model
 of the same config), bf16 weights on the GPU (fp32 on the CPU), forward then backward of a
@@ -73,7 +77,7 @@ from train import (
     measure,
 )
 
-from torchloom.kernels.delta_rule import _fla_available
+from torchloom.kernels.delta_rule import fla_runs
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.linear_attention import GatedDeltaNet
 from torchloom.models.qwen3_next.config import Qwen3NextConfig
@@ -261,12 +265,14 @@ def main() -> None:
                         "(batch = tokens / seq; default: the shape's)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")
-    parser.add_argument("--compile", default="deltanet-eager", choices=COMPILE_MODES,
+    parser.add_argument("--compile", default="graph-breaks", choices=COMPILE_MODES,
                         help="how the model rows' blocks are compiled (docstring)")  # fmt: skip
     parser.add_argument("--remat", default="full", choices=get_args(RematMode),
                         help="recomputation of the model rows")  # fmt: skip
     parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
                         help="the model rows' AdamW (--optimizer.implementation)")  # fmt: skip
+    parser.add_argument("--fla-unchecked", action="store_true", help="time fla's backward "
+                        "where fla refuses it (docstring): its gradients may be wrong")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/hybrid_bench.json"))
     args = parser.parse_args()
@@ -276,9 +282,11 @@ def main() -> None:
     if any(tokens % seq for seq in seq_lens):
         parser.error(f"--tokens {tokens} must be a multiple of every seq len {seq_lens}")
     device = bench_device(args.device)
+    if args.fla_unchecked:
+        unchecked_fla_backward()
     peak, device_name = device_peak_tflops(device)
     ceiling, matmul = matmul_tflops(device)
-    delta_rule = "fla" if device.type == "cuda" and _fla_available() else "torch"
+    delta_rule = "fla" if fla_runs(device.type) else "torch"
     print(f"{device_name}: matmul ceiling {ceiling:.1f} TFLOP/s ({matmul}); delta rule: "
           f"{delta_rule}", flush=True)  # fmt: skip
     for row in MODEL_ROWS:
@@ -320,12 +328,25 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "fla_core": _version("fla-core"), "delta_rule": delta_rule, "hf_kernels": hf,
+        "fla_core": _version("fla-core"), "delta_rule": delta_rule,
+        "fla_unchecked": args.fla_unchecked, "hf_kernels": hf,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]), "shape": shape, "tokens": tokens,
         "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
+
+
+def unchecked_fla_backward() -> None:
+    """Let fla run its gated backward where it refuses to (Hopper, Triton >= 3.4 < 3.7.1: fla
+    issue #640 says the dq/dk/dw/dg kernel comes out miscompiled there) and let torchloom's
+    dispatch pick fla there too: for timing the kernels only, never for training."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    import torchloom.kernels.delta_rule as delta_rule
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    delta_rule.fla_backward_safe = lambda: True
 
 
 def _version(distribution: str) -> str | None:

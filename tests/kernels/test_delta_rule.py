@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.kernels.delta_rule import (
+    _fla_suits,
     delta_rule,
     delta_rule_chunked,
     delta_rule_reference,
@@ -156,6 +157,15 @@ def test_document_gradients_match_reference() -> None:
     for name, ref, got in zip(["q", "k", "v", "g", "beta"], grads[0], grads[1], strict=True):
         print(f"grad {name}: rel {_rel(got, ref):.2e}")
         assert _rel(got, ref) < 1e-4, name
+
+
+def test_fla_dispatch_check_compiles_in_one_graph() -> None:
+    """The check impl "auto" makes on CUDA (is fla installed, is its backward safe here) runs
+    inside compiled blocks: Dynamo cannot trace its imports, so it takes the results as
+    constants (found on the H200: a fullgraph block failed with "Import failure")."""
+    x = torch.ones(2, requires_grad=True)
+    check = torch.compile(lambda x: x * float(_fla_suits(x)), fullgraph=True, backend="eager")
+    torch.testing.assert_close(check(x), x * float(_fla_suits(x)))
 
 
 @pytest.mark.gpu

@@ -150,3 +150,29 @@ def test_eager_types_stay_out_of_compiled_regions():
         tiny(2), CompileConfig(enabled=True, backend="eager"), eager_types=("RMSNorm",)
     )
     assert compiled == ["layers.0.attention", "layers.0.mlp", "layers.1.attention", "layers.1.mlp"]
+
+
+@torch.compiler.disable
+def _opaque(x: torch.Tensor) -> torch.Tensor:  # as fla hides its kernels from Dynamo
+    return x * 2
+
+
+class _CallsOpaque(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _opaque(x.sin()).cos()
+
+
+def test_graph_break_types_compile_around_opaque_kernels():
+    """A block holding a module that calls a kernel Dynamo does not trace fails to compile as
+    one graph (fullgraph, the default); named in graph_break_types it compiles in pieces."""
+    x = torch.randn(3, 4)
+    for breaks in ((), ("_CallsOpaque",)):
+        torch._dynamo.reset()
+        model = nn.Sequential(nn.Sequential(_CallsOpaque()))
+        compile_regions(model, CompileConfig(enabled=True, backend="eager", regions=["0"]),
+                        graph_break_types=breaks)  # fmt: skip
+        if not breaks:
+            with pytest.raises(torch._dynamo.exc.Unsupported):
+                model(x)
+        else:
+            torch.testing.assert_close(model(x), (2 * x.sin()).cos())

@@ -233,12 +233,15 @@ def delta_rule(
     normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule for a whole sequence. ``impl``: "torch" (``delta_rule_chunked``),
-    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable).
+    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable and,
+    when gradients are wanted, its backward is safe there: ``fla_backward_safe``).
     q and k may have fewer heads than v; ``normalize_qk``: L2-normalise them (module
     docstring)."""
     if impl not in ("auto", "torch", "fla"):
         raise ValueError(f"unknown delta rule impl {impl!r}: choose auto, torch or fla")
-    if impl == "fla" or (impl == "auto" and q_BTHK.is_cuda and _fla_available()):
+    if impl == "fla" or (
+        impl == "auto" and q_BTHK.is_cuda and _fla_suits(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)
+    ):
         return _delta_rule_fla(
             q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
         )
@@ -265,6 +268,48 @@ def _fla_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def fla_backward_safe() -> bool:
+    """False where fla 0.6 refuses its gated backward: on Hopper with Triton >= 3.4, < 3.7.1
+    (which miscompiles its dq/dk/dw/dg kernel, fla issue #640) unless tilelang is installed."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return True
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return True
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fla_suits(*inputs: torch.Tensor) -> bool:
+    """fla for ``impl="auto"``: installed, and, if gradients will flow, its backward safe."""
+    if not _fla_installed():
+        return False
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    return not wants_grad or _fla_backward_ok()
+
+
+# Inside a compiled block Dynamo cannot trace the imports these checks make: it takes their
+# (fixed) results as constants instead.
+@torch.compiler.assume_constant_result
+def _fla_installed() -> bool:
+    return _fla_available()
+
+
+@torch.compiler.assume_constant_result
+def _fla_backward_ok() -> bool:
+    return fla_backward_safe()
+
+
+def fla_runs(device_type: str) -> bool:
+    """Whether ``delta_rule(impl="auto")`` runs fla's kernels in training on this device type."""
+    return device_type == "cuda" and _fla_available() and fla_backward_safe()
 
 
 def _delta_rule_fla(

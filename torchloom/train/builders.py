@@ -24,6 +24,7 @@ from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf
 from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
 from torchloom.config.errors import ConfigError
 from torchloom.data import build_dataloaders
+from torchloom.kernels.delta_rule import fla_runs
 from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import (
     Attention,
@@ -140,6 +141,10 @@ def materialize(model: nn.Module, job: JobConfig, device: torch.device) -> None:
         model.init_weights(job.training.seed)
 
 
+DELTA_RULE_MIXERS = ("GatedDeltaNet", "KimiDeltaAttention")
+"""The token mixers that call ``delta_rule`` (fla's kernels on CUDA when installed)."""
+
+
 def block_wrapper(job: JobConfig, dims: ParallelDims) -> Callable[[nn.Module], None]:
     """Recomputation, then regional compile: what parallelize applies between TP and FSDP."""
 
@@ -149,8 +154,12 @@ def block_wrapper(job: JobConfig, dims: ParallelDims) -> Callable[[nn.Module], N
         # sequence-parallel norms give wrong weight gradients (grad norm 0.41 instead of 0.53),
         # so there the norms stay eager and the rest of each block is compiled.
         fsdp_tp = dims.tp_enabled and dims.fsdp_mesh is not None
+        # fla's delta-rule kernels are hidden from Dynamo (torch.compiler.disable): the blocks
+        # of these mixers compile in pieces around them.
+        fla = fla_runs(dims.device_type)
         compile_regions(model, job.compile, eager_types=("RMSNorm",) if fsdp_tp else (),
-                        memory_budget=memory_budget(job.remat))  # fmt: skip
+                        memory_budget=memory_budget(job.remat),
+                        graph_break_types=DELTA_RULE_MIXERS if fla else ())  # fmt: skip
 
     return wrap
 

@@ -67,11 +67,15 @@ def compile_regions(
     config: CompileConfig,
     eager_types: tuple[str, ...] = (),
     memory_budget: float | None = None,
+    graph_break_types: tuple[str, ...] = (),
 ) -> list[str]:
     """Compile ``config.regions`` of ``model`` in place; returns the compiled module names.
 
     A region holding a module whose class is in ``eager_types`` is not compiled whole: its
-    children are, recursively, and the ``eager_types`` modules stay eager. ``memory_budget``
+    children are, recursively, and the ``eager_types`` modules stay eager. A region holding
+    one of ``graph_break_types`` (modules calling kernels Dynamo does not trace, such as fla's)
+    is compiled with graph breaks allowed whatever ``config.fullgraph``: the code around those
+    kernels is compiled, the kernels run as they are. ``memory_budget``
     (remat mode budget): the fraction of activation memory the min-cut partitioner keeps when
     it compiles these regions (set for their compilation only, not for the whole process).
     """
@@ -97,8 +101,12 @@ def compile_regions(
             return
         has_eager = any(type(m).__name__ in eager_types for m in module.modules())
         if selected and not has_eager:
+            breaks = any(type(m).__name__ in graph_break_types for m in module.modules())
             forward = torch.compile(
-                module.forward, backend=config.backend, fullgraph=config.fullgraph, mode=mode
+                module.forward,
+                backend=config.backend,
+                fullgraph=config.fullgraph and not breaks,
+                mode=mode,
             )
             module.forward = forward if memory_budget is None else _budgeted(forward, memory_budget)
             compiled.append(name)
