@@ -12,6 +12,7 @@ from torchloom.kernels.delta_rule import (
     delta_rule_chunked,
     delta_rule_reference,
     delta_rule_step,
+    fla_backward_safe,
 )
 
 B, H, K, V = 2, 3, 8, 6
@@ -188,15 +189,19 @@ def test_fla_kernels_match_the_chunked_form_on_gpu(per_channel: bool) -> None:
     state = torch.randn(B, H, 64, 64, generator=gen) * 0.1
     docs = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long().cuda()
     inputs = [q.cuda(), k.cuda(), v.cuda().to(torch.bfloat16), g.cuda(), beta.cuda()]
+    # fla's backward is only asked for where it is safe (fla_backward_safe: not on Hopper with
+    # Triton >= 3.4, < 3.7.1 and no tilelang); the forward is compared everywhere.
+    grads = fla_backward_safe()
     results = []
     for impl in ("torch", "fla"):
-        leaves = [x.clone().requires_grad_() for x in inputs]
+        leaves = [x.clone().requires_grad_(grads) for x in inputs]
         o, s = delta_rule(*leaves, state.cuda(), impl=impl, doc_ids_BT=docs, normalize_qk=True)
         assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-        (o.float().square().sum() + s.square().sum()).backward()
-        results.append([o, s] + [x.grad for x in leaves])
+        if grads:
+            (o.float().square().sum() + s.square().sum()).backward()
+        results.append([o, s] + ([x.grad for x in leaves] if grads else []))
     names = ["o", "state", "dq", "dk", "dv", "dg", "dbeta"]
-    for name, ours, theirs in zip(names, results[0], results[1], strict=True):
+    for name, ours, theirs in zip(names, results[0], results[1], strict=False):
         rel = _rel(theirs.float(), ours.float())
         print(f"fla vs torch {name}: rel {rel:.1e}")
         assert rel < 2e-2, name
