@@ -26,6 +26,8 @@ each row's first document, the returned state is that of its last.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -262,6 +264,7 @@ def _initial_state(
 # --- GPU fast path: fla-core's Triton kernels (not a dependency; untested on CPU) -------------
 
 
+@functools.cache
 def _fla_available() -> bool:
     try:
         import fla.ops  # noqa: F401
@@ -270,6 +273,7 @@ def _fla_available() -> bool:
     return True
 
 
+@functools.cache
 def fla_backward_safe() -> bool:
     """False where fla 0.6 refuses its gated backward: on Hopper with Triton >= 3.4, < 3.7.1
     (which miscompiles its dq/dk/dw/dg kernel, fla issue #640) unless tilelang is installed."""
@@ -327,8 +331,8 @@ def _delta_rule_fla(
     them; the final state comes back in fp32. Documents become fla's variable-length
     sequences: the rows flattened into one, cut at every document start (cu_seqlens)."""
     scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
-    # The kernels multiply q, k, v and beta together in their own dtype (a tl.dot of two dtypes
-    # fails), and layers hand q and k over in fp32 (their L2 norm's) next to a bf16 v.
+    # The kernels multiply q, k, v and beta together in one dtype (a tl.dot of two dtypes
+    # fails); callers may hand over fp32 q/k (normalised outside) or beta next to a bf16 v.
     q_BTHK, k_BTHK, beta_BTH = (x.to(v_BTHV.dtype) for x in (q_BTHK, k_BTHK, beta_BTH))
     initial = None if state_BHKV is None else state_BHKV.float()
     varlen: dict = {}
