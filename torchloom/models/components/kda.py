@@ -14,9 +14,10 @@ the same names):
 - each head's output RMS-normed and gated, ``o_norm(o) * sigmoid(g_b_proj(g_a_proj(x)))``,
   then ``o_proj``.
 
-Training runs the chunked delta rule over whole rows; packed documents are first spread to one
-row each (the recurrence and the convolutions start afresh at every document), and gathered
-back. Generation keeps, per slot, the recurrent state [heads, head_dim, head_dim] (fp32) and
+Training runs the chunked delta rule over whole rows; in packed rows the recurrence and the
+convolutions start afresh at every document (the delta rule's and ``causal_conv1d``'s document
+ids, as Gated DeltaNet's; fla's kernels take the documents as variable-length sequences).
+Generation keeps, per slot, the recurrent state [heads, head_dim, head_dim] (fp32) and
 the last ``conv_size - 1`` convolution inputs (``RecurrentState``, models/components/cache.py,
 as Gated DeltaNet's): a prefill runs the chunked rule from the slot's state, a decode step the
 one-token update.
@@ -109,21 +110,14 @@ class KimiDeltaAttention(nn.Module):
         doc_ids_BT: torch.Tensor | None = None,
         cache: BoundRecurrent | None = None,
     ) -> torch.Tensor:
-        """With ``cache`` (generation) the rows continue their slots' states (a row at position
-        0 starts afresh) and leave them there."""
-        if cache is None and doc_ids_BT is not None:
-            if not isinstance(doc_ids_BT, torch.Tensor):
-                raise ValueError(
-                    "Kimi Delta Attention takes packed documents as doc_ids, not a "
-                    f"{type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
-                )
-            spread = DocumentRows.of(doc_ids_BT)
-            if spread is not None:  # o_proj on the packed rows (sequence parallelism splits them)
-                return self.o_proj(spread.gather(self._mix(spread.scatter(x_BTD), None)))
-        return self.o_proj(self._mix(x_BTD, cache))
-
-    def _mix(self, x_BTD: torch.Tensor, cache: BoundRecurrent | None) -> torch.Tensor:
-        """The heads' gated, normed outputs [B, T, H * head_dim], before o_proj."""
+        """With ``doc_ids_BT`` (packed rows) every document starts from a zero state and its
+        convolutions see only its own tokens. With ``cache`` (generation) the rows continue
+        their slots' states (a row at position 0 starts afresh) and leave them there."""
+        if doc_ids_BT is not None and not isinstance(doc_ids_BT, torch.Tensor):
+            raise ValueError(
+                "Kimi Delta Attention takes packed documents as doc_ids, not a "
+                f"{type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
+            )
         B, T, _ = x_BTD.shape
         d = self.head_dim
         qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
@@ -132,7 +126,7 @@ class KimiDeltaAttention(nn.Module):
             [local_shard(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         )
         if cache is None:
-            qkv_BTC = F.silu(causal_conv1d(qkv_BTC, weight_C1W))
+            qkv_BTC = F.silu(causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT))
         else:
             qkv_BTC = F.silu(cache.convolve(qkv_BTC, weight_C1W))
         q_BTHd, k_BTHd, v_BTHd = (t.view(B, T, H, d) for t in qkv_BTC.chunk(3, dim=-1))
@@ -142,10 +136,12 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             o_BTHd = cache.delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True)
         else:
-            o_BTHd, _ = delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True)
+            o_BTHd, _ = delta_rule(
+                q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
+            )
         gate_BTHd = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
         o_BTHd = self.o_norm(o_BTHd.to(x_BTD.dtype), gate_BTHd)
-        return o_BTHd.reshape(B, T, H * d)
+        return self.o_proj(o_BTHd.reshape(B, T, H * d))
 
     def forget_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Log decay per head and key channel, [B, T, H, head_dim] fp32 (<= 0)."""
@@ -223,33 +219,3 @@ class KimiDeltaAttention(nn.Module):
             "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
             else RowwiseParallel(),
         }  # fmt: skip
-
-
-class DocumentRows:
-    """Packed rows spread to one row per document (right-padded) and back: every document
-    then starts its recurrence and convolutions afresh."""
-
-    def __init__(self, doc_BT: torch.Tensor, offset_BT: torch.Tensor, docs: int, length: int):
-        self.doc_BT, self.offset_BT, self.docs, self.length = doc_BT, offset_BT, docs, length
-
-    @staticmethod
-    def of(doc_ids_BT: torch.Tensor) -> DocumentRows | None:
-        """None when every row holds one document (nothing to spread)."""
-        B, T = doc_ids_BT.shape
-        starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
-        starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
-        docs = int(starts_BT.sum())  # a host read: the spread shape
-        if docs == B:
-            return None
-        doc_BT = starts_BT.flatten().cumsum(0).view(B, T) - 1
-        index_BT = torch.arange(T, device=doc_ids_BT.device).expand(B, T)
-        start_BT = torch.where(starts_BT, index_BT, 0).cummax(dim=1).values
-        offset_BT = index_BT - start_BT
-        return DocumentRows(doc_BT, offset_BT, docs, int(offset_BT.max()) + 1)
-
-    def scatter(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        out_NLD = x_BTD.new_zeros(self.docs, self.length, x_BTD.shape[-1])
-        return out_NLD.index_put((self.doc_BT, self.offset_BT), x_BTD)
-
-    def gather(self, y_NLD: torch.Tensor) -> torch.Tensor:
-        return y_NLD[self.doc_BT, self.offset_BT]
