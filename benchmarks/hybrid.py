@@ -5,6 +5,7 @@ against transformers' Qwen3NextGatedDeltaNet.
     python benchmarks/hybrid.py --rows hybrid full                      # the models, 4k and 32k
     python benchmarks/hybrid.py --rows layer layer-compiled hf-layer hf-layer-compiled  # layers
     python benchmarks/hybrid.py --rows hybrid full --compile graph-breaks --seq-lens 4096
+    python benchmarks/hybrid.py --rows layer-compiled hf-layer --profile-steps 2   # kernel tables
     python benchmarks/hybrid.py --device cpu --shape tiny --compile none --steps 2 --warmup 1
 
 Shape 1B: the qwen3_next family with Qwen3-Next's layer shapes at dim 2048 (gated attention:
@@ -75,6 +76,7 @@ from train import (
     bench_device,
     matmul_tflops,
     measure,
+    profile_steps,
 )
 
 from torchloom.kernels.delta_rule import fla_runs
@@ -85,6 +87,7 @@ from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.loss import CrossEntropy
 from torchloom.train.metrics import device_peak_tflops
 from torchloom.train.optim import OptimizerConfig, build_optimizer, clip_gradients
+from torchloom.train.profiling import format_kernel_summary
 from torchloom.train.remat import RematConfig, RematMode, apply_remat, memory_budget
 
 _SWIGLU = {"ffn": "swiglu", "tie_embeddings": True}
@@ -230,6 +233,9 @@ def run_row(
             x = torch.randn(batch, seq, cfg.dim, generator=generator).to(device, dtype)
             inputs = [x] * (args.warmup + args.steps)
         seconds, losses = measure(step, inputs, args.warmup, device)
+        if args.profile_steps and device.type == "cuda":
+            record["profile"] = profile_steps(step, inputs[: args.profile_steps], device)
+            print(format_kernel_summary(f"{row} {seq}", record["profile"]), flush=True)
     except Exception as err:  # an OOM (or anything else) becomes this row's error
         record["error"] = (
             f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
@@ -271,6 +277,9 @@ def main() -> None:
                         help="recomputation of the model rows")  # fmt: skip
     parser.add_argument("--optimizer", default="fused", choices=["fused", "triton"],
                         help="the model rows' AdamW (--optimizer.implementation)")  # fmt: skip
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after timing, profile this many steps per row (GPU kernel table: "
+                        "where a layer's time goes)")  # fmt: skip
     parser.add_argument("--fla-unchecked", action="store_true", help="time fla's backward "
                         "where fla refuses it (docstring): its gradients may be wrong")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
