@@ -27,6 +27,7 @@ each row's first document, the returned state is that of its last.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -287,6 +288,13 @@ def fla_backward_safe() -> bool:
     try:
         import tilelang  # noqa: F401
     except ImportError:
+        warnings.warn(
+            f"fla's gated delta-rule backward gives wrong results with Triton {triton.__version__} "
+            "on Hopper (fla issue #640), so training runs the delta rule's chunked PyTorch form, "
+            "which is several times slower. Install Triton >= 3.7.1 or tilelang to train with "
+            "fla's kernels.",
+            stacklevel=2,
+        )
         return False
     return True
 
