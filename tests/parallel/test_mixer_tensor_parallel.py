@@ -14,7 +14,7 @@ from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relati
 WORKER = Path(__file__).with_name("mixer_tp_worker.py")
 # As tests/parallel/test_layouts.py: fp32 sums in another order, nothing more. Parameters: a
 # few times Adam's amplification of rounding (its first step divides by |grad| + 1e-6, and an
-# embedding row of kimi_linear's debug model gets a gradient near that: it moved 1.2e-5 apart).
+# embedding row of kimi_linear's debug model gets a gradient near that: it moved up to 1.2e-5).
 # A split gone wrong moves weights by a good part of lr (1e-3).
 LOSS_TOL, PARAM_TOL, NORM_RTOL = 1e-5, 3e-5, 5e-5
 
