@@ -103,6 +103,16 @@ def test_bitwise_across_batches_decode_and_trainer_forward(family, shape, dtype,
         assert_fixed_order_arithmetic(model, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrid_linear_attention_bitwise(family, dtype):
+    """Gated DeltaNet hybrids (Qwen3.5 dense, Qwen3-Next with its gated shared expert): the
+    delta rule token by token with fixed-order sums, the convolution tap by tap, every
+    transcendental op through ``pointwise``; the same checks as the dense families (CPU)."""
+    model = invariant_model(family, dtype)
+    check_bitwise_across_batches(model, "cpu", f"{family} debug")
+
+
 def check_bitwise_across_batches(model, device: str, label: str) -> None:
     """The generator alone, in a batch and joining mid-decode, the trainer's forward, and every
     logit of a full forward alone and in a batch: bitwise the same."""

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torchloom.kernels import batch_invariant
 from torchloom.models.components.cache import Binding
 from torchloom.models.components.linear_attention import GatedDeltaNet
 from torchloom.models.qwen3_next import QWEN3_NEXT_FLAVORS
@@ -16,10 +17,13 @@ from torchloom.models.qwen3_next import QWEN3_NEXT_FLAVORS
 DIM, KEY_HEADS, VALUE_HEADS, DK, DV = 32, 2, 4, 8, 12
 
 
-def _layer(fused: bool = False, seed: int = 0) -> GatedDeltaNet:
+def _layer(fused: bool = False, seed: int = 0, invariant: bool = False) -> GatedDeltaNet:
     layer = GatedDeltaNet(
-        DIM, KEY_HEADS, VALUE_HEADS, DK, DV, conv_kernel=4, fused_projections=fused
-    )
+        DIM, KEY_HEADS, VALUE_HEADS, DK, DV, conv_kernel=4, fused_projections=fused,
+        invariant=invariant,
+    )  # fmt: skip
+    if invariant:
+        batch_invariant.make_linears_batch_invariant(layer)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in layer.named_parameters():
@@ -53,13 +57,26 @@ def test_fused_layout_is_a_permutation_of_the_split_one() -> None:
 
 
 @torch.no_grad()
-def test_prefill_then_decode_equals_full_forward() -> None:
+@pytest.mark.parametrize("invariant", [False, True], ids=["chunked", "batch_invariant"])
+def test_prefill_then_decode_equals_full_forward(invariant: bool) -> None:
     """Rows of different lengths prefilled together (right-padded) into slots 2 and 0, then
-    decoded token by token: every output equals the full forward's, and so does the state."""
-    layer = _layer()
+    decoded token by token: every output equals the full forward's, and so does the state.
+    In batch-invariant mode bit for bit, and the full forward of a row alone equals its
+    forward in the batch."""
+    layer = _layer(invariant=invariant)
     lengths, total = [5, 9], 14
     x = torch.randn(2, total, DIM, generator=torch.Generator().manual_seed(3))
     full = layer(x)
+
+    def check(got: torch.Tensor, want: torch.Tensor, label: object) -> None:
+        if invariant:
+            diff = (got - want).abs().max().item()
+            assert torch.equal(got, want), f"{label}: max |diff| {diff:.1e}"
+        else:
+            assert _rel(got, want) < 1e-5, label
+
+    if invariant:
+        check(layer(x[1:]), full[1:], "row alone vs in the batch")
     state = layer.new_state(slots=3, max_len=32, device=torch.device("cpu"), dtype=torch.float32)
     state.recurrent.fill_(7.0)  # a previous occupant's state: a row at position 0 ignores it
     state.conv.fill_(7.0)
@@ -72,9 +89,7 @@ def test_prefill_then_decode_equals_full_forward() -> None:
     binding = Binding(slots, positions, longest, leading=False, lengths_B=torch.tensor(lengths))
     out = layer(prompt, cache=state.bound(binding))
     for row, n in enumerate(lengths):
-        rel = _rel(out[row, :n], full[row, :n])
-        print(f"prefill row {row}: rel {rel:.1e}")
-        assert rel < 1e-5
+        check(out[row, :n], full[row, :n], f"prefill row {row}")
     position = torch.tensor(lengths)
     for _ in range(total - max(lengths) + 4):
         live = position < total
@@ -84,7 +99,7 @@ def test_prefill_then_decode_equals_full_forward() -> None:
         binding = Binding(slots[rows], pos, int(pos.max()) + 1, leading=False)
         step = layer(token, cache=state.bound(binding))
         expected = full[rows, position[rows]][:, None]
-        assert _rel(step, expected) < 1e-5, (rows, position)
+        check(step, expected, (rows, position))
         position[rows] += 1
 
 

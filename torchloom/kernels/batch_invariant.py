@@ -304,3 +304,73 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if use_triton(gate):
         return swiglu_fused(gate, up)
     return pointwise(F.silu, gate) * up
+
+
+# -- gated delta rule (linear attention) ------------------------------------------------------
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``delta_rule.l2_normalize`` (fp32) with the sum of squares a fixed_order_sum."""
+    x = x.float()
+    return x * torch.sqrt(fixed_order_sum(x * x) + eps).reciprocal()[..., None]
+
+
+def delta_rule_step(
+    q_BHK: torch.Tensor,
+    k_BHK: torch.Tensor,
+    v_BHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BH: torch.Tensor,
+    state_BHKV: torch.Tensor,
+    scale: float | None = None,
+    normalize_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta_rule.delta_rule_step`` in a fixed order: the decay's exp through ``pointwise``,
+    the two products over K as fixed_order_sums, the rest elementwise. A whole sequence is this
+    step token after token (``delta_rule``), so a prefill, a decode step and a training forward
+    compute every token alike."""
+    scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
+    if normalize_qk:
+        q_BHK, k_BHK = l2_normalize(q_BHK), l2_normalize(k_BHK)
+    group = v_BHV.shape[-2] // q_BHK.shape[-2]
+    if group > 1:
+        q_BHK, k_BHK = (x.repeat_interleave(group, dim=-2) for x in (q_BHK, k_BHK))
+    q, k, v = (x.float() for x in (q_BHK, k_BHK, v_BHV))
+    decay = pointwise(torch.exp, g.float())
+    decay = decay[..., None, None] if decay.dim() == 2 else decay[..., None]
+    state = state_BHKV.float() * decay
+    u_BHV = v - fixed_order_sum((k[..., :, None] * state).transpose(-1, -2))
+    state = state + (beta_BH.float()[..., None, None] * k[..., :, None]) * u_BHV[..., None, :]
+    o_BHV = fixed_order_sum(((q * scale)[..., :, None] * state).transpose(-1, -2))
+    return o_BHV.to(v_BHV.dtype), state
+
+
+def delta_rule(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    scale: float | None = None,
+    doc_ids_BT: torch.Tensor | None = None,
+    normalize_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a sequence as ``delta_rule_step`` token after token (packed
+    documents restart the state at their first token); returns (o [B, T, H, V], fp32 state).
+    One token at a time: for batch-invariant generation and RL, not for speed."""
+    B, T, H, V = v_BTHV.shape
+    state = state_BHKV
+    if state is None:
+        state = v_BTHV.new_zeros(B, H, q_BTHK.shape[-1], V, dtype=torch.float32)
+    outputs = []
+    for t in range(T):
+        if doc_ids_BT is not None and t > 0:  # a new document starts from zeros (exact)
+            same_B = (doc_ids_BT[:, t] == doc_ids_BT[:, t - 1]).to(state.dtype)
+            state = state * same_B[:, None, None, None]
+        o_BHV, state = delta_rule_step(
+            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale,
+            normalize_qk,
+        )  # fmt: skip
+        outputs.append(o_BHV)
+    return torch.stack(outputs, dim=1), state

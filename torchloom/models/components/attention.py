@@ -232,7 +232,10 @@ class Attention(nn.Module):
             out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
         out_BTX = out_BHTd.transpose(1, 2).reshape(B, T, -1)
         if gate_BTX is not None:
-            out_BTX = out_BTX * torch.sigmoid(gate_BTX)
+            if self.backend == "batch_invariant":
+                out_BTX = out_BTX * batch_invariant.pointwise(torch.sigmoid, gate_BTX)
+            else:
+                out_BTX = out_BTX * torch.sigmoid(gate_BTX)
         return self.o_proj(out_BTX)
 
     def _rotate(

@@ -320,16 +320,29 @@ class BoundRecurrent:
         self.state, self.binding = state, binding
         self.fresh_B = binding.positions_BT[:, 0] == 0
 
-    def convolve(self, x_BTC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
+    def convolve(
+        self, x_BTC: torch.Tensor, weight_C1W: torch.Tensor, fixed_order: bool = False
+    ) -> torch.Tensor:
         """The causal depthwise convolution of ``x_BTC`` (weight [channels, 1, width]) after
-        each row's previous inputs; keeps each row's last width - 1 real inputs."""
+        each row's previous inputs; keeps each row's last width - 1 real inputs. With
+        ``fixed_order``, tap after tap as ``causal_conv1d`` computes it in batch-invariant
+        mode (models/components/linear_attention.py), so a decode step equals the full
+        forward bit for bit."""
         B, T, C = x_BTC.shape
         keep = weight_C1W.shape[-1] - 1
         slots = self.binding.slot_ids_B
         previous_BCk = self.state.conv[slots].to(x_BTC.dtype)
         previous_BCk = previous_BCk.masked_fill(self.fresh_B[:, None, None], 0.0)
         inputs_BCL = torch.cat([previous_BCk, x_BTC.transpose(1, 2)], dim=-1)  # L = keep + T
-        out_BCT = F.conv1d(inputs_BCL, weight_C1W.to(x_BTC.dtype), groups=C)
+        weight_C1W = weight_C1W.to(x_BTC.dtype)
+        if fixed_order:
+            inputs_BLC = inputs_BCL.transpose(1, 2)
+            out_BTC = torch.zeros_like(x_BTC)
+            for tap in range(keep + 1):  # tap j reads input t - (width - 1 - j)
+                out_BTC = out_BTC + weight_C1W[:, 0, tap] * inputs_BLC[:, tap : tap + T]
+            out_BCT = out_BTC.transpose(1, 2)
+        else:
+            out_BCT = F.conv1d(inputs_BCL, weight_C1W, groups=C)
         if keep:
             lengths_B = self._lengths(B, T, x_BTC.device)
             # Token t sits at index keep + t: the last `keep` real inputs end at keep + length.
@@ -347,10 +360,13 @@ class BoundRecurrent:
         g: torch.Tensor,
         beta_BTH: torch.Tensor,
         normalize_qk: bool = False,
+        fixed_order: bool = False,
     ) -> torch.Tensor:
         """The gated delta rule (torchloom/kernels/delta_rule.py) from each row's state; stores
         the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]; q and k
-        as ``delta_rule`` takes them (grouped, normalised there with ``normalize_qk``)."""
+        as ``delta_rule`` takes them (grouped, normalised there with ``normalize_qk``). With
+        ``fixed_order``, batch-invariant mode's token-by-token rule (kernels/batch_invariant.py)
+        for prefill and decode alike."""
         T = q_BTHK.shape[1]
         slots = self.binding.slot_ids_B
         state_BHKV = self.state.recurrent[slots].masked_fill(self.fresh_B[:, None, None, None], 0)
@@ -358,7 +374,11 @@ class BoundRecurrent:
             real_BT = torch.arange(T, device=q_BTHK.device) < self.binding.lengths_B[:, None]
             beta_BTH = beta_BTH * real_BT[..., None]
             g = g * (real_BT[..., None, None] if g.dim() == 4 else real_BT[..., None])
-        if T == 1:
+        if fixed_order:
+            o_BTHV, state_BHKV = batch_invariant.delta_rule(
+                q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, normalize_qk=normalize_qk
+            )
+        elif T == 1:
             o_BHV, state_BHKV = delta_rule_step(
                 q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV,
                 normalize_qk=normalize_qk,

@@ -222,7 +222,7 @@ def _gated_deltanet(cfg: Any, layer: int) -> nn.Module:
         cfg.dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
         cfg.linear_value_head_dim, cfg.linear_conv_kernel, cfg.norm_eps,
         fused_projections=cfg.linear_fused_projections, init_std=cfg.init_std,
-        out_std=_residual_std(cfg),
+        out_std=_residual_std(cfg), invariant=cfg.batch_invariant,
     )  # fmt: skip
 
 

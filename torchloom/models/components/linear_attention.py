@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.delta_rule import delta_rule
 from torchloom.kernels.rmsnorm import rms_norm
 from torchloom.models.components.cache import BoundRecurrent, RecurrentState
@@ -45,12 +46,19 @@ from torchloom.models.components.param_init import ParamInit
 
 
 def causal_conv1d(
-    x_BTC: torch.Tensor, weight_C1W: torch.Tensor, doc_ids_BT: torch.Tensor | None = None
+    x_BTC: torch.Tensor,
+    weight_C1W: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None = None,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """Depthwise causal convolution along T: output t sees inputs t - width + 1 .. t (with
-    ``doc_ids_BT``, only those of its own document)."""
+    ``doc_ids_BT``, only those of its own document). With documents or ``fixed_order`` it runs
+    tap after tap as elementwise multiply-adds, which a decode step repeats bit for bit
+    (``BoundRecurrent.convolve``; batch-invariant mode)."""
     width = weight_C1W.shape[-1]
     weight_C1W = weight_C1W.to(x_BTC.dtype)
+    if doc_ids_BT is None and fixed_order:
+        doc_ids_BT = torch.zeros(x_BTC.shape[:2], dtype=torch.long, device=x_BTC.device)
     if doc_ids_BT is None:
         x_BCT = F.pad(x_BTC.transpose(1, 2), (width - 1, 0))
         return F.conv1d(x_BCT, weight_C1W, groups=x_BTC.shape[-1]).transpose(1, 2)
@@ -68,13 +76,16 @@ class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output times silu(gate): weight * (x / rms(x)) * silu(z), the
     statistics and the gate in fp32."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, invariant: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.invariant = eps, invariant
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         weight = shared_by_heads(self.weight)  # under tp, applied to this rank's heads only
+        if self.invariant:
+            normed = batch_invariant.rms_norm(x, weight, self.eps)
+            return (normed * batch_invariant.pointwise(F.silu, gate.float())).to(x.dtype)
         return (rms_norm(x, weight, self.eps) * F.silu(gate.float())).to(x.dtype)
 
     def init_weights(self, init: ParamInit) -> None:
@@ -100,8 +111,13 @@ class GatedDeltaNet(nn.Module):
         fused_projections: bool = False,
         init_std: float = 0.02,
         out_std: float | None = None,
+        invariant: bool = False,
     ) -> None:
+        """``invariant``: batch-invariant mode, every op in a fixed order (the delta rule token
+        by token, kernels/batch_invariant.py), so a token's output does not depend on its batch
+        or on prefill vs decode."""
         super().__init__()
+        self.invariant = invariant
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -124,7 +140,7 @@ class GatedDeltaNet(nn.Module):
             setattr(self, f"{part}_conv1d", conv)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps, invariant)
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
 
     def forward(
@@ -150,25 +166,38 @@ class GatedDeltaNet(nn.Module):
         weight_C1W = torch.cat(
             [local_shard(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         )
+        fixed = self.invariant
         if cache is None:
-            qkv_BTC = causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT)
+            qkv_BTC = causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT, fixed_order=fixed)
         else:
-            qkv_BTC = cache.convolve(qkv_BTC, weight_C1W)
-        q_BTC, k_BTC, v_BTC = F.silu(qkv_BTC).split([key_width, key_width, value_width], -1)
+            qkv_BTC = cache.convolve(qkv_BTC, weight_C1W, fixed_order=fixed)
+        qkv_BTC = batch_invariant.pointwise(F.silu, qkv_BTC) if fixed else F.silu(qkv_BTC)
+        q_BTC, k_BTC, v_BTC = qkv_BTC.split([key_width, key_width, value_width], -1)
         # Each key head serves num_v_heads / num_k_heads consecutive value heads; the delta rule
         # L2-normalises q and k and repeats them (fla inside its kernels).
         q_BTNk = q_BTC.reshape(B, T, -1, self.head_k_dim)
         k_BTNk = k_BTC.reshape(B, T, -1, self.head_k_dim)
         v_BTHv = v_BTC.reshape(B, T, -1, self.head_v_dim)
-        beta_BTH = b_BTH.sigmoid()
         A_log, dt_bias = local_shard(self.A_log), local_shard(self.dt_bias)
-        g_BTH = -A_log.float().exp() * F.softplus(a_BTH.float() + dt_bias)
-        if cache is None:
-            o_BTHv, _ = delta_rule(
+        if fixed:  # the transcendental ops through pointwise; the rule token by token
+            beta_BTH = batch_invariant.pointwise(torch.sigmoid, b_BTH)
+            decay_H = batch_invariant.pointwise(torch.exp, A_log.float())
+            g_BTH = -decay_H * batch_invariant.pointwise(F.softplus, a_BTH.float() + dt_bias)
+        else:
+            beta_BTH = b_BTH.sigmoid()
+            g_BTH = -A_log.float().exp() * F.softplus(a_BTH.float() + dt_bias)
+        if cache is not None:
+            o_BTHv = cache.delta_rule(
+                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, normalize_qk=True, fixed_order=fixed
+            )
+        elif fixed:
+            o_BTHv, _ = batch_invariant.delta_rule(
                 q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
             )
         else:
-            o_BTHv = cache.delta_rule(q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, normalize_qk=True)
+            o_BTHv, _ = delta_rule(
+                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
+            )
         o_BTHv = self.norm(o_BTHv, z_BTHv)
         return self.out_proj(o_BTHv.reshape(B, T, -1))
 

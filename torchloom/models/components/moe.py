@@ -359,7 +359,12 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared_ND = self.shared_experts(x_ND)
             if self.shared_expert_gate is not None:
-                shared_ND = torch.sigmoid(self.shared_expert_gate(x_ND)) * shared_ND
+                gate_N1 = self.shared_expert_gate(x_ND)
+                if self.invariant:
+                    gate_N1 = batch_invariant.pointwise(torch.sigmoid, gate_N1)
+                else:
+                    gate_N1 = torch.sigmoid(gate_N1)
+                shared_ND = gate_N1 * shared_ND
             y_ND = y_ND + shared_ND
         return y_ND.view(B, T, D)
 

@@ -129,11 +129,6 @@ class Qwen3NextConfig(DecoderConfig):
             )
         if self.ffn not in ("moe", "swiglu"):
             raise ConfigError(f"model ffn must be 'moe' or 'swiglu', got {self.ffn!r}.")
-        if self.batch_invariant:
-            raise ConfigError(
-                "batch_invariant is not supported by Gated DeltaNet models: the chunked delta "
-                "rule has no batch-invariant form yet. Drop batch_invariant."
-            )
         super().validate()
         self.rope.validate()
         if self.ffn == "moe":
