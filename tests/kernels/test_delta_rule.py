@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.delta_rule import (
     _fla_suits,
     delta_rule,
@@ -99,6 +100,30 @@ def test_grouped_unnormalised_qk_as_the_layers_pass_them() -> None:
     o_t, _ = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                torch.zeros(B, H, K, V), normalize_qk=True)  # fmt: skip
     assert _rel(o_t, o_ref[:, 0]) < 1e-5
+
+
+def test_fixed_order_step_is_the_defined_arithmetic() -> None:
+    """Batch-invariant mode's step computes what the module docstring defines, bit for bit:
+    its products over K as the pairwise tree of elementwise adds, exp through ``pointwise``.
+    (Trainer-vs-generator checks cannot show a library sum swapped in on a host whose BLAS
+    happens to give the same bits for every batch; this can.)"""
+    gen = torch.Generator().manual_seed(6)
+    Kd, Vd = 64, 48
+    q, k = (F.normalize(torch.randn(B, H, Kd, generator=gen), dim=-1) for _ in range(2))
+    v, state = torch.randn(B, H, Vd, generator=gen), torch.randn(B, H, Kd, Vd, generator=gen)
+    g, beta = -F.softplus(torch.randn(B, H, generator=gen)), torch.rand(B, H, generator=gen)
+    o, new_state = delta_rule_step(q, k, v, g, beta, state, fixed_order=True)
+
+    def tree(x: torch.Tensor) -> torch.Tensor:  # lane i + lane i + half, halving
+        while x.shape[-1] > 1:
+            x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+        return x[..., 0]
+
+    decayed = state * batch_invariant.pointwise(torch.exp, g)[..., None, None]
+    u = v - tree((k[..., :, None] * decayed).transpose(-1, -2))
+    want_state = decayed + beta[..., None, None] * k[..., :, None] * u[..., None, :]
+    want_o = tree(((q * Kd**-0.5)[..., :, None] * want_state).transpose(-1, -2))
+    assert torch.equal(new_state, want_state) and torch.equal(o, want_o)
 
 
 def test_bf16_inputs_return_bf16_outputs_fp32_state() -> None:

@@ -19,6 +19,11 @@ with fewer heads than v (each serving HV / H consecutive value heads, Gated Delt
 grouping) and, with ``normalize_qk``, L2-normalise them per head (fla does both inside its
 kernels); otherwise q and k are used as given.
 
+``fixed_order`` (batch-invariant mode, kernels/batch_invariant.py): ``delta_rule_step`` takes its
+exp through ``pointwise`` and its sums over K (and the L2 norm's) as ``fixed_order_sum``, the
+rest being elementwise; ``delta_rule(impl="fixed_order")`` is that step token after token, so a
+training forward, a prefill and a decode step compute every token alike, whatever its batch.
+
 Packed rows: with ``doc_ids_BT`` (contiguous documents per row) the state restarts from zero at
 every token whose document differs from the previous token's; the initial state belongs to
 each row's first document, the returned state is that of its last.
@@ -31,19 +36,24 @@ import warnings
 
 import torch
 
+from torchloom.kernels.batch_invariant import fixed_order_sum, pointwise
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as fla and transformers compute)."""
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6, fixed_order: bool = False) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as fla and transformers compute);
+    with ``fixed_order`` the sum is a fixed_order_sum and the root IEEE (batch-invariant)."""
     x = x.float()
+    if fixed_order:
+        return x * torch.sqrt(fixed_order_sum(x * x) + eps).reciprocal()[..., None]
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
 def _per_value_head(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalize_qk: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, normalize_qk: bool, fixed_order: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k normalised if asked, and repeated to v's heads (dim -2) if they have fewer."""
     if normalize_qk:
-        q, k = l2_normalize(q), l2_normalize(k)
+        q, k = l2_normalize(q, fixed_order=fixed_order), l2_normalize(k, fixed_order=fixed_order)
     group = v.shape[-2] // q.shape[-2]
     if group > 1:
         q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
@@ -59,18 +69,57 @@ def delta_rule_step(
     state_BHKV: torch.Tensor,
     scale: float | None = None,
     normalize_qk: bool = False,
+    fixed_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: ``g`` is [B, H] or [B, H, K]; returns (o [B, H, V], new fp32 state)."""
+    """One token: ``g`` is [B, H] or [B, H, K]; returns (o [B, H, V], new fp32 state).
+    ``fixed_order``: batch-invariant arithmetic (module docstring)."""
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
-    q_BHK, k_BHK = _per_value_head(q_BHK, k_BHK, v_BHV, normalize_qk)
+    q_BHK, k_BHK = _per_value_head(q_BHK, k_BHK, v_BHV, normalize_qk, fixed_order)
     q, k, v = (x.float() for x in (q_BHK, k_BHK, v_BHV))
-    decay = g.float().exp()
+    decay = pointwise(torch.exp, g.float()) if fixed_order else g.float().exp()
     decay = decay[..., None, None] if decay.dim() == 2 else decay[..., None]
     state = state_BHKV.float() * decay
-    u_BHV = v - torch.einsum("bhk,bhkv->bhv", k, state)
+
+    def over_k(x_BHK: torch.Tensor) -> torch.Tensor:  # sum_k x[k] S[k, :]
+        if fixed_order:
+            return fixed_order_sum((x_BHK[..., :, None] * state).transpose(-1, -2))
+        return torch.einsum("bhk,bhkv->bhv", x_BHK, state)
+
+    u_BHV = v - over_k(k)
     state = state + beta_BH.float()[..., None, None] * k[..., :, None] * u_BHV[..., None, :]
-    o_BHV = torch.einsum("bhk,bhkv->bhv", q * scale, state)
+    o_BHV = over_k(q * scale)
     return o_BHV.to(v_BHV.dtype), state
+
+
+def delta_rule_tokenwise(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    scale: float | None = None,
+    doc_ids_BT: torch.Tensor | None = None,
+    normalize_qk: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta_rule_step`` with ``fixed_order`` token after token (packed documents restart the
+    state at their first token): batch-invariant mode's rule for training, prefill and decode.
+    One token at a time: for RL-sized models, not for speed."""
+    B, T, H, V = v_BTHV.shape
+    state = state_BHKV
+    if state is None:
+        state = v_BTHV.new_zeros(B, H, q_BTHK.shape[-1], V, dtype=torch.float32)
+    outputs = []
+    for t in range(T):
+        if doc_ids_BT is not None and t > 0:  # a new document starts from zeros (exact)
+            same_B = (doc_ids_BT[:, t] == doc_ids_BT[:, t - 1]).to(state.dtype)
+            state = state * same_B[:, None, None, None]
+        o_BHV, state = delta_rule_step(
+            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale,
+            normalize_qk, fixed_order=True,
+        )  # fmt: skip
+        outputs.append(o_BHV)
+    return torch.stack(outputs, dim=1), state
 
 
 def delta_rule_reference(
@@ -236,19 +285,26 @@ def delta_rule(
     normalize_qk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule for a whole sequence. ``impl``: "torch" (``delta_rule_chunked``),
-    "fla" (fla-core's Triton kernels, CUDA only) or "auto" (fla on CUDA when importable and,
-    when gradients are wanted, its backward is safe there: ``fla_backward_safe``).
+    "fla" (fla-core's Triton kernels, CUDA only), "auto" (fla on CUDA when importable and,
+    when gradients are wanted, its backward is safe there: ``fla_backward_safe``) or
+    "fixed_order" (``delta_rule_tokenwise``: batch-invariant mode).
     q and k may have fewer heads than v; ``normalize_qk``: L2-normalise them (module
     docstring)."""
-    if impl not in ("auto", "torch", "fla"):
-        raise ValueError(f"unknown delta rule impl {impl!r}: choose auto, torch or fla")
+    if impl not in ("auto", "torch", "fla", "fixed_order"):
+        raise ValueError(
+            f"unknown delta rule impl {impl!r}: choose auto, torch, fla or fixed_order"
+        )
+    if impl == "fixed_order":
+        return delta_rule_tokenwise(
+            q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
+        )
     if impl == "fla" or (
         impl == "auto" and q_BTHK.is_cuda and _fla_suits(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)
     ):
         return _delta_rule_fla(
             q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
         )
-    q_BTHK, k_BTHK = _per_value_head(q_BTHK, k_BTHK, v_BTHV, normalize_qk)
+    q_BTHK, k_BTHK = _per_value_head(q_BTHK, k_BTHK, v_BTHV, normalize_qk, fixed_order=False)
     return delta_rule_chunked(
         q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT=doc_ids_BT
     )

@@ -365,7 +365,7 @@ class BoundRecurrent:
         """The gated delta rule (torchloom/kernels/delta_rule.py) from each row's state; stores
         the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]; q and k
         as ``delta_rule`` takes them (grouped, normalised there with ``normalize_qk``). With
-        ``fixed_order``, batch-invariant mode's token-by-token rule (kernels/batch_invariant.py)
+        ``fixed_order``, batch-invariant mode's token-by-token rule (delta_rule_tokenwise)
         for prefill and decode alike."""
         T = q_BTHK.shape[1]
         slots = self.binding.slot_ids_B
@@ -375,9 +375,10 @@ class BoundRecurrent:
             beta_BTH = beta_BTH * real_BT[..., None]
             g = g * (real_BT[..., None, None] if g.dim() == 4 else real_BT[..., None])
         if fixed_order:
-            o_BTHV, state_BHKV = batch_invariant.delta_rule(
-                q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, normalize_qk=normalize_qk
-            )
+            o_BTHV, state_BHKV = delta_rule(
+                q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, impl="fixed_order",
+                normalize_qk=normalize_qk,
+            )  # fmt: skip
         elif T == 1:
             o_BHV, state_BHKV = delta_rule_step(
                 q_BTHK[:, 0], k_BTHK[:, 0], v_BTHV[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV,

@@ -190,14 +190,11 @@ class GatedDeltaNet(nn.Module):
             o_BTHv = cache.delta_rule(
                 q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, normalize_qk=True, fixed_order=fixed
             )
-        elif fixed:
-            o_BTHv, _ = batch_invariant.delta_rule(
-                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
-            )
         else:
             o_BTHv, _ = delta_rule(
-                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
-            )
+                q_BTNk, k_BTNk, v_BTHv, g_BTH, beta_BTH, impl="fixed_order" if fixed else "auto",
+                doc_ids_BT=doc_ids_BT, normalize_qk=True,
+            )  # fmt: skip
         o_BTHv = self.norm(o_BTHv, z_BTHv)
         return self.out_proj(o_BTHv.reshape(B, T, -1))
 
