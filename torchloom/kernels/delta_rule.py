@@ -21,7 +21,8 @@ kernels); otherwise q and k are used as given.
 
 ``fixed_order`` (batch-invariant mode, kernels/batch_invariant.py): ``delta_rule_step`` takes its
 exp through ``pointwise`` and its sums over K (and the L2 norm's) as ``fixed_order_sum``, the
-rest being elementwise; ``delta_rule(impl="fixed_order")`` is that step token after token, so a
+rest being elementwise; ``delta_rule(impl="fixed_order")`` is that step token after token
+(``delta_rule_reference``), so a
 training forward, a prefill and a decode step compute every token alike, whatever its batch.
 
 Packed rows: with ``doc_ids_BT`` (contiguous documents per row) the state restarts from zero at
@@ -91,37 +92,6 @@ def delta_rule_step(
     return o_BHV.to(v_BHV.dtype), state
 
 
-def delta_rule_tokenwise(
-    q_BTHK: torch.Tensor,
-    k_BTHK: torch.Tensor,
-    v_BTHV: torch.Tensor,
-    g: torch.Tensor,
-    beta_BTH: torch.Tensor,
-    state_BHKV: torch.Tensor | None = None,
-    scale: float | None = None,
-    doc_ids_BT: torch.Tensor | None = None,
-    normalize_qk: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``delta_rule_step`` with ``fixed_order`` token after token (packed documents restart the
-    state at their first token): batch-invariant mode's rule for training, prefill and decode.
-    One token at a time: for RL-sized models, not for speed."""
-    B, T, H, V = v_BTHV.shape
-    state = state_BHKV
-    if state is None:
-        state = v_BTHV.new_zeros(B, H, q_BTHK.shape[-1], V, dtype=torch.float32)
-    outputs = []
-    for t in range(T):
-        if doc_ids_BT is not None and t > 0:  # a new document starts from zeros (exact)
-            same_B = (doc_ids_BT[:, t] == doc_ids_BT[:, t - 1]).to(state.dtype)
-            state = state * same_B[:, None, None, None]
-        o_BHV, state = delta_rule_step(
-            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale,
-            normalize_qk, fixed_order=True,
-        )  # fmt: skip
-        outputs.append(o_BHV)
-    return torch.stack(outputs, dim=1), state
-
-
 def delta_rule_reference(
     q_BTHK: torch.Tensor,
     k_BTHK: torch.Tensor,
@@ -131,19 +101,23 @@ def delta_rule_reference(
     state_BHKV: torch.Tensor | None = None,
     scale: float | None = None,
     doc_ids_BT: torch.Tensor | None = None,
+    normalize_qk: bool = False,
+    fixed_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence token by token (the module docstring); returns (o [B, T, H, V], state)."""
-    B, T, H, K = q_BTHK.shape
-    V = v_BTHV.shape[-1]
-    state = _initial_state(state_BHKV, B, H, K, V, q_BTHK.device)
+    """The recurrence token by token (the module docstring); returns (o [B, T, H, V], state).
+    With ``fixed_order``, batch-invariant mode's rule for training, prefill and decode alike
+    (``delta_rule(impl="fixed_order")``): one token at a time, for RL-sized models."""
+    B, T, H, V = v_BTHV.shape
+    state = _initial_state(state_BHKV, B, H, q_BTHK.shape[-1], V, v_BTHV.device)
     outputs = []
     for t in range(T):
         if doc_ids_BT is not None and t > 0:
             new_doc_B = doc_ids_BT[:, t] != doc_ids_BT[:, t - 1]
             state = state.masked_fill(new_doc_B[:, None, None, None], 0.0)
         o_BHV, state = delta_rule_step(
-            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale
-        )
+            q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g[:, t], beta_BTH[:, t], state, scale,
+            normalize_qk, fixed_order,
+        )  # fmt: skip
         outputs.append(o_BHV)
     o_BTHV = torch.stack(outputs, dim=1) if outputs else v_BTHV.new_zeros(B, 0, H, V)
     return o_BTHV, state
@@ -287,7 +261,7 @@ def delta_rule(
     """The gated delta rule for a whole sequence. ``impl``: "torch" (``delta_rule_chunked``),
     "fla" (fla-core's Triton kernels, CUDA only), "auto" (fla on CUDA when importable and,
     when gradients are wanted, its backward is safe there: ``fla_backward_safe``) or
-    "fixed_order" (``delta_rule_tokenwise``: batch-invariant mode).
+    "fixed_order" (``delta_rule_reference`` with fixed-order arithmetic: batch-invariant mode).
     q and k may have fewer heads than v; ``normalize_qk``: L2-normalise them (module
     docstring)."""
     if impl not in ("auto", "torch", "fla", "fixed_order"):
@@ -295,9 +269,10 @@ def delta_rule(
             f"unknown delta rule impl {impl!r}: choose auto, torch, fla or fixed_order"
         )
     if impl == "fixed_order":
-        return delta_rule_tokenwise(
-            q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
-        )
+        return delta_rule_reference(
+            q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk,
+            fixed_order=True,
+        )  # fmt: skip
     if impl == "fla" or (
         impl == "auto" and q_BTHK.is_cuda and _fla_suits(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)
     ):

@@ -365,7 +365,7 @@ class BoundRecurrent:
         """The gated delta rule (torchloom/kernels/delta_rule.py) from each row's state; stores
         the state after each row's last real token. ``g``: [B, T, H] or [B, T, H, K]; q and k
         as ``delta_rule`` takes them (grouped, normalised there with ``normalize_qk``). With
-        ``fixed_order``, batch-invariant mode's token-by-token rule (delta_rule_tokenwise)
+        ``fixed_order``, batch-invariant mode's token-by-token rule (delta_rule_reference, fixed_order)
         for prefill and decode alike."""
         T = q_BTHK.shape[1]
         slots = self.binding.slot_ids_B
