@@ -1,4 +1,5 @@
-"""Shared fixtures for the model tests: Hugging Face reference models with our weights."""
+"""Shared fixtures for the model tests: Hugging Face reference models with our weights, and a
+recurrent layer's padded prefill."""
 
 from __future__ import annotations
 
@@ -81,3 +82,28 @@ def generate_matches_greedy(tmp_path: Path) -> Callable[[Path, nn.Module, int], 
             assert tokens == expected, (prompt, tokens, expected)
 
     return check
+
+
+@pytest.fixture
+def padded_prefill():
+    """``prefill(layer, x_BTD, lengths, slots) -> (state, out)``: a generation state for the
+    recurrent layer with stale values in every slot (a row at position 0 must ignore them), and
+    the layer's output for the rows' first ``lengths`` tokens right-padded into one prefill into
+    ``slots``."""
+    from torchloom.models.components.cache import Binding
+
+    def prefill(layer: nn.Module, x_BTD: torch.Tensor, lengths: list[int], slots: list[int]):
+        state = layer.new_state(slots=max(slots) + 1, max_len=32, device=torch.device("cpu"),
+                                dtype=torch.float32)  # fmt: skip
+        state.recurrent.fill_(7.0)
+        state.conv.fill_(7.0)
+        rows, longest = len(lengths), max(lengths)
+        prompt = torch.zeros(rows, longest, x_BTD.shape[-1])
+        for row, n in enumerate(lengths):
+            prompt[row, :n] = x_BTD[row, :n]
+        positions = torch.arange(longest).expand(rows, -1)
+        binding = Binding(torch.tensor(slots), positions, longest, leading=False,
+                          lengths_B=torch.tensor(lengths))  # fmt: skip
+        return state, layer(prompt, cache=state.bound(binding))
+
+    return prefill

@@ -57,24 +57,15 @@ def test_matches_transformers(T: int) -> None:
 
 
 @torch.no_grad()
-def test_prefill_then_decode_equals_full_forward() -> None:
+def test_prefill_then_decode_equals_full_forward(padded_prefill) -> None:
     """Right-padded prompts of different lengths in a shared prefill, then one token per step
     (slots in another order): every output equals the full forward's."""
     ours = _ours_from(_hf_layer(seed=2))
     lengths, total = [5, 9, 1], 14
     x = torch.randn(3, total, DIM, generator=torch.Generator().manual_seed(3))
     full = ours(x)
-    state = ours.new_state(slots=4, max_len=32, device=torch.device("cpu"), dtype=torch.float32)
-    state.recurrent.fill_(7.0)  # stale values from an earlier request: position 0 resets them
-    state.conv.fill_(7.0)
     slots = torch.tensor([2, 0, 3])
-    longest = max(lengths)
-    prompt = torch.zeros(3, longest, DIM)
-    for row, n in enumerate(lengths):
-        prompt[row, :n] = x[row, :n]
-    positions = torch.arange(longest).expand(3, -1)
-    binding = Binding(slots, positions, longest, leading=False, lengths_B=torch.tensor(lengths))
-    out = ours(prompt, cache=state.bound(binding))
+    state, out = padded_prefill(ours, x, lengths, slots.tolist())
     worst = max(_rel(out[row, :n], full[row, :n]) for row, n in enumerate(lengths))
     order = [1, 0, 2]  # decode rows in another order than the prefill's
     for step in range(total - min(lengths)):

@@ -58,7 +58,7 @@ def test_fused_layout_is_a_permutation_of_the_split_one() -> None:
 
 @torch.no_grad()
 @pytest.mark.parametrize("invariant", [False, True], ids=["chunked", "batch_invariant"])
-def test_prefill_then_decode_equals_full_forward(invariant: bool) -> None:
+def test_prefill_then_decode_equals_full_forward(invariant: bool, padded_prefill) -> None:
     """Rows of different lengths prefilled together (right-padded) into slots 2 and 0, then
     decoded token by token: every output equals the full forward's, and so does the state.
     In batch-invariant mode bit for bit, and the full forward of a row alone equals its
@@ -77,17 +77,8 @@ def test_prefill_then_decode_equals_full_forward(invariant: bool) -> None:
 
     if invariant:
         check(layer(x[1:]), full[1:], "row alone vs in the batch")
-    state = layer.new_state(slots=3, max_len=32, device=torch.device("cpu"), dtype=torch.float32)
-    state.recurrent.fill_(7.0)  # a previous occupant's state: a row at position 0 ignores it
-    state.conv.fill_(7.0)
     slots = torch.tensor([2, 0])
-    longest = max(lengths)
-    prompt = torch.zeros(2, longest, DIM)
-    for row, n in enumerate(lengths):
-        prompt[row, :n] = x[row, :n]
-    positions = torch.arange(longest).expand(2, -1)
-    binding = Binding(slots, positions, longest, leading=False, lengths_B=torch.tensor(lengths))
-    out = layer(prompt, cache=state.bound(binding))
+    state, out = padded_prefill(layer, x, lengths, slots.tolist())
     for row, n in enumerate(lengths):
         check(out[row, :n], full[row, :n], f"prefill row {row}")
     position = torch.tensor(lengths)
