@@ -28,12 +28,10 @@ delta rule runs on fla); deltanet-eager compiles each block but leaves the Gated
 mixers eager; graph-breaks (default; what `torchloom train --compile.enabled true` does when
 fla runs) compiles each block whole, letting Dynamo break the graph around fla's kernels; none
 compiles nothing.
-The delta rule runs fla's Triton kernels on CUDA when fla-core is importable (and, for
-training, its backward is safe: fla 0.6 refuses its gated backward on Hopper with Triton >=
-3.4, < 3.7.1, fla issue #640), else torch's chunked form: the layers call delta_rule with impl
-"auto", there is no per-model switch (the JSON's delta_rule says which ran). --fla-unchecked
-lifts both refusals to time fla's kernels there; the gradients may then be wrong, so its
-numbers say what the kernels cost, not that training works.
+The delta rule runs fla's Triton kernels on CUDA when fla-core is importable (on Hopper with
+Triton >= 3.4, < 3.7.1 with torchloom's PyTorch form of the one backward step fla refuses there,
+fla issue #640: kernels/fla_backend.py), else torch's chunked form: the layers call delta_rule
+with impl "auto", there is no per-model switch (the JSON's delta_rule says which ran).
 
 layer / layer-compiled: torchloom's GatedDeltaNet of that shape (taken from a one-layer model
 of the same config), bf16 weights on the GPU (fp32 on the CPU), forward then backward of a
@@ -280,8 +278,6 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile this many steps per row (GPU kernel table: "
                         "where a layer's time goes)")  # fmt: skip
-    parser.add_argument("--fla-unchecked", action="store_true", help="time fla's backward "
-                        "where fla refuses it (docstring): its gradients may be wrong")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/hybrid_bench.json"))
     args = parser.parse_args()
@@ -291,8 +287,6 @@ def main() -> None:
     if any(tokens % seq for seq in seq_lens):
         parser.error(f"--tokens {tokens} must be a multiple of every seq len {seq_lens}")
     device = bench_device(args.device)
-    if args.fla_unchecked:
-        unchecked_fla_backward()
     peak, device_name = device_peak_tflops(device)
     ceiling, matmul = matmul_tflops(device)
     delta_rule = "fla" if fla_runs(device.type) else "torch"
@@ -338,24 +332,12 @@ def main() -> None:
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "fla_core": _version("fla-core"), "delta_rule": delta_rule,
-        "fla_unchecked": args.fla_unchecked, "hf_kernels": hf,
+        "hf_kernels": hf,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]), "shape": shape, "tokens": tokens,
         "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
-
-
-def unchecked_fla_backward() -> None:
-    """Let fla run its gated backward where it refuses to (Hopper, Triton >= 3.4 < 3.7.1: fla
-    issue #640 says the dq/dk/dw/dg kernel comes out miscompiled there) and let torchloom's
-    dispatch pick fla there too: for timing the kernels only, never for training."""
-    import fla.ops.common.chunk_o as chunk_o
-
-    import torchloom.kernels.delta_rule as delta_rule
-
-    chunk_o.TRITON_ABOVE_3_7_1 = True
-    delta_rule.fla_backward_safe = lambda: True
 
 
 def _version(distribution: str) -> str | None:

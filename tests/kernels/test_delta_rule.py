@@ -214,8 +214,8 @@ def test_fla_kernels_match_the_chunked_form_on_gpu(per_channel: bool) -> None:
     state = torch.randn(B, H, 64, 64, generator=gen) * 0.1
     docs = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long().cuda()
     inputs = [q.cuda(), k.cuda(), v.cuda().to(torch.bfloat16), g.cuda(), beta.cuda()]
-    # fla's backward is only asked for where it is safe (fla_backward_safe: not on Hopper with
-    # Triton >= 3.4, < 3.7.1 and no tilelang); the forward is compared everywhere.
+    # fla's backward is only asked for where it is safe (fla_backward_safe: everywhere but a fla
+    # without backend dispatch on Hopper with Triton >= 3.4, < 3.7.1); the forward everywhere.
     grads = fla_backward_safe()
     results = []
     for impl in ("torch", "fla"):

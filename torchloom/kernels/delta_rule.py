@@ -37,6 +37,7 @@ import warnings
 
 import torch
 
+from torchloom.kernels import fla_backend
 from torchloom.kernels.batch_invariant import fixed_order_sum, pointwise
 
 
@@ -302,32 +303,30 @@ def _fla_available() -> bool:
         import fla.ops  # noqa: F401
     except ImportError:
         return False
+    fla_backend.register()  # before fla's first backward
     return True
 
 
 @functools.cache
 def fla_backward_safe() -> bool:
-    """False where fla 0.6 refuses its gated backward: on Hopper with Triton >= 3.4, < 3.7.1
-    (which miscompiles its dq/dk/dw/dg kernel, fla issue #640) unless tilelang is installed."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    """Whether fla's gated delta-rule backward gives right gradients here. fla 0.6's Triton
+    kernel for one step of it is miscompiled on Hopper with Triton >= 3.4, < 3.7.1 (fla issue
+    #640); there torchloom's PyTorch form of that step stands in, registered with fla's
+    dispatch (``kernels/fla_backend.py``). False only for a fla without that dispatch."""
+    if not fla_backend.triton_miscompiles_dqkwg() or not _fla_available():
+        return True
+    if fla_backend.register():
         return True
     import triton
 
-    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
-    if not (3, 4, 0) <= version < (3, 7, 1):
-        return True
-    try:
-        import tilelang  # noqa: F401
-    except ImportError:
-        warnings.warn(
-            f"fla's gated delta-rule backward gives wrong results with Triton {triton.__version__} "
-            "on Hopper (fla issue #640), so training runs the delta rule's chunked PyTorch form, "
-            "which is several times slower. Install Triton >= 3.7.1 or tilelang to train with "
-            "fla's kernels.",
-            stacklevel=2,
-        )
-        return False
-    return True
+    warnings.warn(
+        f"fla's gated delta-rule backward gives wrong results with Triton {triton.__version__} "
+        "on Hopper (fla issue #640) and this fla has no backend dispatch for torchloom's "
+        "replacement, so training runs the delta rule's chunked PyTorch form, which is several "
+        "times slower. Install fla-core >= 0.6, Triton >= 3.7.1 or tilelang.",
+        stacklevel=2,
+    )
+    return False
 
 
 def _fla_suits(*inputs: torch.Tensor) -> bool:
@@ -369,6 +368,7 @@ def _delta_rule_fla(
     """fla's chunked kernels, [B, T, H, ...] layout, q/k heads grouped and normalised inside
     them; the final state comes back in fp32. Documents become fla's variable-length
     sequences: the rows flattened into one, cut at every document start (cu_seqlens)."""
+    _fla_installed()  # registers torchloom's fla backend
     scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
     # The kernels multiply q, k, v and beta together in one dtype (a tl.dot of two dtypes
     # fails); callers may hand over fp32 q/k (normalised outside) or beta next to a bf16 v.

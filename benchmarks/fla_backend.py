@@ -1,0 +1,136 @@
+"""torchloom's PyTorch form of fla's chunk-parallel gated delta-rule gradients
+(torchloom/kernels/fla_backend.py) against fla's own Triton kernel, one GPU: error and time.
+
+    python benchmarks/fla_backend.py                 # Qwen3-Next's GDN heads, 1 x 32768 and 8 x 4096
+
+fla 0.6 refuses its Triton ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1 (fla issue
+#640); this script lifts that refusal to call it anyway, for comparison only. Inputs: random,
+bf16 (g fp32, the log2 decay summed within each 64-row chunk), 16 q/k heads and 32 value heads
+of 128 as Qwen3-Next's Gated DeltaNet. Reference: the PyTorch form on fp32 copies of the same
+inputs (its arithmetic is checked against autograd in tests/kernels/test_fla_backend.py).
+Error: max |x - reference| / max |reference| per output. Time: median of --steps calls after
+--warmup, CUDA events. Context row: fla's whole chunk_gated_delta_rule forward + backward at the
+shape (through torchloom's backend where fla's kernel is refused). JSON to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from torchloom.kernels import fla_backend
+
+OUTPUTS = ("dq", "dk", "dw", "dg")
+
+
+def inputs(B: int, T: int, H: int, HV: int, D: int, BT: int, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).bfloat16()
+
+    NT = T // BT
+    g = -0.05 * torch.rand(B, NT, BT, HV, generator=gen, device=device)
+    return {
+        "q": randn(B, T, H, D, scale=D**-0.5), "k": randn(B, T, H, D, scale=D**-0.5),
+        "v": randn(B, T, HV, D), "do": randn(B, T, HV, D, scale=0.1),
+        "h": randn(B, NT, HV, D, D), "dh": randn(B, NT, HV, D, D, scale=0.1),
+        "w": randn(B, T, HV, D, scale=0.1), "g": g.cumsum(2).view(B, T, HV),
+        "dv": randn(B, T, HV, D, scale=0.1), "scale": D**-0.5, "chunk_size": BT,
+    }  # fmt: skip
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fla_triton_kernel():
+    """fla's own chunk_bwd_dqkwg, past its dispatch and its Hopper refusal."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return inspect.unwrap(chunk_o.chunk_bwd_dqkwg)
+
+
+def whole_rule(x: dict) -> callable:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    B, T, HV = x["v"].shape[:3]
+    q, k = (x[n].detach().clone().requires_grad_() for n in ("q", "k"))
+    v = x["v"].detach().clone().requires_grad_()
+    g = (-0.05 * torch.rand(B, T, HV, device=q.device)).requires_grad_()  # per-step log decay
+    beta = torch.rand(B, T, HV, device=q.device).bfloat16().requires_grad_()
+
+    def step() -> None:
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o.sum().backward()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1x32768", "8x4096"], help="BxT")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=Path("outputs/fla_backend_bench.json"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    fla_backend.register()
+    fla_kernel = fla_triton_kernel()
+    rows = []
+    for shape in args.shapes:
+        B, T = (int(n) for n in shape.split("x"))
+        x = inputs(B, T, 16, 32, 128, 64, device)
+        reference = fla_backend.chunk_bwd_dqkwg(**{
+            n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
+        })  # fmt: skip
+        for name, fn in (("torchloom", fla_backend.chunk_bwd_dqkwg), ("fla-triton", fla_kernel)):
+            got = fn(**x)
+            error = {
+                o: float((a.float() - b).abs().max() / b.abs().max())
+                for o, a, b in zip(OUTPUTS, got, reference)
+            }
+            ms = timed(lambda fn=fn, x=x: fn(**x), args.steps, args.warmup)
+            rows.append({"row": name, "shape": shape, "ms": ms, "rel_error": error})
+        ms = timed(whole_rule(x), args.steps, args.warmup)
+        rows.append({"row": "whole-rule", "shape": shape, "ms": ms, "rel_error": None})
+        del x, reference
+        torch.cuda.empty_cache()
+    print(
+        f"\n{'row':<12} {'B x T':>8} {'ms':>8}  " + "  ".join(f"{o + ' err':>9}" for o in OUTPUTS)
+    )
+    for r in rows:
+        errors = "  ".join(f"{r['rel_error'][o]:>9.2e}" for o in OUTPUTS) if r["rel_error"] else ""
+        print(f"{r['row']:<12} {r['shape']:>8} {r['ms']:>8.2f}  {errors}")
+    print("whole-rule: fla's chunk_gated_delta_rule forward + backward (its dqkwg step: "
+          f"{'torchloom' if fla_backend.triton_miscompiles_dqkwg() else 'fla-triton'})")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]), "rows": rows,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The PyTorch form of fla's chunk-parallel gated delta-rule gradients (``chunk_bwd_dqkwg``)
+against autograd of what that step differentiates: per chunk, the output from the chunk's
+state and its own rows, the next state, and the delta correction's ``-w @ h``."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from torchloom.kernels.fla_backend import chunk_bwd_dqkwg
+
+
+def _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_first):
+    """dq, dk, dw, dg of sum(do * o) + sum(dh * h_next) - sum(dv * (w @ h)), chunk by chunk
+    (fp64; g in log2 units, so dg comes back divided by ln 2 as fla's kernel leaves it)."""
+    B, T, H, HV = *k.shape[:3], v.shape[2]
+    leaves = [
+        x.detach().double().reshape(B * T, *x.shape[2:]).requires_grad_() for x in (q, k, w, g)
+    ]
+    q_, k_, w_, g_ = leaves
+    v_, do_, dv_ = (x.double().reshape(B * T, *x.shape[2:]) for x in (v, do, dv))
+    h_, dh_ = (x.double().reshape(-1, HV, *x.shape[-2:]) for x in (h, dh))
+    if state_v_first:
+        h_, dh_ = h_.transpose(-1, -2), dh_.transpose(-1, -2)
+    loss, chunk = 0.0, 0
+    for start, end in spans:
+        for r0 in range(start, end, BT):
+            r = slice(r0, min(r0 + BT, end))
+            for head in range(HV):
+                qh, kh = q_[r, head * H // HV], k_[r, head * H // HV]
+                vh, gh, state = v_[r, head], g_[r, head], h_[chunk, head]
+                A = (qh @ kh.T * torch.exp2(gh[:, None] - gh[None, :])).tril()
+                o = scale * torch.exp2(gh)[:, None] * (qh @ state) + scale * A @ vh
+                nxt = torch.exp2(gh[-1]) * state + (kh * torch.exp2(gh[-1] - gh)[:, None]).T @ vh
+                loss = loss + (do_[r, head] * o).sum() + (dh_[chunk, head] * nxt).sum()
+                loss = loss - (dv_[r, head] * (w_[r, head] @ state)).sum()
+            chunk += 1
+    loss.backward()
+    dq, dk, dw, dg = (x.grad for x in leaves)
+    return dq.view(q.shape), dk.view(k.shape), dw.view(w.shape), dg.view(g.shape) / math.log(2)
+
+
+@pytest.mark.parametrize(
+    "B, T, cu_seqlens, state_v_first",
+    [(2, 45, None, False), (1, 60, [0, 5, 21, 24, 60], False), (1, 40, [0, 17, 40], True)],
+    ids=["batch-partial-chunk", "varlen", "varlen-state-v-first"],
+)
+def test_chunk_bwd_dqkwg_matches_autograd(B, T, cu_seqlens, state_v_first):
+    torch.manual_seed(0)
+    H, HV, K, V, BT, scale = 2, 4, 8, 6, 16, 0.3
+    lengths = [T] * B if cu_seqlens is None else [b - a for a, b in itertools.pairwise(cu_seqlens)]
+    starts = [i * T for i in range(B)] if cu_seqlens is None else cu_seqlens[:-1]
+    spans = [(s, s + n) for s, n in zip(starts, lengths)]
+    C = sum(-(-n // BT) for n in lengths)
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, do, dv = torch.randn(B, T, HV, V), torch.randn(B, T, HV, V), torch.randn(B, T, HV, V)
+    w = torch.randn(B, T, HV, K)
+    state_shape = (V, K) if state_v_first else (K, V)
+    h = torch.randn(
+        B if cu_seqlens is None else 1, C // (B if cu_seqlens is None else 1), HV, *state_shape
+    )
+    dh = torch.randn_like(h)
+    # fla's g: the log2 decay summed within each chunk (so it restarts at every chunk start)
+    g = -torch.rand(B, T, HV)
+    for s, e in spans:
+        for r0 in range(s, e, BT):
+            flat = g.view(B * T, HV)
+            flat[r0 : min(r0 + BT, e)] = flat[r0 : min(r0 + BT, e)].cumsum(0)
+    seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    got = chunk_bwd_dqkwg(
+        q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, scale=scale,
+        state_v_first=state_v_first, cu_seqlens=seqlens, chunk_size=BT,
+    )  # fmt: skip
+    want = _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_first)
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_chunk_bwd_dqkwg_bf16_inputs_keep_dtypes_and_stay_close():
+    torch.manual_seed(1)
+    B, T, H, HV, K, V, BT = 1, 70, 1, 2, 16, 16, 32
+    q, k = torch.randn(B, T, H, K) * 0.3, torch.randn(B, T, H, K) * 0.3
+    v, do, dv, w = (torch.randn(B, T, HV, d) for d in (V, V, V, K))
+    h, dh = torch.randn(B, 3, HV, K, V), torch.randn(B, 3, HV, K, V)
+    g = (-0.1 * torch.rand(B, T, HV)).view(B, T, HV)
+    exact = chunk_bwd_dqkwg(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, chunk_size=BT)
+    half = [x.bfloat16() for x in (q, k, v, do, h, dh, w)]
+    got = chunk_bwd_dqkwg(*half[:6], w=half[6], g=g, dv=dv.bfloat16(), chunk_size=BT)
+    assert [x.dtype for x in got] == [torch.bfloat16] * 3 + [torch.float32]
+    for a, b in zip(got, exact):
+        assert (a.float() - b).abs().max() <= 0.02 * b.abs().max()

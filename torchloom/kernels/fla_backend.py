@@ -1,0 +1,167 @@
+"""torchloom's backend for fla-core's kernel dispatch: the gated delta rule's chunk-parallel
+gradients (fla's ``chunk_bwd_dqkwg``) in PyTorch, for where fla's Triton kernel is miscompiled.
+
+fla 0.6 refuses that one kernel of its gated delta-rule backward on Hopper with Triton >= 3.4,
+< 3.7.1 (fla issue #640) unless tilelang is installed. Every other kernel of the backward (the
+sequential state pass among them) is sound there, and this step has nothing sequential: with
+the per-chunk states ``h`` and their gradients ``dh`` already computed, every chunk's dq, dk,
+dw and dg are a handful of batched matmuls. So torchloom registers this PyTorch form as a fla
+backend (fla's ``fla.backends.register``, the same door fla's own tilelang backend uses) that
+accepts the call only where the Triton kernel would be refused; fla's backward then runs
+whole. Triton >= 3.7.1 or tilelang still run fla's own kernels.
+
+Shapes follow fla: q, k [B, T, H, K]; v (the delta-corrected values), do, dv [B, T, HV, V];
+w [B, T, HV, K]; g [B, T, HV], the decay's cumulative sum within each chunk in log2 units;
+h, dh [B, NT, HV, K, V] (V, K with ``state_v_first``), one state per chunk; with
+``cu_seqlens`` the batch is one row of variable-length sequences, chunked per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def chunk_bwd_dqkwg(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    **_: object,  # fla's chunk_indices: the chunks are recounted here
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Within each chunk c (rows i, j; g_last its last row's g; exp2 as fla's g is log2):
+
+    dq = scale * exp2(g) * (do @ h_c^T) + ds @ k,   dk = exp2(g_last - g) * (v @ dh_c^T) + ds^T @ q,
+    ds = scale * tril(do @ v^T * exp2(g_i - g_j)),   dw = -(dv @ h_c^T),
+    dg = rowsum(dq * q) - rowsum(dk * k), plus on the last row exp2(g_last) <h_c, dh_c> + <dk, k>.
+
+    dg is per row before fla's reverse cumulative sum; dq and dk sum over a q/k head's value
+    heads. Matmuls run in q's dtype, everything else in fp32."""
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    BT, C, dev, dt = chunk_size, h.shape[0] * h.shape[1], q.device, q.dtype
+    scale = K**-0.5 if scale is None else scale
+    rows, valid_CT, last_C = _chunk_rows(B, T, BT, C, cu_seqlens, dev)
+
+    def chunked(x: torch.Tensor, heads: int) -> torch.Tensor:  # [B, T, heads, D] -> [C, HV, BT, D]
+        x = x.reshape(B * T, heads, -1)[rows].transpose(1, 2)
+        return x.repeat_interleave(HV // heads, dim=1) if heads != HV else x
+
+    q_c, k_c = chunked(q, H).to(dt), chunked(k, H).to(dt)
+    v_c, do_c, dv_c = (chunked(x, HV).to(dt) for x in (v, do, dv))
+    g_c = chunked(g.unsqueeze(-1), HV).squeeze(-1).float()  # [C, HV, BT]
+    g_last = g_c[..., -1]  # the rows past a chunk's end repeat its last row
+    h_c, dh_c = h.reshape(C, HV, *h.shape[-2:]), dh.reshape(C, HV, *dh.shape[-2:])
+    if state_v_first:
+        h_c, dh_c = h_c.transpose(-1, -2), dh_c.transpose(-1, -2)
+    hT, dhT = h_c.transpose(-1, -2).to(dt), dh_c.transpose(-1, -2).to(dt)  # [C, HV, V, K]
+
+    dw = -(dv_c @ hT)
+    dq = (do_c @ hT).float() * (torch.exp2(g_c) * scale).unsqueeze(-1)
+    decay_to_end = torch.where(valid_CT[:, None], torch.exp2(g_last[..., None] - g_c), 0.0)
+    dk = (v_c @ dhT).float() * decay_to_end.unsqueeze(-1)
+    dg_last = torch.exp2(g_last) * torch.sum(h_c.float() * dh_c.float(), dim=(-2, -1))
+    dg_last = dg_last + torch.sum(dk * k_c.float(), dim=(-2, -1))
+
+    causal = torch.ones(BT, BT, dtype=torch.bool, device=dev).tril()
+    causal = causal & valid_CT[:, None, :, None] & valid_CT[:, None, None, :]
+    gap = torch.where(causal, g_c[..., :, None] - g_c[..., None, :], 0.0)
+    ds = torch.where(causal, (do_c @ v_c.transpose(-1, -2)).float() * torch.exp2(gap), 0.0)
+    ds = (ds * scale).to(dt)
+    dq = dq + (ds @ k_c).float()
+    dk = dk + (ds.transpose(-1, -2) @ q_c).float()
+    dg = torch.sum(dq * q_c.float(), dim=-1) - torch.sum(dk * k_c.float(), dim=-1)
+    dg = dg + torch.nn.functional.one_hot(last_C, BT)[:, None, :] * dg_last[..., None]
+
+    def unchunked(x_C: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        x = x_C.transpose(1, 2)  # [C, BT, HV, D]
+        if heads != HV:  # a q/k head's gradient sums over its value heads
+            x = x.unflatten(2, (heads, HV // heads)).sum(3)
+        out = x.new_empty(B * T + 1, *x.shape[2:])  # row B*T takes the rows past the ends
+        out[torch.where(valid_CT, rows, B * T).flatten()] = x.flatten(0, 1)
+        return out[: B * T].reshape(B, T, *x.shape[2:]).to(dtype)
+
+    return (
+        unchunked(dq, H, q.dtype),
+        unchunked(dk, H, k.dtype),
+        unchunked(dw, HV, w.dtype),
+        unchunked(dg.unsqueeze(-1), HV, torch.float32).squeeze(-1),
+    )
+
+
+def _chunk_rows(
+    B: int, T: int, BT: int, C: int, cu_seqlens: torch.Tensor | None, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chunk's rows of the flattened [B * T] batch ([C, BT]; past a sequence's end the
+    last row repeats), which of them are real, and the position of its last real row, in fla's
+    chunk order (sequence by sequence). No host sync: C is fla's chunk count."""
+    if cu_seqlens is None:
+        starts = torch.arange(B, device=dev) * T
+        lengths = torch.full((B,), T, device=dev)
+    else:
+        starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    per_sequence = (lengths + BT - 1) // BT
+    sequence = torch.repeat_interleave(
+        torch.arange(len(starts), device=dev), per_sequence, output_size=C
+    )
+    first = torch.cumsum(per_sequence, 0) - per_sequence
+    start = starts[sequence] + (torch.arange(C, device=dev) - first[sequence]) * BT
+    n_real = torch.clamp(starts[sequence] + lengths[sequence] - start, max=BT)
+    offsets = torch.arange(BT, device=dev)
+    rows = start[:, None] + torch.minimum(offsets, n_real[:, None] - 1)
+    return rows, offsets < n_real[:, None], n_real - 1
+
+
+@functools.cache
+def triton_miscompiles_dqkwg() -> bool:
+    """fla's own test: Hopper with Triton >= 3.4, < 3.7.1 (fla issue #640)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
+    return (3, 4, 0) <= version < (3, 7, 1)
+
+
+@functools.cache
+def register() -> bool:
+    """Register the backend with fla's dispatch (once); False where this fla has none."""
+    try:
+        from fla.backends import BaseBackend
+        from fla.backends import register as fla_register
+    except ImportError:
+        return False
+
+    class TorchloomBackend(BaseBackend):
+        backend_type = "torchloom"
+        priority = 6  # after fla's own tilelang backend (5), where that is installed
+
+        def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+            named = dict(zip(("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma", "dv"), args))
+            named.update(kwargs)
+            if not triton_miscompiles_dqkwg():
+                return False, "fla's Triton kernel is sound here"
+            if any(named.get(name) is None for name in ("w", "g", "dv")):
+                return False, "torchloom's form covers the gated delta rule only (w, g, dv)"
+            if named.get("g_gamma") is not None:
+                return False, "torchloom's form has no g_gamma"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, *args, **kwargs):
+            named = dict(zip(("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma", "dv"), args))
+            named.update(kwargs)
+            named.pop("g_gamma", None)
+            return chunk_bwd_dqkwg(**named)
+
+    fla_register("common")(TorchloomBackend)
+    return True
