@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.train.remat import recomputing
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -102,13 +103,19 @@ def compile_regions(
         has_eager = any(type(m).__name__ in eager_types for m in module.modules())
         if selected and not has_eager:
             breaks = any(type(m).__name__ in graph_break_types for m in module.modules())
-            forward = torch.compile(
-                module.forward,
+            forward = module.forward
+            # Dynamo runs a checkpointed region with a graph break all eagerly: compile what
+            # the checkpoint wraps instead, and checkpoint around the compiled code.
+            recomputes = getattr(forward, "recomputes", None) if breaks else None
+            region = torch.compile(
+                forward if recomputes is None else recomputes[0],
                 backend=config.backend,
                 fullgraph=config.fullgraph and not breaks,
                 mode=mode,
             )
-            module.forward = forward if memory_budget is None else _budgeted(forward, memory_budget)
+            if memory_budget is not None:
+                region = _budgeted(region, memory_budget)
+            module.forward = region if recomputes is None else recomputing(region, recomputes[1])
             compiled.append(name)
             return
         for child_name, child in module.named_children():

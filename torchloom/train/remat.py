@@ -9,6 +9,7 @@ its module and parameter names, so checkpoints and HF exports are unaffected.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -89,7 +90,14 @@ def _selective_context(ops: set):
 
 def _recompute(module: nn.Module, context_fn=None) -> None:
     """Make ``module``'s forward recompute its activations in backward (names unchanged)."""
-    forward = module.forward
+    module.forward = recomputing(module.forward, context_fn)
+
+
+def recomputing(forward: Callable, context_fn=None) -> Callable:
+    """``forward`` under activation checkpointing. The wrapper keeps ``forward`` and
+    ``context_fn`` (``.recomputes``), so that compile_regions can compile the inner forward
+    and checkpoint around it where Dynamo cannot trace the checkpoint: a region with graph
+    breaks, which inside a checkpoint make Dynamo run the whole region eagerly."""
     extra = {} if context_fn is None else {"context_fn": context_fn}
 
     @functools.wraps(forward)
@@ -98,7 +106,8 @@ def _recompute(module: nn.Module, context_fn=None) -> None:
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
                           **extra, **kwargs)  # fmt: skip
 
-    module.forward = checkpointed
+    checkpointed.recomputes = (forward, context_fn)
+    return checkpointed
 
 
 def apply_remat(layers: nn.ModuleDict, config: RematConfig, compile_enabled: bool) -> None:
