@@ -81,6 +81,7 @@ from torchloom.kernels.delta_rule import fla_runs
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.linear_attention import GatedDeltaNet
 from torchloom.models.qwen3_next.config import Qwen3NextConfig
+from torchloom.train.builders import DELTA_RULE_MIXERS
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.loss import CrossEntropy
 from torchloom.train.metrics import device_peak_tflops
@@ -120,9 +121,10 @@ def model_step(
     apply_remat(model.layers, remat_config, compile_mode != "none")
     compile_regions(
         model,
-        CompileConfig(enabled=compile_mode != "none", fullgraph=compile_mode != "graph-breaks"),
+        CompileConfig(enabled=compile_mode != "none"),
         eager_types=("GatedDeltaNet",) if compile_mode == "deltanet-eager" else (),
         memory_budget=memory_budget(remat_config),
+        graph_break_types=DELTA_RULE_MIXERS if compile_mode == "graph-breaks" else (),
     )
     impl = optimizer if device.type == "cuda" else "auto"
     opt = build_optimizer(model, OptimizerConfig(implementation=impl), device)

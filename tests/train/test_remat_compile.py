@@ -189,8 +189,11 @@ class _OpaqueMLP(nn.Module):
         return _opaque(self.mlp(x)) / 2
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_remat_around_regions_with_graph_breaks_still_compiles(reference, mode):
+@pytest.mark.parametrize(
+    "mode, named", [("full", True), ("selective", True), ("full", False)],
+    ids=["full", "selective", "full-fullgraph-off"],
+)  # fmt: skip
+def test_remat_around_regions_with_graph_breaks_still_compiles(reference, mode, named):
     """Checkpointed whole, a region with a graph break runs all eagerly (Dynamo cannot break
     a graph inside the checkpoint; found on the H200: every hybrid block eager with fla);
     compile_regions compiles what the checkpoint wraps and checkpoints around it instead."""
@@ -200,8 +203,10 @@ def test_remat_around_regions_with_graph_breaks_still_compiles(reference, mode):
     apply_remat(model.layers, RematConfig(mode=mode), compile_enabled=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    config = CompileConfig(enabled=True, backend="aot_eager")
-    compile_regions(model, config, graph_break_types=("_OpaqueMLP",))
+    # The break named (graph_break_types, as the builders name fla's mixers), or any break
+    # allowed (--compile.fullgraph false, as benchmarks/hybrid.py compiles).
+    config = CompileConfig(enabled=True, backend="aot_eager", fullgraph=named)
+    compile_regions(model, config, graph_break_types=("_OpaqueMLP",) if named else ())
     loss, grads, saved = loss_grads_saved(model)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     diff = max((grads[n.replace(".mlp.", ".mlp.mlp.")] - g).abs().max().item()
@@ -210,3 +215,45 @@ def test_remat_around_regions_with_graph_breaks_still_compiles(reference, mode):
     assert graphs >= 2  # the code before and after the opaque kernel, compiled
     assert abs(loss - reference[0]) < 1e-5 and diff < 1e-5
     assert saved < reference[2]  # and still recomputed
+
+
+def test_hybrid_blocks_compile_once_around_opaque_fla(monkeypatch):
+    """The Gated DeltaNet blocks as they compile on a GPU with fla, emulated on the CPU: impl
+    "auto" takes the fla branch, whose function Dynamo may not enter (here the chunked form
+    behind torch.compiler.disable, as the real one is). A 12-layer hybrid with full remat,
+    each block compiled with graph breaks: a few graphs serve every block (on the H200 guards
+    inside fla's call once made each block recompile until 4 of 12 ran eagerly), gradients
+    as eager's."""
+    import torchloom.kernels.delta_rule as delta_rule
+    from torchloom.train.builders import DELTA_RULE_MIXERS
+
+    @torch.compiler.disable
+    def opaque_chunked(q, k, v, g, beta, state, scale, doc_ids_BT, normalize_qk):
+        return delta_rule.delta_rule(q, k, v, g, beta, state, scale, impl="torch",
+                                     doc_ids_BT=doc_ids_BT, normalize_qk=normalize_qk)  # fmt: skip
+
+    monkeypatch.setattr(delta_rule, "_fla_suits", lambda *inputs: True)
+    monkeypatch.setattr(delta_rule, "_delta_rule_fla", opaque_chunked)
+    config = resolve_model_config(
+        ModelConfig(name="qwen3_next", flavor="debug", overrides={"num_layers": 12})
+    )
+    results = []
+    for compiled in (False, True):
+        model = build_model(config)
+        model.init_weights(0)
+        if compiled:
+            apply_remat(model.layers, RematConfig(mode="full"), compile_enabled=True)
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compile_regions(model, CompileConfig(enabled=True, backend="eager"),
+                            graph_break_types=DELTA_RULE_MIXERS)  # fmt: skip
+        results.append(loss_grads_saved(model))
+    counters = torch._dynamo.utils.counters
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+    print(
+        f"{graphs} graphs, {frames} frames for 12 blocks; graph breaks: {sum(counters['graph_break'].values())}"
+    )
+    assert 2 <= graphs < 8 and frames < 8
+    (loss, grads, _), (loss_c, grads_c, _) = results
+    assert abs(loss - loss_c) < 1e-5
+    assert max((grads_c[n] - g).abs().max().item() for n, g in grads.items()) < 1e-5

@@ -93,6 +93,7 @@ def compile_regions(
             )
     mode = None if config.mode == "default" else config.mode
     compiled: list[str] = []
+    breaks_allowed: list[bool] = []
 
     def visit(name: str, module: nn.Module, selected: bool) -> None:
         selected = selected or any(
@@ -103,16 +104,18 @@ def compile_regions(
         has_eager = any(type(m).__name__ in eager_types for m in module.modules())
         if selected and not has_eager:
             breaks = any(type(m).__name__ in graph_break_types for m in module.modules())
+            fullgraph = config.fullgraph and not breaks
             forward = module.forward
-            # Dynamo runs a checkpointed region with a graph break all eagerly: compile what
-            # the checkpoint wraps instead, and checkpoint around the compiled code.
-            recomputes = getattr(forward, "recomputes", None) if breaks else None
+            # Dynamo runs a checkpointed region with a graph break all eagerly: where breaks
+            # are allowed, compile what the checkpoint wraps and checkpoint around that.
+            recomputes = None if fullgraph else getattr(forward, "recomputes", None)
             region = torch.compile(
                 forward if recomputes is None else recomputes[0],
                 backend=config.backend,
-                fullgraph=config.fullgraph and not breaks,
+                fullgraph=fullgraph,
                 mode=mode,
             )
+            breaks_allowed.append(not fullgraph)
             if memory_budget is not None:
                 region = _budgeted(region, memory_budget)
             module.forward = region if recomputes is None else recomputing(region, recomputes[1])
@@ -122,6 +125,11 @@ def compile_regions(
             visit(f"{name}.{child_name}" if name else child_name, child, selected)
 
     visit("", model, False)
+    if any(breaks_allowed):
+        # Code around a graph break is compiled per frame; should Dynamo specialise such a
+        # frame per block, the default limit (8) would leave the blocks past it eager.
+        config_ = torch._dynamo.config
+        config_.recompile_limit = max(config_.recompile_limit, 2 * len(compiled) + 8)
     return compiled
 
 
