@@ -274,9 +274,7 @@ def delta_rule(
             q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk,
             fixed_order=True,
         )  # fmt: skip
-    if impl == "fla" or (
-        impl == "auto" and q_BTHK.is_cuda and _fla_suits(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)
-    ):
+    if impl == "fla" or (impl == "auto" and _fla_suits(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)):
         return _delta_rule_fla(
             q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, scale, doc_ids_BT, normalize_qk
         )
@@ -330,8 +328,9 @@ def fla_backward_safe() -> bool:
 
 
 def _fla_suits(*inputs: torch.Tensor) -> bool:
-    """fla for ``impl="auto"``: installed, and, if gradients will flow, its backward safe."""
-    if not _fla_installed():
+    """fla for ``impl="auto"``: CUDA tensors, fla installed, and, if gradients will flow, its
+    backward safe."""
+    if not inputs[0].is_cuda or not _fla_installed():
         return False
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
     return not wants_grad or _fla_backward_ok()
@@ -354,6 +353,10 @@ def fla_runs(device_type: str) -> bool:
     return device_type == "cuda" and _fla_available() and fla_backward_safe()
 
 
+# Opaque to Dynamo as a whole: traced into, its fla imports and calls broke compiled blocks
+# into pieces with guards of their own (on the H200, 4 of 12 Gated DeltaNet blocks of a
+# compiled hybrid ran eagerly, past Dynamo's recompile limit).
+@torch.compiler.disable
 def _delta_rule_fla(
     q_BTHK: torch.Tensor,
     k_BTHK: torch.Tensor,
