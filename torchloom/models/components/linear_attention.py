@@ -52,23 +52,28 @@ def causal_conv1d(
     fixed_order: bool = False,
 ) -> torch.Tensor:
     """Depthwise causal convolution along T: output t sees inputs t - width + 1 .. t (with
-    ``doc_ids_BT``, only those of its own document). With documents or ``fixed_order`` it runs
-    tap after tap as elementwise multiply-adds, which a decode step repeats bit for bit
-    (``BoundRecurrent.convolve``; batch-invariant mode)."""
+    ``doc_ids_BT``, only those of its own document). With documents, ``fixed_order`` or under
+    torch.compile it runs tap after tap as elementwise multiply-adds, which a decode step
+    repeats bit for bit (``BoundRecurrent.convolve``; batch-invariant mode)."""
     width = weight_C1W.shape[-1]
     weight_C1W = weight_C1W.to(x_BTC.dtype)
     if doc_ids_BT is None and fixed_order:
         doc_ids_BT = torch.zeros(x_BTC.shape[:2], dtype=torch.long, device=x_BTC.device)
-    if doc_ids_BT is None:
+    if doc_ids_BT is None and not torch.compiler.is_compiling():
         x_BCT = F.pad(x_BTC.transpose(1, 2), (width - 1, 0))
         return F.conv1d(x_BCT, weight_C1W, groups=x_BTC.shape[-1]).transpose(1, 2)
+    # Compiled, the taps fuse into one kernel (and the weight gradient into one reduction):
+    # several times faster on a GPU than F.conv1d's depthwise kernels over thousands of channels.
     T = x_BTC.shape[1]
     x_BLC = F.pad(x_BTC, (0, 0, width - 1, 0))
-    docs_BL = F.pad(doc_ids_BT, (width - 1, 0), value=-1)  # -1: no document
+    if doc_ids_BT is not None:
+        docs_BL = F.pad(doc_ids_BT, (width - 1, 0), value=-1)  # -1: no document
     out_BTC = torch.zeros_like(x_BTC)
     for tap in range(width):  # tap j reads input t - (width - 1 - j)
-        same_BT1 = (docs_BL[:, tap : tap + T] == doc_ids_BT)[..., None]
-        out_BTC = out_BTC + weight_C1W[:, 0, tap] * x_BLC[:, tap : tap + T] * same_BT1
+        term_BTC = weight_C1W[:, 0, tap] * x_BLC[:, tap : tap + T]
+        if doc_ids_BT is not None:
+            term_BTC = term_BTC * (docs_BL[:, tap : tap + T] == doc_ids_BT)[..., None]
+        out_BTC = out_BTC + term_BTC
     return out_BTC
 
 
