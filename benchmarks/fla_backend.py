@@ -1,7 +1,8 @@
 """torchloom's PyTorch form of fla's chunk-parallel gated delta-rule gradients
-(torchloom/kernels/fla_backend.py) against fla's own Triton kernel, one GPU: error and time.
+(torchloom/kernels/fla_backend.py; compiled on CUDA, and eager) against fla's own Triton
+kernel, one GPU: error and time.
 
-    python benchmarks/fla_backend.py                 # Qwen3-Next's GDN heads, 1 x 32768 and 8 x 4096
+    python benchmarks/fla_backend.py --shapes 1x32768 8x4096   # Qwen3-Next's Gated DeltaNet heads
 
 fla 0.6 refuses its Triton ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4, < 3.7.1 (fla issue
 #640); this script lifts that refusal to call it anyway, for comparison only. Inputs: random,
@@ -70,6 +71,14 @@ def fla_triton_kernel():
     return inspect.unwrap(chunk_o.chunk_bwd_dqkwg)
 
 
+def eager_form(**x) -> tuple[torch.Tensor, ...]:
+    """The PyTorch form without torch.compile (what the CPU runs)."""
+    names = ("q", "k", "v", "do", "h", "dh", "w", "g", "dv")
+    return fla_backend._chunk_grads(
+        *(x[n] for n in names), None, x["scale"], False, x["chunk_size"]
+    )
+
+
 def whole_rule(x: dict) -> callable:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -88,7 +97,7 @@ def whole_rule(x: dict) -> callable:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["1x32768", "8x4096"], help="BxT")
+    parser.add_argument("--shapes", nargs="+", default=["1x32768"], help="BxT")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("outputs/fla_backend_bench.json"))
@@ -103,7 +112,9 @@ def main() -> None:
         reference = fla_backend.chunk_bwd_dqkwg(**{
             n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
         })  # fmt: skip
-        for name, fn in (("torchloom", fla_backend.chunk_bwd_dqkwg), ("fla-triton", fla_kernel)):
+        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg), ("torchloom-eager", eager_form),
+                    ("fla-triton", fla_kernel))  # fmt: skip
+        for name, fn in variants:
             got = fn(**x)
             error = {
                 o: float((a.float() - b).abs().max() / b.abs().max())
@@ -111,8 +122,10 @@ def main() -> None:
             }
             ms = timed(lambda fn=fn, x=x: fn(**x), args.steps, args.warmup)
             rows.append({"row": name, "shape": shape, "ms": ms, "rel_error": error})
+            print(rows[-1], flush=True)
         ms = timed(whole_rule(x), args.steps, args.warmup)
         rows.append({"row": "whole-rule", "shape": shape, "ms": ms, "rel_error": None})
+        print(rows[-1], flush=True)
         del x, reference
         torch.cuda.empty_cache()
     print(

@@ -16,7 +16,7 @@ python3 -m pip install --no-index --no-deps .whl/*.whl 2>&1 | grep -v WARNING | 
 python3 -c "import fla, torch, triton; print('fla', fla.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
 python3 -c "from torchloom.kernels.delta_rule import fla_backward_safe; print('fla backward safe here:', fla_backward_safe())"
 run() { local limit=$1; shift; local start=$SECONDS; echo "== $*"; timeout "$limit" "$@"; echo "   (exit $?, $((SECONDS - start)) s)"; }
-run 90 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json" 2>&1 | grep -vi warn | tail -n 12
-run 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s 2>&1 | grep -E "fla vs|passed|failed|rror" | tail -n 16
-run 270 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 32768 --steps 3 --warmup 2 --profile-steps 1 --json "$OUT/hybrid_models.json" 2>&1 | grep -vi warn | tail -n 50
-run 170 python3 benchmarks/hybrid.py --rows layer-compiled hf-layer-compiled --seq-lens 32768 --steps 4 --warmup 3 --profile-steps 1 --json "$OUT/hybrid_layers.json" 2>&1 | grep -vi warn | tail -n 45
+run 100 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json" 2>&1 | grep -vi warn | tail -n 12
+run 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s 2>&1 | grep -E "fla vs|passed|failed|rror|==" | tail -n 20
+run 210 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 32768 --steps 3 --warmup 2 --profile-steps 1 --json "$OUT/hybrid_models.json" 2>&1 | grep -vi warn | tail -n 50
+run 140 python3 benchmarks/hybrid.py --rows layer-compiled hf-layer --seq-lens 4096 --steps 4 --warmup 3 --profile-steps 1 --json "$OUT/hybrid_layers.json" 2>&1 | grep -vi warn | tail -n 45

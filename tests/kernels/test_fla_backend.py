@@ -43,8 +43,13 @@ def _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_firs
 
 @pytest.mark.parametrize(
     "B, T, cu_seqlens, state_v_first",
-    [(2, 45, None, False), (1, 60, [0, 5, 21, 24, 60], False), (1, 40, [0, 17, 40], True)],
-    ids=["batch-partial-chunk", "varlen", "varlen-state-v-first"],
+    [
+        (2, 48, None, False),
+        (2, 45, None, False),
+        (1, 60, [0, 5, 21, 24, 60], False),
+        (1, 40, [0, 17, 40], True),
+    ],
+    ids=["batch-whole-chunks", "batch-partial-chunk", "varlen", "varlen-state-v-first"],
 )
 def test_chunk_bwd_dqkwg_matches_autograd(B, T, cu_seqlens, state_v_first):
     torch.manual_seed(0)

@@ -47,14 +47,52 @@ def chunk_bwd_dqkwg(
 
     dg is per row before fla's reverse cumulative sum; dq and dk sum over a q/k head's value
     heads. Matmuls run in q's dtype, everything else in fp32."""
-    B, T, H, K = k.shape
-    HV = v.shape[2]
-    BT, C, dev, dt = chunk_size, h.shape[0] * h.shape[1], q.device, q.dtype
+    B, T, _, K = k.shape
+    BT, C = chunk_size, h.shape[0] * h.shape[1]
     scale = K**-0.5 if scale is None else scale
-    rows, valid_CT, last_C = _chunk_rows(B, T, BT, C, cu_seqlens, dev)
+    chunks = None  # whole chunks of equal sequences: plain views
+    if cu_seqlens is not None or T % BT:
+        chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
+    grads = _compiled_grads() if q.is_cuda else _chunk_grads
+    return grads(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
+
+
+@functools.cache
+def _compiled_grads():
+    """_chunk_grads through Inductor (dynamic shapes: the chunk count follows the documents):
+    its gathers, exp2s and sums fuse into a few kernels around the matmuls."""
+    return torch.compile(_chunk_grads, dynamic=True)
+
+
+def _chunk_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    dv: torch.Tensor,
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    state_v_first: bool,
+    BT: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, T, H, _ = k.shape
+    HV = v.shape[2]
+    C, dev, dt = h.shape[0] * h.shape[1], q.device, q.dtype
+    if chunks is None:
+        valid_CT = torch.ones(C, BT, dtype=torch.bool, device=dev)
+        last_C = torch.full((C,), BT - 1, device=dev)
+    else:
+        rows, valid_CT, last_C = chunks
 
     def chunked(x: torch.Tensor, heads: int) -> torch.Tensor:  # [B, T, heads, D] -> [C, HV, BT, D]
-        x = x.reshape(B * T, heads, -1)[rows].transpose(1, 2)
+        if chunks is None:
+            x = x.reshape(C, BT, heads, -1).transpose(1, 2)
+        else:
+            x = x.reshape(B * T, heads, -1)[rows].transpose(1, 2)
         return x.repeat_interleave(HV // heads, dim=1) if heads != HV else x
 
     q_c, k_c = chunked(q, H).to(dt), chunked(k, H).to(dt)
@@ -87,6 +125,8 @@ def chunk_bwd_dqkwg(
         x = x_C.transpose(1, 2)  # [C, BT, HV, D]
         if heads != HV:  # a q/k head's gradient sums over its value heads
             x = x.unflatten(2, (heads, HV // heads)).sum(3)
+        if chunks is None:
+            return x.reshape(B, T, *x.shape[2:]).to(dtype)
         out = x.new_empty(B * T + 1, *x.shape[2:])  # row B*T takes the rows past the ends
         out[torch.where(valid_CT, rows, B * T).flatten()] = x.flatten(0, 1)
         return out[: B * T].reshape(B, T, *x.shape[2:]).to(dtype)
