@@ -1,6 +1,5 @@
 """torchloom's PyTorch form of fla's chunk-parallel gated delta-rule gradients
-(torchloom/kernels/fla_backend.py; compiled on CUDA, and eager) against fla's own Triton
-kernel, one GPU: error and time.
+(torchloom/kernels/fla_backend.py) against fla's own Triton kernel, one GPU: error and time.
 
     python benchmarks/fla_backend.py --shapes 1x32768 8x4096   # Qwen3-Next's Gated DeltaNet heads
 
@@ -71,14 +70,6 @@ def fla_triton_kernel():
     return inspect.unwrap(chunk_o.chunk_bwd_dqkwg)
 
 
-def eager_form(**x) -> tuple[torch.Tensor, ...]:
-    """The PyTorch form without torch.compile (what the CPU runs)."""
-    names = ("q", "k", "v", "do", "h", "dh", "w", "g", "dv")
-    return fla_backend._chunk_grads(
-        *(x[n] for n in names), None, x["scale"], False, x["chunk_size"]
-    )
-
-
 def whole_rule(x: dict) -> callable:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -112,8 +103,7 @@ def main() -> None:
         reference = fla_backend.chunk_bwd_dqkwg(**{
             n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
         })  # fmt: skip
-        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg), ("torchloom-eager", eager_form),
-                    ("fla-triton", fla_kernel))  # fmt: skip
+        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg), ("fla-triton", fla_kernel))
         for name, fn in variants:
             got = fn(**x)
             error = {

@@ -53,15 +53,7 @@ def chunk_bwd_dqkwg(
     chunks = None  # whole chunks of equal sequences: plain views
     if cu_seqlens is not None or T % BT:
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
-    grads = _compiled_grads() if q.is_cuda else _chunk_grads
-    return grads(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
-
-
-@functools.cache
-def _compiled_grads():
-    """_chunk_grads through Inductor (dynamic shapes: the chunk count follows the documents):
-    its gathers, exp2s and sums fuse into a few kernels around the matmuls."""
-    return torch.compile(_chunk_grads, dynamic=True)
+    return _chunk_grads(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
 
 
 def _chunk_grads(
