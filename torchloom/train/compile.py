@@ -93,7 +93,6 @@ def compile_regions(
             )
     mode = None if config.mode == "default" else config.mode
     compiled: list[str] = []
-    breaks_allowed: list[bool] = []
 
     def visit(name: str, module: nn.Module, selected: bool) -> None:
         selected = selected or any(
@@ -115,7 +114,6 @@ def compile_regions(
                 fullgraph=fullgraph,
                 mode=mode,
             )
-            breaks_allowed.append(not fullgraph)
             if memory_budget is not None:
                 region = _budgeted(region, memory_budget)
             module.forward = region if recomputes is None else recomputing(region, recomputes[1])
@@ -125,11 +123,6 @@ def compile_regions(
             visit(f"{name}.{child_name}" if name else child_name, child, selected)
 
     visit("", model, False)
-    if any(breaks_allowed):
-        # Code around a graph break is compiled per frame; should Dynamo specialise such a
-        # frame per block, the default limit (8) would leave the blocks past it eager.
-        config_ = torch._dynamo.config
-        config_.recompile_limit = max(config_.recompile_limit, 2 * len(compiled) + 8)
     return compiled
 
 
