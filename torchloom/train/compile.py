@@ -76,7 +76,9 @@ def compile_regions(
     children are, recursively, and the ``eager_types`` modules stay eager. A region holding
     one of ``graph_break_types`` (modules calling kernels Dynamo does not trace, such as fla's)
     is compiled with graph breaks allowed whatever ``config.fullgraph``: the code around those
-    kernels is compiled, the kernels run as they are. ``memory_budget``
+    kernels is compiled, the kernels run as they are. A region that may break its graph and
+    recomputes its activations (apply_remat) has the checkpoint moved outside the compiled
+    code: Dynamo runs a compiled checkpoint with a graph break inside all eagerly. ``memory_budget``
     (remat mode budget): the fraction of activation memory the min-cut partitioner keeps when
     it compiles these regions (set for their compilation only, not for the whole process).
     """
