@@ -71,23 +71,29 @@ def _chunk_grads(
     state_v_first: bool,
     BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, T, H, _ = k.shape
+    B, T, H, K = k.shape
     HV = v.shape[2]
-    C, dev, dt = h.shape[0] * h.shape[1], q.device, q.dtype
+    C, G, dev, dt = h.shape[0] * h.shape[1], HV // H, q.device, q.dtype
     if chunks is None:
         valid_CT = torch.ones(C, BT, dtype=torch.bool, device=dev)
         last_C = torch.full((C,), BT - 1, device=dev)
     else:
         rows, valid_CT, last_C = chunks
 
-    def chunked(x: torch.Tensor, heads: int) -> torch.Tensor:  # [B, T, heads, D] -> [C, HV, BT, D]
+    def chunked(
+        x: torch.Tensor, heads: int
+    ) -> torch.Tensor:  # [B, T, heads, D] -> [C, heads, BT, D]
         if chunks is None:
-            x = x.reshape(C, BT, heads, -1).transpose(1, 2)
-        else:
-            x = x.reshape(B * T, heads, -1)[rows].transpose(1, 2)
-        return x.repeat_interleave(HV // heads, dim=1) if heads != HV else x
+            return x.reshape(C, BT, heads, -1).transpose(1, 2)
+        return x.reshape(B * T, heads, -1)[rows].transpose(1, 2)
 
+    def grouped(x_C: torch.Tensor) -> torch.Tensor:  # [C, HV, ...] -> [C, H, G, ...]
+        return x_C.unflatten(1, (H, G))
+
+    # q and k stay at their own H heads: a q/k head meets its G value heads by broadcasting,
+    # or as G row blocks of one matmul ([C, H, G * BT, .] @ [C, H, BT, K]).
     q_c, k_c = chunked(q, H).to(dt), chunked(k, H).to(dt)
+    q_f, k_f = q_c.float()[:, :, None], k_c.float()[:, :, None]  # [C, H, 1, BT, K]
     v_c, do_c, dv_c = (chunked(x, HV).to(dt) for x in (v, do, dv))
     g_c = chunked(g.unsqueeze(-1), HV).squeeze(-1).float()  # [C, HV, BT]
     g_last = g_c[..., -1]  # the rows past a chunk's end repeat its last row
@@ -101,16 +107,18 @@ def _chunk_grads(
     decay_to_end = torch.where(valid_CT[:, None], torch.exp2(g_last[..., None] - g_c), 0.0)
     dk = (v_c @ dhT).float() * decay_to_end.unsqueeze(-1)
     dg_last = torch.exp2(g_last) * torch.sum(h_c.float() * dh_c.float(), dim=(-2, -1))
-    dg_last = dg_last + torch.sum(dk * k_c.float(), dim=(-2, -1))
+    dg_last = dg_last + torch.sum(grouped(dk) * k_f, dim=(-2, -1)).flatten(1, 2)
 
     causal = torch.ones(BT, BT, dtype=torch.bool, device=dev).tril()
     causal = causal & valid_CT[:, None, :, None] & valid_CT[:, None, None, :]
     gap = torch.where(causal, g_c[..., :, None] - g_c[..., None, :], 0.0)
     ds = torch.where(causal, (do_c @ v_c.transpose(-1, -2)).float() * torch.exp2(gap), 0.0)
     ds = (ds * scale).to(dt)
-    dq = dq + (ds @ k_c).float()
-    dk = dk + (ds.transpose(-1, -2) @ q_c).float()
-    dg = torch.sum(dq * q_c.float(), dim=-1) - torch.sum(dk * k_c.float(), dim=-1)
+    dq = dq + (ds.view(C, H, G * BT, BT) @ k_c).view(C, HV, BT, K).float()
+    ds_T = grouped(ds).transpose(-1, -2).reshape(C, H, G * BT, BT)
+    dk = dk + (ds_T @ q_c).view(C, HV, BT, K).float()
+    dg = torch.sum(grouped(dq) * q_f, dim=-1) - torch.sum(grouped(dk) * k_f, dim=-1)
+    dg = dg.flatten(1, 2)
     dg = dg + torch.nn.functional.one_hot(last_C, BT)[:, None, :] * dg_last[..., None]
 
     def unchunked(x_C: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
