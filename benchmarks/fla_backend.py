@@ -1,5 +1,6 @@
-"""torchloom's PyTorch form of fla's chunk-parallel gated delta-rule gradients
-(torchloom/kernels/fla_backend.py) against fla's own Triton kernel, one GPU: error and time.
+"""torchloom's forms of fla's chunk-parallel gated delta-rule gradients
+(torchloom/kernels/fla_backend.py: the PyTorch form its fla backend runs, and the staged Triton
+kernel chunk_bwd_dqkwg_triton) against fla's own Triton kernel, one GPU: error and time.
 
     python benchmarks/fla_backend.py --shapes 1x32768 8x4096   # Qwen3-Next's Gated DeltaNet heads
 
@@ -103,7 +104,9 @@ def main() -> None:
         reference = fla_backend.chunk_bwd_dqkwg(**{
             n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
         })  # fmt: skip
-        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg), ("fla-triton", fla_kernel))
+        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg),
+                    ("torchloom-triton", fla_backend.chunk_bwd_dqkwg_triton),
+                    ("fla-triton", fla_kernel))  # fmt: skip
         for name, fn in variants:
             got = fn(**x)
             error = {

@@ -3,9 +3,9 @@
 # important first; each step's whole log goes to OUT_DIR/<step>.log, its tail to stdout.
 #   1. the 3:1 hybrid vs full attention at 32k, with kernel tables (target 1.5x)
 #   2. one Gated DeltaNet layer vs transformers' with fla on both sides (target 1.3x)
-#   3. fla's kernels vs the chunked form with gradients (pytest -m gpu), through torchloom's
+#   3. torchloom's fla backend step (PyTorch, and its staged Triton kernel) vs fla's (error, time)
+#   4. fla's kernels vs the chunked form with gradients (pytest -m gpu), through torchloom's
 #      fla backend where fla refuses its own kernel
-#   4. torchloom's fla backend step vs fla's Triton kernel (error, time)
 # Before the call (here): pip download fla-core einops pytest pluggy iniconfig packaging pygments
 #   --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl
 #   (carry .whl, git-ignored). fla's first calls autotune its Triton kernels: minutes.
@@ -28,5 +28,5 @@ step() {  # step NAME LIMIT_S TAIL_LINES COMMAND...
 }
 step models 220 45 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 32768 --steps 3 --warmup 2 --profile-steps 1 --json "$OUT/hybrid_models.json"
 step layers 170 12 python3 benchmarks/hybrid.py --rows layer-compiled hf-layer hf-layer-compiled --seq-lens 4096 --steps 4 --warmup 3 --json "$OUT/hybrid_layers.json"
+step fla_backend 90 10 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json"
 step gpu_tests 100 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s
-step fla_backend 60 8 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json"

@@ -41,43 +41,47 @@ def _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_firs
     return dq.view(q.shape), dk.view(k.shape), dw.view(w.shape), dg.view(g.shape) / math.log(2)
 
 
-@pytest.mark.parametrize(
-    "B, T, cu_seqlens, state_v_first",
-    [
-        (2, 48, None, False),
-        (2, 45, None, False),
-        (1, 60, [0, 5, 21, 24, 60], False),
-        (1, 40, [0, 17, 40], True),
-    ],
-    ids=["batch-whole-chunks", "batch-partial-chunk", "varlen", "varlen-state-v-first"],
-)
-def test_chunk_bwd_dqkwg_matches_autograd(B, T, cu_seqlens, state_v_first):
-    torch.manual_seed(0)
-    H, HV, K, V, BT, scale = 2, 4, 8, 6, 16, 0.3
+CASES = {  # B, T, cu_seqlens, state_v_first
+    "batch-whole-chunks": (2, 48, None, False),
+    "batch-partial-chunk": (2, 45, None, False),
+    "varlen": (1, 60, [0, 5, 21, 24, 60], False),
+    "varlen-state-v-first": (1, 40, [0, 17, 40], True),
+}
+
+
+def _inputs(B, T, cu_seqlens, state_v_first, K, V, H=2, HV=4, BT=16):
+    """Random step inputs (fp32) in fla's layouts, and each sequence's (start, end) row."""
     lengths = [T] * B if cu_seqlens is None else [b - a for a, b in itertools.pairwise(cu_seqlens)]
     starts = [i * T for i in range(B)] if cu_seqlens is None else cu_seqlens[:-1]
     spans = [(s, s + n) for s, n in zip(starts, lengths)]
     C = sum(-(-n // BT) for n in lengths)
-    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
-    v, do, dv = torch.randn(B, T, HV, V), torch.randn(B, T, HV, V), torch.randn(B, T, HV, V)
-    w = torch.randn(B, T, HV, K)
-    state_shape = (V, K) if state_v_first else (K, V)
-    h = torch.randn(
-        B if cu_seqlens is None else 1, C // (B if cu_seqlens is None else 1), HV, *state_shape
-    )
-    dh = torch.randn_like(h)
+    rows = B if cu_seqlens is None else 1
+    h = torch.randn(rows, C // rows, HV, *((V, K) if state_v_first else (K, V)))
     # fla's g: the log2 decay summed within each chunk (so it restarts at every chunk start)
     g = -torch.rand(B, T, HV)
+    flat = g.view(B * T, HV)
     for s, e in spans:
         for r0 in range(s, e, BT):
-            flat = g.view(B * T, HV)
             flat[r0 : min(r0 + BT, e)] = flat[r0 : min(r0 + BT, e)].cumsum(0)
-    seqlens = None if cu_seqlens is None else torch.tensor(cu_seqlens)
-    got = chunk_bwd_dqkwg(
-        q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, scale=scale,
-        state_v_first=state_v_first, cu_seqlens=seqlens, chunk_size=BT,
+    inputs = {
+        "q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, HV, V),
+        "do": torch.randn(B, T, HV, V), "h": h, "dh": torch.randn_like(h),
+        "w": torch.randn(B, T, HV, K), "g": g, "dv": torch.randn(B, T, HV, V), "scale": 0.3,
+        "state_v_first": state_v_first, "chunk_size": BT,
+        "cu_seqlens": None if cu_seqlens is None else torch.tensor(cu_seqlens),
+    }  # fmt: skip
+    return inputs, spans
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunk_bwd_dqkwg_matches_autograd(case):
+    torch.manual_seed(0)
+    x, spans = _inputs(*CASES[case], K=8, V=6)
+    got = chunk_bwd_dqkwg(**x)
+    want = _autograd_grads(
+        *(x[n] for n in ("q", "k", "v", "do", "h", "dh", "w", "g", "dv", "scale")),
+        spans, x["chunk_size"], x["state_v_first"],
     )  # fmt: skip
-    want = _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_first)
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
@@ -96,3 +100,23 @@ def test_chunk_bwd_dqkwg_bf16_inputs_keep_dtypes_and_stay_close():
     assert [x.dtype for x in got] == [torch.bfloat16] * 3 + [torch.float32]
     for a, b in zip(got, exact):
         assert (a.float() - b).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_triton_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
+    run_in_triton_interpreter(__file__)
+
+
+if __name__ == "__main__":  # run by test_triton_kernel_in_the_interpreter
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 on CPU"
+    from torchloom.kernels.fla_backend import chunk_bwd_dqkwg_triton
+
+    for case, args in CASES.items():
+        torch.manual_seed(0)
+        x, _ = _inputs(*args, K=16, V=32)
+        want = chunk_bwd_dqkwg(**x)
+        got = chunk_bwd_dqkwg_triton(**x)
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"{case} {name}")
+        print(f"{case}: Triton kernel matches the PyTorch form")

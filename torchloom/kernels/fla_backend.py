@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from torchloom.kernels.triton_support import jit, tl
+
 
 def chunk_bwd_dqkwg(
     q: torch.Tensor,
@@ -205,3 +207,124 @@ def register() -> bool:
 
     fla_register("common")(TorchloomBackend)
     return True
+
+
+# --- the same step as one Triton kernel (staged: the PyTorch form above stays the backend's
+# implementation until this one has been checked on a Hopper GPU; benchmarks/fla_backend.py) -
+
+
+def chunk_bwd_dqkwg_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    dv: torch.Tensor,
+    scale: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``chunk_bwd_dqkwg`` as one program per (chunk, value head). Unlike fla's kernel it never
+    transposes an accumulated dot product (the pattern Triton 3.4-3.7.0 miscompiles on Hopper,
+    fla issue #640): it accumulates ds and ds^T as two products of loaded tiles."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT, C = chunk_size, h.shape[0] * h.shape[1]
+    scale = K**-0.5 if scale is None else scale
+    if K & (K - 1) or V & (V - 1) or K < 16 or V < 16:
+        raise ValueError(f"chunk_bwd_dqkwg_triton needs power-of-two K, V >= 16; got {K}, {V}")
+    rows, _, last_C = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
+    q, k, v, do, dv, h, dh, g = (x.contiguous() for x in (q, k, v, do, dv, h, dh, g))
+    dq = torch.empty(B * T, HV, K, dtype=torch.float32, device=q.device)
+    dk, dw = torch.empty_like(dq), torch.empty(B * T, HV, K, dtype=w.dtype, device=q.device)
+    dg = torch.empty(B * T, HV, dtype=torch.float32, device=q.device)
+    _dqkwg_kernel[(C, HV)](
+        q, k, v, do, dv, h, dh, g, rows, last_C + 1, dq, dk, dw, dg, scale,
+        H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), STATE_V_FIRST=state_v_first,
+    )  # fmt: skip
+    G = HV // H
+
+    def per_qk_head(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.view(B, T, H, G, K).sum(3).to(dtype)
+
+    return (
+        per_qk_head(dq, q.dtype),
+        per_qk_head(dk, k.dtype),
+        dw.view(B, T, HV, K),
+        dg.view(B, T, HV),
+    )
+
+
+@jit
+def _dqkwg_kernel(
+    q, k, v, do, dv, h, dh, g, rows, n_real, dq, dk, dw, dg, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BV: tl.constexpr, STATE_V_FIRST: tl.constexpr,
+):  # fmt: skip
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    qk_head = head // (HV // H)
+    t = tl.arange(0, BT)
+    count = tl.load(n_real + chunk)
+    real = t < count
+    row = tl.load(rows + chunk * BT + t).to(tl.int64)  # past the end: the last real row again
+    ks = tl.arange(0, K)
+    state = (chunk * HV + head).to(tl.int64) * K * V
+
+    ds = tl.zeros([BT, BT], dtype=tl.float32)  # do @ v^T
+    ds_t = tl.zeros([BT, BT], dtype=tl.float32)  # v @ do^T, its transpose
+    acc_q = tl.zeros([BT, K], dtype=tl.float32)  # do @ h^T
+    acc_k = tl.zeros([BT, K], dtype=tl.float32)  # v @ dh^T
+    acc_w = tl.zeros([BT, K], dtype=tl.float32)  # dv @ h^T
+    h_dh = 0.0  # <h, dh>
+    for v0 in range(0, V, BV):
+        vs = v0 + tl.arange(0, BV)
+        tile = (row * HV + head)[:, None] * V + vs[None, :]  # [BT, BV]
+        b_v = tl.load(v + tile)
+        b_do = tl.load(do + tile)
+        b_dv = tl.load(dv + tile)
+        if STATE_V_FIRST:  # states stored [V, K]
+            st = state + vs[:, None] * K + ks[None, :]
+        else:  # [K, V], read transposed
+            st = state + ks[None, :] * V + vs[:, None]
+        b_h_t = tl.load(h + st)  # [BV, K]
+        b_dh_t = tl.load(dh + st)
+        h_dh += tl.sum(b_h_t.to(tl.float32) * b_dh_t.to(tl.float32))
+        ds = tl.dot(b_do, tl.trans(b_v), ds)
+        ds_t = tl.dot(b_v, tl.trans(b_do), ds_t)
+        acc_q = tl.dot(b_do, b_h_t.to(b_do.dtype), acc_q)
+        acc_k = tl.dot(b_v, b_dh_t.to(b_v.dtype), acc_k)
+        acc_w = tl.dot(b_dv, b_h_t.to(b_dv.dtype), acc_w)
+
+    qk_tile = (row * H + qk_head)[:, None] * K + ks[None, :]
+    b_q = tl.load(q + qk_tile)
+    b_k = tl.load(k + qk_tile)
+    b_g = tl.load(g + row * HV + head)
+    g_last = tl.load(g + tl.load(rows + chunk * BT + count - 1).to(tl.int64) * HV + head)
+
+    acc_q = acc_q * (tl.exp2(b_g) * scale)[:, None]
+    acc_k = acc_k * tl.where(real, tl.exp2(g_last - b_g), 0.0)[:, None]
+    dg_last = tl.exp2(g_last) * h_dh + tl.sum(acc_k * b_k.to(tl.float32))
+    both = real[:, None] & real[None, :]
+    lower = (t[:, None] >= t[None, :]) & both  # ds[i, j], i >= j
+    gap = tl.where(lower, b_g[:, None] - b_g[None, :], 0.0)
+    ds = tl.where(lower, ds * tl.exp2(gap), 0.0) * scale
+    upper = (t[:, None] <= t[None, :]) & both  # ds^T[j, i] = ds[i, j]
+    gap_t = tl.where(upper, b_g[None, :] - b_g[:, None], 0.0)
+    ds_t = tl.where(upper, ds_t * tl.exp2(gap_t), 0.0) * scale
+    acc_q = tl.dot(ds.to(b_k.dtype), b_k, acc_q)
+    acc_k = tl.dot(ds_t.to(b_q.dtype), b_q, acc_k)
+    b_dg = tl.sum(acc_q * b_q.to(tl.float32), 1) - tl.sum(acc_k * b_k.to(tl.float32), 1)
+    b_dg = tl.where(t == count - 1, b_dg + dg_last, b_dg)
+
+    out = (row * HV + head)[:, None] * K + ks[None, :]
+    mask = real[:, None]
+    tl.store(dq + out, acc_q, mask=mask)
+    tl.store(dk + out, acc_k, mask=mask)
+    tl.store(dw + out, (-acc_w).to(dw.dtype.element_ty), mask=mask)
+    tl.store(dg + row * HV + head, b_dg, mask=real)
