@@ -164,6 +164,12 @@ def _chunk_rows(
     return rows, offsets < n_real[:, None], n_real - 1
 
 
+def _by_name(args: tuple, kwargs: dict) -> dict:
+    """fla's chunk_bwd_dqkwg arguments, positional ones named as in its signature."""
+    names = ("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma", "dv")
+    return {**dict(zip(names, args)), **kwargs}
+
+
 @functools.cache
 def triton_miscompiles_dqkwg() -> bool:
     """fla's own test: Hopper with Triton >= 3.4, < 3.7.1 (fla issue #640)."""
@@ -189,8 +195,7 @@ def register() -> bool:
         priority = 6  # after fla's own tilelang backend (5), where that is installed
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-            named = dict(zip(("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma", "dv"), args))
-            named.update(kwargs)
+            named = _by_name(args, kwargs)
             if not triton_miscompiles_dqkwg():
                 return False, "fla's Triton kernel is sound here"
             if any(named.get(name) is None for name in ("w", "g", "dv")):
@@ -200,8 +205,7 @@ def register() -> bool:
             return True, None
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
-            named = dict(zip(("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma", "dv"), args))
-            named.update(kwargs)
+            named = _by_name(args, kwargs)
             named.pop("g_gamma", None)
             return chunk_bwd_dqkwg(**named)
 
