@@ -1,6 +1,6 @@
 """torchloom's forms of fla's chunk-parallel gated delta-rule gradients
 (torchloom/kernels/fla_backend.py: the PyTorch form its fla backend runs, and the staged Triton
-kernel chunk_bwd_dqkwg_triton) against fla's own Triton kernel, one GPU: error and time.
+kernel, kernel="triton") against fla's own Triton kernel, one GPU: error and time.
 
     python benchmarks/fla_backend.py --shapes 1x32768 8x4096   # Qwen3-Next's Gated DeltaNet heads
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import inspect
 import json
 import shlex
@@ -105,7 +106,8 @@ def main() -> None:
             n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
         })  # fmt: skip
         variants = (("torchloom", fla_backend.chunk_bwd_dqkwg),
-                    ("torchloom-triton", fla_backend.chunk_bwd_dqkwg_triton),
+                    ("torchloom-triton", functools.partial(fla_backend.chunk_bwd_dqkwg,
+                                                           kernel="triton")),
                     ("fla-triton", fla_kernel))  # fmt: skip
         for name, fn in variants:
             got = fn(**x)

@@ -39,6 +39,7 @@ def chunk_bwd_dqkwg(
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    kernel: str = "torch",
     **_: object,  # fla's chunk_indices: the chunks are recounted here
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Within each chunk c (rows i, j; g_last its last row's g; exp2 as fla's g is log2):
@@ -48,10 +49,17 @@ def chunk_bwd_dqkwg(
     dg = rowsum(dq * q) - rowsum(dk * k), plus on the last row exp2(g_last) <h_c, dh_c> + <dk, k>.
 
     dg is per row before fla's reverse cumulative sum; dq and dk sum over a q/k head's value
-    heads. Matmuls run in q's dtype, everything else in fp32."""
+    heads. ``kernel`` "torch": batched matmuls in q's dtype, everything else in fp32 (what the
+    fla backend runs); "triton": one Triton program per (chunk, value head), ``_dqkwg_triton``
+    (staged: not yet checked on a Hopper GPU)."""
     B, T, _, K = k.shape
     BT, C = chunk_size, h.shape[0] * h.shape[1]
     scale = K**-0.5 if scale is None else scale
+    if kernel == "triton":
+        chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
+        return _dqkwg_triton(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
+    if kernel != "torch":
+        raise ValueError(f"unknown chunk_bwd_dqkwg kernel {kernel!r}: torch or triton")
     chunks = None  # whole chunks of equal sequences: plain views
     if cu_seqlens is not None or T % BT:
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
@@ -217,7 +225,7 @@ def register() -> bool:
 # implementation until this one has been checked on a Hopper GPU; benchmarks/fla_backend.py) -
 
 
-def chunk_bwd_dqkwg_triton(
+def _dqkwg_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -227,22 +235,20 @@ def chunk_bwd_dqkwg_triton(
     w: torch.Tensor,
     g: torch.Tensor,
     dv: torch.Tensor,
-    scale: float | None = None,
-    state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
-    **_: object,
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    state_v_first: bool,
+    BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``chunk_bwd_dqkwg`` as one program per (chunk, value head). Unlike fla's kernel it never
-    transposes an accumulated dot product (the pattern Triton 3.4-3.7.0 miscompiles on Hopper,
-    fla issue #640): it accumulates ds and ds^T as two products of loaded tiles."""
+    """The step as one program per (chunk, value head). Unlike fla's kernel it never transposes
+    an accumulated dot product (the pattern Triton 3.4-3.7.0 miscompiles on Hopper, fla issue
+    #640): it accumulates ds and ds^T as two products of loaded tiles."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    BT, C = chunk_size, h.shape[0] * h.shape[1]
-    scale = K**-0.5 if scale is None else scale
+    C = h.shape[0] * h.shape[1]
     if K & (K - 1) or V & (V - 1) or K < 16 or V < 16:
-        raise ValueError(f"chunk_bwd_dqkwg_triton needs power-of-two K, V >= 16; got {K}, {V}")
-    rows, _, last_C = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
+        raise ValueError(f"the Triton dqkwg kernel needs power-of-two K, V >= 16; got {K}, {V}")
+    rows, _, last_C = chunks
     q, k, v, do, dv, h, dh, g = (x.contiguous() for x in (q, k, v, do, dv, h, dh, g))
     dq = torch.empty(B * T, HV, K, dtype=torch.float32, device=q.device)
     dk, dw = torch.empty_like(dq), torch.empty(B * T, HV, K, dtype=w.dtype, device=q.device)
