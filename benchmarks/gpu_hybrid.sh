@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The hybrid linear-attention GPU checks of issue 22 in one call (benchmarks/RESULTS.md), most
-# important first; each step's whole log goes to OUT_DIR/<step>.log, its tail to stdout.
-#   1. the 3:1 hybrid vs full attention at 32k, with kernel tables (target 1.5x)
+# The hybrid linear-attention GPU checks of issue 22 (benchmarks/RESULTS.md) in two calls of
+# under 10 minutes; each step's whole log goes to OUT_DIR/<step>.log, its tail to stdout.
+# speed (first call):
+#   1. the 3:1 hybrid vs full attention at 32k, with kernel tables (target 1.5x), then at 4k
 #   2. one Gated DeltaNet layer vs transformers' with fla on both sides (target 1.3x)
+# checks (second call):
 #   3. torchloom's fla backend step (PyTorch, and its staged Triton kernel) vs fla's (error, time)
 #   4. fla's kernels vs the chunked form with gradients (pytest -m gpu), through torchloom's
 #      fla backend where fla refuses its own kernel
-# Before the call (here): pip download fla-core einops pytest pluggy iniconfig packaging pygments
+#   5. `torchloom train --compile.enabled true` of qwen3_5_debug on CUDA with fla
+# Before a call (here): pip download fla-core einops pytest pluggy iniconfig packaging pygments
 #   --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl
 #   (carry .whl, git-ignored). fla's first calls autotune its Triton kernels: minutes.
-# Usage (repository root, on the device): bash benchmarks/gpu_hybrid.sh OUT_DIR
+# Usage (repository root, on the device): bash benchmarks/gpu_hybrid.sh OUT_DIR speed|checks
 set -uo pipefail
 OUT=${1:-outputs/gpu_hybrid}
+PART=${2:-speed}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # The interpreter that runs the code installs the wheels (a bare `pip` may be another one's).
@@ -26,7 +30,12 @@ step() {  # step NAME LIMIT_S TAIL_LINES COMMAND...
   grep -vi "warn" "$OUT/$name.log" | tail -n "$lines"
   echo "== $name: exit $rc, $((SECONDS - start)) s"
 }
-step models 220 45 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 32768 --steps 3 --warmup 2 --profile-steps 1 --json "$OUT/hybrid_models.json"
-step layers 170 12 python3 benchmarks/hybrid.py --rows layer-compiled hf-layer hf-layer-compiled --seq-lens 4096 --steps 4 --warmup 3 --json "$OUT/hybrid_layers.json"
-step fla_backend 90 10 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json"
-step gpu_tests 100 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s
+if [ "$PART" = speed ]; then
+  step models 230 45 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 32768 --steps 3 --warmup 2 --profile-steps 1 --json "$OUT/hybrid_models.json"
+  step layers 170 12 python3 benchmarks/hybrid.py --rows layer-compiled hf-layer hf-layer-compiled --seq-lens 4096 --steps 4 --warmup 3 --json "$OUT/hybrid_layers.json"
+  step models_4k 150 12 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 4096 --steps 3 --warmup 2 --json "$OUT/hybrid_models_4k.json"
+else
+  step fla_backend 150 10 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json"
+  step gpu_tests 240 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s
+  step train 150 6 python3 -m torchloom train --recipe qwen3_5_debug --training.device cuda --training.steps 6 --compile.enabled true --training.sample_tokens 0 --metrics.tensorboard false --checkpoint.save_final_model false --output.dir "$OUT/train" --output.overwrite true
+fi
