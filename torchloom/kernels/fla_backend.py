@@ -19,10 +19,25 @@ h, dh [B, NT, HV, K, V] (V, K with ``state_v_first``), one state per chunk; with
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from torchloom.kernels.triton_support import jit, tl
+
+
+class StepInputs(NamedTuple):
+    """The tensors of fla's chunk_bwd_dqkwg (module docstring: shapes)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    h: torch.Tensor
+    dh: torch.Tensor
+    w: torch.Tensor
+    g: torch.Tensor
+    dv: torch.Tensor
 
 
 def chunk_bwd_dqkwg(
@@ -57,30 +72,25 @@ def chunk_bwd_dqkwg(
     scale = K**-0.5 if scale is None else scale
     if kernel == "triton":
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
-        return _dqkwg_triton(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
+        return _dqkwg_triton(StepInputs(q, k, v, do, h, dh, w, g, dv), chunks, scale,
+                             state_v_first, BT)  # fmt: skip
     if kernel != "torch":
         raise ValueError(f"unknown chunk_bwd_dqkwg kernel {kernel!r}: torch or triton")
     chunks = None  # whole chunks of equal sequences: plain views
     if cu_seqlens is not None or T % BT:
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
-    return _chunk_grads(q, k, v, do, h, dh, w, g, dv, chunks, scale, state_v_first, BT)
+    x = StepInputs(q, k, v, do, h, dh, w, g, dv)
+    return _chunk_grads(x, chunks, scale, state_v_first, BT)
 
 
 def _chunk_grads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    h: torch.Tensor,
-    dh: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor,
-    dv: torch.Tensor,
+    x: StepInputs,
     chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     scale: float,
     state_v_first: bool,
     BT: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, do, h, dh, w, g, dv = x
     B, T, H, K = k.shape
     HV = v.shape[2]
     C, G, dev, dt = h.shape[0] * h.shape[1], HV // H, q.device, q.dtype
@@ -226,15 +236,7 @@ def register() -> bool:
 
 
 def _dqkwg_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    h: torch.Tensor,
-    dh: torch.Tensor,
-    w: torch.Tensor,
-    g: torch.Tensor,
-    dv: torch.Tensor,
+    x: StepInputs,
     chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     state_v_first: bool,
@@ -243,6 +245,7 @@ def _dqkwg_triton(
     """The step as one program per (chunk, value head). Unlike fla's kernel it never transposes
     an accumulated dot product (the pattern Triton 3.4-3.7.0 miscompiles on Hopper, fla issue
     #640): it accumulates ds and ds^T as two products of loaded tiles."""
+    q, k, v, do, h, dh, w, g, dv = x
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     C = h.shape[0] * h.shape[1]
