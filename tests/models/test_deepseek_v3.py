@@ -164,7 +164,6 @@ CONFIG_ERRORS = {
     "mtp_layers": ({"mtp_layers": -1}, "mtp_layers and mtp_loss_weight must be >= 0"),
     "rope dim": ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
     "dense layers": ({"first_dense_layers": 4}, r"first_dense_layers must be in \[0, num_layers=3\]"),
-    "batch invariant": ({"batch_invariant": True}, "batch_invariant is not supported by deepseek_v3"),
     "q rank": ({"q_lora_rank": -8}, "q_lora_rank must be positive, or null"),
 }  # fmt: skip
 

@@ -243,6 +243,16 @@ class _BoundLatent:
     def __init__(self, state: LatentState, binding: Binding) -> None:
         self.state, self.binding = state, binding
 
+    def stored(self, latent_BTc: torch.Tensor, k_rope_BTr: torch.Tensor) -> torch.Tensor:
+        """Store this step's normed latents and rotated shared keys; return every cached entry
+        of the batch's rows, [B, L, kv_lora_rank + rope_dim] (key index = position)."""
+        bound, entries = self.binding, self.state.entries
+        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
+        entries[rows_B1, pos_BT] = torch.cat([latent_BTc, k_rope_BTr], dim=-1).to(entries.dtype)
+        if bound.leading:  # a view of slots 0..B-1: no copy
+            return entries[: pos_BT.shape[0]]
+        return entries[bound.slot_ids_B, : bound.length]
+
     def attend(
         self,
         q_nope_BHTn: torch.Tensor,
@@ -256,13 +266,7 @@ class _BoundLatent:
         cached ones. ``kv_b_weight`` is kv_b_proj's weight [H * (n + v), c] for the heads this
         rank holds; returns the heads' outputs [B, H, T, v], fp32 softmax."""
         bound, state = self.binding, self.state
-        entries = state.entries
-        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
-        entries[rows_B1, pos_BT] = torch.cat([latent_BTc, k_rope_BTr], dim=-1).to(entries.dtype)
-        if bound.leading:  # a view of slots 0..B-1: no copy
-            cached_BLx = entries[: pos_BT.shape[0]]
-        else:
-            cached_BLx = entries[bound.slot_ids_B, : bound.length]
+        cached_BLx = self.stored(latent_BTc, k_rope_BTr)
         dtype, c = q_nope_BHTn.dtype, state.kv_lora_rank
         cached_BLx = cached_BLx.to(dtype)
         B, H, T, n = q_nope_BHTn.shape

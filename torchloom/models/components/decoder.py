@@ -203,7 +203,7 @@ def _mla(cfg: Any, layer: int) -> nn.Module:
 def _kda(cfg: Any, layer: int) -> nn.Module:
     return KimiDeltaAttention(
         cfg.dim, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size, norm_eps=cfg.norm_eps,
-        init_std=cfg.init_std, out_std=_residual_std(cfg),
+        init_std=cfg.init_std, out_std=_residual_std(cfg), invariant=cfg.batch_invariant,
     )  # fmt: skip
 
 

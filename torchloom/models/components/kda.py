@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels import batch_invariant
 from torchloom.kernels.delta_rule import delta_rule
 from torchloom.models.components.cache import BoundRecurrent, RecurrentState
 from torchloom.models.components.head_parallel import (
@@ -49,12 +50,16 @@ from torchloom.models.components.param_init import ParamInit, local_tensor
 class SigmoidGatedRMSNorm(nn.Module):
     """RMSNorm over the last dim, times sigmoid(gate); in fp32, cast back at the end."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, invariant: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.invariant = eps, invariant
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.invariant:  # the same fp32 arithmetic in a fixed order (batch-invariant mode)
+            weight = shared_by_heads(self.weight).float()
+            normed = batch_invariant.rms_norm(x.float(), weight, self.eps)
+            return (normed * batch_invariant.pointwise(torch.sigmoid, gate.float())).to(x.dtype)
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = shared_by_heads(self.weight)  # under tp, applied to this rank's heads only
@@ -80,9 +85,13 @@ class KimiDeltaAttention(nn.Module):
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
         out_std: float | None = None,
+        invariant: bool = False,
     ) -> None:
+        """``invariant``: batch-invariant mode, every op in a fixed order (the delta rule token
+        by token, kernels/batch_invariant.py), as GatedDeltaNet does."""
         super().__init__()
         self.num_heads, self.head_dim, self.conv_size = num_heads, head_dim, conv_size
+        self.invariant = invariant
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
         width = num_heads * head_dim
         self.q_proj = nn.Linear(dim, width, bias=False)
@@ -99,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(dim, num_heads, bias=False)
         self.g_a_proj = nn.Linear(dim, head_dim, bias=False)
         self.g_b_proj = nn.Linear(head_dim, width, bias=False)
-        self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps)
+        self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps, invariant)
         self.o_proj = nn.Linear(width, dim, bias=False)
 
     def forward(
@@ -125,20 +134,26 @@ class KimiDeltaAttention(nn.Module):
         weight_C1W = torch.cat(
             [local_shard(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
         )
+        fixed = self.invariant
         if cache is None:
-            qkv_BTC = F.silu(causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT))
+            qkv_BTC = causal_conv1d(qkv_BTC, weight_C1W, doc_ids_BT, fixed_order=fixed)
         else:
-            qkv_BTC = F.silu(cache.convolve(qkv_BTC, weight_C1W))
+            qkv_BTC = cache.convolve(qkv_BTC, weight_C1W, fixed_order=fixed)
+        qkv_BTC = batch_invariant.pointwise(F.silu, qkv_BTC) if fixed else F.silu(qkv_BTC)
         q_BTHd, k_BTHd, v_BTHd = (t.view(B, T, H, d) for t in qkv_BTC.chunk(3, dim=-1))
         g_BTHd = self.forget_gate(x_BTD)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        b_BTH = self.b_proj(x_BTD).float()
+        beta_BTH = batch_invariant.pointwise(torch.sigmoid, b_BTH) if fixed else b_BTH.sigmoid()
         # q and k are L2-normalised per head by the delta rule (by fla inside its kernels).
         if cache is not None:
-            o_BTHd = cache.delta_rule(q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True)
+            o_BTHd = cache.delta_rule(
+                q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, normalize_qk=True, fixed_order=fixed
+            )
         else:
             o_BTHd, _ = delta_rule(
-                q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, doc_ids_BT=doc_ids_BT, normalize_qk=True
-            )
+                q_BTHd, k_BTHd, v_BTHd, g_BTHd, beta_BTH, impl="fixed_order" if fixed else "auto",
+                doc_ids_BT=doc_ids_BT, normalize_qk=True,
+            )  # fmt: skip
         gate_BTHd = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, H, d)
         o_BTHd = self.o_norm(o_BTHd.to(x_BTD.dtype), gate_BTHd)
         return self.o_proj(o_BTHd.reshape(B, T, H * d))
@@ -149,8 +164,12 @@ class KimiDeltaAttention(nn.Module):
         raw = self.f_b_proj(self.f_a_proj(x_BTD)).float() + local_shard(self.dt_bias).float()
         # softplus, taken as the identity above 20 (as FLA and transformers do)
         raw_BTHd = raw.view(B, T, -1, self.head_dim)
+        A_log = local_shard(self.A_log).float()
+        if self.invariant:  # the transcendental ops through pointwise (batch-invariant mode)
+            softplus = batch_invariant.pointwise(F.softplus, raw_BTHd)
+            return -batch_invariant.pointwise(torch.exp, A_log) * softplus
         softplus = torch.where(raw_BTHd > 20.0, raw_BTHd, torch.log1p(torch.exp(raw_BTHd)))
-        return -torch.exp(local_shard(self.A_log).float()) * softplus
+        return -torch.exp(A_log) * softplus
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype

@@ -46,8 +46,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels import batch_invariant
 from torchloom.models.components.attention import ATTENTION_BACKENDS
-from torchloom.models.components.cache import LatentState
+from torchloom.models.components.cache import Binding, LatentState
 from torchloom.models.components.head_parallel import ReplicatedModule
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit, local_tensor
@@ -159,7 +160,12 @@ class MultiHeadLatentAttention(nn.Module):
         if cos_BTd is not None:  # no tables: NoPE (Kimi Linear), the parts stay as they are
             q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
             k_rope_BT1r = self.rotate(self._halves(k_rope_BT1r), cos_BTd, sin_BTd)
-        if cache is not None:
+        if cache is not None and self.backend == "batch_invariant":
+            out_BHTv = self._attend_cached_invariant(
+                q_nope_BTHn, q_rope_BTHr, cache.stored(latent_BTc, k_rope_BT1r[:, :, 0]),
+                cache.binding.positions_BT,
+            )  # fmt: skip
+        elif cache is not None:
             out_BHTv = cache.attend(
                 q_nope_BTHn.transpose(1, 2), q_rope_BTHr.transpose(1, 2), latent_BTc,
                 k_rope_BT1r[:, :, 0], local_tensor(self.kv_b_proj.weight), self.softmax_scale,
@@ -182,10 +188,41 @@ class MultiHeadLatentAttention(nn.Module):
         doc_ids_BT: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every head's keys and values up-projected from the latents, then the backend."""
-        B, T, H, _ = q_nope_BTHn.shape
-        kv_BTHx = self.kv_b_proj(latent_BTc).view(B, T, H, self.nope_dim + self.v_dim)
-        k_nope_BTHn, v_BTHv = kv_BTHx.split([self.nope_dim, self.v_dim], dim=-1)
-        k_BTHe = torch.cat([k_nope_BTHn, self.rope_key_heads(k_rope_BT1r, H)], dim=-1)
+        q_BHTe, k_BHTe, v_BHTx, pad = self._heads(q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r)
+        out_BHTx = self.attend(q_BHTe, k_BHTe, v_BHTx, doc_ids_BT)
+        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
+
+    def _attend_cached_invariant(
+        self,
+        q_nope_BTHn: torch.Tensor,
+        q_rope_BTHr: torch.Tensor,
+        cached_BLx: torch.Tensor,
+        positions_BT: torch.Tensor,
+    ) -> torch.Tensor:
+        """Batch-invariant generation: the cached latents up-projected to every head's keys and
+        values as ``_attend_full`` does (no absorbed weights: the same arithmetic as the
+        trainer's forward), attended by the batch-invariant kernel at the queries' positions."""
+        latent_BLc, k_rope_BLr = cached_BLx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_BHTe, k_BHLe, v_BHLx, pad = self._heads(
+            q_nope_BTHn, q_rope_BTHr, latent_BLc.to(q_nope_BTHn.dtype),
+            k_rope_BLr[:, :, None].to(q_nope_BTHn.dtype),
+        )  # fmt: skip
+        out_BHTx = batch_invariant.attention(q_BHTe, k_BHLe, v_BHLx, positions_BT)
+        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
+
+    def _heads(
+        self,
+        q_nope_BTHn: torch.Tensor,
+        q_rope_BTHr: torch.Tensor,
+        latent_BLc: torch.Tensor,
+        k_rope_BL1r: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Queries, keys and values [B, H, ., e] for the backend (the values zero-padded by the
+        returned width where it needs one head dim)."""
+        B, L, H = *latent_BLc.shape[:2], q_nope_BTHn.shape[2]
+        kv_BLHx = self.kv_b_proj(latent_BLc).view(B, L, H, self.nope_dim + self.v_dim)
+        k_nope_BLHn, v_BLHv = kv_BLHx.split([self.nope_dim, self.v_dim], dim=-1)
+        k_BLHe = torch.cat([k_nope_BLHn, self.rope_key_heads(k_rope_BL1r, H)], dim=-1)
         q_BTHe = torch.cat([q_nope_BTHn, q_rope_BTHr], dim=-1)
         if self.q_scale != 1.0:
             q_BTHe = q_BTHe * self.q_scale
@@ -194,9 +231,8 @@ class MultiHeadLatentAttention(nn.Module):
         # sums), without which CUDA SDPA falls back to a slower kernel.
         padded = self.backend == "batch_invariant" or (self.backend == "sdpa" and q_BTHe.is_cuda)
         pad = max(self.qk_head_dim - self.v_dim, 0) if padded else 0
-        v_BHTv = F.pad(v_BTHv, (0, pad)).transpose(1, 2) if pad > 0 else v_BTHv.transpose(1, 2)
-        out_BHTx = self.attend(q_BTHe.transpose(1, 2), k_BTHe.transpose(1, 2), v_BHTv, doc_ids_BT)
-        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
+        v_BLHx = F.pad(v_BLHv, (0, pad)) if pad > 0 else v_BLHv
+        return q_BTHe.transpose(1, 2), k_BLHe.transpose(1, 2), v_BLHx.transpose(1, 2), pad
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
@@ -268,6 +304,10 @@ class MultiHeadLatentAttention(nn.Module):
 
 class BoundLatentCache(Protocol):
     """What MLA's forward receives as ``cache`` (``LatentState.bound``)."""
+
+    binding: Binding
+
+    def stored(self, latent_BTc: torch.Tensor, k_rope_BTr: torch.Tensor) -> torch.Tensor: ...
 
     def attend(
         self,

@@ -105,11 +105,6 @@ class DeepSeekV3Config(DecoderConfig):
                 "model mtp_layers and mtp_loss_weight must be >= 0, got "
                 f"{self.mtp_layers} and {self.mtp_loss_weight}."
             )
-        if self.batch_invariant:
-            raise ConfigError(
-                "batch_invariant is not supported by deepseek_v3: multi-head latent attention "
-                "has no batch-invariant decoding path yet. Drop batch_invariant."
-            )
         self.moe.validate()
         self.rope.validate()
 

@@ -113,11 +113,6 @@ class KimiLinearConfig(DecoderConfig):
                 "attn_backend 'flex' is not supported by kimi_linear: its KDA layers need the "
                 "document ids, which the flex backend replaces by a block mask. Use sdpa."
             )
-        if self.batch_invariant:
-            raise ConfigError(
-                "batch_invariant is not supported by kimi_linear: its MLA and KDA layers have "
-                "no batch-invariant path yet. Drop batch_invariant."
-            )
         super().validate()
         self.moe.validate()
         self.rope.validate()
