@@ -9,6 +9,7 @@
 #   4. fla's kernels vs the chunked form with gradients (pytest -m gpu), through torchloom's
 #      fla backend where fla refuses its own kernel
 #   5. `torchloom train --compile.enabled true` of qwen3_5_debug on CUDA with fla
+#   6. batch-invariant mode of the hybrids, Kimi Linear and DeepSeek-V3 on CUDA (pytest -m gpu)
 # Before a call (here): pip download fla-core einops pytest pluggy iniconfig packaging pygments
 #   --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: -d .whl
 #   (carry .whl, git-ignored). fla's first calls autotune its Triton kernels: minutes.
@@ -36,6 +37,7 @@ if [ "$PART" = speed ]; then
   step models_4k 150 12 python3 benchmarks/hybrid.py --rows hybrid full --seq-lens 4096 --steps 3 --warmup 2 --json "$OUT/hybrid_models_4k.json"
 else
   step fla_backend 150 10 python3 benchmarks/fla_backend.py --json "$OUT/fla_backend.json"
-  step gpu_tests 240 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s
-  step train 150 6 python3 -m torchloom train --recipe qwen3_5_debug --training.device cuda --training.steps 6 --compile.enabled true --training.sample_tokens 0 --metrics.tensorboard false --checkpoint.save_final_model false --output.dir "$OUT/train" --output.overwrite true
+  step gpu_tests 200 20 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_delta_rule.py -s
+  step train 120 6 python3 -m torchloom train --recipe qwen3_5_debug --training.device cuda --training.steps 6 --compile.enabled true --training.sample_tokens 0 --metrics.tensorboard false --checkpoint.save_final_model false --output.dir "$OUT/train" --output.overwrite true
+  step invariant 90 12 python3 -m pytest -q -p no:cacheprovider -m gpu tests/generate/test_batch_invariant.py -k recurrent -s
 fi

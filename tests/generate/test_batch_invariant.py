@@ -103,16 +103,17 @@ def test_bitwise_across_batches_decode_and_trainer_forward(family, shape, dtype,
         assert_fixed_order_arithmetic(model, dtype)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "kimi_linear", "deepseek_v3"])
-def test_recurrent_and_latent_attention_families_bitwise(family, dtype):
+def test_recurrent_and_latent_attention_families_bitwise(family, dtype, device):
     """Gated DeltaNet hybrids (Qwen3.5 dense, Qwen3-Next with its gated shared expert) and
     Kimi Linear's KDA: the delta rule token by token with fixed-order sums, the convolution
     tap by tap, every transcendental op through ``pointwise``. MLA (DeepSeek-V3, Kimi Linear):
     decode up-projects the cached latents as the trainer's forward does, no absorbed weights.
-    The same checks as the dense families (CPU)."""
-    model = invariant_model(family, dtype)
-    check_bitwise_across_batches(model, "cpu", f"{family} debug")
+    The same checks as the dense families."""
+    model = invariant_model(family, dtype, device)
+    check_bitwise_across_batches(model, device, f"{family} debug")
 
 
 def check_bitwise_across_batches(model, device: str, label: str) -> None:
