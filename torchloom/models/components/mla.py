@@ -161,9 +161,13 @@ class MultiHeadLatentAttention(nn.Module):
             q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
             k_rope_BT1r = self.rotate(self._halves(k_rope_BT1r), cos_BTd, sin_BTd)
         if cache is not None and self.backend == "batch_invariant":
-            out_BHTv = self._attend_cached_invariant(
-                q_nope_BTHn, q_rope_BTHr, cache.stored(latent_BTc, k_rope_BT1r[:, :, 0]),
-                cache.binding.positions_BT,
+            # No absorbed weights: every step up-projects the cached latents as the trainer's
+            # forward does, and attends with the same kernel at the queries' positions.
+            cached_BLx = cache.stored(latent_BTc, k_rope_BT1r[:, :, 0]).to(latent_BTc.dtype)
+            latent_BLc, k_rope_BLr = cached_BLx.split([self.kv_lora_rank, self.rope_dim], -1)
+            out_BHTv = self._attend_full(
+                q_nope_BTHn, q_rope_BTHr, latent_BLc, k_rope_BLr[:, :, None],
+                positions_BT=cache.binding.positions_BT,
             )  # fmt: skip
         elif cache is not None:
             out_BHTv = cache.attend(
@@ -183,42 +187,14 @@ class MultiHeadLatentAttention(nn.Module):
         self,
         q_nope_BTHn: torch.Tensor,
         q_rope_BTHr: torch.Tensor,
-        latent_BTc: torch.Tensor,
-        k_rope_BT1r: torch.Tensor,
-        doc_ids_BT: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Every head's keys and values up-projected from the latents, then the backend."""
-        q_BHTe, k_BHTe, v_BHTx, pad = self._heads(q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r)
-        out_BHTx = self.attend(q_BHTe, k_BHTe, v_BHTx, doc_ids_BT)
-        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
-
-    def _attend_cached_invariant(
-        self,
-        q_nope_BTHn: torch.Tensor,
-        q_rope_BTHr: torch.Tensor,
-        cached_BLx: torch.Tensor,
-        positions_BT: torch.Tensor,
-    ) -> torch.Tensor:
-        """Batch-invariant generation: the cached latents up-projected to every head's keys and
-        values as ``_attend_full`` does (no absorbed weights: the same arithmetic as the
-        trainer's forward), attended by the batch-invariant kernel at the queries' positions."""
-        latent_BLc, k_rope_BLr = cached_BLx.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_BHTe, k_BHLe, v_BHLx, pad = self._heads(
-            q_nope_BTHn, q_rope_BTHr, latent_BLc.to(q_nope_BTHn.dtype),
-            k_rope_BLr[:, :, None].to(q_nope_BTHn.dtype),
-        )  # fmt: skip
-        out_BHTx = batch_invariant.attention(q_BHTe, k_BHLe, v_BHLx, positions_BT)
-        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
-
-    def _heads(
-        self,
-        q_nope_BTHn: torch.Tensor,
-        q_rope_BTHr: torch.Tensor,
         latent_BLc: torch.Tensor,
         k_rope_BL1r: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """Queries, keys and values [B, H, ., e] for the backend (the values zero-padded by the
-        returned width where it needs one head dim)."""
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Every head's keys and values up-projected from the latents (this call's, or with
+        ``positions_BT`` a cache's, key index = position), then the backend (with
+        ``positions_BT`` the batch-invariant kernel at the queries' positions)."""
         B, L, H = *latent_BLc.shape[:2], q_nope_BTHn.shape[2]
         kv_BLHx = self.kv_b_proj(latent_BLc).view(B, L, H, self.nope_dim + self.v_dim)
         k_nope_BLHn, v_BLHv = kv_BLHx.split([self.nope_dim, self.v_dim], dim=-1)
@@ -231,8 +207,13 @@ class MultiHeadLatentAttention(nn.Module):
         # sums), without which CUDA SDPA falls back to a slower kernel.
         padded = self.backend == "batch_invariant" or (self.backend == "sdpa" and q_BTHe.is_cuda)
         pad = max(self.qk_head_dim - self.v_dim, 0) if padded else 0
-        v_BLHx = F.pad(v_BLHv, (0, pad)) if pad > 0 else v_BLHv
-        return q_BTHe.transpose(1, 2), k_BLHe.transpose(1, 2), v_BLHx.transpose(1, 2), pad
+        v_BHLx = (F.pad(v_BLHv, (0, pad)) if pad > 0 else v_BLHv).transpose(1, 2)
+        q_BHTe, k_BHLe = q_BTHe.transpose(1, 2), k_BLHe.transpose(1, 2)
+        if positions_BT is None:
+            out_BHTx = self.attend(q_BHTe, k_BHLe, v_BHLx, doc_ids_BT)
+        else:
+            out_BHTx = batch_invariant.attention(q_BHTe, k_BHLe, v_BHLx, positions_BT)
+        return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
