@@ -24,6 +24,7 @@ import json
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,7 +73,7 @@ def fla_triton_kernel():
     return inspect.unwrap(chunk_o.chunk_bwd_dqkwg)
 
 
-def whole_rule(x: dict) -> callable:
+def whole_rule(x: dict) -> Callable[[], None]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     B, T, HV = x["v"].shape[:3]
@@ -124,11 +125,11 @@ def main() -> None:
         del x, reference
         torch.cuda.empty_cache()
     print(
-        f"\n{'row':<12} {'B x T':>8} {'ms':>8}  " + "  ".join(f"{o + ' err':>9}" for o in OUTPUTS)
+        f"\n{'row':<16} {'B x T':>8} {'ms':>8}  " + "  ".join(f"{o + ' err':>9}" for o in OUTPUTS)
     )
     for r in rows:
         errors = "  ".join(f"{r['rel_error'][o]:>9.2e}" for o in OUTPUTS) if r["rel_error"] else ""
-        print(f"{r['row']:<12} {r['shape']:>8} {r['ms']:>8.2f}  {errors}")
+        print(f"{r['row']:<16} {r['shape']:>8} {r['ms']:>8.2f}  {errors}")
     print("whole-rule: fla's chunk_gated_delta_rule forward + backward (its dqkwg step: "
           f"{'torchloom' if fla_backend.triton_miscompiles_dqkwg() else 'fla-triton'})")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
