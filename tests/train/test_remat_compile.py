@@ -221,9 +221,9 @@ def test_hybrid_blocks_compile_once_around_opaque_fla(monkeypatch):
     """The Gated DeltaNet blocks as they compile on a GPU with fla, emulated on the CPU: impl
     "auto" takes the fla branch, whose function Dynamo may not enter (here the chunked form
     behind torch.compiler.disable, as the real one is). A 12-layer hybrid with full remat,
-    each block compiled with graph breaks: a few graphs serve every block (on the H200 guards
-    inside fla's call once made each block recompile until 4 of 12 ran eagerly), gradients
-    as eager's."""
+    each block compiled with graph breaks: a few graphs serve every block (without the
+    checkpoint moved outside, none: every block ran eagerly, as on the H200), gradients as
+    eager's."""
     import torchloom.kernels.delta_rule as delta_rule
     from torchloom.train.builders import DELTA_RULE_MIXERS
 
