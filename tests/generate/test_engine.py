@@ -358,3 +358,41 @@ def test_a_model_with_a_recurrent_layer_kind(decode):
         worst = max(worst, max(abs(a - b) for a, b in zip(reference, completion.logprobs)))
     print(f"recurrent layer kind ({decode}): max |generator - full forward| = {worst:.1e}")
     assert worst < 1e-5
+
+
+def test_moe_decode_with_expert_loops_is_not_captured():
+    """An MoE layer whose experts run as a loop (batch-invariant mode; not bf16 on Hopper)
+    reads row counts on the host: its decode step cannot be a CUDA graph. The generator says
+    so (GPU: test_moe_decode_capture_on_cuda)."""
+    from torchloom.generate.engine import _host_reads
+
+    assert _host_reads(tiny(), torch.float32) is None  # no experts
+    why = _host_reads(tiny("qwen3_moe"), torch.bfloat16)
+    assert "experts" in why and "on this device" in why
+    invariant = ModelConfig(name="qwen3_moe", flavor="debug", batch_invariant=True)
+    assert "batch-invariant" in _host_reads(
+        build_model(resolve_model_config(invariant)), torch.float32
+    )
+
+
+@pytest.mark.gpu
+def test_moe_decode_capture_on_cuda():
+    """bf16 experts on Hopper (torch._grouped_mm) are captured; invariant ones run eagerly by
+    default and refuse an explicit cuda_graphs=True with the reason."""
+    model = tiny("qwen3_moe").to("cuda", torch.bfloat16)
+    requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in PROMPTS]
+    if torch.cuda.get_device_capability() >= (9, 0):
+        captured = Generator(model, max_batch=4, max_len=64)
+        assert captured.graphs is not None
+        eager = Generator(model, max_batch=4, max_len=64, cuda_graphs=False)
+        assert [c.tokens for c in captured.generate(requests)] == [
+            c.tokens for c in eager.generate(requests)
+        ]
+    invariant = ModelConfig(name="qwen3_moe", flavor="debug", batch_invariant=True)
+    model = build_model(resolve_model_config(invariant))
+    model.init_weights(0)
+    model = model.eval().to("cuda", torch.bfloat16)
+    assert Generator(model, max_batch=4, max_len=64).graphs is None
+    assert Generator(model, max_batch=4, max_len=64).generate(requests)[0].tokens
+    with pytest.raises(ValueError, match="batch-invariant mode"):
+        Generator(model, max_batch=4, max_len=64, cuda_graphs=True)

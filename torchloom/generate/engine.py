@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
+from torchloom.models.components.moe import GroupedExperts
 
 
 @dataclass
@@ -115,11 +116,17 @@ class Generator:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or self.config.max_seq_len
         self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
+        host_reads = _host_reads(model, self.dtype)
         if cuda_graphs is None:
             sharded = any(isinstance(p, DTensor) for p in model.parameters())
-            cuda_graphs = self.device.type == "cuda" and not sharded
+            cuda_graphs = self.device.type == "cuda" and not sharded and host_reads is None
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+        if cuda_graphs and host_reads is not None:
+            raise ValueError(
+                f"cuda_graphs cannot capture this model's decode step: {host_reads}. Leave "
+                "cuda_graphs unset (it is then off for this model) or pass cuda_graphs=False."
+            )
         if compile and self.config.batch_invariant:
             raise ValueError(
                 "compile and batch-invariant mode do not mix: inductor fuses the pointwise ops "
@@ -396,3 +403,18 @@ def _draw(
     picked_S = logprobs_SV.gather(1, tokens_S[:, None])[:, 0]
     pairs = torch.stack((tokens_S.double(), picked_S.double()), dim=1).tolist()
     return {i: (int(token), logprob) for i, (token, logprob) in zip(sampling, pairs, strict=True)}
+
+
+def _host_reads(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why a decode step of ``model`` in ``dtype`` would read device values on the host (which
+    no CUDA graph can capture), or None. Mixture-of-experts layers do where their grouped
+    matmul is a loop over experts: batch-invariant mode, or no ``torch._grouped_mm`` for these
+    operands (before Hopper, or not bf16; kernels/grouped_mm.py)."""
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.reads_group_ends_on_host(dtype):
+            why = "batch-invariant mode" if module.invariant else f"{dtype} on this device"
+            return (
+                f"its experts ({name}) multiply expert by expert ({why}), reading each "
+                "expert's row count on the host"
+            )
+    return None

@@ -22,14 +22,24 @@ from torchloom.kernels import batch_invariant
 
 def grouped_mm_supported(x: torch.Tensor, weight_EOD: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs these operands (device, dtype and alignment)."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+    return _grouped_mm_runs(x.device, x.dtype, weight_EOD)
+
+
+def reads_group_ends_on_host(dtype: torch.dtype, weight_EOD: torch.Tensor, invariant: bool) -> bool:
+    """Whether ``grouped_linear`` of rows in ``dtype`` by ``weight_EOD`` takes the loop, which
+    reads the group ends on the host, so that a CUDA graph cannot capture it."""
+    return invariant or not _grouped_mm_runs(weight_EOD.device, dtype, weight_EOD)
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, weight_EOD: torch.Tensor) -> bool:
+    if not (device.type == "cuda" and hasattr(torch, "_grouped_mm")):
         return False
-    if x.dtype != torch.bfloat16 or weight_EOD.dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 or weight_EOD.dtype != torch.bfloat16:
         return False
     out_dim, in_dim = weight_EOD.shape[1:]
     if in_dim % 8 or out_dim % 8:  # 16-byte strides of bf16 rows and columns
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def grouped_linear(

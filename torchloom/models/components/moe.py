@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
-from torchloom.kernels.grouped_mm import grouped_linear
+from torchloom.kernels.grouped_mm import grouped_linear, reads_group_ends_on_host
 from torchloom.models.components.mlp import MLP_IMPLS, SwiGLU
 from torchloom.models.components.param_init import ParamInit, local_tensor
 
@@ -214,6 +214,12 @@ class GroupedExperts(nn.Module):
         gate_MI = grouped_linear(x_MD, gate, ends_E, self.invariant)
         up_MI = grouped_linear(x_MD, up, ends_E, self.invariant)
         return grouped_linear(self.gated(gate_MI, up_MI), down, ends_E, self.invariant)
+
+    def reads_group_ends_on_host(self, dtype: torch.dtype) -> bool:
+        """Whether a forward on rows of ``dtype`` reads its group ends on the host (the loop of
+        kernels/grouped_mm.py), which no CUDA graph can capture."""
+        weight = _own_experts(self.gate_proj)
+        return reads_group_ends_on_host(dtype, weight, self.invariant)
 
     def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         init.trunc_normal_(self.gate_proj, std)
