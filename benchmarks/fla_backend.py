@@ -1,6 +1,6 @@
 """torchloom's forms of fla's chunk-parallel gated delta-rule gradients
-(torchloom/kernels/fla_backend.py: the PyTorch form its fla backend runs, and the staged Triton
-kernel, kernel="triton") against fla's own Triton kernel, one GPU: error and time.
+(torchloom/kernels/fla_backend.py: the PyTorch reference form, and the Triton kernel its fla
+backend runs at 4 and 8 warps) against fla's own Triton kernel, one GPU: error and time.
 
     python benchmarks/fla_backend.py --shapes 1x32768 8x4096   # Qwen3-Next's Gated DeltaNet heads
 
@@ -11,7 +11,9 @@ of 128 as Qwen3-Next's Gated DeltaNet. Reference: the PyTorch form on fp32 copie
 inputs (its arithmetic is checked against autograd in tests/kernels/test_fla_backend.py).
 Error: max |x - reference| / max |reference| per output. Time: median of --steps calls after
 --warmup, CUDA events. Context row: fla's whole chunk_gated_delta_rule forward + backward at the
-shape (through torchloom's backend where fla's kernel is refused). JSON to --json.
+shape (through torchloom's backend where fla's kernel is refused). ``--gradients`` first runs
+fla's whole rule with each form of the step against torchloom's chunked form (layer_gradients).
+JSON to --json.
 """
 
 from __future__ import annotations
@@ -89,15 +91,71 @@ def whole_rule(x: dict) -> Callable[[], None]:
     return step
 
 
+GRADS = ("o", "state", "dq", "dk", "dv", "dg", "dbeta")
+
+
+def layer_gradients(device: torch.device) -> list[dict]:
+    """The GPU test's case (tests/kernels/test_delta_rule.py, fla vs the chunked form, Gated
+    DeltaNet: q/k fp32 with half v's heads, v bf16, an initial state, documents of 70 and 130
+    tokens per row) and the same without documents (whole 64-row chunks), through fla's whole
+    gated delta rule with each form of the dqkwg step: outputs and gradients against the fp32
+    chunked form (impl "torch"). Tells which step an error comes from."""
+    import fla.ops.common.chunk_o as chunk_o
+    import torch.nn.functional as F
+
+    from torchloom.kernels.delta_rule import delta_rule
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 256, 4, 64
+    q, k = (torch.randn(B, T, H // 2, D, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=gen).bfloat16()
+    g = -F.softplus(torch.randn(B, T, H, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen)
+    state = (torch.randn(B, H, D, D, generator=gen) * 0.1).to(device)
+    inputs = [x.to(device) for x in (q, k, v, g, beta)]
+    miscompiles = fla_backend.triton_miscompiles_dqkwg
+    forms = {"torchloom-triton": ("triton", miscompiles), "torchloom": ("torch", miscompiles),
+             "fla-triton": ("triton", lambda: False)}  # fmt: skip
+    rows = []
+    for layout, docs in (("documents", torch.tensor([0] * 70 + [1] * 186)), ("whole", None)):
+        docs_BT = None if docs is None else docs.expand(B, T).to(device)
+
+        def run(impl: str, docs_BT: torch.Tensor | None = docs_BT) -> list[torch.Tensor]:
+            leaves = [x.clone().requires_grad_() for x in inputs]
+            o, s = delta_rule(*leaves, state, impl=impl, doc_ids_BT=docs_BT, normalize_qk=True)
+            (o.float().square().sum() + s.square().sum()).backward()
+            return [o, s] + [x.grad for x in leaves]
+
+        reference = run("torch")
+        for name, (kernel, refuses) in forms.items():
+            fla_backend.STEP_KERNEL, fla_backend.triton_miscompiles_dqkwg = kernel, refuses
+            chunk_o.TRITON_ABOVE_3_7_1 = True  # fla's own kernel where the backend declines
+            errors = {n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                      for n, a, b in zip(GRADS, run("fla"), reference)}  # fmt: skip
+            rows.append({"row": name, "layout": layout, "rel_error": errors})
+            print(rows[-1], flush=True)
+    fla_backend.STEP_KERNEL, fla_backend.triton_miscompiles_dqkwg = "triton", miscompiles
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1x32768"], help="BxT")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=Path("outputs/fla_backend_bench.json"))
+    parser.add_argument("--gradients", action="store_true",
+                        help="first, fla's whole rule with each form of the step against the "
+                        "chunked form (layer_gradients)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
     fla_backend.register()
+    gradients = layer_gradients(device) if args.gradients else []
+    if gradients:
+        print(f"\n{'row':<20} {'layout':>10}  " + "  ".join(f"{n:>7}" for n in GRADS))
+        for r in gradients:
+            print(f"{r['row']:<20} {r['layout']:>10}  "
+                  + "  ".join(f"{r['rel_error'][n]:>7.1e}" for n in GRADS))  # fmt: skip
     fla_kernel = fla_triton_kernel()
     rows = []
     for shape in args.shapes:
@@ -106,11 +164,12 @@ def main() -> None:
         reference = fla_backend.chunk_bwd_dqkwg(**{
             n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()
         })  # fmt: skip
-        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg),
-                    ("torchloom-triton", functools.partial(fla_backend.chunk_bwd_dqkwg,
-                                                           kernel="triton")),
-                    ("fla-triton", fla_kernel))  # fmt: skip
-        for name, fn in variants:
+        variants = (("torchloom", fla_backend.chunk_bwd_dqkwg, 0),
+                    *((f"torchloom-triton-w{warps}", functools.partial(
+                        fla_backend.chunk_bwd_dqkwg, kernel="triton"), warps) for warps in (4, 8)),
+                    ("fla-triton", fla_kernel, 0))  # fmt: skip
+        for name, fn, warps in variants:
+            fla_backend.TRITON_WARPS = warps or fla_backend.TRITON_WARPS
             got = fn(**x)
             error = {
                 o: float((a.float() - b).abs().max() / b.abs().max())
@@ -125,11 +184,11 @@ def main() -> None:
         del x, reference
         torch.cuda.empty_cache()
     print(
-        f"\n{'row':<16} {'B x T':>8} {'ms':>8}  " + "  ".join(f"{o + ' err':>9}" for o in OUTPUTS)
+        f"\n{'row':<20} {'B x T':>8} {'ms':>8}  " + "  ".join(f"{o + ' err':>9}" for o in OUTPUTS)
     )
     for r in rows:
         errors = "  ".join(f"{r['rel_error'][o]:>9.2e}" for o in OUTPUTS) if r["rel_error"] else ""
-        print(f"{r['row']:<16} {r['shape']:>8} {r['ms']:>8.2f}  {errors}")
+        print(f"{r['row']:<20} {r['shape']:>8} {r['ms']:>8.2f}  {errors}")
     print("whole-rule: fla's chunk_gated_delta_rule forward + backward (its dqkwg step: "
           f"{'torchloom' if fla_backend.triton_miscompiles_dqkwg() else 'fla-triton'})")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +196,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]), "rows": rows,
+        "gradients": gradients,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
 

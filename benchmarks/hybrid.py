@@ -77,6 +77,7 @@ from train import (
     profile_steps,
 )
 
+from torchloom.kernels import fla_backend
 from torchloom.kernels.delta_rule import fla_runs
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.linear_attention import GatedDeltaNet
@@ -280,9 +281,13 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile this many steps per row (GPU kernel table: "
                         "where a layer's time goes)")  # fmt: skip
+    parser.add_argument("--fla-step", default=fla_backend.STEP_KERNEL, choices=["torch", "triton"],
+                        help="where torchloom's fla backend runs fla's refused dqkwg step: its "
+                        "batched-matmul form or its Triton kernel (kernels/fla_backend.py)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/hybrid_bench.json"))
     args = parser.parse_args()
+    fla_backend.STEP_KERNEL = args.fla_step
     shape = args.shape
     _, _, default_seqs, default_tokens = SHAPES[shape]
     seq_lens, tokens = args.seq_lens or default_seqs, args.tokens or default_tokens
@@ -333,7 +338,7 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "device": device_name, "peak_tflops": peak, "matmul_tflops": ceiling, "matmul": matmul,
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "fla_core": _version("fla-core"), "delta_rule": delta_rule,
+        "fla_core": _version("fla-core"), "delta_rule": delta_rule, "fla_step": args.fla_step,
         "hf_kernels": hf,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]), "shape": shape, "tokens": tokens,

@@ -1,14 +1,18 @@
 """torchloom's backend for fla-core's kernel dispatch: the gated delta rule's chunk-parallel
-gradients (fla's ``chunk_bwd_dqkwg``) in PyTorch, for where fla's Triton kernel is miscompiled.
+gradients (fla's ``chunk_bwd_dqkwg``), for where fla's Triton kernel is miscompiled.
 
 fla 0.6 refuses that one kernel of its gated delta-rule backward on Hopper with Triton >= 3.4,
 < 3.7.1 (fla issue #640) unless tilelang is installed. Every other kernel of the backward (the
 sequential state pass among them) is sound there, and this step has nothing sequential: with
 the per-chunk states ``h`` and their gradients ``dh`` already computed, every chunk's dq, dk,
-dw and dg are a handful of batched matmuls. So torchloom registers this PyTorch form as a fla
-backend (fla's ``fla.backends.register``, the same door fla's own tilelang backend uses) that
-accepts the call only where the Triton kernel would be refused; fla's backward then runs
-whole. Triton >= 3.7.1 or tilelang still run fla's own kernels.
+dw and dg are a handful of batched matmuls. torchloom writes that step twice: in PyTorch (the
+reference, checked against autograd) and as its own Triton kernel that never transposes an
+accumulated product (the miscompiled pattern), and registers the kernel as a fla backend (fla's
+``fla.backends.register``, the same door fla's own tilelang backend uses) that accepts the
+call only where fla's kernel would be refused; fla's backward then runs whole. Triton >= 3.7.1
+or tilelang still run fla's own kernels. On an H200 at 1 x 32768 (benchmarks/fla_backend.py,
+2026-12-02): 3.1 ms, against 15.2 ms for the PyTorch form and 2.6 ms for fla's kernel, with
+the smallest error of the three against the fp32 reference.
 
 Shapes follow fla: q, k [B, T, H, K]; v (the delta-corrected values), do, dv [B, T, HV, V];
 w [B, T, HV, K]; g [B, T, HV], the decay's cumulative sum within each chunk in log2 units;
@@ -24,6 +28,12 @@ from typing import NamedTuple
 import torch
 
 from torchloom.kernels.triton_support import jit, tl
+
+# Which form of the step the registered backend runs: "triton" (one kernel, _dqkwg_triton) or
+# "torch" (batched matmuls). benchmarks/hybrid.py --fla-step sets it to compare the two.
+STEP_KERNEL = "triton"
+# Warps per program of the Triton form: its five fp32 accumulators need the registers of 8.
+TRITON_WARPS = 8
 
 
 class StepInputs(NamedTuple):
@@ -64,9 +74,9 @@ def chunk_bwd_dqkwg(
     dg = rowsum(dq * q) - rowsum(dk * k), plus on the last row exp2(g_last) <h_c, dh_c> + <dk, k>.
 
     dg is per row before fla's reverse cumulative sum; dq and dk sum over a q/k head's value
-    heads. ``kernel`` "torch": batched matmuls in q's dtype, everything else in fp32 (what the
-    fla backend runs); "triton": one Triton program per (chunk, value head), ``_dqkwg_triton``
-    (staged: not yet checked on a Hopper GPU)."""
+    heads. ``kernel`` "torch": batched matmuls in q's dtype, everything else in fp32 (the
+    reference); "triton": one Triton program per (chunk, value head), ``_dqkwg_triton`` (what
+    the fla backend runs, STEP_KERNEL)."""
     B, T, _, K = k.shape
     BT, C = chunk_size, h.shape[0] * h.shape[1]
     scale = K**-0.5 if scale is None else scale
@@ -225,14 +235,14 @@ def register() -> bool:
         def chunk_bwd_dqkwg(self, *args, **kwargs):
             named = _by_name(args, kwargs)
             named.pop("g_gamma", None)
-            return chunk_bwd_dqkwg(**named)
+            return chunk_bwd_dqkwg(**named, kernel=STEP_KERNEL)
 
     fla_register("common")(TorchloomBackend)
     return True
 
 
-# --- the same step as one Triton kernel (staged: the PyTorch form above stays the backend's
-# implementation until this one has been checked on a Hopper GPU; benchmarks/fla_backend.py) -
+# --- the same step as one Triton kernel (the backend's; tests/kernels/test_fla_backend.py checks
+# it against the PyTorch form in Triton's interpreter, benchmarks/fla_backend.py on a GPU) ----
 
 
 def _dqkwg_triton(
@@ -259,6 +269,7 @@ def _dqkwg_triton(
     _dqkwg_kernel[(C, HV)](
         q, k, v, do, dv, h, dh, g, rows, last_C + 1, dq, dk, dw, dg, scale,
         H=H, HV=HV, K=K, V=V, BT=BT, BV=min(V, 64), STATE_V_FIRST=state_v_first,
+        num_warps=TRITON_WARPS,
     )  # fmt: skip
     G = HV // H
 
