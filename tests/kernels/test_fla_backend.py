@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from torchloom.kernels.fla_backend import chunk_bwd_dqkwg
+from torchloom.kernels.fla_backend import chunk_bwd_dqkwg, triton_kernel_fits
 
 
 def _autograd_grads(q, k, v, do, h, dh, w, g, dv, scale, spans, BT, state_v_first):
@@ -100,6 +100,15 @@ def test_chunk_bwd_dqkwg_bf16_inputs_keep_dtypes_and_stay_close():
     assert [x.dtype for x in got] == [torch.bfloat16] * 3 + [torch.float32]
     for a, b in zip(got, exact):
         assert (a.float() - b).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_triton_kernel_takes_whole_tiles_only() -> None:
+    """Head dims the Triton kernel cannot tile are refused by it; the registered backend runs
+    the PyTorch form for them instead (triton_kernel_fits)."""
+    assert [triton_kernel_fits(d) for d in (8, 16, 64, 96, 128)] == [False, True, True, False, True]
+    x, _ = _inputs(*CASES["varlen"], K=24, V=32)
+    with pytest.raises(ValueError, match="power-of-two K, V >= 16; got 24, 32"):
+        chunk_bwd_dqkwg(**x, kernel="triton")
 
 
 def test_triton_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:

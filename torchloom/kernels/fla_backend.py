@@ -235,7 +235,9 @@ def register() -> bool:
         def chunk_bwd_dqkwg(self, *args, **kwargs):
             named = _by_name(args, kwargs)
             named.pop("g_gamma", None)
-            return chunk_bwd_dqkwg(**named, kernel=STEP_KERNEL)
+            dims = named["k"].shape[-1], named["v"].shape[-1]
+            kernel = STEP_KERNEL if all(map(triton_kernel_fits, dims)) else "torch"
+            return chunk_bwd_dqkwg(**named, kernel=kernel)
 
     fla_register("common")(TorchloomBackend)
     return True
@@ -243,6 +245,12 @@ def register() -> bool:
 
 # --- the same step as one Triton kernel (the backend's; tests/kernels/test_fla_backend.py checks
 # it against the PyTorch form in Triton's interpreter, benchmarks/fla_backend.py on a GPU) ----
+
+
+def triton_kernel_fits(head_dim: int) -> bool:
+    """Whether the Triton kernel takes this key or value head dim (whole tiles: a power of two,
+    at least 16); the backend runs the PyTorch form for any other."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def _dqkwg_triton(
@@ -259,7 +267,7 @@ def _dqkwg_triton(
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     C = h.shape[0] * h.shape[1]
-    if K & (K - 1) or V & (V - 1) or K < 16 or V < 16:
+    if not (triton_kernel_fits(K) and triton_kernel_fits(V)):
         raise ValueError(f"the Triton dqkwg kernel needs power-of-two K, V >= 16; got {K}, {V}")
     rows, _, last_C = chunks
     q, k, v, do, dv, h, dh, g = (x.contiguous() for x in (q, k, v, do, dv, h, dh, g))
