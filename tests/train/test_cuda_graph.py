@@ -11,6 +11,7 @@ import torch
 
 from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
 from torchloom.train.optim import (
     LRScheduleConfig,
@@ -43,14 +44,24 @@ def test_refused_where_a_step_cannot_be_captured(overrides: list[str], message: 
 
 
 def test_refused_at_run_time_without_a_gpu_or_with_several_processes(tmp_path) -> None:
-    check_cuda_graph_runtime(torch.device("cuda"), 1)
+    model = torch.nn.Linear(4, 4)
+    check_cuda_graph_runtime(torch.device("cuda"), 1, model, torch.bfloat16)
     with pytest.raises(ConfigError, match="2 processes were launched"):
-        check_cuda_graph_runtime(torch.device("cuda"), 2)
+        check_cuda_graph_runtime(torch.device("cuda"), 2, model, torch.bfloat16)
     if torch.cuda.is_available():
         return
     _, job = resolve_job([*COMMON, "--training.cuda_graph", "true", "--output.dir", str(tmp_path)])
     with pytest.raises(ConfigError, match="needs a CUDA GPU, but training runs on cpu"):
         Trainer(job)
+
+
+def test_refused_for_experts_that_run_as_a_loop() -> None:
+    """An MoE step whose expert matmuls loop (fp32, batch-invariant, no grouped matmul here:
+    kernels/grouped_mm.py) reads row counts on the host; it is refused before capture."""
+    config = resolve_model_config(ModelConfig(name="qwen3_moe", flavor="debug"))
+    model = build_model(config)
+    with pytest.raises(ConfigError, match=r"experts \(layers.0.mlp.experts\) run as a loop"):
+        check_cuda_graph_runtime(torch.device("cuda"), 1, model, torch.float32)
 
 
 def test_learning_rates_are_float32_values() -> None:

@@ -22,21 +22,25 @@ from torchloom.kernels import batch_invariant
 
 def grouped_mm_supported(x: torch.Tensor, weight_EOD: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs these operands (device, dtype and alignment)."""
-    return _grouped_mm_runs(x.device, x.dtype, weight_EOD)
+    dtypes = (x.dtype, weight_EOD.dtype)
+    return _grouped_mm_runs(x.device, dtypes, weight_EOD.shape)
 
 
 def reads_group_ends_on_host(dtype: torch.dtype, weight_EOD: torch.Tensor, invariant: bool) -> bool:
-    """Whether ``grouped_linear`` of rows in ``dtype`` by ``weight_EOD`` takes the loop, which
-    reads the group ends on the host, so that a CUDA graph cannot capture it."""
-    return invariant or not _grouped_mm_runs(weight_EOD.device, dtype, weight_EOD)
+    """Whether ``grouped_linear`` with both operands in ``dtype`` (the weights' own, or the
+    autocast dtype) takes the loop, which reads the group ends on the host, so that no CUDA
+    graph can capture it."""
+    return invariant or not _grouped_mm_runs(weight_EOD.device, (dtype, dtype), weight_EOD.shape)
 
 
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype, weight_EOD: torch.Tensor) -> bool:
+def _grouped_mm_runs(
+    device: torch.device, dtypes: tuple[torch.dtype, torch.dtype], shape_EOD: torch.Size
+) -> bool:
     if not (device.type == "cuda" and hasattr(torch, "_grouped_mm")):
         return False
-    if dtype != torch.bfloat16 or weight_EOD.dtype != torch.bfloat16:
+    if any(dtype != torch.bfloat16 for dtype in dtypes):
         return False
-    out_dim, in_dim = weight_EOD.shape[1:]
+    out_dim, in_dim = shape_EOD[1:]
     if in_dim % 8 or out_dim % 8:  # 16-byte strides of bf16 rows and columns
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)

@@ -20,15 +20,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
+from torchloom.models.components.moe import GroupedExperts
 
 StepFn = Callable[[Sequence[Batch], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def check_cuda_graph_runtime(device: torch.device, world_size: int) -> None:
-    """ConfigError unless the resolved device and launch can capture a step."""
+def check_cuda_graph_runtime(
+    device: torch.device, world_size: int, model: nn.Module, compute_dtype: torch.dtype
+) -> None:
+    """ConfigError unless the resolved device, launch and model can capture a step."""
     if device.type != "cuda":
         raise ConfigError(
             f"--training.cuda_graph true needs a CUDA GPU, but training runs on {device.type}; "
@@ -39,6 +43,15 @@ def check_cuda_graph_runtime(device: torch.device, world_size: int) -> None:
             f"--training.cuda_graph true captures a single-GPU step, but {world_size} processes "
             "were launched; launch one process or drop --training.cuda_graph."
         )
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.reads_group_ends_on_host(compute_dtype):
+            raise ConfigError(
+                f"--training.cuda_graph true cannot capture this model's step: its experts "
+                f"({name}) run as a loop in {compute_dtype} on this GPU, which reads each "
+                "expert's row count on the host. Grouped matmuls need bf16 on a Hopper or newer "
+                "GPU (--training.mixed_precision bf16 or auto); otherwise drop "
+                "--training.cuda_graph."
+            )
 
 
 class StepGraph:

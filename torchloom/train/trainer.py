@@ -111,7 +111,8 @@ class Trainer:
             expert_balance=expert_balance(self.model, self.model_config, self.dims, self.device),
         )  # fmt: skip
         if t.cuda_graph:
-            check_cuda_graph_runtime(self.device, self.dims.world_size)
+            compute_dtype = self.step_parts.autocast_dtype or next(self.model.parameters()).dtype
+            check_cuda_graph_runtime(self.device, self.dims.world_size, self.model, compute_dtype)
         self.train_step = TrainStep(
             self.step_parts, self.checkpointer.wait_for_staging, t.skip_nonfinite, t.cuda_graph
         )
