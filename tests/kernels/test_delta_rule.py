@@ -226,7 +226,31 @@ def test_fla_kernels_match_the_chunked_form_on_gpu(per_channel: bool) -> None:
             (o.float().square().sum() + s.square().sum()).backward()
         results.append([o, s] + ([x.grad for x in leaves] if grads else []))
     names = ["o", "state", "dq", "dk", "dv", "dg", "dbeta"]
+    rounded = _normalised_grads(inputs, state.cuda(), docs) if grads else {}
     for name, ours, theirs in zip(names, results[0], results[1], strict=False):
-        rel = _rel(theirs.float(), ours.float())
-        print(f"fla vs torch {name}: rel {rel:.1e}")
-        assert rel < 2e-2, name
+        error = (theirs.float() - ours.float()).norm().item()
+        # 2% of the gradient, plus for dq and dk bf16's rounding of what fla rounds
+        allowed = 2e-2 * ours.float().norm().item()
+        if name in rounded:
+            allowed += 5e-3 * rounded[name].norm().item()
+        print(f"fla vs torch {name}: rel {error / ours.float().norm().item():.1e}, "
+              f"allowed {allowed / ours.float().norm().item():.1e}")  # fmt: skip
+        assert error < allowed, name
+
+
+def _normalised_grads(inputs: list[torch.Tensor], state, docs) -> dict[str, torch.Tensor]:
+    """dq and dk of the chunked form taken at the normalised q and k, over |q| and |k|: the
+    size of what fla stores in bf16 before its in-kernel l2norm backward projects out the
+    radial part. For Gated DeltaNet's k here that part is most of it (these norms are 20x dk's),
+    so bf16's rounding of it is 5e-2 of dk: an H200 measured 5.2e-2, and on the CPU fla's
+    kernels in fp32 through Triton's interpreter, with every tensor fla keeps in bf16 rounded
+    to bf16, give 4.9e-2 of dk (2.5e-3 of these norms) with fla's own dqkwg kernel and with
+    torchloom's alike."""
+    q, k, *rest = inputs
+    leaves = [F.normalize(x, dim=-1).detach().requires_grad_() for x in (q, k)]
+    o, s = delta_rule(*leaves, *rest, state, impl="torch", doc_ids_BT=docs, normalize_qk=False)
+    (o.float().square().sum() + s.square().sum()).backward()
+    return {
+        name: leaf.grad / x.norm(dim=-1, keepdim=True)
+        for name, leaf, x in zip(("dq", "dk"), leaves, (q, k))
+    }
