@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
-from torchloom.models.components.moe import GroupedExperts
+from torchloom.models.components.moe import experts_reading_the_host
 
 
 @dataclass
@@ -410,11 +410,11 @@ def _host_reads(model: nn.Module, dtype: torch.dtype) -> str | None:
     no CUDA graph can capture), or None. Mixture-of-experts layers do where their grouped
     matmul is a loop over experts: batch-invariant mode, or no ``torch._grouped_mm`` for these
     operands (before Hopper, or not bf16; kernels/grouped_mm.py)."""
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts) and module.reads_group_ends_on_host(dtype):
-            why = "batch-invariant mode" if module.invariant else f"{dtype} on this device"
-            return (
-                f"its experts ({name}) multiply expert by expert ({why}), reading each "
-                "expert's row count on the host"
-            )
-    return None
+    if (found := experts_reading_the_host(model, dtype)) is None:
+        return None
+    name, experts = found
+    why = "batch-invariant mode" if experts.invariant else f"{dtype} on this device"
+    return (
+        f"its experts ({name}) multiply expert by expert ({why}), reading each expert's row "
+        "count on the host"
+    )

@@ -24,7 +24,7 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
-from torchloom.models.components.moe import GroupedExperts
+from torchloom.models.components.moe import experts_reading_the_host
 
 StepFn = Callable[[Sequence[Batch], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -43,15 +43,14 @@ def check_cuda_graph_runtime(
             f"--training.cuda_graph true captures a single-GPU step, but {world_size} processes "
             "were launched; launch one process or drop --training.cuda_graph."
         )
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts) and module.reads_group_ends_on_host(compute_dtype):
-            raise ConfigError(
-                f"--training.cuda_graph true cannot capture this model's step: its experts "
-                f"({name}) run as a loop in {compute_dtype} on this GPU, which reads each "
-                "expert's row count on the host. Grouped matmuls need bf16 on a Hopper or newer "
-                "GPU (--training.mixed_precision bf16 or auto); otherwise drop "
-                "--training.cuda_graph."
-            )
+    if (found := experts_reading_the_host(model, compute_dtype)) is not None:
+        raise ConfigError(
+            f"--training.cuda_graph true cannot capture this model's step: its experts "
+            f"({found[0]}) run as a loop in {compute_dtype} on this GPU, which reads each "
+            "expert's row count on the host. Grouped matmuls need bf16 on a Hopper or newer "
+            "GPU (--training.mixed_precision bf16 or auto); otherwise drop "
+            "--training.cuda_graph."
+        )
 
 
 class StepGraph:

@@ -227,6 +227,17 @@ class GroupedExperts(nn.Module):
         init.trunc_normal_(self.down_proj, out_std)
 
 
+def experts_reading_the_host(
+    model: nn.Module, dtype: torch.dtype
+) -> tuple[str, GroupedExperts] | None:
+    """The first experts module of ``model`` (name, module) whose forward in ``dtype`` reads its
+    group ends on the host, which no CUDA graph can capture; None if there is none."""
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) and module.reads_group_ends_on_host(dtype):
+            return name, module
+    return None
+
+
 def _own_experts(weight_EOD: torch.Tensor) -> torch.Tensor:
     """The experts this rank holds: under expert parallelism the stack is a DTensor split by
     experts (parallel/expert_parallel.py), and the dispatcher hands over rows for these only."""
