@@ -244,8 +244,8 @@ def _normalised_grads(inputs: list[torch.Tensor], state, docs) -> dict[str, torc
     radial part. For Gated DeltaNet's k here that part is most of it (these norms are 20x dk's),
     so bf16's rounding of it is 5e-2 of dk: an H200 measured 5.2e-2, and on the CPU fla's
     kernels in fp32 through Triton's interpreter, with every tensor fla keeps in bf16 rounded
-    to bf16, give 4.9e-2 of dk (2.5e-3 of these norms) with fla's own dqkwg kernel and with
-    torchloom's alike."""
+    to bf16, give 4.9e-2 with fla's own dqkwg kernel and with torchloom's alike, and 2.8e-1
+    with a step whose dk is 0.8x (benchmarks/fla_bf16_emulation.py)."""
     q, k, *rest = inputs
     leaves = [F.normalize(x, dim=-1).detach().requires_grad_() for x in (q, k)]
     o, s = delta_rule(*leaves, *rest, state, impl="torch", doc_ids_BT=docs, normalize_qk=False)
