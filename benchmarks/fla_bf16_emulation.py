@@ -24,6 +24,7 @@ GPU to time them), and ``i.to(tl.int64)`` on a loop counter (a Python int there)
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import importlib.util
 import json
@@ -61,6 +62,7 @@ def interpretable_fla() -> Path:
     if spec is None or spec.origin is None:
         sys.exit("fla-core is not installed: pip install fla-core")
     root = Path(tempfile.mkdtemp(prefix="fla_interpret_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     shutil.copytree(Path(spec.origin).parent, root / "fla")
     counter = re.compile(r"\b(i_[a-z0-9_]*)\.to\(tl\.(int64|int32)\)")
     for path in (root / "fla").rglob("*.py"):
