@@ -309,7 +309,7 @@ def _fla_available() -> bool:
 def fla_backward_safe() -> bool:
     """Whether fla's gated delta-rule backward gives right gradients here. fla 0.6's Triton
     kernel for one step of it is miscompiled on Hopper with Triton >= 3.4, < 3.7.1 (fla issue
-    #640); there torchloom's PyTorch form of that step stands in, registered with fla's
+    #640); there torchloom's own kernel of that step stands in, registered with fla's
     dispatch (``kernels/fla_backend.py``). False only for a fla without that dispatch."""
     if not fla_backend.triton_miscompiles_dqkwg() or not _fla_available():
         return True

@@ -80,16 +80,15 @@ def chunk_bwd_dqkwg(
     B, T, _, K = k.shape
     BT, C = chunk_size, h.shape[0] * h.shape[1]
     scale = K**-0.5 if scale is None else scale
+    x = StepInputs(q, k, v, do, h, dh, w, g, dv)
     if kernel == "triton":
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
-        return _dqkwg_triton(StepInputs(q, k, v, do, h, dh, w, g, dv), chunks, scale,
-                             state_v_first, BT)  # fmt: skip
+        return _dqkwg_triton(x, chunks, scale, state_v_first, BT)
     if kernel != "torch":
         raise ValueError(f"unknown chunk_bwd_dqkwg kernel {kernel!r}: torch or triton")
     chunks = None  # whole chunks of equal sequences: plain views
     if cu_seqlens is not None or T % BT:
         chunks = _chunk_rows(B, T, BT, C, cu_seqlens, q.device)
-    x = StepInputs(q, k, v, do, h, dh, w, g, dv)
     return _chunk_grads(x, chunks, scale, state_v_first, BT)
 
 
