@@ -12,8 +12,8 @@ inputs (its arithmetic is checked against autograd in tests/kernels/test_fla_bac
 Error: max |x - reference| / max |reference| per output. Time: median of --steps calls after
 --warmup, CUDA events. Context row: fla's whole chunk_gated_delta_rule forward + backward at the
 shape (through torchloom's backend where fla's kernel is refused). ``--gradients`` first runs
-fla's whole rule with each form of the step against torchloom's chunked form (layer_gradients).
-JSON to --json.
+fla's whole rule with each form of the step against torchloom's chunked form (layer_gradients;
+error there: norm of the difference over the reference's, as the GPU test). JSON to --json.
 """
 
 from __future__ import annotations
@@ -92,49 +92,74 @@ def whole_rule(x: dict) -> Callable[[], None]:
 
 
 GRADS = ("o", "state", "dq", "dk", "dv", "dg", "dbeta")
+STEP_FORMS = ("fla", "torchloom-triton", "torchloom-torch")
+
+
+def gdn_case(device: torch.device, v_dtype: torch.dtype, documents: bool = True) -> tuple:
+    """The GPU test's Gated DeltaNet case (tests/kernels/test_delta_rule.py, fla vs the chunked
+    form): [q, k, v, g, beta] with q/k fp32 at half v's heads and v's values bf16 (held in
+    ``v_dtype``), an initial state, and documents of 70 and 130 tokens per row (or none: 200
+    tokens, the last chunk partial)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 200, 4, 64
+    q, k = (torch.randn(B, T, H // 2, D, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, D, generator=gen).bfloat16().to(v_dtype)
+    g = -F.softplus(torch.randn(B, T, H, generator=gen))
+    beta = torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, D, D, generator=gen) * 0.1
+    docs = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long()
+    inputs = [x.to(device) for x in (q, k, v, g, beta)]
+    return inputs, state.to(device), docs.to(device) if documents else None
+
+
+def use_step(form: str) -> None:
+    """Make fla's gated backward run ``form`` of its dqkwg step on any device: fla's own kernel
+    (its Hopper refusal lifted), or through torchloom's registered backend its Triton kernel or
+    its PyTorch form. ``"default"``: back to what the backend decides by itself."""
+    import fla.ops.common.chunk_o as chunk_o
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    if form == "default":
+        fla_backend.triton_miscompiles_dqkwg = _MISCOMPILES
+    else:
+        fla_backend.triton_miscompiles_dqkwg = lambda: form != "fla"  # the backend's verifier
+    fla_backend.STEP_KERNEL = "torch" if form == "torchloom-torch" else "triton"
+
+
+_MISCOMPILES = fla_backend.triton_miscompiles_dqkwg
+
+
+def relative_errors(got: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, float]:
+    """Per output: the norm of the difference over the reference's (as the GPU test)."""
+    return {n: float((a.float() - b.float()).norm() / b.float().norm())
+            for n, a, b in zip(GRADS, got, reference)}  # fmt: skip
 
 
 def layer_gradients(device: torch.device) -> list[dict]:
-    """The GPU test's case (tests/kernels/test_delta_rule.py, fla vs the chunked form, Gated
-    DeltaNet: q/k fp32 with half v's heads, v bf16, an initial state, documents of 70 and 130
-    tokens per row) and the same without documents (whole 64-row chunks), through fla's whole
-    gated delta rule with each form of the dqkwg step: outputs and gradients against the fp32
-    chunked form (impl "torch"). Tells which step an error comes from."""
-    import fla.ops.common.chunk_o as chunk_o
-    import torch.nn.functional as F
-
+    """``gdn_case``, with and without documents, through fla's whole gated delta rule with each
+    form of the dqkwg step: outputs and gradients against the fp32 chunked form (impl "torch").
+    Tells which step an error comes from (benchmarks/fla_bf16_emulation.py: the same on the
+    CPU, with bf16 storage emulated)."""
     from torchloom.kernels.delta_rule import delta_rule
 
-    gen = torch.Generator().manual_seed(5)
-    B, T, H, D = 2, 256, 4, 64
-    q, k = (torch.randn(B, T, H // 2, D, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, D, generator=gen).bfloat16()
-    g = -F.softplus(torch.randn(B, T, H, generator=gen))
-    beta = torch.rand(B, T, H, generator=gen)
-    state = (torch.randn(B, H, D, D, generator=gen) * 0.1).to(device)
-    inputs = [x.to(device) for x in (q, k, v, g, beta)]
-    miscompiles = fla_backend.triton_miscompiles_dqkwg
-    forms = {"torchloom-triton": ("triton", miscompiles), "torchloom": ("torch", miscompiles),
-             "fla-triton": ("triton", lambda: False)}  # fmt: skip
+    def run(impl: str, inputs: list, state: torch.Tensor, docs) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        o, s = delta_rule(*leaves, state, impl=impl, doc_ids_BT=docs, normalize_qk=True)
+        (o.float().square().sum() + s.square().sum()).backward()
+        return [o, s] + [x.grad for x in leaves]
+
     rows = []
-    for layout, docs in (("documents", torch.tensor([0] * 70 + [1] * 186)), ("whole", None)):
-        docs_BT = None if docs is None else docs.expand(B, T).to(device)
-
-        def run(impl: str, docs_BT: torch.Tensor | None = docs_BT) -> list[torch.Tensor]:
-            leaves = [x.clone().requires_grad_() for x in inputs]
-            o, s = delta_rule(*leaves, state, impl=impl, doc_ids_BT=docs_BT, normalize_qk=True)
-            (o.float().square().sum() + s.square().sum()).backward()
-            return [o, s] + [x.grad for x in leaves]
-
-        reference = run("torch")
-        for name, (kernel, refuses) in forms.items():
-            fla_backend.STEP_KERNEL, fla_backend.triton_miscompiles_dqkwg = kernel, refuses
-            chunk_o.TRITON_ABOVE_3_7_1 = True  # fla's own kernel where the backend declines
-            errors = {n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                      for n, a, b in zip(GRADS, run("fla"), reference)}  # fmt: skip
-            rows.append({"row": name, "layout": layout, "rel_error": errors})
+    for layout in ("documents", "whole"):
+        case = gdn_case(device, torch.bfloat16, documents=layout == "documents")
+        reference = run("torch", *case)
+        for form in STEP_FORMS:
+            use_step(form)
+            rows.append({"row": form, "layout": layout,
+                         "rel_error": relative_errors(run("fla", *case), reference)})  # fmt: skip
             print(rows[-1], flush=True)
-    fla_backend.STEP_KERNEL, fla_backend.triton_miscompiles_dqkwg = "triton", miscompiles
+    use_step("default")
     return rows
 
 

@@ -38,7 +38,6 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-GRADS = ("o", "state", "dq", "dk", "dv", "dg", "dbeta")
 # fla's functions that gated_delta_rule/chunk.py calls, with the outputs that stay fp32 on a GPU
 KEEP_FP32 = {
     "l2norm_fwd": (1,), "l2norm_bwd": (), "chunk_gated_delta_rule_fwd_intra": (),
@@ -85,6 +84,9 @@ def main() -> None:
     autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles=None: [1.0] * 3)
     import fla.ops.gated_delta_rule.chunk as fla_chunk
 
+    # benchmarks/fla_backend.py: the case and the step switch of its GPU comparison
+    from fla_backend import GRADS, STEP_FORMS, gdn_case, relative_errors, use_step
+
     from torchloom.kernels import fla_backend
     from torchloom.kernels.delta_rule import _delta_rule_fla, delta_rule
 
@@ -105,17 +107,10 @@ def main() -> None:
 
         return call
 
-    gen = torch.Generator().manual_seed(5)
-    B, T, H = 2, 200, 4
-    q, k = (torch.randn(B, T, H // 2, 64, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, 64, generator=gen).bfloat16().float()
-    g = -F.softplus(torch.randn(B, T, H, generator=gen))
-    beta = torch.rand(B, T, H, generator=gen)
-    state = torch.randn(B, H, 64, 64, generator=gen) * 0.1
-    docs = torch.cat([torch.zeros(B, 70), torch.ones(B, 130)], dim=1).long()
+    inputs, state, docs = gdn_case(torch.device("cpu"), torch.float32)
 
     def run(impl: str, round_inputs: bool = False) -> list[torch.Tensor]:
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        leaves = [x.clone().requires_grad_() for x in inputs]
         if impl == "torch":
             o, s = delta_rule(*leaves, state, impl="torch", doc_ids_BT=docs, normalize_qk=True)
         else:  # as the layers call fla: q, k and beta in v's dtype (v is bf16 already), g fp32
@@ -128,8 +123,9 @@ def main() -> None:
         return [x.detach() for x in [o, s] + [x.grad for x in leaves]]
 
     reference = run("torch")
+    q, k, *rest = inputs
     normalised = [F.normalize(x, dim=-1).requires_grad_() for x in (q, k)]
-    o, s = delta_rule(*normalised, v, g, beta, state, impl="torch", doc_ids_BT=docs)
+    o, s = delta_rule(*normalised, *rest, state, impl="torch", doc_ids_BT=docs)
     (o.square().sum() + s.square().sum()).backward()
     rounded = {n: x.grad / raw.norm(dim=-1, keepdim=True)
                for n, x, raw in zip(("dq", "dk"), normalised, (q, k))}  # fmt: skip
@@ -138,8 +134,7 @@ def main() -> None:
         for function, original in originals.items():
             chosen = any(function in GROUPS[group] for group in groups)
             setattr(fla_chunk, function, rounding(function) if chosen else original)
-        fla_backend.triton_miscompiles_dqkwg = lambda: step_form != "fla"
-        fla_backend.STEP_KERNEL = "torch" if step_form == "torchloom-torch" else "triton"
+        use_step(step_form)
 
         def scaled_step(*a, **k):
             dq, dk, dw, dg = step(*a, **k)
@@ -147,20 +142,17 @@ def main() -> None:
 
         fla_backend.chunk_bwd_dqkwg = scaled_step
         got = run("fla", round_inputs=bool(groups))
-        errors, allowed = {}, {}
-        for n, a, b in zip(GRADS, got, reference):
-            errors[n] = float((a.float() - b.float()).norm() / b.float().norm())
-            if n in rounded:
-                allowed[n] = 2e-2 + 5e-3 * float(rounded[n].norm() / b.float().norm())
+        errors = relative_errors(got, reference)
+        allowed = {n: 2e-2 + 5e-3 * float(rounded[n].norm() / reference[GRADS.index(n)].norm())
+                   for n in rounded}  # fmt: skip
         result = {"row": name, "step": step_form, "rounded": list(groups), "rel_error": errors,
                   "allowed": allowed, "passes": all(errors[n] < a for n, a in allowed.items())}  # fmt: skip
         print(result, flush=True)
         return result
 
     everything = tuple(GROUPS)
-    rows = [row("fp32", form, ()) for form in ("fla", "torchloom-triton", "torchloom-torch")]
-    rows += [row("bf16 storage", form, everything)
-             for form in ("fla", "torchloom-triton", "torchloom-torch")]  # fmt: skip
+    rows = [row("fp32", form, ()) for form in STEP_FORMS]
+    rows += [row("bf16 storage", form, everything) for form in STEP_FORMS]
     rows += [row(f"bf16: {group} only", "fla", (group,)) for group in GROUPS]
     rows.append(row("bf16 storage, step dk x 0.8", "torchloom-triton", everything, 0.8))
 
