@@ -2,8 +2,9 @@
 # The hybrid linear-attention GPU checks of issue 22 (benchmarks/RESULTS.md), as named steps,
 # each with its own time limit; each step's whole log goes to OUT_DIR/<step>.log, its tail to
 # stdout. fla's first calls autotune its Triton kernels: minutes per process, so on a fresh
-# machine a step takes far longer than its timed part (2026-12-03: `layers` 263 s; `models_4k`
-# did not finish in 150 s). Pick steps per call so their limits add up to under 10 minutes.
+# machine a step takes far longer than its timed part (2026-12-03: a call running only the
+# `layers` benchmark took 263 s; `models_4k` did not finish in 150 s). On the lent device (10
+# minutes a call) pick steps per call so their limits add up to less; no step given means speed.
 #   models       the 3:1 hybrid vs full attention at 32k, with kernel tables (target 1.5x)
 #   models_4k    the same at 4k
 #   layers       one Gated DeltaNet layer vs transformers' with fla on both sides (target 1.3x)
