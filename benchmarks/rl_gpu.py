@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchloom.cli import resolve_job
-from torchloom.rl.loop import RLTrainer, prepare_initial_model
+from torchloom.rl.loop import RLRunner, prepare_initial_model
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     _, job = resolve_job(["--recipe", args.recipe, *overrides])
     setup_s = prepare_initial_model(job)
     began = time.perf_counter()
-    trainer = RLTrainer(job)
+    trainer = RLRunner(job)
     result = trainer.train()
     rl_s = time.perf_counter() - began
     lines = (Path(job.output.dir) / "metrics.jsonl").read_text().splitlines()

@@ -160,10 +160,10 @@ def cmd_rl(argv: list[str]) -> int:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0
     from torchloom.parallel import destroy
-    from torchloom.rl.loop import RLTrainer, prepare_initial_model
+    from torchloom.rl.loop import RLRunner, prepare_initial_model
 
     prepare_initial_model(job)
-    trainer = RLTrainer(job)
+    trainer = RLRunner(job)
     try:
         result = trainer.train()
     except BaseException:

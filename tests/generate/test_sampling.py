@@ -14,7 +14,7 @@ from torchloom.generate.sampling import sample_rows, uniform_noise
 def sample(logprobs_V: torch.Tensor, params: SamplingParams, seed: int, draw: int = 0) -> int:
     """One row's draw number ``draw`` from stream ``seed``."""
     settings = (params.temperature, params.top_k, params.top_p, seed, draw)
-    return int(sample_rows(logprobs_V[None], *(torch.tensor([x]) for x in settings))[0])
+    return int(sample_rows(logprobs_V[None], *(torch.tensor([x]) for x in settings))[0][0])
 
 
 DRAWS = 400  # with every kept probability >= 0.2, missing one has odds below 1e-38
@@ -88,8 +88,8 @@ def test_draws_follow_the_distribution():
         ones = torch.ones(N)
         for seeds, counters in ((torch.full((N,), 7), torch.arange(N)),
                                 (torch.arange(N), torch.zeros(N, dtype=torch.long))):  # fmt: skip
-            tokens = sample_rows(probs.log().expand(N, -1), ones * temperature,
-                                 torch.zeros(N, dtype=torch.long), ones, seeds, counters)  # fmt: skip
+            tokens, _ = sample_rows(probs.log().expand(N, -1), ones * temperature,
+                                    torch.zeros(N, dtype=torch.long), ones, seeds, counters)  # fmt: skip
             freq = torch.bincount(tokens, minlength=4) / N
             print(f"T {temperature}: frequencies {freq.tolist()}, probabilities {want.tolist()}")
             assert (freq - want).abs().max() < 0.015
@@ -104,11 +104,39 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
     )
     top_p, seeds = torch.tensor([1.0, 1.0, 0.8, 1.0, 0.5, 0.95]), torch.arange(100, 106)
     counters = torch.tensor([0, 3, 9, 1, 0, 27])
-    together = sample_rows(logprobs_BV, temperature, top_k, top_p, seeds, counters)
+    together, together_lp = sample_rows(logprobs_BV, temperature, top_k, top_p, seeds, counters)
     for b in range(6):
-        alone = sample_rows(logprobs_BV[b : b + 1], temperature[b : b + 1], top_k[b : b + 1],
-                            top_p[b : b + 1], seeds[b : b + 1], counters[b : b + 1])  # fmt: skip
+        alone, alone_lp = sample_rows(logprobs_BV[b : b + 1], temperature[b : b + 1],
+                                      top_k[b : b + 1], top_p[b : b + 1], seeds[b : b + 1],
+                                      counters[b : b + 1])  # fmt: skip
         assert alone.item() == together[b].item()
+        assert alone_lp.item() == together_lp[b].item()  # bitwise: the trainer scores row by row
+
+
+def test_the_reported_log_prob_is_the_sampling_distributions():
+    """A drawn token's log-probability is that of the distribution it came from: temperature-
+    scaled, top-p-restricted and renormalised; at temperature 1 without top-k/p, the model's."""
+    torch.manual_seed(1)
+    logprobs_BV = torch.randn(3, 20).log_softmax(-1)
+    temperature, top_k, top_p = (
+        torch.tensor([1.0, 0.7, 0.7]),
+        torch.zeros(3, dtype=torch.long),
+        torch.tensor([1.0, 1.0, 0.6]),
+    )
+    tokens, picked = sample_rows(
+        logprobs_BV, temperature, top_k, top_p, torch.arange(3), torch.zeros(3, dtype=torch.long)
+    )
+    assert picked[0].item() == logprobs_BV[0, tokens[0]].item()
+    scaled = (logprobs_BV[1] / 0.7).log_softmax(-1)
+    assert abs(picked[1].item() - scaled[tokens[1]].item()) < 1e-6
+    probs = (logprobs_BV[2] / 0.7).softmax(-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    nucleus = order[before < 0.6]
+    want = probs[nucleus] / probs[nucleus].sum()
+    got = {int(t): p for t, p in zip(nucleus, want.log())}
+    print(f"picked {picked.tolist()}, nucleus {sorted(got)}")
+    assert int(tokens[2]) in got and abs(picked[2].item() - got[int(tokens[2])].item()) < 1e-6
 
 
 def test_noise_streams_are_uniform_and_distinct():

@@ -19,14 +19,14 @@ from common import BASE  # this folder is the script's: on sys.path
 from torchloom.cli import resolve_job
 from torchloom.parallel import destroy
 from torchloom.parallel.state import full_state_items
-from torchloom.rl.loop import RLTrainer
+from torchloom.rl.loop import RLRunner
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     _, job = resolve_job([*BASE, "--output.dir", str(out), "--rl.placement", "disaggregated",
                           *sys.argv[2:]])  # fmt: skip
-    rl = RLTrainer(job)
+    rl = RLRunner(job)
     rl.train()
     assert rl.link is not None
     rank = dist.get_rank()

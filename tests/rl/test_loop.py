@@ -14,12 +14,12 @@ import torch
 
 from rl.common import BASE, KEYS, records  # tests/ is on sys.path (rootdir-relative imports)
 from torchloom.cli import main, resolve_job
-from torchloom.rl.loop import RLTrainer
+from torchloom.rl.loop import RLRunner
 
 
-def trainer(tmp_path: Path, *args: str) -> RLTrainer:
+def trainer(tmp_path: Path, *args: str) -> RLRunner:
     _, job = resolve_job([*BASE, "--output.dir", str(tmp_path), *args])
-    return RLTrainer(job)
+    return RLRunner(job)
 
 
 def test_batch_invariant_on_policy_log_probs_are_bitwise(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_offpolicy_lag_stays_within_the_bound(tmp_path: Path, slow: str, monkeyp
     batch s, so after the first batch every rollout is one update old, never more, whether the
     trainer or the generator is the slow side."""
     rl = trainer(tmp_path, "--training.steps", "4", "--rl.max_offpolicy_steps", "1")
-    name = "_update" if slow == "trainer" else "_rollouts"
+    name = "update" if slow == "trainer" else "rollouts"
     original = getattr(rl, name)
 
     def slowed(*args, **kwargs):
@@ -88,7 +88,7 @@ def test_weight_sync_gives_the_generator_the_trainers_weights_in_place(tmp_path:
         for p in rl.model.parameters():
             p.add_(torch.randn_like(p))
     rl.version = 1
-    assert rl._sync_generator() > 0
+    assert rl.sync_generator() > 0
     for (name, mine), theirs in zip(rl.gen_model.named_parameters(), rl.model.parameters(),
                                     strict=True):  # fmt: skip
         assert torch.equal(mine, theirs), name

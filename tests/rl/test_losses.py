@@ -70,7 +70,7 @@ def test_ppo_clip_higher_values_gradients_and_clip_frac() -> None:
     )
     _assert_close(out.clip_frac, 3 / 8)
     _assert_close(out.ratio_mean, (1.5 + 0.5 + 1.1 + 1.25 + 1.5 + 0.5 + 0.7 + 1.25) / 8, 1e-5)
-    assert out.kl == 0 and out.tis_weight_mean is None
+    assert out.kl == 0 and out.is_weight_mean is None
     # d(-r A)/d lp = -A r where unclipped, 0 where the clip is taken; 0 outside the mask.
     out.per_token_BT.sum().backward()
     _assert_close(
@@ -191,15 +191,57 @@ def test_tis_weights_are_capped_and_detached() -> None:
     mask_BT = torch.tensor([[True, True, True, True, False]])
     out = policy_loss(
         logprobs_BT, old_BT, torch.tensor([1.0]), mask_BT, behavior_logprobs_BT=behavior_BT,
-        tis_cap=2.0,
+        correction="tis", is_low=0.0, is_high=2.0,
     )  # fmt: skip
     weights = [1.0, 1.5, 2.0, 0.5]
     _assert_close(out.per_token_BT, [[-w for w in weights] + [0.0]], atol=1e-6)
-    _assert_close(out.tis_weight_mean, sum(weights) / 4)
+    _assert_close(out.is_weight_mean, sum(weights) / 4)
+    assert out.is_masked_frac is None
     out.per_token_BT.sum().backward()  # ratio 1: the gradient is -A * w
     _assert_close(logprobs_BT.grad, [[-w for w in weights] + [0.0]], atol=1e-6)
-    with pytest.raises(ValueError, match="tis_cap"):
-        policy_loss(logprobs_BT, old_BT, torch.tensor([1.0]), mask_BT, behavior_logprobs_BT=old_BT)
+    # A lower bound lifts small weights: w = [1, 1.5, 2, 0.8].
+    low = policy_loss(old_BT, old_BT, torch.tensor([1.0]), mask_BT,
+                      behavior_logprobs_BT=behavior_BT, is_low=0.8, is_high=2.0)  # fmt: skip
+    _assert_close(low.per_token_BT, [[-1.0, -1.5, -2.0, -0.8, 0.0]], atol=1e-6)
+
+
+def test_mis_masks_tokens_outside_the_bounds() -> None:
+    """Masked importance sampling: weights inside [low, high] are kept, the others zeroed (their
+    tokens leave the loss) and counted in is_masked_frac."""
+    old_BT = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    behavior_BT = old_BT - torch.tensor([[0.0, math.log(1.5), math.log(3.0), -math.log(2), 9.0]])
+    mask_BT = torch.tensor([[True, True, True, True, False]])
+    out = policy_loss(old_BT, old_BT, torch.tensor([2.0]), mask_BT,
+                      behavior_logprobs_BT=behavior_BT, correction="mis", is_low=0.6,
+                      is_high=2.0)  # fmt: skip
+    # w = [1, 1.5, 3 (masked), 0.5 (masked)]; loss = -A * w.
+    _assert_close(out.per_token_BT, [[-2.0, -3.0, 0.0, 0.0, 0.0]], atol=1e-6)
+    _assert_close(out.is_masked_frac, 0.5)
+
+
+def test_sequence_level_importance_weight_is_the_product() -> None:
+    old_BT = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    gaps = torch.tensor([[math.log(1.2), math.log(1.5), 0.0], [math.log(2.0), math.log(3.0), 0.0]])
+    mask_BT = torch.tensor([[True, True, False], [True, True, True]])
+    for correction, want in (("tis", [1.8, 2.5]), ("mis", [1.8, 0.0])):
+        out = policy_loss(old_BT, old_BT, torch.tensor([1.0, 1.0]), mask_BT,
+                          behavior_logprobs_BT=old_BT - gaps, correction=correction,
+                          is_level="sequence", is_high=2.5)  # fmt: skip
+        # Sequence 0: 1.2 * 1.5 = 1.8 (its third token is masked); sequence 1: 6, over 2.5.
+        expect = [[-want[0], -want[0], 0.0], [-want[1]] * 3]
+        _assert_close(out.per_token_BT, expect, atol=1e-5)
+
+
+def test_zero_advantage_tokens_are_never_counted_as_clipped() -> None:
+    """clip_frac counts tokens whose clip stops the gradient; a token with A = 0 has no
+    gradient to stop, whatever its ratio."""
+    old_BT = torch.zeros(3, 2)
+    logprobs_BT = torch.tensor([[1.0, -1.0], [1.0, -1.0], [0.0, 0.0]])  # ratios e and 1/e
+    advantages_B = torch.tensor([0.0, 1.0, -1.0])
+    out = policy_loss(logprobs_BT, old_BT, advantages_B, torch.ones(3, 2, dtype=torch.bool),
+                      clip_low=0.2, clip_high=0.28)  # fmt: skip
+    # Row 0 (A = 0): no clip. Row 1 (A > 0): e > 1.28 clipped, 1/e not. Row 2: ratio 1.
+    _assert_close(out.clip_frac, 1 / 6)
 
 
 def test_the_three_normalizations() -> None:

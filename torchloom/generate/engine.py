@@ -7,8 +7,10 @@ are free, waiting requests are prefilled together (right-padded; requests admitt
 the same prompt, like an RL group, share one prefill); otherwise every active request advances
 one token. A request leaves as soon as it stops, and its slot takes the next waiting request
 in the following round. ``generate(requests)`` submits and steps until they are done.
-Log-probabilities are those of the model's own distribution (fp32 log-softmax of the logits,
-before temperature, top-k or top-p), so they equal a full forward pass over the sequence.
+A sampled token's log-probability is that of the distribution it was drawn from (the fp32
+log-softmax of the logits, divided by the temperature, restricted to what top-k and top-p keep
+and renormalised: ``sampling.sampling_logprobs``); a greedy token's is the model's own. So an
+RL trainer scoring the same tokens with the same settings gets the same numbers.
 """
 
 from __future__ import annotations
@@ -395,12 +397,11 @@ def _draw(
 
     params = [states[i].request.params for i in sampling]
     logprobs_SV = logprobs_BV[column([index[i] for i in sampling])]
-    tokens_S = sample_rows(
+    tokens_S, picked_S = sample_rows(
         logprobs_SV, column([p.temperature for p in params]), column([p.top_k for p in params]),
         column([p.top_p for p in params]), column([states[i].seed for i in sampling]),
         column([len(states[i].completion.tokens) for i in sampling]),
     )  # fmt: skip
-    picked_S = logprobs_SV.gather(1, tokens_S[:, None])[:, 0]
     pairs = torch.stack((tokens_S.double(), picked_S.double()), dim=1).tolist()
     return {i: (int(token), logprob) for i, (token, logprob) in zip(sampling, pairs, strict=True)}
 

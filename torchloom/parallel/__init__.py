@@ -2,7 +2,12 @@
 
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.grad import clip_coefficient, clip_grad_norm_, grad_norm
-from torchloom.parallel.loss_reduction import as_local, global_label_count, sum_over_data_ranks
+from torchloom.parallel.loss_reduction import (
+    as_local,
+    global_label_count,
+    max_over_data_ranks,
+    sum_over_data_ranks,
+)
 from torchloom.parallel.mesh import ParallelDims, build_parallel_dims, destroy, init_distributed
 from torchloom.parallel.parallelize import parallelize
 from torchloom.parallel.tensor_parallel import loss_context
@@ -19,6 +24,7 @@ __all__ = [
     "grad_norm",
     "init_distributed",
     "loss_context",
+    "max_over_data_ranks",
     "parallelize",
     "sum_over_data_ranks",
 ]

@@ -30,6 +30,16 @@ def sum_over_data_ranks(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor
     return total
 
 
+@torch.no_grad()
+def max_over_data_ranks(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The elementwise maximum of ``value`` over the dp_cp ranks (a detached copy)."""
+    highest = as_local(value.detach()).clone()
+    mesh = dims.mesh("dp_cp")
+    if mesh is not None:
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return highest
+
+
 def global_label_count(
     local_count: int | torch.Tensor, dims: ParallelDims, device: torch.device | str = "cpu"
 ) -> torch.Tensor:

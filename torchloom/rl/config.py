@@ -25,7 +25,8 @@ class RLConfig:
     max_turns: int = 1
     """Replies per rollout for multi-turn environments (1: a single answer)."""
     temperature: float = 1.0
-    """Sampling temperature of the rollouts (log-probs are those of the model itself)."""
+    """Sampling temperature of the rollouts. Both the generator and the trainer score tokens
+    under the distribution they were sampled from (temperature and top_p applied)."""
     top_p: float = 1.0
     """Nucleus sampling of the rollouts (1: the whole distribution)."""
     format_reward: float = 0.0
@@ -47,22 +48,60 @@ class RLConfig:
     normalize_std: bool = True
     """GRPO advantages divided by the group's reward std (false: Dr. GRPO, centred only)."""
     filter_zero_variance: bool = True
-    """Drop groups whose rollouts all got the same reward (no signal; DAPO's dynamic
-    filtering) from the update."""
-    clip_low: float = 0.2
-    """PPO ratio clip below 1: ratios under 1 - clip_low stop pushing a negative advantage."""
-    clip_high: float = 0.28
-    """PPO ratio clip above 1 (clip-higher: DAPO's 0.28 keeps exploration alive)."""
+    """Drop groups whose rollouts all got the same reward (no signal) from the update, and
+    refill the batch with new groups (DAPO's dynamic sampling; see max_refill_rounds)."""
+    max_refill_rounds: int = 3
+    """With filter_zero_variance: extra rounds of generation, each for the groups still
+    missing (scaled by the rate kept so far), until prompts_per_step groups carry signal; 0:
+    no refill (the batch shrinks)."""
+    objective: str = "ppo"
+    """The RL objective (torchloom/rl/objectives.py's registry): ppo (the clipped surrogate of
+    PPO / GRPO / DAPO, or GSPO with ratio_level sequence) or reinforce (no ratio clip)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts (each pass takes ``minibatches`` optimizer steps)."""
+    minibatches: int = 1
+    """Optimizer steps per pass: the step's groups split into this many parts, each one step.
+    With more than one, every step after the first moves away from the policy that sampled the
+    batch, and the clip acts (clip_frac > 0)."""
+    clip_low: float | None = None
+    """Ratio clip below 1: ratios under 1 - clip_low stop pushing a negative advantage (unset:
+    0.2 per token; 3e-4 per sequence, GSPO's)."""
+    clip_high: float | None = None
+    """Ratio clip above 1 (unset: 0.28, DAPO's clip-higher, per token; 4e-4 per sequence)."""
     ratio_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (PPO / GRPO / DAPO) or per sequence (GSPO)."""
-    loss_normalization: Literal["token", "sequence", "constant"] = "token"
-    """How token losses are averaged: every response token of the batch equally (DAPO), per
-    sequence then over sequences (GRPO), or by a constant (Dr. GRPO: max_new_tokens)."""
+    """Importance ratio per token (PPO / GRPO / DAPO) or per sequence (GSPO: the geometric mean
+    of its token ratios, with GSPO's clip range and sequence normalization unless set)."""
+    loss_normalization: Literal["token", "sequence", "constant"] | None = None
+    """How token losses are averaged: every response token of the batch equally (token, DAPO),
+    per sequence then over sequences (sequence, GRPO / GSPO), or by a constant (Dr. GRPO:
+    max_new_tokens x max_turns). Unset: token, or sequence with ratio_level sequence."""
+    old_logprobs: Literal["recompute", "generator"] = "recompute"
+    """The ratio's denominator. recompute: the trainer's own log-probs under the weights at the
+    start of the step (= the weights that sampled the batch when on-policy; with lag, the
+    proximal policy, and importance sampling corrects the rest). generator: the generator's
+    log-probs as they came (the behavior policy itself, its numerics included). In batch-
+    invariant mode on-policy the two are bitwise equal and no extra forward runs."""
+    is_correction: Literal["none", "tis", "mis"] = "tis"
+    """Importance sampling between the ratio's denominator and the generator's probabilities
+    (numerics, lag): tis truncates the weight to [is_low, is_high]; mis masks the tokens (or
+    sequences) whose weight falls outside it (the masked fraction is logged as is_masked_frac).
+    Nothing to correct when old_logprobs is generator, or bitwise on-policy."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or per sequence (the product of its token weights)."""
+    is_low: float = 0.0
+    """Lower bound of the importance weight (tis: clamp; mis: mask below)."""
+    is_high: float = 2.0
+    """Upper bound of the importance weight (tis: clamp; mis: mask above)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen copy of the initial policy (0: no reference)."""
-    tis_cap: float = 2.0
-    """Truncated importance sampling cap on trainer / generator probability ratios when they
-    can differ (batch-invariant mode off, or lagging rollouts); 0 disables the correction."""
+    overlong_buffer: int = 0
+    """DAPO's overlong reward shaping: a reply longer than max_new_tokens - overlong_buffer
+    loses up to overlong_penalty linearly over the buffer's tokens (0: off)."""
+    overlong_penalty: float = 1.0
+    """The largest shaping penalty (a reply cut at max_new_tokens)."""
+    overlong_filter: bool = False
+    """Leave rollouts whose last reply was cut at max_new_tokens out of the loss (they still
+    count in their group's advantages)."""
     micro_batch_size: int = 16
     """Rollouts per trainer forward (the update accumulates over the step's rollouts)."""
     generator_slots: int = 64
@@ -82,12 +121,12 @@ class RLConfig:
                 f"--rl.max_offpolicy_steps must be >= 0 (0: synchronous); got "
                 f"{self.max_offpolicy_steps}."
             )
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+        low, high = self.clip_range()
+        if not (0 <= low < 1 and 0 <= high < float("inf")):
             raise ConfigError(
-                f"--rl.clip_low must be in [0, 1) and --rl.clip_high >= 0; got {self.clip_low} "
-                f"and {self.clip_high}."
+                f"--rl.clip_low must be in [0, 1) and --rl.clip_high >= 0; got {low} and {high}."
             )
-        if self.temperature <= 0:
+        if not self.temperature > 0:
             raise ConfigError(
                 f"--rl.temperature must be > 0 for rollouts (greedy rollouts of a group are all "
                 f"alike); got {self.temperature}."
@@ -96,8 +135,43 @@ class RLConfig:
             raise ConfigError(
                 "--rl.group_size must be at least 2: advantages are relative within a group."
             )
-        if self.kl_coef < 0 or self.tis_cap < 0:
-            raise ConfigError("--rl.kl_coef and --rl.tis_cap must be >= 0.")
+        for name in ("ppo_epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--rl.{name} must be at least 1; got {getattr(self, name)}.")
+        if self.minibatches > self.prompts_per_step:
+            raise ConfigError(
+                f"--rl.minibatches {self.minibatches} splits the step's {self.prompts_per_step} "
+                "groups; it cannot exceed --rl.prompts_per_step."
+            )
+        for name in ("kl_coef", "max_refill_rounds", "overlong_buffer", "overlong_penalty",
+                     "is_low"):  # fmt: skip
+            value = getattr(self, name)
+            if not value >= 0:  # nan too
+                raise ConfigError(f"--rl.{name} must be >= 0; got {value}.")
+        if not self.is_high > max(self.is_low, 0.0) or self.is_high == float("inf"):
+            raise ConfigError(
+                f"--rl.is_high must be a finite number above --rl.is_low ({self.is_low}); got "
+                f"{self.is_high}."
+            )
+        if self.overlong_buffer >= self.max_new_tokens:
+            raise ConfigError(
+                f"--rl.overlong_buffer {self.overlong_buffer} must be below --rl.max_new_tokens "
+                f"{self.max_new_tokens} (the shaping starts max_new_tokens - buffer tokens in)."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--rl.top_p must be in (0, 1]; got {self.top_p}.")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high) as set, else the defaults of the ratio level."""
+        low, high = (0.2, 0.28) if self.ratio_level == "token" else (3e-4, 4e-4)
+        return (low if self.clip_low is None else self.clip_low,
+                high if self.clip_high is None else self.clip_high)  # fmt: skip
+
+    def normalization(self) -> str:
+        """The loss normalization as set, else the ratio level's."""
+        if self.loss_normalization is not None:
+            return self.loss_normalization
+        return "token" if self.ratio_level == "token" else "sequence"
 
 
 @dataclass
@@ -115,13 +189,18 @@ class RLJobConfig(JobConfig):
                 "ranks (data or tensor parallel) beside generator ranks."
             )
         if r.placement == "disaggregated":
-            unsupported = {"dp_replicate": p.dp_replicate, "cp": p.cp, "pp": p.pp, "ep": p.ep}
-            unsupported = {name: v for name, v in unsupported.items() if v > 1}
-            if unsupported:
-                name, value = next(iter(unsupported.items()))
+            if p.pp > 1:
                 raise ConfigError(
-                    f"Disaggregated RL trains with --parallel.dp_shard and --parallel.tp; "
-                    f"--parallel.{name} {value} is not supported there yet. Set it to 1."
+                    f"--parallel.pp {p.pp} is not supported by torchloom rl: the pipeline "
+                    "schedule carries only labels to the last stage, not the advantages and "
+                    "log-probabilities the policy loss reads. Set --parallel.pp 1."
+                )
+            sequence_level = r.ratio_level == "sequence" or r.is_level == "sequence"
+            if p.cp > 1 and sequence_level:
+                raise ConfigError(
+                    f"--parallel.cp {p.cp} splits each rollout over ranks, and sequence-level "
+                    "ratios (--rl.ratio_level / --rl.is_level sequence) need the whole "
+                    "sequence on one rank; use token level or --parallel.cp 1."
                 )
             if r.kl_coef > 0:
                 raise ConfigError(

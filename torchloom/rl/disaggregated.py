@@ -1,23 +1,27 @@
 """Disaggregated placement: generator ranks and trainer ranks under one torchrun.
 
 The first ``world - rl.generator_ranks`` processes train (a mesh over them alone: FSDP
-``dp_shard``, ``tp``); the last ``rl.generator_ranks`` each hold a whole copy of the model in
-the trainer's compute dtype and generate their share of every step's prompts. What travels:
+``dp_shard``, ``tp``, ``cp``, ``ep``); the last ``rl.generator_ranks`` each hold a whole copy
+of the model in the trainer's compute dtype and generate their share of every step's groups
+(prompts are addressed by step and group, torchloom/rl/sources.py, so nothing sends them).
+What travels:
 
-- prompts, from trainer rank 0 to every rank, and rollouts, from the generator ranks to every
-  rank, as pickled objects on a gloo group of the whole world (``Link.objects``);
-- weights, after an update, as full tensors (each gathered from the trainer's FSDP / TP layout
-  by the trainer ranks together) packed into flat buckets and broadcast from trainer rank 0 to
-  the generator ranks (``Link.weights``, the job's backend: NCCL between GPUs). The sends are
-  asynchronous, so the trainer goes on to the next batch while they travel; the generator
-  copies each bucket into its parameters in place.
+- rollouts, from the generator ranks to every rank, as pickled objects on a gloo group of the
+  whole world (``Link.objects``), sent from a thread of each generator rank so that it goes on
+  generating the next batch meanwhile;
+- weights, after an update, as full tensors (each gathered from the trainer's layout by the
+  trainer ranks together) packed into flat buckets and broadcast from trainer rank 0 to the
+  generator ranks (``Link.weights``, the job's backend: NCCL between GPUs). The sends are
+  asynchronous, up to ``max_offpolicy_steps + 1`` versions in flight, so the trainer goes on to
+  the next batch while they travel; the generator copies each bucket into its parameters in
+  place when the lag bound needs that version.
 
-Both sides follow one schedule (``policy_needed``), so every collective is met: for step s the
-trainer sends step s+1's prompts as soon as it holds batch s, and the generator generates batch
-s+1 once it holds version ``max(start, s - max_offpolicy_steps)`` of the policy. With
-``max_offpolicy_steps`` 0 that is the policy trained on batch s: synchronous, exactly
-on-policy. Checkpoints are taken by every rank together (the generator ranks save only the
-step), each generator rank saving step s before it sends batch s+1.
+Both sides follow one schedule (``policy_needed``), so every collective is met: the generator
+generates batch s once it holds version ``max(start, s - 1 - max_offpolicy_steps)``; with
+``max_offpolicy_steps`` 0 that is the policy trained on batch s - 1: synchronous, exactly
+on-policy, and with k the generator runs up to k + 1 batches ahead. Checkpoints are taken by
+every rank together (the generator ranks save only the step), each generator rank saving step
+s before it receives version s + 1.
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ def last_version_sent(steps: int, lag: int) -> int:
 
 class Link:
     """The trainer ranks' and the generator ranks' side of the traffic between them. Every
-    process creates it, at the same point (the groups are created collectively)."""
+    process creates it, at the same point (the groups are created collectively). ``in_flight``:
+    how many versions the trainer may have on their way at once."""
 
     def __init__(self, trainers: int, device: torch.device, dtype: torch.dtype,
-                 bucket_mb: int) -> None:  # fmt: skip
+                 bucket_mb: int, in_flight: int = 1) -> None:  # fmt: skip
         world = dist.get_world_size()
         self.trainers, self.rank = trainers, dist.get_rank()
         self.generators = list(range(trainers, world))
@@ -76,19 +81,19 @@ class Link:
         self.bucket_bytes = bucket_mb * 2**20
         self.objects = dist.new_group(backend="gloo")
         self.weights = dist.new_group([0, *self.generators])
-        self._in_flight: list[Any] = []  # the last send's works and buffers
+        self.max_in_flight = in_flight
+        self._in_flight: list[list[Any]] = []  # per version sent: its works and buffers
 
     @property
     def is_generator(self) -> bool:
         return self.rank >= self.trainers
 
-    # -- prompts and rollouts -------------------------------------------------------------------
+    @property
+    def share_index(self) -> int:
+        """This generator rank's place among the generator ranks."""
+        return self.rank - self.trainers
 
-    def prompts(self, prompts: list[Any] | None = None) -> list[Any]:
-        """Trainer rank 0's ``prompts`` for the next batch, on every rank."""
-        box = [prompts]
-        dist.broadcast_object_list(box, src=0, group=self.objects)
-        return box[0]
+    # -- prompts and rollouts -------------------------------------------------------------------
 
     def rollouts(self, part: RolloutBatch | None = None) -> RolloutBatch:
         """The generator ranks' parts of one batch, merged in group order, on every rank."""
@@ -96,14 +101,14 @@ class Link:
         dist.all_gather_object(parts, part, group=self.objects)
         shares = [p for p in parts if p is not None]
         rollouts = sorted((r for p in shares for r in p.rollouts), key=lambda r: r.group)
+        stats: dict[str, float] = {}
+        for p in shares:
+            for key, value in p.stats.items():
+                combine = max if key == "refill_rounds" else sum
+                stats[key] = combine((stats.get(key, 0), value))
         return RolloutBatch(rollouts, min(p.version for p in shares),
                             max(p.seconds for p in shares),
-                            max(p.sync_seconds for p in shares))  # fmt: skip
-
-    def my_share(self, count: int) -> list[int]:
-        """Which of a step's ``count`` prompts this generator rank generates."""
-        index = self.rank - self.trainers
-        return list(range(index, count, len(self.generators)))
+                            max(p.sync_seconds for p in shares), stats)  # fmt: skip
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -111,21 +116,24 @@ class Link:
         """Trainer ranks: gather every parameter whole and start sending it from rank 0 (the
         sends finish in the background); seconds spent here."""
         start = time.perf_counter()
-        self.wait_sent()
+        self.wait_sent(keep=self.max_in_flight - 1)
         params = dict(model.named_parameters())
+        sends = []
         for names in self._buckets(model):
             fulls = [_full(params[n].detach()) for n in names]  # collective over the trainers
             if self.rank == 0:
                 flat = torch.cat([t.reshape(-1).to(self.dtype) for t in fulls])
                 work = dist.broadcast(flat, src=0, group=self.weights, async_op=True)
-                self._in_flight.append((work, flat))
+                sends.append((work, flat))
+        self._in_flight.append(sends)
         return time.perf_counter() - start
 
-    def wait_sent(self) -> None:
-        """Trainer rank 0: wait until the last weights sent have arrived."""
-        for work, _ in self._in_flight:
-            work.wait()
-        self._in_flight = []
+    def wait_sent(self, keep: int = 0) -> None:
+        """Trainer rank 0: wait until at most ``keep`` of the versions sent are still on their
+        way (0: all have arrived)."""
+        while len(self._in_flight) > keep:
+            for work, _ in self._in_flight.pop(0):
+                work.wait()
 
     def receive_weights(self, model: nn.Module) -> float:
         """Generator ranks: receive one version of every parameter into ``model`` in place;

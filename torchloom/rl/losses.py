@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "IS_CORRECTIONS",
     "NORMALIZATIONS",
     "RATIO_LEVELS",
     "PolicyLoss",
     "group_advantages",
+    "importance_weights",
     "informative_groups",
     "loss_normalizer",
     "policy_loss",
@@ -64,13 +66,53 @@ class PolicyLoss:
     ``loss_normalizer``'s weights, sum, and divide by the global normalizer."""
     clip_frac: torch.Tensor
     """The fraction of tokens whose ratio was clipped where the clip stops the gradient:
-    ratio > 1 + clip_high with A > 0, or ratio < 1 - clip_low with A < 0."""
+    ratio > 1 + clip_high with A > 0, or ratio < 1 - clip_low with A < 0 (tokens with A = 0
+    are never clipped; they count in the denominator as every masked token does)."""
     kl: torch.Tensor
     """The k3 estimate of KL(policy || reference); 0 without a reference."""
     ratio_mean: torch.Tensor
     """The importance ratio's mean (per sequence and repeated on its tokens under GSPO)."""
-    tis_weight_mean: torch.Tensor | None = None
-    """The truncated importance weights' mean; None when TIS is off."""
+    ratio_BT: torch.Tensor | None = None
+    """The ratio of every token (detached; 1 outside the mask), for its extremes."""
+    is_weight_mean: torch.Tensor | None = None
+    """The importance-sampling weights' mean; None when no correction is applied."""
+    is_masked_frac: torch.Tensor | None = None
+    """The fraction of tokens masked by MIS (weight outside its bounds); None otherwise."""
+
+
+IS_CORRECTIONS = ("none", "tis", "mis")
+
+
+def importance_weights(
+    old_logprobs_BT: torch.Tensor,
+    behavior_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    correction: str = "tis",
+    level: str = "token",
+    low: float = 0.0,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detached [B, T] weights correcting for rollouts sampled by a behavior policy (the
+    generator's numerics, or older weights) other than the ratio's denominator, and the masked
+    fraction: ``w = p_old / p_behavior`` per token, or per sequence (the product over its masked
+    tokens, on each of them). 'tis' clamps ``w`` to [low, high]; 'mis' keeps it inside and sets
+    it to 0 outside (those tokens leave the loss); 'none' is 1. 0 outside the mask."""
+    if correction not in IS_CORRECTIONS:
+        raise ValueError(f"unknown importance correction {correction!r}; one of {IS_CORRECTIONS}")
+    zero = torch.zeros((), device=mask_BT.device)
+    if correction == "none":
+        return mask_BT.float(), zero
+    log_w_BT = torch.where(mask_BT, old_logprobs_BT - behavior_logprobs_BT, 0.0).detach()
+    if level == "sequence":
+        log_w_BT = log_w_BT.sum(dim=-1, keepdim=True).expand_as(log_w_BT)
+    elif level != "token":
+        raise ValueError(f"unknown importance level {level!r}; one of ('token', 'sequence')")
+    w_BT = log_w_BT.float().exp()
+    if correction == "tis":
+        return torch.where(mask_BT, w_BT.clamp(low, high), 0.0), zero
+    kept_BT = (w_BT >= low) & (w_BT <= high) & mask_BT
+    masked = (mask_BT & ~kept_BT).sum() / mask_BT.sum().clamp(min=1)
+    return torch.where(kept_BT, w_BT, 0.0), masked
 
 
 def policy_loss(
@@ -85,15 +127,21 @@ def policy_loss(
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     behavior_logprobs_BT: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    correction: str = "tis",
+    is_level: str = "token",
+    is_low: float = 0.0,
+    is_high: float = 2.0,
+    clip: bool = True,
 ) -> PolicyLoss:
-    """The PPO clipped surrogate per token, with an optional KL penalty and TIS correction::
+    """The PPO clipped surrogate per token, with an optional KL penalty and importance
+    correction::
 
         loss = -w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3
 
-    ``logprobs_BT`` are the trainer's, with gradient; ``old_logprobs_BT`` the trainer's under
-    the weights that generated the rollouts (detached). ``clip_high > clip_low`` is DAPO's
-    clip-higher (``clip_high=0.28``).
+    ``logprobs_BT`` are the trainer's, with gradient; ``old_logprobs_BT`` the ratio's
+    denominator (detached): the policy the step's updates start from. ``clip_high > clip_low``
+    is DAPO's clip-higher. ``advantages_B`` is per sequence ([B]) or per token ([B, T]).
+    ``clip=False`` is the plain importance-weighted policy gradient (REINFORCE with a baseline).
 
     ``ratio_level``: 'token' (PPO, GRPO): ``ratio = exp(lp - old_lp)`` per token. 'sequence'
     (GSPO): ``s_i = exp(mean_t(lp - old_lp))`` over sequence i's masked tokens, used on each of
@@ -106,17 +154,14 @@ def policy_loss(
     ``k3 = exp(ref - lp) - (ref - lp) - 1`` (>= 0, unbiased for KL(policy || ref)); its
     gradient flows through ``lp``.
 
-    ``behavior_logprobs_BT``: the generator's, when they differ from ``old_logprobs_BT``
-    (batch-invariant mode off): truncated importance sampling multiplies each token's surrogate
-    by ``w = min(exp(old_lp - behavior_lp), tis_cap)``, detached, correcting for the generator's
-    numerics; the KL penalty is a regularizer and is not reweighted. Without them ``w = 1``.
+    ``behavior_logprobs_BT``: the generator's, when they can differ from ``old_logprobs_BT``:
+    each token's surrogate is multiplied by ``importance_weights(old, behavior, ...)`` (TIS or
+    MIS, per token or sequence); the KL penalty is a regularizer and is not reweighted.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio_level {ratio_level!r}; one of {RATIO_LEVELS}")
     if kl_coef != 0.0 and ref_logprobs_BT is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_BT (a reference model's)")
-    if behavior_logprobs_BT is not None and tis_cap is None:
-        raise ValueError("behavior_logprobs_BT turns TIS on: give tis_cap too (e.g. 2.0)")
 
     # Outside the mask log-probs may be anything (padding, -inf): zero them first, so nothing
     # there reaches a value or a gradient, not even as NaN.
@@ -134,20 +179,29 @@ def policy_loss(
         seq_ratio_B = (log_ratio_BT.sum(dim=-1) / lengths_B).exp()
         ratio_BT = seq_ratio_B.detach()[:, None] * (logprobs_BT - logprobs_BT.detach()).exp()
 
-    advantages_BT = advantages_B.float()[:, None].expand_as(ratio_BT)
-    clipped_ratio_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    surrogate_BT = torch.minimum(ratio_BT * advantages_BT, clipped_ratio_BT * advantages_BT)
-    loss_BT = -surrogate_BT
-    clipped_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
-        (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
+    advantages = advantages_B.float()
+    advantages_BT = (advantages[:, None] if advantages.dim() == 1 else advantages).expand_as(
+        ratio_BT
     )
+    if clip:
+        clipped_ratio_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+        surrogate_BT = torch.minimum(ratio_BT * advantages_BT, clipped_ratio_BT * advantages_BT)
+        clipped_BT = ((advantages_BT > 0) & (ratio_BT > 1.0 + clip_high)) | (
+            (advantages_BT < 0) & (ratio_BT < 1.0 - clip_low)
+        )
+    else:
+        surrogate_BT = ratio_BT * advantages_BT
+        clipped_BT = torch.zeros_like(mask_BT)
+    loss_BT = -surrogate_BT
 
-    tis_weight_mean = None
-    if behavior_logprobs_BT is not None:
-        tis_log_ratio_BT = masked(old_logprobs_BT) - masked(behavior_logprobs_BT)
-        tis_weight_BT = tis_log_ratio_BT.exp().clamp(max=tis_cap).detach()
-        loss_BT = loss_BT * tis_weight_BT
-        tis_weight_mean = (tis_weight_BT * mask_float_BT).sum() / num_tokens
+    is_weight_mean = is_masked_frac = None
+    if behavior_logprobs_BT is not None and correction != "none":
+        weight_BT, masked_frac = importance_weights(
+            old_logprobs_BT, behavior_logprobs_BT, mask_BT, correction, is_level, is_low, is_high
+        )
+        loss_BT = loss_BT * weight_BT
+        is_weight_mean = (weight_BT * mask_float_BT).sum() / num_tokens
+        is_masked_frac = masked_frac if correction == "mis" else None
 
     kl_BT = torch.zeros_like(loss_BT)
     if ref_logprobs_BT is not None:
@@ -163,7 +217,9 @@ def policy_loss(
         clip_frac=token_mean(clipped_BT),
         kl=token_mean(kl_BT),
         ratio_mean=token_mean(ratio_BT),
-        tis_weight_mean=None if tis_weight_mean is None else tis_weight_mean.detach(),
+        ratio_BT=torch.where(mask_BT, ratio_BT.detach(), 1.0),
+        is_weight_mean=None if is_weight_mean is None else is_weight_mean.detach(),
+        is_masked_frac=is_masked_frac,
     )
 
 

@@ -38,10 +38,21 @@ class Rollout:
     """The policy version (optimizer steps taken) whose weights generated it."""
     turns: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+    """How the episode ended: 'stop' (the environment said done, or the model stopped on its
+    last turn), 'length' (the last reply was cut at max_new_tokens), 'turns' (max_turns
+    replies without the environment saying done)."""
+    last_reply_len: int = 0
+    """Tokens of the last reply (what overlong shaping measures)."""
 
     @property
     def generated(self) -> int:
         return sum(self.mask)
+
+    @property
+    def truncated(self) -> bool:
+        """The last reply was cut by the token budget."""
+        return self.finish_reason == "length"
 
 
 @dataclass
@@ -53,6 +64,9 @@ class RolloutBatch:
     version: int
     seconds: float
     sync_seconds: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    """Sums over everything generated for the step, refills included (torchloom/rl/
+    sources.py's ``collect``), so that merged parts add up."""
 
 
 @dataclass
@@ -134,9 +148,16 @@ def _take_reply(episode: _Episode, tokenizer: Any, completion: Any, last_turn: b
     reply = tokenizer.decode(completion.tokens, skip_special_tokens=True)
     turn = episode.env.step(reply)
     rollout.reward, rollout.info = float(turn.reward), dict(turn.info)
+    rollout.last_reply_len = len(completion.tokens)
     # A reply cut by the token budget has no end-of-turn token to continue after.
     if turn.done or last_turn or completion.finish_reason != "stop" or turn.observation is None:
         episode.done = True
+        if completion.finish_reason == "length":
+            rollout.finish_reason = "length"
+        elif turn.done or turn.observation is None:
+            rollout.finish_reason = "stop"
+        else:
+            rollout.finish_reason = "turns"
         return
     episode.text += tokenizer.decode(completion.tokens, skip_special_tokens=False)
     episode.messages += [{"role": "assistant", "content": reply},

@@ -210,14 +210,17 @@ def build_data(job: JobConfig, dims: ParallelDims) -> tuple[Any, Any, Any]:
 def build_state(
     parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any
 ) -> dict[str, Stateful]:
-    """What a checkpoint holds (the manager adds the step and the RNG state)."""
+    """What a checkpoint holds (the manager adds the step and the RNG state); a job without
+    a data loader (RL: its prompts are addressed by step) passes None."""
     model = parts.state_model or parts.model
-    return {
+    state: dict[str, Stateful] = {
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
         "lr_scheduler": scheduler,
-        "dataloader": loader,
     }
+    if loader is not None:
+        state["dataloader"] = loader
+    return state
 
 
 @dataclass

@@ -53,6 +53,9 @@ class LossOutput:
     global normalizer, as the loss is."""
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)
     """[B, T] values an objective hands back whole (e.g. the labels' log-probabilities)."""
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Detached 0-dim values to log as their maximum over micro-batches and data ranks (e.g.
+    the largest trainer/generator log-probability difference)."""
 
 
 class Objective(Protocol):

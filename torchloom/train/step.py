@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchloom.data.packing import Batch
-from torchloom.parallel import as_local, loss_context, sum_over_data_ranks
+from torchloom.parallel import as_local, loss_context, max_over_data_ranks, sum_over_data_ranks
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.pipeline import Pipeline
 from torchloom.train.cuda_graph import StepGraph
@@ -63,6 +63,14 @@ class StepParts:
             return self.model(batch.tokens, batch.positions, batch.doc_ids,
                               objective=self.objective, targets=targets)  # fmt: skip
 
+    @torch.no_grad()
+    def score(self, batch: Batch, objective: Objective) -> object:
+        """What ``objective`` returns for one micro-batch, without gradients (e.g. the labels'
+        log-probabilities under the current weights, before an RL update changes them)."""
+        with self.autocast(), loss_context(self.dims):
+            return self.model(batch.tokens, batch.positions, batch.doc_ids, objective=objective,
+                              targets=batch.fields(objective.fields))  # fmt: skip
+
     def normalizer(self, batches: Iterable[Batch]) -> torch.Tensor:
         """The global batch's normalizer: this rank's micro-batches' shares, summed over the
         data ranks (an int64 tensor on the device)."""
@@ -81,9 +89,11 @@ def backward_and_clip(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate the micro-batches' gradients and clip them; no host sync (a CUDA graph
     captures this). Returns (the global loss, the gradient norm before clipping, the
-    objective's metrics divided as the loss is; none under pipeline parallelism)."""
+    objective's metrics divided as the loss is, and its maxima as maxima; none under pipeline
+    parallelism)."""
     loss = torch.zeros((), device=parts.device)
     metrics: dict[str, torch.Tensor] = {}
+    maxima: dict[str, torch.Tensor] = {}
     for batch in batches:
         if parts.pipeline is not None:
             with parts.autocast():
@@ -96,11 +106,18 @@ def backward_and_clip(
         loss += as_local(micro.detach())
         for name, value in out.metrics.items():
             metrics[name] = metrics.get(name, 0) + as_local(value).float() / normalizer
+        for name, value in out.maxima.items():
+            value = as_local(value).float()
+            maxima[name] = torch.maximum(maxima[name], value) if name in maxima else value
     loss = parts.sum_over_ranks(loss)  # the same value on every rank
     if metrics:  # one collective for all of them
         names = sorted(metrics)
         summed = parts.sum_over_ranks(torch.stack([metrics[n] for n in names]))
         metrics = dict(zip(names, summed.unbind(0)))
+    if maxima:
+        names = sorted(maxima)
+        highest = max_over_data_ranks(torch.stack([maxima[n] for n in names]), parts.dims)
+        metrics |= dict(zip(names, highest.unbind(0)))
     pp_mesh = parts.dims.mesh("pp")
     norm = clip_gradients(parts.optimizer, parts.model.parameters(), parts.max_norm, pp_mesh)
     return loss, norm, metrics

@@ -5,20 +5,15 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.manager import CheckpointManager, on_rank0
-from torchloom.checkpoint.model_io import write_model_folder
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data.packing import Batch
@@ -32,12 +27,10 @@ from torchloom.train.expert_balance import expert_balance
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.output import (
-    check_output_dir,
     check_writable,
-    remove_outputs,
-    truncate_metrics,
 )
 from torchloom.train.profiling import StepProfiler
+from torchloom.train.run import RunScaffold
 from torchloom.train.step import StepParts, TrainingError, TrainStep, validation_loss
 
 __all__ = ["TrainResult", "Trainer", "TrainingError", "TrainingInterrupted"]
@@ -116,6 +109,7 @@ class Trainer:
         self.train_step = TrainStep(
             self.step_parts, self.checkpointer.wait_for_staging, t.skip_nonfinite, t.cuda_graph
         )
+        self.run = RunScaffold(job, self.checkpointer, self.is_rank0)
         self.step = 0
 
     @property
@@ -161,19 +155,15 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         job, t = self.job, self.job.training
-        self.step, kept = self._start()
+        self.step, kept = self.run.start()
         self.train_step.step = start_step = self.step
         flops = self.model_config.flops_per_token(t.seq_len)
         metrics = MetricsLogger(
             self.output_dir, job.metrics, t.steps, self.device, flops, enabled=self.is_rank0
         )
         metrics.print(self._banner(metrics))
-        if self.checkpointer.loaded_step is not None:
-            then = f"continuing at step {self.step + 1}" if self.step < t.steps else "no steps left"
-            metrics.print(
-                f"resumed from {self.checkpointer.storage.step_dir(self.checkpointer.loaded_step)}"
-                f" in {self.checkpointer.load_seconds:.2f} s; {then}"
-            )
+        if (resumed := self.run.resumed_line(self.step)) is not None:
+            metrics.print(resumed)
         val_before = self.validate()
         if self.step == 0:
             metrics.log({"step": 0, "val_loss": val_before})
@@ -210,12 +200,8 @@ class Trainer:
                     metrics.advance(self.step)
                 if t.val_interval and self.step % t.val_interval == 0 and self.step < t.steps:
                     metrics.log({"step": self.step, "val_loss": self.validate()})
-                if self.checkpointer.should_save(self.step, t.steps):
-                    self.checkpointer.save(self.step, self.train_loader.tokens_seen)
-                for record in self.checkpointer.poll():
-                    metrics.log(record)
-            for record in self.checkpointer.finish():
-                metrics.log(record)
+                self.run.save_if_due(metrics, self.step, self.train_loader.tokens_seen)
+            self.run.finish(metrics)
             val_after = self.validate() if self.step > start_step else val_before
             # A run resumed at its last step may have logged this record already.
             if not any(r["step"] == self.step and "val_loss" in r for r in kept):
@@ -224,39 +210,6 @@ class Trainer:
         finally:
             metrics.close()
         return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
-
-    def _start(self) -> tuple[int, list[dict]]:
-        """Choose the checkpoint and check the folders before any file is written or removed;
-        then clean up, load, and record the resolved config. Returns the step to continue from
-        and the metrics records kept from before it."""
-        job, ckpt = self.job, self.checkpointer
-        step = ckpt.choose(job.training.steps)
-        replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step is not None))
-        if self.is_rank0:
-            remove_outputs(self.output_dir, replaced)
-        if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
-            ckpt.clean_interrupted()
-        kept: list[dict] = []
-        if step is not None:
-            step = ckpt.load(step)
-            if self.is_rank0:
-                kept = truncate_metrics(self.output_dir / "metrics.jsonl", step)
-        if self.is_rank0:  # only now: a refused resume must not replace the run's config
-            (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
-        return step or 0, kept
-
-    def _check_folders(self, resuming: bool) -> list[str]:
-        """Rank 0: refuse an output or checkpoint folder this run may not write into; returns
-        the earlier run's outputs that --output.overwrite replaces."""
-        job, storage = self.job, self.checkpointer.storage
-        replaced = check_output_dir(
-            self.output_dir, job.output.overwrite, resuming, job.checkpoint.resume, storage.root_url
-        )
-        # The output folder's own checkpoints/ is the output rules' (refused or replaced).
-        own = storage.root_url == os.path.abspath(self.output_dir / "checkpoints")
-        if job.checkpoint.interval and not job.checkpoint.resume and not own:
-            self.checkpointer.check_unused()
-        return replaced
 
     def _banner(self, metrics: MetricsLogger) -> str:
         job, t = self.job, self.job.training
@@ -280,37 +233,7 @@ class Trainer:
     def _export(self, metrics: MetricsLogger) -> Path | None:
         """Write the final model (and an HF folder when asked); see ``export_final_model``."""
         pipeline = self.pipeline  # rank 0 receives the other stages' tensors
-        return export_final_model(
-            self.job, self.output_dir, self.saved_config, self.tokenizer, self.is_rank0,
-            metrics.print,
+        return self.run.export(
+            metrics, self.saved_config, self.tokenizer,
             lambda: pipeline.full_state_items() if pipeline else full_state_items(self.model),
         )  # fmt: skip
-
-
-def export_final_model(
-    job: JobConfig, output_dir: Path, config: Any, tokenizer: Any, is_rank0: bool,
-    say: Callable[[str], None], state_items: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-) -> Path | None:  # fmt: skip
-    """Write the final model folder (--checkpoint.save_final_model) and a Hugging Face folder
-    (--checkpoint.export_hf) under ``output_dir``; returns the model folder, if written. Every
-    rank takes part in gathering the full tensors (``state_items()``, one at a time); rank 0
-    alone writes."""
-    family = job.model.name
-    model_dir = output_dir / "model"
-    writes = []
-    if job.checkpoint.save_final_model:
-        writes.append((lambda items: write_model_folder(model_dir, family, config, items,
-                                                        tokenizer),
-                       f"saved the model to {model_dir}"))  # fmt: skip
-    if job.checkpoint.export_hf:
-        hf_dir = output_dir / "hf"
-        writes.append((lambda items: save_hf(hf_dir, family, config, items, tokenizer),
-                       f"exported a Hugging Face folder to {hf_dir}"))  # fmt: skip
-    for write, done in writes:
-        items = state_items()
-        if is_rank0:
-            write(items)
-        for _ in items:  # the other ranks still take part in every gather
-            pass
-        say(done)
-    return model_dir if job.checkpoint.save_final_model else None

@@ -1,0 +1,142 @@
+"""The run scaffold every job shares (`torchloom train` and `torchloom rl`): choosing and
+loading the checkpoint to start from, the output folder's checks, the resolved config.json, the
+per-step save-when-due, the end of the saves, and the final model export.
+A job supplies its steps; this supplies everything around them, so a rule about outputs or
+checkpoints holds for every kind of run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchloom.checkpoint.hf import save_hf
+from torchloom.checkpoint.manager import CheckpointManager, on_rank0
+from torchloom.checkpoint.model_io import write_model_folder
+from torchloom.config.fields import to_dict
+from torchloom.train.job import JobConfig
+from torchloom.train.metrics import MetricsLogger
+from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
+
+
+class RunScaffold:
+    """Start (or resume), log, save and export one job's run: ``job``'s output and checkpoint
+    settings, ``checkpointer`` over what the job's checkpoints hold (its state registry)."""
+
+    def __init__(self, job: JobConfig, checkpointer: CheckpointManager, is_rank0: bool) -> None:
+        self.job, self.checkpointer, self.is_rank0 = job, checkpointer, is_rank0
+        self.output_dir = Path(job.output.dir)
+
+    def start(self) -> tuple[int, list[dict]]:
+        """Choose the checkpoint and check the folders before any file is written or removed;
+        then clean up, load, and record the resolved config. Returns the step to continue from
+        and the metrics records kept from before it."""
+        job, ckpt = self.job, self.checkpointer
+        step = ckpt.choose(job.training.steps)
+        replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step is not None))
+        if self.is_rank0:
+            remove_outputs(self.output_dir, replaced)
+        if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
+            ckpt.clean_interrupted()
+        kept: list[dict] = []
+        if step is not None:
+            step = ckpt.load(step)
+            if self.is_rank0:
+                kept = truncate_metrics(self.output_dir / "metrics.jsonl", step)
+        if self.is_rank0:  # only now: a refused resume must not replace the run's config
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
+        return step or 0, kept
+
+    def _check_folders(self, resuming: bool) -> list[str]:
+        """Rank 0: refuse an output or checkpoint folder this run may not write into; returns
+        the earlier run's outputs that --output.overwrite replaces."""
+        job, storage = self.job, self.checkpointer.storage
+        replaced = check_output_dir(
+            self.output_dir, job.output.overwrite, resuming, job.checkpoint.resume, storage.root_url
+        )
+        # The output folder's own checkpoints/ is the output rules' (refused or replaced).
+        own = storage.root_url == os.path.abspath(self.output_dir / "checkpoints")
+        if job.checkpoint.interval and not job.checkpoint.resume and not own:
+            self.checkpointer.check_unused()
+        return replaced
+
+    def resumed_line(self, step: int) -> str | None:
+        """What to print after a resume (None when the run started fresh)."""
+        ckpt = self.checkpointer
+        if ckpt.loaded_step is None:
+            return None
+        then = (
+            f"continuing at step {step + 1}" if step < self.job.training.steps else "no steps left"
+        )
+        return (
+            f"resumed from {ckpt.storage.step_dir(ckpt.loaded_step)} in {ckpt.load_seconds:.2f} s; "
+            f"{then}"
+        )
+
+    def save_if_due(
+        self,
+        metrics: MetricsLogger,
+        step: int,
+        tokens_seen: int = 0,
+        hold: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
+        """Save a checkpoint when one is due after ``step`` (inside ``hold()``: e.g. with a
+        generator thread paused between batches), and log the saves that completed."""
+        ckpt = self.checkpointer
+        if ckpt.should_save(step, self.job.training.steps):
+            with hold() if hold is not None else contextlib.nullcontext():
+                ckpt.save(step, tokens_seen)
+        for record in ckpt.poll():
+            metrics.log(record)
+
+    def finish(self, metrics: MetricsLogger) -> None:
+        """Wait for the saves in flight and log them."""
+        for record in self.checkpointer.finish():
+            metrics.log(record)
+
+    def export(
+        self,
+        metrics: MetricsLogger,
+        config: Any,
+        tokenizer: Any,
+        state_items: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    ) -> Path | None:
+        """The final model folder and Hugging Face export (``export_final_model``)."""
+        return export_final_model(self.job, self.output_dir, config, tokenizer, self.is_rank0,
+                                  metrics.print, state_items)  # fmt: skip
+
+
+def export_final_model(
+    job: JobConfig, output_dir: Path, config: Any, tokenizer: Any, is_rank0: bool,
+    say: Callable[[str], None], state_items: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+) -> Path | None:  # fmt: skip
+    """Write the final model folder (--checkpoint.save_final_model) and a Hugging Face folder
+    (--checkpoint.export_hf) under ``output_dir``; returns the model folder, if written. Every
+    rank takes part in gathering the full tensors (``state_items()``, one at a time); rank 0
+    alone writes."""
+    family = job.model.name
+    model_dir = output_dir / "model"
+    writes = []
+    if job.checkpoint.save_final_model:
+        writes.append((lambda items: write_model_folder(model_dir, family, config, items,
+                                                        tokenizer),
+                       f"saved the model to {model_dir}"))  # fmt: skip
+    if job.checkpoint.export_hf:
+        hf_dir = output_dir / "hf"
+        writes.append((lambda items: save_hf(hf_dir, family, config, items, tokenizer),
+                       f"exported a Hugging Face folder to {hf_dir}"))  # fmt: skip
+    for write, done in writes:
+        items = state_items()
+        if is_rank0:
+            write(items)
+        for _ in items:  # the other ranks still take part in every gather
+            pass
+        say(done)
+    return model_dir if job.checkpoint.save_final_model else None
