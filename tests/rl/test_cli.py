@@ -24,7 +24,7 @@ def test_bad_input_gets_one_clear_error(capsys) -> None:
         ("rl", "--rl.max_offpolicy_steps", "-1"): "--rl.max_offpolicy_steps must be >= 0",
         ("rl", "--parallel.dp_shard", "2"): "or use --rl.placement disaggregated",
         ("rl", "--rl.placement", "disaggregated", "--parallel.pp", "2"): "--parallel.pp 2 is not "
-        "supported there yet",
+        "supported by torchloom rl",
         (
             "rl",
             "--rl.placement",

@@ -7,6 +7,7 @@ receives are bitwise the trainer's; the lag bound holds; a synchronous run resum
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,24 @@ def test_tensor_parallel_trainer_two_generators_and_lag(tmp_path: Path) -> None:
     received_weights_are_the_trainers(out, [2, 3])
     config = json.loads((out / "config.json").read_text())
     assert config["rl"]["placement"] == "disaggregated"
+
+
+@pytest.mark.parametrize("lag", [2, 3])
+def test_deeper_lag_runs_ahead_without_hanging(tmp_path: Path, lag: int) -> None:
+    """max_offpolicy_steps 2 and 3: the generator rank runs up to lag + 1 batches ahead (batch
+    s from version max(0, s - 1 - lag)), checkpoints mid-pipeline meet every collective, and a
+    run resumed from one finishes (the batches in flight are regenerated from the restored
+    policy, so their lag restarts at 0)."""
+    out = tmp_path / f"lag{lag}"
+    args = ["--training.steps", "5", "--parallel.dp_shard", "2", "--rl.max_offpolicy_steps",
+            str(lag), "--checkpoint.interval", "2"]  # fmt: skip
+    rows = launch(3, out, *args)
+    lags = [r["policy_lag"] for r in rows]
+    print(f"lag {lag}: policy lags {lags}")
+    assert lags == [min(s - 1, lag) for s in range(1, 6)]
+    assert (out / "checkpoints" / "step-4").exists()
+    shutil.rmtree(out / "checkpoints" / "step-5")  # resume from step 4, mid-pipeline
+    resumed = launch(3, out, *args[:1], "7", *args[2:], "--checkpoint.resume", "true")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7]  # kept up to the checkpoint
+    assert [r["policy_lag"] for r in resumed[4:]] == [0, 1, min(2, lag)]
+    received_weights_are_the_trainers(out, [2])

@@ -22,9 +22,13 @@ def trainer(tmp_path: Path, *args: str) -> RLRunner:
     return RLRunner(job)
 
 
-def test_batch_invariant_on_policy_log_probs_are_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sampling", [[], ["--rl.temperature", "0.7", "--rl.top_p", "0.9"]],
+                         ids=["t1", "t0.7-p0.9"])  # fmt: skip
+def test_batch_invariant_on_policy_log_probs_are_bitwise(tmp_path: Path, sampling: list) -> None:
+    """Both sides score the distribution the tokens were drawn from (temperature and top-p
+    applied), bit for bit."""
     assert main(["rl", *BASE, "--output.dir", str(tmp_path), "--training.steps", "2",
-                 "--model.batch_invariant", "true"]) == 0  # fmt: skip
+                 "--model.batch_invariant", "true", *sampling]) == 0  # fmt: skip
     rows = records(tmp_path)
     print([(r["step"], r["reward_mean"], r["logprob_diff_max"]) for r in rows])
     assert [r["step"] for r in rows] == [1, 2]

@@ -211,8 +211,8 @@ class RLRunner:
     def sync_generator(self) -> float:
         """Pull the newest policy into the generator's copy, in place, and tag it with that
         policy's version (both under the lock the update holds); seconds spent."""
-        if self.gen_model is self.model:
-            return 0.0
+        if self.link is not None or self.gen_model is self.model:
+            return 0.0  # disaggregated: the generator ranks receive; on-policy: shared modules
         start = time.perf_counter()
         with self.params_lock:
             if self.gen_version == self.version:
