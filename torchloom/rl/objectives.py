@@ -122,7 +122,9 @@ class PolicyGradient:
         maxima = {"logprob_diff_max": diff_BT.max(), "ratio_max": out.ratio_BT.max(),
                   "ratio_min_neg": -out.ratio_BT.min()}  # fmt: skip
         loss = LossOutput((out.per_token_BT * targets["weights"]).sum(), metrics, maxima=maxima)
-        return with_auxiliary(loss, model, targets["norm_units"].sum())
+        # Multi-token prediction's term is next-token cross-entropy on the rollouts: imitating
+        # every sampled token, whatever its advantage. The policy gradient leaves it out.
+        return with_auxiliary(loss, model, targets["norm_units"].sum(), skip=("mtp",))
 
     def normalizer(self, batch: Any) -> torch.Tensor:
         """This micro-batch's share of the normalizer: its tokens (token normalization) or the

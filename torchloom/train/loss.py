@@ -160,13 +160,17 @@ def picked_logprobs(logprobs_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torc
     return picked_BT.masked_fill(labels_BT == IGNORE_INDEX, 0.0)
 
 
-def with_auxiliary(out: LossOutput, model: Any, weight: torch.Tensor) -> LossOutput:
+def with_auxiliary(
+    out: LossOutput, model: Any, weight: torch.Tensor, skip: tuple[str, ...] = ()
+) -> LossOutput:
     """``out`` with the auxiliary losses the model's layers reported in this forward added to
     its sum, each times ``weight`` (this micro-batch's share of the normalizer), and logged as
-    ``aux_<name>``."""
+    ``aux_<name>``; the terms named in ``skip`` are left out (an objective they do not fit)."""
     collect = getattr(model, "auxiliary_losses", None)
     terms = collect() if collect is not None else {}
     for name, value in terms.items():
+        if name in skip:
+            continue
         weighted = value * weight
         if isinstance(out.loss, DTensor):  # tensor parallelism's loss-parallel sum
             # The layers' terms are the same on every tp rank (parallel/expert_parallel.py):
