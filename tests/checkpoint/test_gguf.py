@@ -47,7 +47,8 @@ def gguf_name(hf_name: str) -> str:
     layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}  # fmt: skip
     stem = hf_name.removesuffix(".weight")
     if match := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem):
         return f"blk.{match[1]}.{layer[match[2]]}.weight"
@@ -55,9 +56,9 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path, model, backend, float_type="F32", arch="llama", rope_freqs=False) -> None:
-    """``model`` (a transformers llama) and ``backend`` (a byte-level BPE) as a GGUF file, with
-    the metadata keys llama.cpp writes for a llama and a "gpt2" tokenizer (SmolLM2's kind);
-    ``rope_freqs``: with Llama 3.1's RoPE frequency factors."""
+    """``model`` (a transformers llama or qwen3) and ``backend`` (a byte-level BPE) as a GGUF
+    file, with the metadata keys llama.cpp writes for the architecture and a "gpt2" tokenizer
+    (SmolLM2's kind); ``rope_freqs``: with Llama 3.1's RoPE frequency factors."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test llama")
@@ -87,7 +88,7 @@ def write_gguf(path, model, backend, float_type="F32", arch="llama", rope_freqs=
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             tensor = llama_cpp_rows(tensor, heads)
         array = tensor.numpy()
@@ -113,11 +114,13 @@ def tiny_gguf(tmp_path_factory):
     def make(float_type="F32", tie=False, arch="llama", rope_freqs=False):
         key = (float_type, tie, arch, rope_freqs)
         if key not in made:
-            config = transformers.LlamaConfig(
-                **SIZES, vocab_size=vocab_size, tie_word_embeddings=tie
+            # transformers reads no head_dim from a qwen3 file: Qwen3Config's default (128) holds.
+            qwen = {"head_dim": 128} if arch == "qwen3" else {}
+            config = (transformers.Qwen3Config if qwen else transformers.LlamaConfig)(
+                **SIZES, **qwen, vocab_size=vocab_size, tie_word_embeddings=tie
             )
             torch.manual_seed(0)
-            model = transformers.LlamaForCausalLM(config).eval()
+            model = transformers.AutoModelForCausalLM.from_config(config).eval()
             with torch.no_grad():  # random norms too, so every weight matters
                 for name, param in model.named_parameters():
                     noise = torch.randn(param.shape)
@@ -136,10 +139,11 @@ def convert(capsys, *args) -> None:
     assert code == 0, captured.err
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_gguf_to_hf_matches_transformers_logits_and_tokenizer(
-    tmp_path, tiny_gguf, capsys, logits_parity
+    arch, tmp_path, tiny_gguf, capsys, logits_parity
 ):
-    path, original, backend = tiny_gguf()
+    path, original, backend = tiny_gguf(arch=arch)
     out = tmp_path / "hf"
     convert(capsys, "--from-gguf", path, "--to-hf", out)
     assert sorted(p.name for p in out.iterdir()) == [

@@ -56,14 +56,15 @@ def convert_from_gguf(
     reader = _read_metadata(gguf_file)
     arch = _field(reader, "general.architecture")
     _refuse_dropped_rope_scaling(reader, arch, gguf_file)
-    spec, config = _architecture(transformers, gguf_file, arch)
+    hf_config = _hf_config(transformers, gguf_file, arch)
+    spec, config = _architecture(hf_config.to_dict(), gguf_file, arch)
     target = target or _file_float_type(reader)
     del reader  # its memory map of the whole file
 
     location = {"pretrained_model_name_or_path": str(gguf_file.parent), "gguf_file": str(gguf_file)}
     tokenizer = _tokenizer(transformers, location, gguf_file)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        **location, dtype=target, **_dequantize_all(transformers)
+        **location, config=hf_config, dtype=target, **_dequantize_all(transformers)
     )
     shapes = parameter_shapes(spec.name, config)
     in_memory = _InMemory(model.state_dict())
@@ -134,16 +135,20 @@ def _refuse_dropped_rope_scaling(reader: Any, arch: str | None, path: Path) -> N
         )
 
 
-def _architecture(transformers: Any, path: Path, arch: str | None) -> tuple[ModelSpec, Any]:
-    """The torchloom family and architecture of the file, before any weight is read."""
+def _hf_config(transformers: Any, path: Path, arch: str | None) -> Any:
+    """transformers' config for the file (from its metadata alone)."""
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(
-            str(path.parent), gguf_file=str(path)
-        ).to_dict()
+        return transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=str(path))
     except (ValueError, KeyError, NotImplementedError) as err:
         raise ConfigError(
             f"{path} holds a '{arch}' model, which transformers cannot read from GGUF ({err})."
         ) from None
+
+
+def _architecture(
+    hf_config: dict[str, Any], path: Path, arch: str | None
+) -> tuple[ModelSpec, DecoderConfig]:
+    """The torchloom family and architecture of the file, before any weight is read."""
     for key in _FILE_KEYS:
         hf_config.pop(key, None)
     model_type = hf_config.get("model_type")
