@@ -38,7 +38,8 @@ commands:
   train     train a recipe:  torchloom train --recipe NAME [--section.field VALUE ...]
             (--dry-run: check the parallel layout and print per-rank memory, allocating nothing)
   rl        RL post-training of a recipe:  torchloom rl --recipe rl_debug [--rl.field VALUE ...]
-  convert   Hugging Face folder <-> torchloom model folder (`torchloom convert --help`)
+  convert   Hugging Face folder <-> torchloom model folder, GGUF file -> either
+            (`torchloom convert --help`)
   generate  sample from a model: torchloom generate --from-hf DIR --prompt TEXT (`--help`)
   recipes   list the registered recipes
   plot      draw loss and throughput curves:  torchloom plot OUTPUT_DIR
@@ -238,12 +239,17 @@ def _print_sample(trainer, model_dir: Path | None) -> None:
 
 _CONVERT_USAGE = """usage: torchloom convert --from-hf HF_DIR --to OUT_DIR [options]
        torchloom convert --from MODEL_DIR --to-hf HF_DIR [--tokenizer DIR] [options]
+       torchloom convert --from-gguf FILE.gguf (--to-hf HF_DIR | --to OUT_DIR) [options]
 
   --from-hf HF_DIR   a Hugging Face folder (config.json + safetensors) -> a torchloom model folder
   --from MODEL_DIR   a torchloom model folder (e.g. <output_dir>/model) or a complete training
                      checkpoint (<output_dir>/checkpoints/step-N) -> a Hugging Face folder
+  --from-gguf FILE   a GGUF file (llama.cpp's format, quantized or not) -> a Hugging Face folder
+                     or a torchloom model folder in float weights, with its tokenizer and chat
+                     template (needs pip install 'torchloom[gguf]')
   --tokenizer DIR    copy the tokenizer files from DIR (default: those of MODEL_DIR)
-  --dtype bf16|fp32  cast floating-point weights (default: keep their dtype)
+  --dtype bf16|fp32  cast floating-point weights (default: keep their dtype; from GGUF: the
+                     file's float type, fp32 when it is quantized)
   --max-shard-size   largest weight file, e.g. 2GB, 500MB, 1GiB (default 2GiB)
   --overwrite        replace a non-empty output folder"""
 _SIZE_UNITS = {
@@ -270,10 +276,8 @@ def cmd_convert(argv: list[str]) -> int:
     if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
         print(_CONVERT_USAGE)
         return 0
-    options = {
-        name: _pop_option(argv, f"--{name}")
-        for name in ("from-hf", "to", "from", "to-hf", "tokenizer", "dtype", "max-shard-size")
-    }
+    names = ("from-hf", "from-gguf", "to", "from", "to-hf", "tokenizer", "dtype", "max-shard-size")
+    options = {name: _pop_option(argv, f"--{name}") for name in names}
     overwrite = _pop_flag(argv, "--overwrite")
     if argv:
         known = [f"--{name}" for name in options] + ["--overwrite"]
@@ -281,15 +285,22 @@ def cmd_convert(argv: list[str]) -> int:
             f"Unexpected argument {argv[0]!r} for convert.{did_you_mean(argv[0], known)} "
             "Run `torchloom convert --help`."
         )
-    from_hf, to, source, to_hf = (options[k] for k in ("from-hf", "to", "from", "to-hf"))
+    from_hf, from_gguf, to, source, to_hf = (
+        options[k] for k in ("from-hf", "from-gguf", "to", "from", "to-hf")
+    )
     if not (
-        (from_hf and to and not (source or to_hf)) or (source and to_hf and not (from_hf or to))
+        (from_hf and to and not (source or to_hf or from_gguf))
+        or (source and to_hf and not (from_hf or to or from_gguf))
+        or (from_gguf and bool(to) != bool(to_hf) and not (from_hf or source))
     ):
         raise ConfigError(
-            "convert needs either --from-hf HF_DIR --to OUT_DIR or --from MODEL_DIR --to-hf HF_DIR."
+            "convert needs either --from-hf HF_DIR --to OUT_DIR, --from MODEL_DIR --to-hf HF_DIR "
+            "or --from-gguf FILE.gguf with one of --to-hf HF_DIR or --to OUT_DIR."
         )
     if from_hf and options["tokenizer"]:
         raise ConfigError("--tokenizer goes with --to-hf; --from-hf copies HF_DIR's tokenizer.")
+    if from_gguf and options["tokenizer"]:
+        raise ConfigError("--tokenizer goes with --from; --from-gguf writes the file's tokenizer.")
     max_shard = options["max-shard-size"]
 
     from torchloom.checkpoint.convert import convert_from_hf, convert_to_hf
@@ -297,7 +308,14 @@ def cmd_convert(argv: list[str]) -> int:
 
     shard_bytes = _parse_size(max_shard) if max_shard else DEFAULT_MAX_SHARD_BYTES
     start = time.perf_counter()
-    if from_hf:
+    if from_gguf:
+        from torchloom.checkpoint.gguf import convert_from_gguf
+
+        output = Path(to_hf or to)
+        summary = convert_from_gguf(
+            Path(from_gguf), output, bool(to_hf), options["dtype"], shard_bytes, overwrite
+        )
+    elif from_hf:
         output = Path(to)
         summary = convert_from_hf(Path(from_hf), output, options["dtype"], shard_bytes, overwrite)
     else:

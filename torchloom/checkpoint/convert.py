@@ -114,7 +114,7 @@ def convert_from_hf(
 ) -> WriteSummary:
     """A Hugging Face folder -> a torchloom model folder (tokenizer files copied along)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    _check_output({"source folder": hf_dir}, out_dir, overwrite)
+    check_output_folder({"source folder": hf_dir}, out_dir, overwrite)
     spec, config = hf_architecture(hf_dir)
     shapes = parameter_shapes(spec.name, config)
     reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config)
@@ -139,7 +139,7 @@ def convert_to_hf(
     source = open_model_source(model_dir)  # reads no tensor yet
     tokenizer = tokenizer_dir if tokenizer_dir is not None else source.tokenizer_dir
     inputs = {"source folder": model_dir, "tokenizer folder": tokenizer}
-    _check_output(inputs, hf_dir, overwrite)
+    check_output_folder(inputs, hf_dir, overwrite)
     return save_hf(
         hf_dir, source.family, source.config, source.tensors, tokenizer, dtype, max_shard_bytes
     )
@@ -149,7 +149,7 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in SIDE_FILES)
 
 
-def _check_output(inputs: dict[str, Path | None], output: Path, overwrite: bool) -> None:
+def check_output_folder(inputs: dict[str, Path | None], output: Path, overwrite: bool) -> None:
     """Never write over, into or around an input folder (``inputs``: what it is -> folder), nor
     over a non-empty folder unless asked to; refuse an output folder that cannot be created.
     All before anything is written."""

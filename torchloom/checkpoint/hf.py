@@ -17,6 +17,7 @@ from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     NamedTensors,
     SafetensorsFolder,
+    TensorReader,
     WriteSummary,
     load_into,
     parse_dtype,
@@ -73,12 +74,18 @@ class HFReader:
     from some rows of one (a part of a fused tensor); any box of it read without the rest (a
     rank's shard). Tensors of the folder that no
     parameter uses are refused, except those the adapter says carry nothing to load and a tied
-    checkpoint's copy of the head."""
+    checkpoint's copy of the head. ``tensors`` reads the HF-named tensors from elsewhere than
+    the folder's safetensors (a model in memory); ``hf_dir`` then only names the source."""
 
     def __init__(
-        self, hf_dir: Path, adapter: HFAdapter, names: list[str], config: DecoderConfig
+        self,
+        hf_dir: Path,
+        adapter: HFAdapter,
+        names: list[str],
+        config: DecoderConfig,
+        tensors: TensorReader | None = None,
     ) -> None:
-        self.folder = SafetensorsFolder(hf_dir)
+        self.folder = tensors if tensors is not None else SafetensorsFolder(hf_dir)
         available = set(self.folder.names())
         tied = config.tie_embeddings
         self.sources: dict[str, str | list[str] | RowSlice] = {}
