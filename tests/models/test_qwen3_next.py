@@ -42,8 +42,10 @@ def test_from_hf_logits_match_transformers(layers, hf_checkpoint, logits_parity)
         for t in reference.config.layer_types
     ]
     tokens = torch.randint(0, 512, (2, 77), generator=torch.Generator().manual_seed(0))
+    # Both sides run the delta rule in fp32 by different orders of operations (chunked here,
+    # transformers' own chunked form there): 1.07e-5 was seen on an AMD host's BLAS.
     logits_parity(f"qwen3_next {cfg.layer_specs()[0].mixer} first", model(tokens),
-                  reference(tokens).logits)  # fmt: skip
+                  reference(tokens).logits, rel=3e-5)  # fmt: skip
 
 
 def test_training_step_matches_transformers(hf_training_step) -> None:

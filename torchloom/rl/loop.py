@@ -23,6 +23,7 @@ import copy
 import os
 import threading
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -354,7 +355,9 @@ class RLRunner:
                 self.model.train()
                 try:
                     update = self.update(batch)  # takes params_lock at its first weight change
-                    self.scheduler.step()
+                    with warnings.catch_warnings():  # a step that trained nothing still counts
+                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+                        self.scheduler.step()
                 finally:
                     self._next_version()
                 source.updated()
