@@ -9,11 +9,15 @@ from torchloom.config.errors import ConfigError, did_you_mean
 
 BUILTIN_CORPUS = "builtin:stdlib_docs"
 BUILTIN_CHAT = "builtin:chat_tasks"
+BUILTIN_WORD_PROBLEMS = "builtin:word_problems"
+BUILTIN_WORD_PROBLEMS_CHAT = "builtin:word_problems_chat"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
 # 256 byte tokens + the four special tokens; anything smaller cannot encode arbitrary text.
 MIN_BUILTIN_VOCAB = 260
-# The builtin data set of each format.
+# The default builtin data set of each format, and the format of every builtin data set.
 BUILTIN_SOURCES = {"text": BUILTIN_CORPUS, "chat": BUILTIN_CHAT}
+BUILTIN_FORMATS = {BUILTIN_CORPUS: "text", BUILTIN_WORD_PROBLEMS: "text",
+                   BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat"}  # fmt: skip
 
 
 @dataclass
@@ -29,8 +33,10 @@ class DataConfig:
     sources: list[str] = field(default_factory=lambda: [BUILTIN_CORPUS])
     """Data to train on. Text: builtin:stdlib_docs (English docs shipped with Python), a .txt
     file (the whole file is one document), a .jsonl file (one document per line, text in
-    --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order). Chat:
-    builtin:chat_tasks (small synthetic tasks), .jsonl files or directories of them."""
+    --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order);
+    builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
+    builtin:chat_tasks (small synthetic tasks), builtin:word_problems_chat (a question, then
+    its worked solution), .jsonl files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""
@@ -74,19 +80,20 @@ class DataConfig:
             )
         builtin = BUILTIN_SOURCES[self.format]
         for source in self.sources:
-            if not source.startswith("builtin:") or source == builtin:
+            if not source.startswith("builtin:"):
                 continue
-            other = next((f for f, b in BUILTIN_SOURCES.items() if b == source), None)
-            if other:
+            other = BUILTIN_FORMATS.get(source)
+            if other is None:
+                raise ConfigError(
+                    f"Unknown builtin data source '{source}'."
+                    f"{did_you_mean(source, BUILTIN_FORMATS)} The builtin {self.format} "
+                    f"sources are {', '.join(builtin_sources(self.format))}."
+                )
+            if other != self.format:
                 raise ConfigError(
                     f"'{source}' holds {other} data but --data.format is {self.format}: use "
                     f"--data.format {other}, or the {self.format} source '{builtin}'."
                 )
-            raise ConfigError(
-                f"Unknown builtin data source '{source}'."
-                f"{did_you_mean(source, BUILTIN_SOURCES.values())} The builtin "
-                f"{self.format} source is '{builtin}'."
-            )
         if self.format == "chat" and not self.document_mask:
             raise ConfigError(
                 "--data.document_mask false does not apply to --data.format chat: packed "
@@ -113,3 +120,8 @@ class DataConfig:
                 f"--data.val_fraction={self.val_fraction} must be in [0, 1): it is the fraction "
                 "of documents held out for validation, e.g. 0.02 (0 disables validation)."
             )
+
+
+def builtin_sources(data_format: str) -> list[str]:
+    """The builtin data sources of ``data_format`` (text or chat)."""
+    return [source for source, f in BUILTIN_FORMATS.items() if f == data_format]

@@ -9,12 +9,23 @@ from pathlib import Path
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.data.chat_tasks import ensure_builtin_chat
-from torchloom.data.config import BUILTIN_CHAT, BUILTIN_CORPUS
+from torchloom.data.config import (
+    BUILTIN_CHAT,
+    BUILTIN_CORPUS,
+    BUILTIN_WORD_PROBLEMS,
+    BUILTIN_WORD_PROBLEMS_CHAT,
+)
 from torchloom.data.corpus import ensure_builtin_corpus
+from torchloom.data.word_problems import ensure_word_problem_chat, ensure_word_problem_corpus
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 MESSAGES_FIELD = "messages"
 """The JSONL field of a chat source that holds a conversation's messages."""
+# Each builtin source: the function that returns its file in the cache, generating it if needed.
+BUILTIN_TEXT = {BUILTIN_CORPUS: ensure_builtin_corpus,
+                BUILTIN_WORD_PROBLEMS: ensure_word_problem_corpus}  # fmt: skip
+BUILTIN_CHATS = {BUILTIN_CHAT: ensure_builtin_chat,
+                 BUILTIN_WORD_PROBLEMS_CHAT: ensure_word_problem_chat}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,8 +47,8 @@ def resolve_sources(sources: list[str], text_field: str, cache_dir: Path) -> lis
     files: list[SourceFile] = []
     for source in sources:
         if source.startswith("builtin:"):
-            _check_builtin(source, BUILTIN_CORPUS)
-            files.append(SourceFile(ensure_builtin_corpus(cache_dir), "text"))
+            _check_builtin(source, BUILTIN_TEXT)
+            files.append(SourceFile(BUILTIN_TEXT[source](cache_dir), "text"))
         else:
             files.extend(_source_file(p, text_field) for p in _expand(source, TEXT_SUFFIXES))
     return files
@@ -48,8 +59,8 @@ def resolve_chat_sources(sources: list[str], cache_dir: Path) -> list[SourceFile
     files: list[SourceFile] = []
     for source in sources:
         if source.startswith("builtin:"):
-            _check_builtin(source, BUILTIN_CHAT)
-            files.append(SourceFile(ensure_builtin_chat(cache_dir), MESSAGES_FIELD))
+            _check_builtin(source, BUILTIN_CHATS)
+            files.append(SourceFile(BUILTIN_CHATS[source](cache_dir), MESSAGES_FIELD))
             continue
         for path in _expand(source, (".jsonl",)):
             if path.suffix != ".jsonl":
@@ -61,11 +72,11 @@ def resolve_chat_sources(sources: list[str], cache_dir: Path) -> list[SourceFile
     return files
 
 
-def _check_builtin(source: str, builtin: str) -> None:
-    if source != builtin:
+def _check_builtin(source: str, builtins: dict[str, object]) -> None:
+    if source not in builtins:
         raise ConfigError(
-            f"Unknown builtin data source '{source}'.{did_you_mean(source, [builtin])}"
-            f" The builtin source of this data format is '{builtin}'."
+            f"Unknown builtin data source '{source}'.{did_you_mean(source, builtins)}"
+            f" The builtin sources of this data format are {', '.join(builtins)}."
         )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 @dataclass
@@ -36,6 +36,13 @@ class Turn:
     """The episode's reward, read when done."""
     info: dict[str, Any] = field(default_factory=dict)
     """Anything to log (e.g. ``format_ok``)."""
+
+
+class Check(NamedTuple):
+    """A reply's verdict on a one-turn task: it has the expected form, and its value is right."""
+
+    format_ok: bool
+    correct: bool
 
 
 class Environment(Protocol):

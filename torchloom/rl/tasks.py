@@ -5,6 +5,8 @@
 - ``sort``: sort 3 to 6 numbers up or down, asked exactly as the SFT chat set asks.
 - ``countdown``: reach a target from given numbers with ``+ - *``; not in the SFT set.
 - ``mixed``: arithmetic or sort, chosen per prompt.
+- ``word_problems``: bare arithmetic and grade-school word problems, answered with worked steps
+  and "The answer is N." (torchloom/rl/word_problems.py; held-out questions never appear).
 
 The arithmetic and sort questions come from the same generators as ``torchloom.data.chat_tasks``,
 so a model fine-tuned on that set starts with a non-zero reward for RL to raise.
@@ -26,11 +28,12 @@ import random
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 # Private on purpose there; used here so RL questions stay worded exactly as the SFT ones.
 from torchloom.data.chat_tasks import _add, _count_letters, _sort_numbers, _subtract
-from torchloom.rl.env import Environment, Prompt, PromptSource, Turn
+from torchloom.rl.env import Check, Environment, Prompt, PromptSource, Turn
+from torchloom.rl.word_problems import check_final_answer, word_problems_prompt
 
 # --- prompts ---------------------------------------------------------------------------------
 
@@ -122,6 +125,7 @@ _PROMPTS: dict[str, Callable[[random.Random], Prompt]] = {
     "sort": sort_prompt,
     "countdown": countdown_prompt,
     "mixed": mixed_prompt,
+    "word_problems": word_problems_prompt,
 }
 TASKS: dict[str, Callable[..., PromptSource]] = {
     name: functools.partial(TaskSource, name, make_prompt) for name, make_prompt in _PROMPTS.items()
@@ -129,13 +133,6 @@ TASKS: dict[str, Callable[..., PromptSource]] = {
 """Task name -> source factory; call with ``seed=...``."""
 
 # --- rewards ---------------------------------------------------------------------------------
-
-
-class Check(NamedTuple):
-    """A reply's verdict: it has the expected form, and its value is right."""
-
-    format_ok: bool
-    correct: bool
 
 
 # A minus sign counts only where it does not follow a letter or digit: "12-30" is 12 and 30.
@@ -225,6 +222,7 @@ CHECKS: dict[str, Callable[[str, Any], Check]] = {
     "letters": check_arithmetic,
     "sort": check_sort,
     "countdown": check_countdown,
+    "word_problems": check_final_answer,
 }
 """Task name (``prompt.meta["task"]``) -> the check of a reply against ``prompt.answer``."""
 
