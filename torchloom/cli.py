@@ -535,11 +535,18 @@ def cmd_recipes(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    if len(argv) != 1:
-        raise ConfigError("usage: torchloom plot OUTPUT_DIR (a folder holding metrics.jsonl)")
-    from torchloom.train.plot import plot_metrics
+    usage = (
+        "usage: torchloom plot OUTPUT_DIR [--metric NAME ...] (a folder holding metrics.jsonl; "
+        "--metric draws those metrics against step, e.g. --metric eval_pass@1)"
+    )
+    argv, names = list(argv), []
+    while (name := _pop_option(argv, "--metric")) is not None:
+        names.append(name)
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise ConfigError(usage)
+    from torchloom.train.plot import plot_metrics, plot_named
 
-    png = plot_metrics(Path(argv[0]))
+    png = plot_named(Path(argv[0]), names) if names else plot_metrics(Path(argv[0]))
     print(f"wrote {png}")
     return 0
 

@@ -119,3 +119,22 @@ def test_an_offpolicy_checkpoint_keeps_the_batches_generated_ahead(tmp_path: Pat
     keys = ("reward_mean", "response_len_mean", "loss", "grad_norm")
     assert [again[k] for k in keys] == [first[k] for k in keys]
     assert [r["step"] for r in records(resumed)] == [3, 4]
+
+
+def test_held_out_evaluation_is_logged_and_plotted(tmp_path: Path) -> None:
+    """--eval.every N: greedy pass@1 on the task's held-out set at step 0, every N updates and
+    at the end; --eval.k: sampled pass@k at the start and the end; `torchloom plot --metric`
+    draws it."""
+    assert main(["rl", *BASE, "--output.dir", str(tmp_path), "--rl.task", "word_problems",
+                 "--training.steps", "2", "--eval.every", "1", "--eval.problems", "6",
+                 "--eval.k", "2", "--rl.filter_zero_variance", "false",
+                 "--training.seq_len", "256"]) == 0  # fmt: skip
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(__import__("json").loads, lines) if "eval_pass@1" in r]
+    print(evals)
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert [("eval_pass@2" in r) for r in evals] == [True, False, True]
+    assert all(0.0 <= r["eval_pass@1"] <= 1.0 and r["time_eval_s"] > 0 for r in evals)
+    assert main(["plot", str(tmp_path), "--metric", "eval_pass@1"]) == 0
+    assert (tmp_path / "metrics-eval_pass_1.png").stat().st_size > 0
+    assert main(["rl", *BASE, "--output.dir", str(tmp_path / "x"), "--eval.every", "1"]) == 2

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchloom.config.errors import ConfigError
+from torchloom.rl.evaluate import EvalConfig
 from torchloom.train.job import JobConfig
 
 
@@ -177,10 +178,16 @@ class RLConfig:
 @dataclass
 class RLJobConfig(JobConfig):
     rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         super().validate()
         p, r = self.parallel, self.rl
+        if (self.eval.every or self.eval.k) and r.placement == "disaggregated":
+            raise ConfigError(
+                "--eval.every / --eval.k evaluate with the colocated generator; with "
+                "disaggregated placement set both to 0 (evaluate the exported model instead)."
+            )
         if r.placement == "colocated" and max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp,
                                                  p.ep) > 1:  # fmt: skip
             raise ConfigError(

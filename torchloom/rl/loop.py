@@ -45,11 +45,12 @@ from torchloom.parallel.state import full_state_items
 from torchloom.rl.batches import advantages_by_rollout, minibatch_groups, my_micro_batches
 from torchloom.rl.config import RLJobConfig
 from torchloom.rl.disaggregated import Link, trainer_ranks
+from torchloom.rl.evaluate import evaluate
 from torchloom.rl.objectives import SampledLogProbs, build_rl_objective
 from torchloom.rl.rollout import Rollout, RolloutBatch, generate_rollouts
 from torchloom.rl.sources import Lagged, OnPolicy, Remote, collect, group_plan, prompt_index, serve
 from torchloom.rl.state import RolloutBuffer
-from torchloom.rl.tasks import TASKS, make_env
+from torchloom.rl.tasks import CHECKS, HELD_OUT, TASKS, make_env
 from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
 from torchloom.train.builders import (
     autocast_dtype,
@@ -110,12 +111,19 @@ class RLRunner:
         else:
             self.prompts = TASKS[r.task](seed=t.seed)
             self.make_env = lambda prompt: make_env(prompt, r.format_reward)
+        ev = job.eval
+        if (ev.every or ev.k) and r.task not in HELD_OUT:
+            raise ConfigError(
+                f"--eval.every / --eval.k evaluate on the task's held-out set, and task "
+                f"{r.task!r} has none (tasks with one: {sorted(HELD_OUT)}); set both to 0."
+            )
         self.version = 0  # RL steps the policy has taken
         self.gen_version = 0  # the version the generator's weights hold (a copy's, with lag)
         self.params_lock = threading.Lock()
         self._holding = False  # this (the trainer's) thread holds params_lock
         self.step = 0
         self.step_parts: StepParts | None = None
+        self.eval_generator: Generator | None = None
         if self.is_generator:
             self._init_generator_rank()
         else:
@@ -223,6 +231,34 @@ class RLRunner:
             )
             self.gen_version = self.version
         return time.perf_counter() - start
+
+    def evaluate(self, step: int, sampled: bool) -> dict[str, Any]:
+        """The policy's greedy pass@1 on the task's held-out set (and sampled pass@k when
+        ``sampled``), with the trainer's own modules, as a metrics record of ``step``."""
+        ev, r = self.job.eval, self.job.rl
+        if self.eval_generator is None:  # on-policy the rollouts' generator is the same modules
+            same = self.gen_model is self.model
+            self.eval_generator = self.generator if same else Generator(
+                self.model, max_batch=r.generator_slots, max_len=self.job.training.seq_len,
+                cuda_graphs=self._graphs())  # fmt: skip
+        started = time.perf_counter()
+        self.model.eval()
+        try:
+            with self.step_parts.autocast() if self.step_parts else contextlib.nullcontext():
+                values = evaluate(
+                    self.eval_generator, self.tokenizer, HELD_OUT[r.task](ev.problems),
+                    CHECKS[r.task], max_new_tokens=ev.max_new_tokens or r.max_new_tokens,
+                    k=ev.k if sampled else 0, temperature=ev.temperature,
+                    seed=self.job.training.seed,
+                )  # fmt: skip
+        finally:
+            self.model.train()
+        return {"step": step, **{f"eval_{k}": v for k, v in values.items()},
+                "time_eval_s": time.perf_counter() - started}  # fmt: skip
+
+    def _eval_due(self, step: int) -> bool:
+        ev, steps = self.job.eval, self.job.training.steps
+        return bool(ev.every) and (step % ev.every == 0 or step == steps)
 
     # -- the update -----------------------------------------------------------------------------
 
@@ -345,6 +381,9 @@ class RLRunner:
         else:
             source = OnPolicy(self)
         rewards: list[float] = []
+        ev = job.eval
+        if self.step == 0 and (ev.every or ev.k):
+            metrics.log(self.evaluate(0, sampled=bool(ev.k)))
         try:
             source.start(self.step)
             while self.step < t.steps:
@@ -368,6 +407,9 @@ class RLRunner:
                     metrics.log(record)
                 else:
                     metrics.advance(self.step)
+                last = self.step == t.steps
+                if self._eval_due(self.step) or (last and ev.k):
+                    metrics.log(self.evaluate(self.step, sampled=last and bool(ev.k)))
                 self.run.save_if_due(metrics, self.step, hold=source.hold)
             self.run.finish(metrics)
             self.run.export(metrics, self.parts.saved_config, self.tokenizer,

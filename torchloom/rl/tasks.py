@@ -33,7 +33,7 @@ from typing import Any
 # Private on purpose there; used here so RL questions stay worded exactly as the SFT ones.
 from torchloom.data.chat_tasks import _add, _count_letters, _sort_numbers, _subtract
 from torchloom.rl.env import Check, Environment, Prompt, PromptSource, Turn
-from torchloom.rl.word_problems import check_final_answer, word_problems_prompt
+from torchloom.rl.word_problems import check_final_answer, held_out_problems, word_problems_prompt
 
 # --- prompts ---------------------------------------------------------------------------------
 
@@ -225,6 +225,10 @@ CHECKS: dict[str, Callable[[str, Any], Check]] = {
     "word_problems": check_final_answer,
 }
 """Task name (``prompt.meta["task"]``) -> the check of a reply against ``prompt.answer``."""
+
+HELD_OUT: dict[str, Callable[[int], list[Prompt]]] = {"word_problems": held_out_problems}
+"""Task name -> its fixed held-out set (the first n problems; never in the training stream),
+what ``--eval.every`` and ``--eval.k`` evaluate the policy on."""
 
 
 class OneTurnEnv:

@@ -43,3 +43,35 @@ def plot_metrics(output_dir: Path) -> Path:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def plot_named(output_dir: Path, names: list[str]) -> Path:
+    """Draw each named metric against step (one panel each) into
+    <output_dir>/metrics-<names>.png; the records that have it, e.g. an RL run's held-out
+    ``eval_pass@1`` every N updates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(output_dir)
+    missing = [n for n in names if not any(r.get(n) is not None for r in records)]
+    if missing:
+        known = sorted({k for r in records for k, v in r.items() if isinstance(v, int | float)})
+        raise ConfigError(
+            f"{output_dir / 'metrics.jsonl'} has no metric {', '.join(missing)}; it has "
+            f"{', '.join(known)}."
+        )
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        rows = [r for r in records if r.get(name) is not None]
+        ax.plot([r["step"] for r in rows], [r[name] for r in rows], "o-")
+        ax.set(xlabel="step", ylabel=name, title=name)
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(output_dir))
+    fig.tight_layout()
+    slug = "-".join("".join(c if c.isalnum() else "_" for c in n) for n in names)
+    png = output_dir / f"metrics-{slug}.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
