@@ -226,9 +226,14 @@ class RLRunner:
         with self.params_lock:
             if self.gen_version == self.version:
                 return 0.0
+            cuda = self.device.type == "cuda"
+            if cuda:  # the copy reads what the trainer's stream wrote (the optimizer step)
+                torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.device))
             self.generator.update_weights(
                 (name, p.detach()) for name, p in self.model.named_parameters()
             )
+            if cuda:  # done before the trainer, once the lock is free, writes them again
+                torch.cuda.current_stream().synchronize()
             self.gen_version = self.version
         return time.perf_counter() - start
 

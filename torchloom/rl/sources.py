@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from torchloom.rl.batches import informative, shaped_reward
 from torchloom.rl.config import RLConfig
 from torchloom.rl.disaggregated import last_version_sent, policy_needed
@@ -145,6 +147,14 @@ class Lagged:
         self.thread.start()
 
     def _run(self, first: int) -> None:
+        # On a GPU the thread launches on a stream of its own, so its decode kernels run beside
+        # the trainer's instead of queueing behind them on the default stream.
+        device = self.runner.device
+        own = torch.cuda.stream(torch.cuda.Stream(device)) if device.type == "cuda" else None
+        with own if own is not None else contextlib.nullcontext():
+            self._generate_from(first)
+
+    def _generate_from(self, first: int) -> None:
         runner, steps = self.runner, self.runner.job.training.steps
         try:
             for step in range(first, steps + 1):
