@@ -458,7 +458,7 @@ class RLRunner:
             "policy_lag": self.step - 1 - batch.version,
             "gen_tps": stats.get("generated_tokens", 0.0) / max(batch.seconds, 1e-9),
             "train_tps": trained / max(train_s, 1e-9), "weight_sync_s": batch.sync_seconds,
-            "time_generate_s": gen_s, "time_train_s": train_s,
+            "time_generate_s": gen_s, "time_rollout_s": batch.seconds, "time_train_s": train_s,
             "time_sync_s": batch.sync_seconds,
         }  # fmt: skip
 
