@@ -39,7 +39,9 @@ def main() -> None:
     result = trainer.train()
     rl_s = time.perf_counter() - began
     lines = (Path(job.output.dir) / "metrics.jsonl").read_text().splitlines()
-    rows = [r for r in map(json.loads, lines) if "reward_mean" in r]
+    records = list(map(json.loads, lines))
+    rows = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if "eval_pass@1" in r]
     tenth = max(1, len(rows) // 10)
     curve = [statistics.mean(r["reward_mean"] for r in rows[i : i + tenth])
              for i in range(0, len(rows), tenth)]  # fmt: skip
@@ -58,7 +60,24 @@ def main() -> None:
         "response_len_mean": statistics.mean(r["response_len_mean"] for r in rows),
         "logprob_diff_max": max(r["logprob_diff_max"] for r in rows),
         "mem_gib_max": max(r.get("mem_gib") or 0.0 for r in rows),
+        # Eval: greedy held-out pass@1 over the run, sampled pass@k at the start and the end.
+        "eval_pass1": [(r["step"], r["eval_pass@1"]) for r in evals],
+        "eval_passk": [(r["step"], {k: v for k, v in r.items() if k.startswith("eval_pass@")})
+                       for r in evals if any(k.startswith("eval_pass@") and k != "eval_pass@1"
+                                             for k in r)],
+        "eval_s": sum(r.get("time_eval_s", 0.0) for r in evals),
+        # Dynamic sampling and the step's time split (medians over steps).
+        "groups_full_frac": statistics.mean(
+            float(r["groups_kept"] >= job.rl.prompts_per_step) for r in rows),
+        "refill_rounds_mean": statistics.mean(r.get("refill_rounds", 0) for r in rows),
+        "step_s_median": statistics.median(r["step_s"] for r in rows),
+        "rollout_s_median": statistics.median(r.get("time_rollout_s", 0.0) for r in rows),
+        "train_s_median": statistics.median(r["time_train_s"] for r in rows),
+        "clip_frac_mean": statistics.mean(r["clip_frac"] for r in rows),
+        "max_offpolicy_steps": job.rl.max_offpolicy_steps,
     }  # fmt: skip
+    slowest = max(report["rollout_s_median"], report["train_s_median"])
+    report["step_over_max"] = report["step_s_median"] / max(slowest, 1e-9)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -78,6 +97,19 @@ def print_table(report: dict) -> None:
     print(f"  reward: first fifth {report['reward_first_fifth']:.3f} -> last fifth "
           f"{report['reward_last_fifth']:.3f}")  # fmt: skip
     print("  reward by tenth: " + " ".join(f"{r:.3f}" for r in report["reward_curve"]))
+    print(f"  step time (median) {report['step_s_median']:.2f} s = "
+          f"{report['step_over_max']:.2f} x max(generate {report['rollout_s_median']:.2f} s, "
+          f"train {report['train_s_median']:.2f} s); max_offpolicy_steps "
+          f"{report['max_offpolicy_steps']}")  # fmt: skip
+    print(f"  dynamic sampling: full batch on {100 * report['groups_full_frac']:.0f}% of steps, "
+          f"{report['refill_rounds_mean']:.2f} refill rounds per step; clip_frac "
+          f"{report['clip_frac_mean']:.3f}")  # fmt: skip
+    if report["eval_pass1"]:
+        print("  held-out pass@1 (greedy) by step: "
+              + " ".join(f"{s}:{v:.3f}" for s, v in report["eval_pass1"])
+              + f" ({report['eval_s']:.1f} s of evaluation)")  # fmt: skip
+    for step, values in report["eval_passk"]:
+        print(f"  step {step}: " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in values.items()))
     sys.stdout.flush()
 
 

@@ -7,7 +7,7 @@ import itertools
 import socket
 import time
 
-from torchloom.rl.env import Prompt
+from torchloom.rl.env import Prompt, Turn
 from torchloom.rl.sandbox import SandboxResult, run_python
 from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
 
@@ -182,3 +182,39 @@ def test_tool_prompts_resume_with_the_same_prompts() -> None:
         if prompt.meta["task"] == "product":
             a, b = prompt.text.removeprefix("What is ").removesuffix("?").split(" * ")
             assert prompt.answer == int(a) * int(b), prompt
+
+
+class _ScriptedToolUse(PythonToolEnv):
+    """A random model writes no code: each episode's replies are replaced by a script, two
+    tool calls that each sleep 1 s (the second prints the answer), then the answer."""
+
+    CODE = "```python\nimport time\ntime.sleep(1)\nprint({})\n```"
+
+    def step(self, reply: str) -> Turn:
+        answer = self._prompt.answer if self._prompt is not None else None
+        script = [self.CODE.format(0), self.CODE.format(answer), f"Answer: {answer}"]
+        return super().step(script[self._turns])
+
+
+def test_tool_env_runs_in_the_rollout_pool() -> None:
+    """8 episodes of sandboxed tool use through generate_rollouts: every sandbox run happens in
+    the environments' thread pool, each episode gets its outputs and its reward, and the 16
+    one-second runs overlap (one after another they would take 16 s)."""
+    from rl.turns import ByteChat, rl_config, tiny_model
+    from torchloom.generate.engine import Generator
+    from torchloom.rl.rollout import generate_rollouts
+
+    prompts = [Prompt(f"What is {6 * i} + 1?", answer=6 * i + 1) for i in range(2)]
+    cfg = rl_config(group_size=4, turns=3, max_new_tokens=4)
+    batch = generate_rollouts(
+        Generator(tiny_model(), max_batch=8, max_len=256), ByteChat(), prompts,
+        lambda p: _ScriptedToolUse(max_turns=3), cfg, seed=0, step=0, version=0,
+    )  # fmt: skip
+    print(f"8 episodes, 16 runs of 1 s: {batch.seconds:.2f} s")
+    for rollout in batch.rollouts:  # the tool runs on every reply, a cut one too
+        assert rollout.info["tool_calls"] == min(rollout.turns, 2), rollout.info
+        if rollout.finish_reason != "length":  # a reply cut before the script's end
+            assert (rollout.finish_reason, rollout.reward) == ("stop", 1.0), rollout.info
+    assert sum(r.info["tool_calls"] for r in batch.rollouts) >= 8
+    assert any(r.reward == 1.0 for r in batch.rollouts)
+    assert batch.seconds < 8.0

@@ -11,6 +11,12 @@ A sampled token's log-probability is that of the distribution it was drawn from 
 log-softmax of the logits, divided by the temperature, restricted to what top-k and top-p keep
 and renormalised: ``sampling.sampling_logprobs``); a greedy token's is the model's own. So an
 RL trainer scoring the same tokens with the same settings gets the same numbers.
+
+A request may keep its slot when it finishes (``keep_slot``): the slot then holds every
+layer's state of its prompt and completion, and a later request that ``continues`` it (its
+prompt extends that prompt and completion, as a multi-turn conversation's next turn does)
+prefills only the tokens past them. ``release(id)`` gives a kept slot back; when a new request
+finds no free slot, the oldest kept one is evicted (its continuation is then prefilled whole).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.models.components.moe import experts_reading_the_host
+
+MIXED_PREFILL_TOKENS = 64
+"""A prefill whose rows are at most this many tokens also advances the active requests (each
+padded to that length: little waste next to a forward of its own)."""
 
 
 @dataclass
@@ -61,6 +71,14 @@ class SamplingParams:
 class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    keep_slot: bool = False
+    """Keep the cache slot (every layer's state of this sequence) when the request finishes,
+    for a request that ``continues`` it; ``Generator.release(id)`` gives it back."""
+    continues: int | None = None
+    """The id of a finished request that kept its slot: ``prompt_ids`` extend its prompt and
+    completion, and only the tokens past them are prefilled, from its slot. Where that slot is
+    no longer kept (released, evicted for room, or never kept) the whole prompt is prefilled,
+    which gives the same result."""
 
 
 @dataclass
@@ -84,6 +102,20 @@ class _Active:
     """Position the next fed token takes (prompt length + tokens generated - 1)."""
     seed: int
     """Its random stream (torchloom/generate/sampling.py)."""
+    start: int = 0
+    """Prompt tokens already in its slot (a continuation's), which its prefill skips."""
+    keep: bool = False
+    """Keep the slot when it finishes (``Request.keep_slot``)."""
+
+
+@dataclass
+class _Kept:
+    """A finished request's slot, kept for a continuation."""
+
+    slot: int
+    tokens: list[int]
+    """Its prompt and completion; the slot holds the state after all but the last token (a
+    sampled token is fed by the next forward, so the continuation's prefill starts with it)."""
 
 
 class Generator:
@@ -144,6 +176,7 @@ class Generator:
         self._waiting: deque[tuple[int, Request]] = deque()
         self._active: dict[int, _Active] = {}  # by slot
         self._free = list(range(max_batch))  # a heap: the lowest free slot goes first
+        self._kept: dict[int, _Kept] = {}  # by request id, oldest first
         self._finished: list[tuple[int, Completion]] = []  # what the next step() reports
         self._next_id = 0
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared: once)
@@ -160,6 +193,8 @@ class Generator:
             self._waiting.append((request_id, request))
         else:
             self._finished.append((request_id, Completion(finish_reason="error", error=problem)))
+            if request.continues in self._kept:  # its conversation ends here: nothing held
+                self.release(request.continues)
         return request_id
 
     def step(self) -> list[tuple[int, Completion]]:
@@ -168,7 +203,7 @@ class Generator:
         Returns (id, Completion) of the requests that finished in it, and of those refused by
         ``submit`` or ended by ``update_weights`` since the last step."""
         with torch.no_grad():
-            if self._waiting and self._free:
+            if self._waiting and (self._free or self._kept):
                 self._settle()  # the step launched ahead comes before the new rows
             admitted = self._admit()
             if admitted:
@@ -182,8 +217,38 @@ class Generator:
 
     @property
     def idle(self) -> bool:
-        """Nothing waiting, running, or finished and not yet reported by ``step()``."""
+        """Nothing waiting, running, or finished and not yet reported by ``step()`` (kept
+        slots do not count)."""
         return not (self._waiting or self._active or self._finished)
+
+    @property
+    def kept(self) -> list[int]:
+        """Ids of the finished requests whose slots are kept for a continuation, oldest first."""
+        return list(self._kept)
+
+    def release(self, request_id: int) -> bool:
+        """Done with request ``request_id``: its kept slot is given back; a request still
+        waiting or running is dropped (no Completion is reported for it) and its slot freed.
+        Returns whether it held anything (an unknown or already released id: False)."""
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            heapq.heappush(self._free, kept.slot)
+            return True
+        found = False
+        for item in [w for w in self._waiting if w[0] == request_id]:
+            self._waiting.remove(item)
+            found = True
+        for slot in [s for s, a in self._active.items() if a.id == request_id]:
+            # A step launched ahead may hold its row: that row wrote only into this slot,
+            # and the step is read with the active slots as its rows, so it is ignored.
+            del self._active[slot]
+            heapq.heappush(self._free, slot)
+            found = True
+        if not self._active:
+            self._ahead = None
+        finished = [f for f in self._finished if f[0] == request_id]
+        self._finished = [f for f in self._finished if f[0] != request_id]
+        return found or bool(finished)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """One Completion per request, in order. A bad request gets finish_reason 'error' and
@@ -241,23 +306,48 @@ class Generator:
         return None
 
     def _admit(self) -> dict[int, _Active]:
-        """Waiting requests taken into free slots, by slot."""
+        """Waiting requests taken into slots, by slot, in order: a continuation into its kept
+        slot, any other request into the lowest free slot, or else the slot of the oldest
+        kept request that no waiting request continues (evicted). The rest go on waiting."""
         admitted: dict[int, _Active] = {}
-        while self._waiting and self._free:
-            request_id, request = self._waiting.popleft()
+        claimed = {r.continues for _, r in self._waiting if r.continues in self._kept}
+        waiting, self._waiting = self._waiting, deque()
+        for request_id, request in waiting:
+            kept = self._kept.pop(request.continues, None)  # type: ignore[arg-type]
+            if kept is not None and not _extends(request.prompt_ids, kept.tokens):
+                heapq.heappush(self._free, kept.slot)
+                error = (f"request {request_id} continues request {request.continues}, but its "
+                         "prompt does not start with that request's prompt and completion")  # fmt: skip
+                self._finished.append((request_id, Completion(finish_reason="error", error=error)))
+                continue
+            start = 0 if kept is None else len(kept.tokens) - 1
+            slot = kept.slot if kept is not None else self._free_slot(claimed)
+            if slot is None:
+                self._waiting.append((request_id, request))
+                continue
             seed = request.params.seed
             if seed is None:
                 seed = int(torch.randint(2**62, ()))
-            admitted[heapq.heappop(self._free)] = _Active(
-                request_id, request, Completion(), len(request.prompt_ids), seed
-            )
+            admitted[slot] = _Active(request_id, request, Completion(), len(request.prompt_ids),
+                                     seed, start=start, keep=request.keep_slot)  # fmt: skip
         return admitted
 
+    def _free_slot(self, claimed: set[int | None]) -> int | None:
+        """The lowest free slot, else the oldest kept slot no waiting request continues."""
+        if self._free:
+            return heapq.heappop(self._free)
+        evictable = next((i for i in self._kept if i not in claimed), None)
+        return None if evictable is None else self._kept.pop(evictable).slot
+
     def _release(self) -> None:
-        """Give the slots of requests that have finished back; report them."""
+        """Give the slots of requests that have finished back (or keep them); report them."""
         for slot in [s for s, a in self._active.items() if a.completion.finish_reason]:
             state = self._active.pop(slot)
-            heapq.heappush(self._free, slot)
+            if state.keep:
+                tokens = state.request.prompt_ids + state.completion.tokens
+                self._kept[state.id] = _Kept(slot, tokens)
+            else:
+                heapq.heappush(self._free, slot)
             self._finished.append((state.id, state.completion))
         if not self._active:
             self._ahead = None  # launched for rows that have stopped since: nothing to read
@@ -265,30 +355,45 @@ class Generator:
     # -- forwards -------------------------------------------------------------------------------
 
     def _prefill(self, admitted: dict[int, _Active]) -> None:
-        """One right-padded forward with a row per distinct prompt. Requests with the same
-        prompt share its row: the state it leaves in the first one's slot is copied to the
-        others' slots, and each draws its first token from the row with its own generator."""
-        groups: dict[tuple[int, ...], list[int]] = {}  # each distinct prompt's slots
+        """One right-padded forward with a row per distinct prompt, each row from its first
+        token not yet in its slot (a continuation's start; 0 otherwise). Requests with the
+        same new prompt share its row: the state it leaves in the first one's slot is copied to
+        the others' slots, and each draws its first token from the row with its own
+        generator. When the rows are short (at most ``MIXED_PREFILL_TOKENS``, as a
+        conversation's next turn is), the active requests advance one token in the same
+        forward, each as one more row, instead of waiting for the next step."""
+        groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # each distinct row's slots
         for slot, state in admitted.items():
-            groups.setdefault(tuple(state.request.prompt_ids), []).append(slot)
-        prompts = list(groups)
-        longest = max(map(len, prompts))
-        tokens_BT = torch.zeros(len(prompts), longest, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            tokens_BT[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        positions_BT = torch.arange(longest, device=self.device).expand(len(prompts), -1)
-        slot_ids_B = torch.tensor([slots[0] for slots in groups.values()], device=self.device)
-        lengths_B = torch.tensor([len(p) for p in prompts], device=self.device)
+            # A continuation's row is its own: its slot already holds the rest of its context.
+            owner = slot if state.start else -1
+            groups.setdefault((owner, tuple(state.request.prompt_ids)), []).append(slot)
+        rows = [(slots[0], admitted[slots[0]].start, list(prompt[admitted[slots[0]].start :]))
+                for (_, prompt), slots in zip(groups, groups.values(), strict=True)]  # fmt: skip
+        self.prefill_tokens += sum(len(new) for _, _, new in rows)
+        longest = max(len(new) for _, _, new in rows)
+        decoding = self._active if longest <= MIXED_PREFILL_TOKENS else {}
+        rows += [(slot, a.position, a.completion.tokens[-1:]) for slot, a in decoding.items()]
+        tokens_BT = torch.tensor([new + [0] * (longest - len(new)) for _, _, new in rows],
+                                 device=self.device)  # fmt: skip
+        # Padding past a row's tokens stops at the last index, where no real token ever sits
+        # (a prompt + max_new_tokens fits max_len, and the last token is never fed).
+        starts_B1 = torch.tensor([[start] for _, start, _ in rows], device=self.device)
+        positions_BT = (starts_B1 + torch.arange(longest, device=self.device)).clamp(
+            max=self.max_len - 1
+        )
+        slot_ids_B = torch.tensor([slot for slot, _, _ in rows], device=self.device)
+        lengths_B = torch.tensor([len(new) for _, _, new in rows], device=self.device)
         cache = self.cache.bind(slot_ids_B, positions_BT, lengths_B)
         logits_BTV = self.model(tokens_BT, positions_BT, cache=cache)
-        logits_BV = logits_BTV[torch.arange(len(prompts), device=self.device), lengths_B - 1]
-        self.prefill_tokens += sum(map(len, prompts))
-        for prompt, (first, *others) in zip(prompts, groups.values()):
+        logits_BV = logits_BTV[torch.arange(len(rows), device=self.device), lengths_B - 1]
+        for (_, prompt), (first, *others) in zip(groups, groups.values()):
             if others:
                 self.cache.copy_slot(first, others, len(prompt))
         row_of = {slot: row for row, slots in enumerate(groups.values()) for slot in slots}
+        row_of.update((slot, len(groups) + i) for i, slot in enumerate(decoding))
         logprobs_BV, best_2B = score(logits_BV)
-        self._emit(admitted, logprobs_BV, best_2B.tolist(), [row_of[s] for s in admitted])
+        states = {**admitted, **decoding}
+        self._emit(states, logprobs_BV, best_2B.tolist(), [row_of[s] for s in states])
 
     def _decode(self) -> None:
         if self.graphs is not None:
@@ -317,10 +422,11 @@ class Generator:
         if step is None:
             rows = max(active) + 1
             tokens = [active[s].completion.tokens[-1] if s in active else 0 for s in range(rows)]
-            positions = [active[s].position if s in active else 0 for s in range(rows)]
+            positions = [active[s].position if s in active else None for s in range(rows)]
             step = self.graphs.launch(tokens, positions)
         states = active.values()
-        greedy = all(a.request.params.temperature == 0 for a in states)
+        # A kept slot must hold the state of its tokens exactly: no step launched past its end.
+        greedy = all(a.request.params.temperature == 0 and not a.keep for a in states)
         going_on = any(
             len(a.completion.tokens) + 1 < a.request.params.max_new_tokens for a in states
         )
@@ -367,6 +473,11 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _extends(prompt: list[int], tokens: list[int]) -> bool:
+    """Whether ``prompt`` starts with ``tokens``."""
+    return len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
 
 
 def _is_positive_int(value: object) -> bool:

@@ -4,9 +4,10 @@ A decode step of a small batch is hundreds of tiny kernels, so on the GPU its ti
 launch overhead. ``DecodeGraphs`` captures the model's one-token forward once per row count
 bucket (1, 2, 4, ... up to the cache's slots) over the leading slots of the model's cache
 (``ModelCache.bind_leading``: static shapes, no host synchronisation), and replays the smallest
-bucket that covers the active slots. Rows of free slots inside a bucket compute on a dummy
-token at position 0 of their own slot, which the next prefill of that slot overwrites (a
-position-0 row starts its slot afresh, so every state kind takes it alike).
+bucket that covers the active slots. Rows of other slots inside a bucket (free, or kept for a
+continuation: engine.py) compute on a dummy token and change nothing lasting: they sit at the
+slot's last index, where no real token ever goes (a position-indexed state writes only there),
+and are marked not live (a state not indexed by position keeps its slot as it was).
 
 Each graph also runs ``finish`` on the step's logits (the generator's log-softmax and argmax)
 and writes the next step's inputs for greedy rows, so a step costs one replay and one small
@@ -96,6 +97,7 @@ class DecodeGraphs:
         self.sizes = buckets(cache.slots)
         self._tokens_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
         self._positions_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
+        self._live_B = torch.ones(cache.slots, dtype=torch.bool, device=device)
         # Two host buffers (pinned on CUDA) and events in turn: one for the step being read, one
         # for the step launched after it.
         pinned = device.type == "cuda"
@@ -145,7 +147,7 @@ class DecodeGraphs:
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens_B1, positions_B1 = self._tokens_B1[:rows], self._positions_B1[:rows]
         logprobs_BV, best_2B = self._step(
-            tokens_B1, positions_B1, self.cache.bind_leading(positions_B1)
+            tokens_B1, positions_B1, self.cache.bind_leading(positions_B1, self._live_B[:rows])
         )
         # The next step's inputs if every row is greedy (the host overwrites them otherwise).
         # Clamped: a row past its end keeps writing inside its own, by then unused, slot.
@@ -163,19 +165,24 @@ class DecodeGraphs:
         return next(size for size in self.sizes if size >= rows)
 
     def launch(
-        self, tokens_R: list[int] | None = None, positions_R: list[int] | None = None
+        self, tokens_R: list[int] | None = None, positions_R: list[int | None] | None = None
     ) -> DecodeStep:
-        """A decode step of slots 0..len(tokens_R)-1 (free slots among them get token 0 at
-        position 0), over the smallest bucket that holds them. Without inputs: the last step's
-        bucket on the inputs it left (greedy rows, see the class). Read ``logprobs_BV`` before
-        the next launch."""
+        """A decode step of slots 0..len(tokens_R)-1 over the smallest bucket that holds them;
+        a row whose position is None (a slot not decoding) and the bucket's rows past them run
+        a dummy row that changes nothing lasting (module docstring). Without inputs: the last
+        step's bucket on the inputs it left (greedy rows, see the class). Read
+        ``logprobs_BV`` before the next launch."""
         if tokens_R is not None and positions_R is not None:
             rows = len(tokens_R)
             self._bucket = self.bucket_for(rows)
             pad = self._bucket - rows
-            values_2R = torch.tensor([tokens_R + [0] * pad, positions_R + [0] * pad])
-            self._tokens_B1[: self._bucket, 0].copy_(values_2R[0])  # host-to-device copies
-            self._positions_B1[: self._bucket, 0].copy_(values_2R[1])
+            scratch = self.cache.max_len - 1
+            positions = [scratch if p is None else p for p in positions_R] + [scratch] * pad
+            live = [p is not None for p in positions_R] + [False] * pad
+            values_3R = torch.tensor([tokens_R + [0] * pad, positions, live])
+            self._tokens_B1[: self._bucket, 0].copy_(values_3R[0])  # host-to-device copies
+            self._positions_B1[: self._bucket, 0].copy_(values_3R[1])
+            self._live_B[: self._bucket].copy_(values_3R[2].bool())
         bucket = self._bucket
         if bucket in self._graphs:
             self._graphs[bucket].replay()

@@ -30,8 +30,8 @@ class EvalConfig:
     """Greedy held-out pass@1 every this many updates (0: off)."""
     problems: int = 500
     """Held-out problems to evaluate on (the first N of the fixed held-out set, at most 1000)."""
-    k: int = 8
-    """Samples per problem for pass@k at the start and the end of the run (0: off)."""
+    k: int = 0
+    """Samples per problem for pass@k at the start and the end of the run (0: off; e.g. 8)."""
     max_new_tokens: int = 0
     """Tokens an answer may take (0: the rollouts' max_new_tokens)."""
     temperature: float = 1.0

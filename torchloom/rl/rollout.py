@@ -6,21 +6,38 @@ template's rendering of its conversation: the first user message, then each repl
 generated (its tokens as sampled, stop token included) and, between replies, the next user
 message the environment returned (the template's text for it, appended as tokens). Only the
 model's own tokens are trained on (``mask``). Every request gets its own sampling seed,
-derived from the run's seed, the step and the episode, so a resumed run samples the same
-tokens.
+derived from the run's seed, the step, the episode and the turn, so a resumed run samples the
+same tokens.
+
+Episodes run as a pipeline, not turn by turn. The environments' ``reset`` and ``step`` calls
+run in a thread pool (a tool such as the Python sandbox is a subprocess, so their waits
+overlap), and an episode whose environment has answered goes back to the generator at once
+while other episodes' tools still run. Its next request continues the previous one's cache
+slot (``Request.continues``): the generator prefills only the environment's message (and the
+template's closing of the reply), not the whole conversation again. So a step takes about as
+long as its slowest episode would alone, not the sum over turns of each turn's slowest tool.
+Which requests share a forward then depends on timing; in batch-invariant mode that changes
+no bit of the rollouts (same order, seeds, tokens and log-probabilities), and otherwise only
+rounding (``pipeline=False`` keeps a turn-by-turn schedule whose batches do not depend on
+timing).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchloom.config.errors import ConfigError
-from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.engine import Completion, Generator, Request, SamplingParams
 from torchloom.rl.config import RLConfig
-from torchloom.rl.env import Environment, Prompt
+from torchloom.rl.env import Environment, Prompt, Turn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,10 +55,11 @@ class Rollout:
     """The policy version (optimizer steps taken) whose weights generated it."""
     turns: int = 0
     info: dict[str, Any] = field(default_factory=dict)
-    finish_reason: str = ""
-    """How the episode ended: 'stop' (the environment said done, or the model stopped on its
-    last turn), 'length' (the last reply was cut at max_new_tokens), 'turns' (max_turns
-    replies without the environment saying done)."""
+    finish_reason: str = "stop"
+    """How the episode ended: 'stop' (the environment said done, or had no next message),
+    'length' (the last reply was cut at max_new_tokens, or the context had no room for
+    another reply: ``truncated``), 'turns' (max_turns replies without the environment saying
+    done) or 'error' (the environment raised; ``info["error"]`` says what)."""
     last_reply_len: int = 0
     """Tokens of the last reply (what overlong shaping measures)."""
 
@@ -51,7 +69,7 @@ class Rollout:
 
     @property
     def truncated(self) -> bool:
-        """The last reply was cut by the token budget."""
+        """Whether the episode was cut for length (its last reply, or its context)."""
         return self.finish_reason == "length"
 
 
@@ -71,12 +89,20 @@ class RolloutBatch:
 
 @dataclass
 class _Episode:
-    rollout: Rollout
+    index: int
+    """Its place among the step's episodes (the rollouts' order)."""
+    seed_index: int
+    """Its index for sampling seeds: group * group_size + member."""
+    prompt: Prompt
     env: Environment
-    messages: list[dict[str, str]]
-    text: str
+    rollout: Rollout
+    messages: list[dict[str, str]] = field(default_factory=list)
+    text: str = ""
     """What ``rollout.tokens`` spell (the rendered prompt, then the replies as generated)."""
-    done: bool = False
+    request: int | None = None
+    """The id of its last generator request (whose slot a continuation takes over)."""
+    completion: Completion | None = None
+    """Its last reply, while the environment answers it."""
 
 
 def request_seed(seed: int, step: int, episode: int, turn: int) -> int:
@@ -98,81 +124,204 @@ def generate_rollouts(
     step: int,
     version: int,
     groups: list[int] | None = None,
+    pipeline: bool = True,
+    env_workers: int | None = None,
 ) -> RolloutBatch:
     """``cfg.group_size`` episodes per prompt, run to their end (done, or ``cfg.max_turns``
     replies, or a reply cut at ``max_new_tokens``). ``groups``: each prompt's index among the
     step's prompts (default 0, 1, ...; a generator rank holding a share of them passes theirs),
-    which numbers its rollouts' groups and sampling seeds."""
+    which numbers its rollouts' groups and sampling seeds.
+
+    ``pipeline``: an episode goes on as soon as its environment answers (module docstring);
+    False waits for every episode's reply and answer before the next turn. ``env_workers``:
+    threads for the environments' calls (default one per episode, at most 256). The
+    environments' instances must tolerate running in different threads at once (each
+    instance is called by one thread at a time). While this runs, the generator serves only
+    these rollouts."""
     start = time.perf_counter()
-    stop_ids = tokenizer.stop_ids(chat=True)
-    episodes, seeds = [], []
+    episodes: list[_Episode] = []
     for group, prompt in zip(groups or range(len(prompts)), prompts, strict=True):
         for member in range(cfg.group_size):
-            seeds.append(group * cfg.group_size + member)
-            env = make_env(prompt)
-            messages = [{"role": "user", "content": env.reset(prompt)}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            tokens = tokenizer.encode_chat(text)
-            rollout = Rollout(group, tokens, [False] * len(tokens), [0.0] * len(tokens),
-                              version=version)  # fmt: skip
-            episodes.append(_Episode(rollout, env, messages, text))
-    for turn in range(cfg.max_turns):
-        active = [(i, e) for i, e in enumerate(episodes) if not e.done]
-        if not active:
-            break
-        requests = [Request(list(e.rollout.tokens), _sampling(cfg, stop_ids,
-                                                           request_seed(seed, step, seeds[i], turn)))
-                    for i, e in active]  # fmt: skip
-        for (_, episode), completion in zip(active, generator.generate(requests), strict=True):
-            if completion.finish_reason == "error":
+            rollout = Rollout(group, [], [], [], version=version)
+            episodes.append(_Episode(len(episodes), group * cfg.group_size + member, prompt,
+                                     make_env(prompt), rollout))  # fmt: skip
+    workers = env_workers or max(1, min(len(episodes), 256))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rl-env") as pool:
+        _Episodes(generator, tokenizer, cfg, seed, step, pool, pipeline).run(episodes)
+    return RolloutBatch([e.rollout for e in episodes], version, time.perf_counter() - start)
+
+
+class _Episodes:
+    """Runs a step's episodes: the generator on this thread, the environments in ``pool``.
+    Environment answers are taken in episode order whenever several are in, so with
+    ``pipeline=False`` (and for every first turn) the generator's batches do not depend on
+    timing."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer: Any,
+        cfg: RLConfig,
+        seed: int,
+        step: int,
+        pool: ThreadPoolExecutor,
+        pipeline: bool,
+    ) -> None:
+        self.generator, self.tokenizer, self.cfg = generator, tokenizer, cfg
+        self.seed, self.step, self.pool, self.pipeline = seed, step, pool, pipeline
+        self.stop_ids = tokenizer.stop_ids(chat=True)
+        self.answers: queue.SimpleQueue[tuple[_Episode, Future]] = queue.SimpleQueue()
+        self.calls = 0  # environment calls not yet taken from ``answers``
+        self.running: dict[int, _Episode] = {}  # by generator request id
+
+    def run(self, episodes: list[_Episode]) -> None:
+        try:
+            for episode in episodes:
+                self._call(episode, episode.env.reset, episode.prompt)
+            # The first turn starts once every reset is in: each group's members are then
+            # admitted together and share their prompt's prefill.
+            self._take(self._wait(everything=True))
+            while self.calls or self.running:
+                generating = not self.generator.idle
+                if not self.pipeline and generating:
+                    answers = []  # turn by turn: answers wait until every reply is in
+                else:
+                    answers = self._wait(everything=not self.pipeline, block=not generating)
+                self._take(answers)
+                if not self.generator.idle:
+                    for request_id, completion in self.generator.step():
+                        if (episode := self.running.pop(request_id, None)) is not None:
+                            self._on_reply(episode, completion)
+        finally:
+            for episode in episodes:  # kept slots, and requests left by an exception
+                if episode.request is not None:
+                    self.generator.release(episode.request)
+
+    # -- environments ---------------------------------------------------------------------------
+
+    def _call(self, episode: _Episode, method: Callable[..., Any], *args: Any) -> None:
+        self.calls += 1
+        future = self.pool.submit(method, *args)
+        future.add_done_callback(lambda done: self.answers.put((episode, done)))
+
+    def _wait(self, everything: bool, block: bool = True) -> list[tuple[_Episode, Future]]:
+        """The environment answers that are in (waiting for one when ``block`` and none is;
+        for all of them with ``everything``), in episode order."""
+        answers = []
+        while self.calls:
+            try:
+                answers.append(self.answers.get(block=block and (everything or not answers)))
+            except queue.Empty:
+                break
+            self.calls -= 1
+        return sorted(answers, key=lambda answer: answer[0].index)
+
+    def _take(self, answers: list[tuple[_Episode, Future]]) -> None:
+        for episode, future in answers:
+            if episode.completion is None:
+                self._open(episode, future.result())  # a reset that raised ends the step
+            else:
+                self._on_answer(episode, future)
+
+    # -- turns ----------------------------------------------------------------------------------
+
+    def _open(self, episode: _Episode, message: str) -> None:
+        """The first turn: the rendered prompt, sent to the generator."""
+        episode.messages = [{"role": "user", "content": message}]
+        episode.text = self.tokenizer.apply_chat_template(
+            episode.messages, add_generation_prompt=True
+        )
+        tokens = self.tokenizer.encode_chat(episode.text)
+        rollout = episode.rollout
+        rollout.tokens, rollout.mask = tokens, [False] * len(tokens)
+        rollout.logprobs = [0.0] * len(tokens)
+        self._submit(episode)
+
+    def _submit(self, episode: _Episode) -> None:
+        turn = episode.rollout.turns
+        params = SamplingParams(
+            max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p, seed=request_seed(self.seed, self.step, episode.seed_index, turn),
+            stop_ids=self.stop_ids,
+        )  # fmt: skip
+        request = Request(list(episode.rollout.tokens), params,
+                          keep_slot=turn + 1 < self.cfg.max_turns,  # another reply may follow
+                          continues=episode.request)  # fmt: skip
+        episode.request = self.generator.submit(request)
+        self.running[episode.request] = episode
+
+    def _on_reply(self, episode: _Episode, completion: Completion) -> None:
+        """Append the reply and let the environment answer it (in the pool)."""
+        if completion.finish_reason == "error":
+            if episode.rollout.turns == 0:
                 raise ConfigError(
                     f"The generator refused a rollout: {completion.error}. Lower "
                     "--rl.max_new_tokens or --rl.max_turns, or raise the model's context."
                 )
-            _take_reply(episode, tokenizer, completion, last_turn=turn == cfg.max_turns - 1)
-    return RolloutBatch([e.rollout for e in episodes], version, time.perf_counter() - start)
+            self._end(episode, "error", {"error": f"generator: {completion.error}"})
+            return
+        rollout = episode.rollout
+        rollout.tokens += completion.tokens
+        rollout.mask += [True] * len(completion.tokens)
+        rollout.logprobs += completion.logprobs
+        rollout.turns += 1
+        rollout.last_reply_len = len(completion.tokens)
+        episode.completion = completion
+        reply = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+        self._call(episode, episode.env.step, reply)
 
-
-def _sampling(cfg: RLConfig, stop_ids: tuple[int, ...], seed: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, seed=seed, stop_ids=stop_ids)  # fmt: skip
-
-
-def _take_reply(episode: _Episode, tokenizer: Any, completion: Any, last_turn: bool) -> None:
-    """Append the reply, let the environment answer; close the episode or open the next turn."""
-    rollout = episode.rollout
-    rollout.tokens += completion.tokens
-    rollout.mask += [True] * len(completion.tokens)
-    rollout.logprobs += completion.logprobs
-    rollout.turns += 1
-    reply = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-    turn = episode.env.step(reply)
-    rollout.reward, rollout.info = float(turn.reward), dict(turn.info)
-    rollout.last_reply_len = len(completion.tokens)
-    # A reply cut by the token budget has no end-of-turn token to continue after.
-    if turn.done or last_turn or completion.finish_reason != "stop" or turn.observation is None:
-        episode.done = True
-        if completion.finish_reason == "length":
-            rollout.finish_reason = "length"
+    def _on_answer(self, episode: _Episode, future: Future) -> None:
+        """Close the episode or open its next turn."""
+        completion, rollout = episode.completion, episode.rollout
+        assert completion is not None
+        try:
+            turn: Turn = future.result()
+        except Exception as error:  # the environment's failure ends this episode only
+            log.warning("An RL environment raised; its episode ends ('error'): %r", error)
+            self._end(episode, "error", {"error": f"{type(error).__name__}: {error}"})
+            return
+        rollout.reward, rollout.info = float(turn.reward), dict(turn.info)
+        # A reply cut by the token budget has no end-of-turn token to continue after.
+        if completion.finish_reason != "stop":
+            self._end(episode, "length")
         elif turn.done or turn.observation is None:
-            rollout.finish_reason = "stop"
+            self._end(episode, "stop")
+        elif rollout.turns >= self.cfg.max_turns:
+            self._end(episode, "turns")
         else:
-            rollout.finish_reason = "turns"
-        return
-    episode.text += tokenizer.decode(completion.tokens, skip_special_tokens=False)
-    episode.messages += [{"role": "assistant", "content": reply},
-                         {"role": "user", "content": turn.observation}]  # fmt: skip
-    after = tokenizer.apply_chat_template(episode.messages, add_generation_prompt=True)
-    if not after.startswith(episode.text):
-        raise ConfigError(
-            "The tokenizer's chat template does not render the conversation so far as the "
-            "tokens the model generated spell it, so a multi-turn rollout cannot be extended "
-            "token by token; use a template that keeps replies verbatim (no trimming)."
-        )
-    # The rest of the template's closing of the reply (e.g. a newline after the stop token)
-    # and the environment's message: context, not trained.
-    suffix = tokenizer.encode_chat(after[len(episode.text) :])
-    episode.text = after
-    rollout.tokens += suffix
-    rollout.mask += [False] * len(suffix)
-    rollout.logprobs += [0.0] * len(suffix)
+            self._next_turn(episode, completion, turn.observation)
+
+    def _next_turn(self, episode: _Episode, completion: Completion, observation: str) -> None:
+        text = episode.text + self.tokenizer.decode(completion.tokens, skip_special_tokens=False)
+        reply = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+        messages = [*episode.messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": observation}]  # fmt: skip
+        after = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not after.startswith(text):
+            raise ConfigError(
+                "The tokenizer's chat template does not render the conversation so far as the "
+                "tokens the model generated spell it, so a multi-turn rollout cannot be extended "
+                "token by token; use a template that keeps replies verbatim (no trimming)."
+            )
+        # The rest of the template's closing of the reply (e.g. a newline after the stop token)
+        # and the environment's message: context, not trained.
+        suffix = self.tokenizer.encode_chat(after[len(text) :])
+        rollout = episode.rollout
+        if len(rollout.tokens) + len(suffix) + self.cfg.max_new_tokens > self.generator.max_len:
+            self._end(episode, "length", {"context_full": True})
+            return
+        episode.messages, episode.text, episode.completion = messages, after, None
+        rollout.tokens += suffix
+        rollout.mask += [False] * len(suffix)
+        rollout.logprobs += [0.0] * len(suffix)
+        self._submit(episode)
+
+    def _end(self, episode: _Episode, reason: str, info: dict[str, Any] | None = None) -> None:
+        episode.rollout.finish_reason = reason
+        if info:
+            episode.rollout.info.update(info)
+        if reason == "error":
+            episode.rollout.reward = 0.0
+        if episode.request is not None:
+            self.generator.release(episode.request)
+        episode.request = None

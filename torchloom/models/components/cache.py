@@ -9,14 +9,18 @@ in one of two ways:
 - ``bind(slot_ids, positions, lengths)``: rows are any slots; attention reads keys up to the
   furthest query (a host read of the positions). Used for prefill, and for decode steps
   without CUDA graphs.
-- ``bind_leading(positions)``: rows are slots 0..rows-1 and every key index up to ``max_len``
-  is read through a mask, with no host synchronisation and no copy, so the step can be captured
-  in a CUDA graph (torchloom/generate/graphs.py).
+- ``bind_leading(positions, live)``: rows are slots 0..rows-1 and every key index up to
+  ``max_len`` is read through a mask, with no host synchronisation and no copy, so the step can
+  be captured in a CUDA graph (torchloom/generate/graphs.py). Rows not ``live`` are dummies
+  (slots not decoding): they sit at the last index, ``max_len - 1``, where no real token ever
+  goes, and a state not indexed by position leaves their slots as they were.
 
-A row whose first position is 0 starts a new sequence in its slot, and in a prefill the tokens
-past ``lengths_B`` of a row are right-padding: a state that is not indexed by position (a
-recurrent or convolution state) resets on the first and stops before the second; a KV state
-needs neither (it is indexed by position, and padding keys sit where later tokens overwrite them).
+A row whose first position is 0 starts a new sequence in its slot; a row starting further on
+continues the sequence its slot holds (a prefill of a conversation's next turn: the state of
+its earlier tokens is kept). In a prefill the tokens past ``lengths_B`` of a row are
+right-padding: a state that is not indexed by position (a recurrent or convolution state)
+resets on the first and stops before the second; a KV state needs neither (it is indexed by
+position, and padding keys sit where later tokens overwrite them).
 
 Every state kind also implements ``copy_slot(src_slot, dst_slots_S, length)``: make the slots
 ``dst_slots_S`` hold what ``src_slot`` holds after a sequence's first ``length`` tokens. The
@@ -72,9 +76,11 @@ class Binding:
         length: int,
         leading: bool,
         lengths_B: torch.Tensor | None = None,
+        live_B: torch.Tensor | None = None,
     ) -> None:
         self.slot_ids_B, self.positions_BT = slot_ids_B, positions_BT
         self.length, self.leading, self.lengths_B = length, leading, lengths_B
+        self.live_B = live_B
         self._memo: dict[str, Any] = {}
 
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
@@ -118,10 +124,13 @@ class ModelCache:
         )
         return self
 
-    def bind_leading(self, positions_BT: torch.Tensor) -> ModelCache:
-        """Rows are slots 0..B-1 (B = positions_BT.shape[0]); shapes depend only on B."""
+    def bind_leading(
+        self, positions_BT: torch.Tensor, live_B: torch.Tensor | None = None
+    ) -> ModelCache:
+        """Rows are slots 0..B-1 (B = positions_BT.shape[0]); shapes depend only on B. Rows
+        not ``live_B`` (dummies at position max_len - 1) change no state lasting."""
         slot_ids_B = torch.arange(positions_BT.shape[0], device=positions_BT.device)
-        self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True)
+        self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True, live_B=live_B)
         return self
 
     def copy_slot(self, src_slot: int, dst_slots: list[int], length: int) -> None:
@@ -351,9 +360,8 @@ class BoundRecurrent:
             lengths_B = self._lengths(B, T, x_BTC.device)
             # Token t sits at index keep + t: the last `keep` real inputs end at keep + length.
             index_Bk = lengths_B[:, None] + torch.arange(keep, device=x_BTC.device)
-            self.state.conv[slots] = inputs_BCL.gather(
-                2, index_Bk[:, None, :].expand(B, C, keep)
-            ).to(self.state.conv.dtype)
+            kept_BCk = inputs_BCL.gather(2, index_Bk[:, None, :].expand(B, C, keep))
+            self._store(self.state.conv, kept_BCk)
         return out_BCT.transpose(1, 2)
 
     def delta_rule(
@@ -393,8 +401,17 @@ class BoundRecurrent:
             o_BTHV, state_BHKV = delta_rule(
                 q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, state_BHKV, normalize_qk=normalize_qk
             )
-        self.state.recurrent[slots] = state_BHKV
+        self._store(self.state.recurrent, state_BHKV)
         return o_BTHV
+
+    def _store(self, target: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the rows' new state into their slots of ``target``; dummy rows (not live)
+        write back what their slots held."""
+        slots, live_B = self.binding.slot_ids_B, self.binding.live_B
+        rows = rows.to(target.dtype)
+        if live_B is not None:
+            rows = torch.where(live_B.view(-1, *[1] * (rows.dim() - 1)), rows, target[slots])
+        target[slots] = rows
 
     def _lengths(self, B: int, T: int, device: torch.device) -> torch.Tensor:
         lengths_B = self.binding.lengths_B
