@@ -1,0 +1,101 @@
+"""Reasoning recipes: a llama3 that learns arithmetic and word problems with worked solutions.
+
+The chain mirrors llama3_500m -> sft_500m: pre-train from scratch on ``builtin:word_problems``
+(problems and their worked steps as plain text), then chat-SFT the HF export on
+``builtin:word_problems_chat`` (the question as the user's message, the worked solution as the
+reply), so that the model answers the RL task ``word_problems`` in the form its check reads.
+Neither data set holds a question of the held-out set (torchloom/rl/word_problems.py).
+"""
+
+from __future__ import annotations
+
+from torchloom.checkpoint.config import CheckpointConfig
+from torchloom.config import register_recipe
+from torchloom.data.config import BUILTIN_WORD_PROBLEMS, BUILTIN_WORD_PROBLEMS_CHAT, DataConfig
+from torchloom.models.config import ModelConfig
+from torchloom.train.config import TrainingConfig
+from torchloom.train.job import JobConfig, OutputConfig
+from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+
+SAMPLE_QUESTION = "What is 12 * 4 + 7?"
+
+# 82M parameters on the built-in 4096-token vocabulary: small enough to see ~2 epochs of the
+# 15.6M-token corpus in a few minutes on one H200.
+_WP_BASE = {"dim": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 4, "ffn_dim": 2048,
+            "max_seq_len": 1024}  # fmt: skip
+# 3.1M parameters, llama3_tiny's shape: 200 steps take about 3.5 minutes on 2 idle CPU cores (120
+# steps: 2 minutes, but held-out pass@1 / pass@8 fell from 0.05 / 0.11 to 0.01 / 0.04).
+_WP_TINY = {"dim": 192, "num_layers": 4, "num_heads": 6, "num_kv_heads": 2, "ffn_dim": 512}
+WP_BASE_HF = "outputs/wp_base/hf"
+WP_SFT_HF = "outputs/wp_sft/hf"
+WP_BASE_TINY_HF = "outputs/wp_base_tiny/hf"
+WP_SFT_TINY_HF = "outputs/wp_sft_tiny/hf"
+
+
+@register_recipe("wp_base")
+def wp_base() -> JobConfig:
+    """llama3 (82M) pre-trained from scratch on builtin:word_problems (one GPU, ~3 minutes)."""
+    return JobConfig(
+        model=ModelConfig(name="llama3", flavor="debug", overrides=dict(_WP_BASE)),
+        data=DataConfig(sources=[BUILTIN_WORD_PROBLEMS]),
+        training=TrainingConfig(
+            steps=1200,
+            seq_len=512,
+            global_batch_size=64,
+            val_interval=300,
+            val_sequences=64,
+            sample_prompt=f"Question: {SAMPLE_QUESTION}\nAnswer:\n",
+        ),
+        optimizer=OptimizerConfig(lr=1e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=100, decay="cosine"),
+        checkpoint=CheckpointConfig(export_hf=True),
+        output=OutputConfig(dir="outputs/wp_base"),
+    )
+
+
+@register_recipe("wp_sft")
+def wp_sft() -> JobConfig:
+    """Chat SFT of wp_base's HF export on builtin:word_problems_chat (one GPU, about a minute)."""
+    return JobConfig(
+        # The architecture comes from the folder's config.json; the family must match it.
+        model=ModelConfig(name="llama3", flavor="debug"),
+        data=DataConfig(format="chat", sources=[BUILTIN_WORD_PROBLEMS_CHAT], tokenizer=WP_BASE_HF),
+        training=TrainingConfig(
+            steps=300,
+            seq_len=512,
+            global_batch_size=64,
+            val_interval=100,
+            val_sequences=64,
+            sample_prompt=SAMPLE_QUESTION,
+        ),
+        optimizer=OptimizerConfig(lr=2e-4),
+        lr_schedule=LRScheduleConfig(warmup_steps=20, decay="cosine"),
+        checkpoint=CheckpointConfig(initial_load_hf=WP_BASE_HF, export_hf=True),
+        output=OutputConfig(dir="outputs/wp_sft"),
+    )
+
+
+@register_recipe("wp_base_tiny")
+def wp_base_tiny() -> JobConfig:
+    """wp_base at 3.1M parameters for 2 CPU cores (about 3.5 minutes)."""
+    job = wp_base()
+    job.model = ModelConfig(name="llama3", flavor="debug", overrides=dict(_WP_TINY))
+    job.training.steps, job.training.seq_len, job.training.global_batch_size = 200, 256, 16
+    job.training.val_interval, job.training.val_sequences = 100, 32
+    job.optimizer = OptimizerConfig(lr=3e-3)
+    job.lr_schedule = LRScheduleConfig(warmup_steps=10, decay="cosine")
+    job.output.dir = "outputs/wp_base_tiny"
+    return job
+
+
+@register_recipe("wp_sft_tiny")
+def wp_sft_tiny() -> JobConfig:
+    """wp_sft of wp_base_tiny's export for 2 CPU cores (about a minute)."""
+    job = wp_sft()
+    job.data.tokenizer = job.checkpoint.initial_load_hf = WP_BASE_TINY_HF
+    job.training.steps, job.training.seq_len, job.training.global_batch_size = 60, 256, 16
+    job.training.val_interval, job.training.val_sequences = 30, 16
+    job.optimizer = OptimizerConfig(lr=1e-3)
+    job.lr_schedule = LRScheduleConfig(warmup_steps=5, decay="cosine")
+    job.output.dir = "outputs/wp_sft_tiny"
+    return job
