@@ -7,6 +7,9 @@
 #   bash benchmarks/rl_learns.sh OUT [SEEDS...]        # from the repository root
 #
 # On the lent H200: PYTHONPATH=. and the device's python3; one call of at most 10 minutes.
+# DEADLINE (seconds from the start, default 570) stops the RL runs in time for the call's
+# limit; each run's metrics.jsonl is written as it goes, into OUT/seedN/, so a stopped run's
+# curve still comes back.
 set -uo pipefail
 OUT=${1:?usage: rl_learns.sh OUT [SEEDS...]}
 shift
@@ -26,20 +29,20 @@ for recipe in wp_base wp_sft; do
   fi
 done
 
-say "rl_wp seeds: $SEEDS (side by side)"
+left=$(( ${DEADLINE:-570} - ($(date +%s) - began) ))
+say "rl_wp seeds: $SEEDS (side by side), ${left} s left"
 pids=()
 for seed in $SEEDS; do
-  $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$OUT/rl_wp_seed$seed.json" -- \
-    --training.seed "$seed" --output.dir "outputs/rl_wp_seed$seed" --output.overwrite true \
-    > "$OUT/rl_wp_seed$seed.log" 2>&1 &
+  timeout "$left" $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$OUT/rl_wp_seed$seed.json" \
+    -- --training.seed "$seed" --output.dir "$OUT/seed$seed" --output.overwrite true \
+    --checkpoint.export_hf false --checkpoint.save_final_model false --metrics.tensorboard false \
+    ${RL_ARGS:-} > "$OUT/rl_wp_seed$seed.log" 2>&1 &
   pids+=($!)
 done
-for pid in "${pids[@]}"; do wait "$pid" || say "an RL run failed (pid $pid)"; done
+for pid in "${pids[@]}"; do wait "$pid" || say "an RL run ended early (pid $pid)"; done
 for seed in $SEEDS; do
-  cp "outputs/rl_wp_seed$seed/metrics.jsonl" "$OUT/metrics_seed$seed.jsonl" 2>/dev/null
-  $PY -m torchloom plot "outputs/rl_wp_seed$seed" --metric eval_pass@1 --metric reward_mean \
-    && cp outputs/rl_wp_seed$seed/metrics-eval_pass_1-reward_mean.png "$OUT/eval_seed$seed.png"
-  tail -12 "$OUT/rl_wp_seed$seed.log"
+  $PY -m torchloom plot "$OUT/seed$seed" --metric eval_pass@1 --metric reward_mean
+  tail -14 "$OUT/rl_wp_seed$seed.log"
 done
 say "rl_wp done"
 
@@ -48,7 +51,8 @@ if [ -n "${LAGGED_STEPS:-}" ]; then
   for lag in 1 0; do
     $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$OUT/lag$lag.json" -- \
       --training.steps "$LAGGED_STEPS" --rl.max_offpolicy_steps $lag --eval.every 0 --eval.k 0 \
-      --output.dir "outputs/rl_wp_lag$lag" --output.overwrite true > "$OUT/lag$lag.log" 2>&1
+      --output.dir "outputs/rl_wp_lag$lag" --output.overwrite true --checkpoint.export_hf false \
+      --checkpoint.save_final_model false > "$OUT/lag$lag.log" 2>&1
     tail -8 "$OUT/lag$lag.log"
   done
 fi

@@ -13,6 +13,8 @@ from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
 from torchloom.data.config import BUILTIN_WORD_PROBLEMS, BUILTIN_WORD_PROBLEMS_CHAT, DataConfig
 from torchloom.models.config import ModelConfig
+from torchloom.rl.config import RLConfig, RLJobConfig
+from torchloom.rl.evaluate import EvalConfig
 from torchloom.train.config import TrainingConfig
 from torchloom.train.job import JobConfig, OutputConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
@@ -98,4 +100,45 @@ def wp_sft_tiny() -> JobConfig:
     job.optimizer = OptimizerConfig(lr=1e-3)
     job.lr_schedule = LRScheduleConfig(warmup_steps=5, decay="cosine")
     job.output.dir = "outputs/wp_sft_tiny"
+    return job
+
+
+@register_recipe("rl_wp")
+def rl_wp() -> RLJobConfig:
+    """RL on word problems from wp_sft's model (built first if missing), one GPU: greedy
+    held-out pass@1 every 20 updates, sampled pass@8 at the start and the end."""
+    return RLJobConfig(
+        model=ModelConfig(name="llama3", flavor="debug"),
+        data=DataConfig(tokenizer=WP_SFT_HF),
+        training=TrainingConfig(steps=200, seq_len=192, max_norm=1.0),
+        optimizer=OptimizerConfig(lr=2e-5, weight_decay=0.0),
+        lr_schedule=LRScheduleConfig(warmup_steps=0, decay="constant"),
+        checkpoint=CheckpointConfig(initial_load_hf=WP_SFT_HF, export_hf=True),
+        rl=RLConfig(
+            task="word_problems",
+            temperature=0.8,
+            prompts_per_step=32,
+            group_size=8,
+            max_new_tokens=64,
+            minibatches=2,
+            micro_batch_size=64,
+            generator_slots=256,
+            init_recipes=["wp_base", "wp_sft"],
+        ),
+        eval=EvalConfig(every=20, problems=500, k=8, temperature=0.8),
+        output=OutputConfig(dir="outputs/rl_wp"),
+    )
+
+
+@register_recipe("rl_wp_tiny")
+def rl_wp_tiny() -> RLJobConfig:
+    """rl_wp from wp_sft_tiny's model for 2 CPU cores: the same machinery, smaller."""
+    job = rl_wp()
+    job.data.tokenizer = job.checkpoint.initial_load_hf = WP_SFT_TINY_HF
+    job.training.steps = 40
+    job.optimizer.lr = 1e-4
+    job.rl.prompts_per_step, job.rl.group_size, job.rl.generator_slots = 8, 8, 64
+    job.rl.init_recipes = ["wp_base_tiny", "wp_sft_tiny"]
+    job.eval = EvalConfig(every=10, problems=100, k=4)
+    job.output.dir = "outputs/rl_wp_tiny"
     return job
