@@ -123,6 +123,7 @@ def rl_wp() -> RLJobConfig:
             minibatches=2,
             micro_batch_size=64,
             generator_slots=256,
+            max_refill_rounds=2,
             init_recipes=["wp_base", "wp_sft"],
         ),
         eval=EvalConfig(every=20, problems=500, k=8, temperature=0.8),
