@@ -138,3 +138,17 @@ def test_sampling_benchmark_runs_both_draws(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["draw"] for r in rows] == ["per-row", "batched"]
     assert all(r["tokens"] == 12 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_rl_turns_benchmark_rows_agree(tmp_path):
+    out = tmp_path / "rl_turns.json"
+    stdout = _run("rl_turns.py", "--rollouts", "8", "--turns", "3", "--tool-s", "0.05",
+                  "--json", str(out))  # fmt: skip
+    print(stdout)
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [r["row"] for r in rows] == ["pipeline", "turns", "serial"]
+    assert all(r["same_tokens"] and r["wall_s"] > 0 for r in rows)
+    # Every row continues each turn's cache: the kept count, far below whole contexts.
+    assert {r["prefill_tokens"] for r in rows} == {report["prefill_tokens_kept"]}
+    assert report["prefill_tokens_kept"] < report["prefill_tokens_whole"]

@@ -29,6 +29,16 @@ from torchloom.rl.rollout import generate_rollouts
 MAX_LEN = 256
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: a tiny model's many small ops, with two threads on a loaded 2-core
+    machine, wait on each other for most of their time (runs varied ten-fold)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rollouts(generator, prompts, cfg, make_env=SleepToolEnv, tokenizer=None, **options):
     return generate_rollouts(
         generator, tokenizer or ByteChat(), prompts, make_env, cfg, seed=0, step=0, version=0,
@@ -135,21 +145,15 @@ def test_a_step_takes_about_as_long_as_its_slowest_episode_alone():
     """16 episodes x 4 turns whose tool calls sleep: one call of 1 s per episode, at a
     different turn for different episodes, the others 0.1 s. Turn by turn, every turn would
     wait for a 1 s tool (3.2 s of tools per step); pipelined, the step takes at most 1.5x its
-    slowest episode alone (its generation alone plus its 1.2 s of tools). One torch thread,
-    which keeps a loaded 2-core machine's op times steady; the tools run in threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = tiny_model()
-        cfg = rl_config(group_size=4, turns=4, max_new_tokens=16)
-        prompts = tool_prompts(4, turns=4, tool_s=1.0, staggered=True)
-        generator = Generator(model, max_batch=16, max_len=MAX_LEN)
-        start = time.perf_counter()
-        batch = rollouts(generator, prompts, cfg)
-        wall = time.perf_counter() - start
-        alone = alone_seconds(model, prompts, cfg, batch.rollouts, MAX_LEN)
-    finally:
-        torch.set_num_threads(threads)
+    slowest episode alone (its generation alone plus its 1.2 s of tools)."""
+    model = tiny_model()
+    cfg = rl_config(group_size=4, turns=4, max_new_tokens=16)
+    prompts = tool_prompts(4, turns=4, tool_s=1.0, staggered=True)
+    generator = Generator(model, max_batch=16, max_len=MAX_LEN)
+    start = time.perf_counter()
+    batch = rollouts(generator, prompts, cfg)
+    wall = time.perf_counter() - start
+    alone = alone_seconds(model, prompts, cfg, batch.rollouts, MAX_LEN)
     tools = sum(r.info.get("tool_s", 0.0) for r in batch.rollouts)
     _, whole = prefill_counts(batch.rollouts, cfg.group_size)
     print(f"step {wall:.2f} s; slowest episode alone {max(alone):.2f} s; tools {tools:.1f} s "

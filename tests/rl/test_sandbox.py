@@ -7,7 +7,7 @@ import itertools
 import socket
 import time
 
-from torchloom.rl.env import Prompt, Turn
+from torchloom.rl.env import Prompt
 from torchloom.rl.sandbox import SandboxResult, run_python
 from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
 
@@ -184,31 +184,20 @@ def test_tool_prompts_resume_with_the_same_prompts() -> None:
             assert prompt.answer == int(a) * int(b), prompt
 
 
-class _ScriptedToolUse(PythonToolEnv):
-    """A random model writes no code: each episode's replies are replaced by a script, two
-    tool calls that each sleep 1 s (the second prints the answer), then the answer."""
-
-    CODE = "```python\nimport time\ntime.sleep(1)\nprint({})\n```"
-
-    def step(self, reply: str) -> Turn:
-        answer = self._prompt.answer if self._prompt is not None else None
-        script = [self.CODE.format(0), self.CODE.format(answer), f"Answer: {answer}"]
-        return super().step(script[self._turns])
-
-
 def test_tool_env_runs_in_the_rollout_pool() -> None:
-    """8 episodes of sandboxed tool use through generate_rollouts: every sandbox run happens in
-    the environments' thread pool, each episode gets its outputs and its reward, and the 16
-    one-second runs overlap (one after another they would take 16 s)."""
-    from rl.turns import ByteChat, rl_config, tiny_model
+    """8 episodes of sandboxed tool use through generate_rollouts (scripted replies: two runs
+    that sleep 1 s and print the answer, then the answer): every run happens in the
+    environments' thread pool, each episode gets its outputs and its reward, and the 16 runs
+    overlap (one after another they would take 16 s)."""
+    from rl.turns import ByteChat, ScriptedPythonTool, rl_config, tiny_model, tool_prompts
     from torchloom.generate.engine import Generator
     from torchloom.rl.rollout import generate_rollouts
 
-    prompts = [Prompt(f"What is {6 * i} + 1?", answer=6 * i + 1) for i in range(2)]
     cfg = rl_config(group_size=4, turns=3, max_new_tokens=4)
     batch = generate_rollouts(
-        Generator(tiny_model(), max_batch=8, max_len=256), ByteChat(), prompts,
-        lambda p: _ScriptedToolUse(max_turns=3), cfg, seed=0, step=0, version=0,
+        Generator(tiny_model(), max_batch=8, max_len=512), ByteChat(),
+        tool_prompts(2, turns=3, tool_s=1.0, staggered=False), ScriptedPythonTool, cfg,
+        seed=0, step=0, version=0,
     )  # fmt: skip
     print(f"8 episodes, 16 runs of 1 s: {batch.seconds:.2f} s")
     for rollout in batch.rollouts:  # the tool runs on every reply, a cut one too

@@ -1,7 +1,8 @@
 """A multi-turn workload for the rollout tests and their benchmark (benchmarks/rl_turns.py): a
 byte-level ChatML tokenizer whose stop set is a quarter of the vocabulary (so a random model's
-replies end after a few tokens, as a chat model's do), an environment whose tool calls sleep,
-and the measures: how long each episode takes alone, and the prompt tokens a run prefills."""
+replies end after a few tokens, as a chat model's do), environments whose tool calls sleep (in
+this process, or in the Python sandbox), and the measures: how long each episode takes alone,
+and the prompt tokens a run prefills."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.rl.config import RLConfig
 from torchloom.rl.env import Prompt, Turn
 from torchloom.rl.rollout import Rollout, generate_rollouts
+from torchloom.rl.tool_env import PythonToolEnv
 
 START, END = "<|im_start|>", "<|im_end|>"
 _WIDE = 0x4E00  # ids past the bytes and the two specials decode to CJK characters
@@ -89,17 +91,43 @@ class SleepToolEnv:
         return Turn(observation=f"tool {call}: {len(reply)}", info={**info, "tool_s": self.slept})
 
 
+class ScriptedPythonTool(PythonToolEnv):
+    """The sandboxed Python tool (``PythonToolEnv``) with a script for replies, since a random
+    model writes no code: ``len(delays)`` runs that sleep their delay (times ``scale``) and
+    print the answer, then the answer. ``info["tool_s"]``: the seconds slept so far."""
+
+    def __init__(self, prompt: Prompt, scale: float = 1.0) -> None:
+        self.delays = [d * scale for d in prompt.meta["delays"]]
+        super().__init__(max_turns=len(self.delays) + 1)
+        self.slept = 0.0
+
+    def step(self, reply: str) -> Turn:
+        assert self._prompt is not None
+        answer, call = self._prompt.answer, self._turns
+        if call < len(self.delays):
+            script = (
+                f"```python\nimport time\ntime.sleep({self.delays[call]})\nprint({answer})\n```"
+            )
+            self.slept += self.delays[call]
+        else:
+            script = f"Answer: {answer}"
+        turn = super().step(script)
+        turn.info["tool_s"] = self.slept
+        return turn
+
+
 def tool_prompts(count: int, turns: int, tool_s: float, staggered: bool) -> list[Prompt]:
     """Prompts whose episodes make turns - 1 tool calls of ``tool_s`` each or, ``staggered``,
     one call of ``tool_s`` (at call i mod (turns - 1) for prompt i) and the others a tenth of
-    it: every turn then has some slow episode, but no episode is slow twice."""
+    it: every turn then has some slow episode, but no episode is slow twice. The answer (for
+    ``ScriptedPythonTool``) is the prompt's index."""
     prompts = []
     for i in range(count):
         calls = turns - 1
         delays = [tool_s] * calls
         if staggered:
             delays = [tool_s if c == i % calls else tool_s / 10 for c in range(calls)]
-        prompts.append(Prompt(f"Task {i}: talk to the tool.", meta={"delays": delays}))
+        prompts.append(Prompt(f"Task {i}: talk to the tool.", answer=i, meta={"delays": delays}))
     return prompts
 
 
@@ -117,11 +145,16 @@ def rl_config(group_size: int, turns: int, max_new_tokens: int = 24) -> RLConfig
 
 
 def alone_seconds(
-    model, prompts: list[Prompt], cfg: RLConfig, rollouts: list[Rollout], max_len: int
+    model,
+    prompts: list[Prompt],
+    cfg: RLConfig,
+    rollouts: list[Rollout],
+    max_len: int,
+    env: type[SleepToolEnv | ScriptedPythonTool] = SleepToolEnv,
 ) -> list[float]:
-    """Each episode's own time: its generation run alone (one episode on an idle generator,
-    same seed, its tool calls not sleeping) plus the tool time it had in the run
-    (``info["tool_s"]``)."""
+    """Each episode's own time: the episode run alone (on an idle generator, same seeds, its
+    tool calls not sleeping) plus the seconds its tool calls slept in the run
+    (``info["tool_s"]``). Runs are at seed 0, step 0."""
     generator = Generator(model, max_batch=1, max_len=max_len)
     alone_cfg = replace(cfg, group_size=1)
     seconds = []
@@ -129,7 +162,7 @@ def alone_seconds(
         prompt = prompts[episode // cfg.group_size]
         start = time.perf_counter()
         (again,) = generate_rollouts(
-            generator, ByteChat(), [prompt], lambda p: SleepToolEnv(p, scale=0.0), alone_cfg,
+            generator, ByteChat(), [prompt], lambda p: env(p, scale=0.0), alone_cfg,
             seed=0, step=0, version=0, groups=[episode],
         ).rollouts  # fmt: skip
         generation_s = time.perf_counter() - start

@@ -47,7 +47,9 @@ class Check(NamedTuple):
 
 class Environment(Protocol):
     """One episode at a time per instance; the loop makes one instance per rollout
-    (``make_env``), so instances may keep state."""
+    (``make_env``), so instances may keep state. ``reset`` and ``step`` run in a thread pool
+    (torchloom/rl/rollout.py): an instance is called by one thread at a time, but different
+    instances run at once, so what they share must be thread-safe."""
 
     max_turns: int
     """Replies the model may give before the episode is cut (reward as ``step`` last said)."""

@@ -8,6 +8,9 @@ when the ``max_turns``-th reply gives no answer.
 
 ``tool_prompts(seed)`` is a small built-in source of tasks that reward using the tool (big
 products, sums of primes, digit sums of factorials, ...) with exact answers.
+
+Each run is its own subprocess, so the runs of a step's episodes, which the rollouts call from
+a thread pool, overlap (tests/rl/test_sandbox.py runs it through ``generate_rollouts``).
 """
 
 from __future__ import annotations
