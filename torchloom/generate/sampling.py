@@ -20,6 +20,15 @@ _MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX_2 = 0x94D049BB133111EB - 2**64
 
 
+def derive_seed(seed: int, *parts: int) -> int:
+    """A request's sampling seed from a run's seed and the integers that place it (a step, an
+    episode, a turn...), the same on every machine."""
+    value = seed
+    for part in parts:
+        value = (value * 1_000_003 + part + 1) % (2**61 - 1)
+    return value
+
+
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 values (``>>`` on tensors is arithmetic)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)

@@ -19,6 +19,7 @@ from typing import Any
 from torchloom.config.errors import ConfigError
 from torchloom.data.word_problems import HELD_OUT_POOL
 from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.sampling import derive_seed
 from torchloom.rl.env import Check, Prompt
 
 
@@ -63,10 +64,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def sample_seed(seed: int, prompt: int, sample: int) -> int:
     """The sampling seed of one (prompt, sample) pair, the same on every machine."""
-    value = seed
-    for part in (prompt, sample):
-        value = (value * 1_000_003 + part + 1) % (2**61 - 1)
-    return value
+    return derive_seed(seed, prompt, sample)
 
 
 def evaluate(

@@ -39,7 +39,6 @@ from torchloom.data.packing import Batch
 from torchloom.generate.engine import Generator
 from torchloom.models import build_model
 from torchloom.parallel import build_parallel_dims, init_distributed
-from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.data_parallel import mixed_precision_policy
 from torchloom.parallel.state import full_state_items
 from torchloom.rl.batches import advantages_by_rollout, minibatch_groups, my_micro_batches
@@ -63,7 +62,7 @@ from torchloom.train.expert_balance import expert_balance
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.run import RunScaffold
-from torchloom.train.step import StepParts, TrainStep
+from torchloom.train.step import StepParts, TrainStep, rank_batch
 from torchloom.train.trainer import Trainer
 
 
@@ -268,12 +267,7 @@ class RLRunner:
     # -- the update -----------------------------------------------------------------------------
 
     def _local(self, batch: Batch) -> Batch:
-        """The batch on this rank's device; under context parallelism, this rank's tokens."""
-        batch = batch.to(self.device, non_blocking=True)
-        if self.dims.degrees.cp > 1:
-            rank, size = self.dims.local_rank("cp"), self.dims.size("cp")
-            batch = batch.map_tokens(lambda t: shard_sequence(t, rank, size))
-        return batch
+        return rank_batch(batch, self.dims, self.device)
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """``ppo_epochs`` x ``minibatches`` optimizer steps on ``batch``; their metrics."""

@@ -34,6 +34,7 @@ from typing import Any
 
 from torchloom.config.errors import ConfigError
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams
+from torchloom.generate.sampling import derive_seed
 from torchloom.rl.config import RLConfig
 from torchloom.rl.env import Environment, Prompt, Turn
 
@@ -107,10 +108,7 @@ class _Episode:
 
 def request_seed(seed: int, step: int, episode: int, turn: int) -> int:
     """A sampling seed per (run seed, step, episode, turn), the same on every machine."""
-    value = seed
-    for part in (step, episode, turn):
-        value = (value * 1_000_003 + part + 1) % (2**61 - 1)
-    return value
+    return derive_seed(seed, step, episode, turn)
 
 
 def generate_rollouts(

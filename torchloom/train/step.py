@@ -18,6 +18,7 @@ from torch import nn
 
 from torchloom.data.packing import Batch
 from torchloom.parallel import as_local, loss_context, max_over_data_ranks, sum_over_data_ranks
+from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.mesh import ParallelDims
 from torchloom.parallel.pipeline import Pipeline
 from torchloom.train.cuda_graph import StepGraph
@@ -185,6 +186,15 @@ class TrainStep:
                 "--training.skip_nonfinite true skips such steps instead."
             )
         return False
+
+
+def rank_batch(batch: Batch, dims: ParallelDims, device: torch.device) -> Batch:
+    """The batch on this rank's device; under context parallelism, this rank's tokens."""
+    batch = batch.to(device, non_blocking=True)
+    if dims.degrees.cp > 1:
+        rank, size = dims.local_rank("cp"), dims.size("cp")
+        batch = batch.map_tokens(lambda t: shard_sequence(t, rank, size))
+    return batch
 
 
 @torch.no_grad()

@@ -19,7 +19,6 @@ from torchloom.config.fields import to_dict
 from torchloom.data.packing import Batch
 from torchloom.models import DecoderConfig
 from torchloom.parallel import build_parallel_dims, init_distributed
-from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.state import full_state_items
 from torchloom.train.builders import TrainBuilders, autocast_dtype, check_seq_len
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
@@ -31,7 +30,13 @@ from torchloom.train.output import (
 )
 from torchloom.train.profiling import StepProfiler
 from torchloom.train.run import RunScaffold
-from torchloom.train.step import StepParts, TrainingError, TrainStep, validation_loss
+from torchloom.train.step import (
+    StepParts,
+    TrainingError,
+    TrainStep,
+    rank_batch,
+    validation_loss,
+)
 
 __all__ = ["TrainResult", "Trainer", "TrainingError", "TrainingInterrupted"]
 
@@ -127,12 +132,7 @@ class Trainer:
         check_seq_len(config, self.job.training.seq_len)
 
     def _local(self, batch: Batch) -> Batch:
-        """The batch on this rank's device; under context parallelism, this rank's tokens."""
-        batch = batch.to(self.device, non_blocking=True)
-        if self.dims.degrees.cp > 1:
-            rank, size = self.dims.local_rank("cp"), self.dims.size("cp")
-            batch = batch.map_tokens(lambda t: shard_sequence(t, rank, size))
-        return batch
+        return rank_batch(batch, self.dims, self.device)
 
     def validate(self) -> float:
         """The objective's mean on the held-out batches (nan when there is no validation split)."""
