@@ -201,7 +201,7 @@ class RLRunner:
         self.gen_model.eval()
         parts = self.step_parts
         try:
-            with parts.autocast() if parts is not None else contextlib.nullcontext():
+            with parts.autocast(cache=False) if parts is not None else contextlib.nullcontext():
                 return generate_rollouts(
                     self.generator, self.tokenizer, prompts, self.make_env, self.job.rl,
                     seed=self.job.training.seed, step=step, version=version, groups=groups,
@@ -248,7 +248,11 @@ class RLRunner:
         started = time.perf_counter()
         self.model.eval()
         try:
-            with self.step_parts.autocast() if self.step_parts else contextlib.nullcontext():
+            with (
+                self.step_parts.autocast(cache=False)
+                if self.step_parts
+                else contextlib.nullcontext()
+            ):
                 values = evaluate(
                     self.eval_generator, self.tokenizer, HELD_OUT[r.task](ev.problems),
                     CHECKS[r.task], max_new_tokens=ev.max_new_tokens or r.max_new_tokens,

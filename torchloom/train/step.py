@@ -52,10 +52,13 @@ class StepParts:
     def after_update(self) -> dict[str, torch.Tensor]:
         return {} if self.expert_balance is None else self.expert_balance()
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
+        """The step's autocast. ``cache=False`` casts the weights anew in every op instead of
+        once per context: what a CUDA graph captured inside it must do, since a cached cast
+        is freed when the context exits while the graph would keep reading it."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
     def forward(self, batch: Batch) -> LossOutput:
         """The objective's output for one micro-batch (forward only; the caller backprops)."""
