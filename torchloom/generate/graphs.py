@@ -139,7 +139,9 @@ class DecodeGraphs:
         with torch.no_grad(), _no_garbage_collection():
             for rows in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: a lagged RL run captures in its generator thread while the
+                # trainer's thread goes on allocating; global mode would fail that capture.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self._outputs[rows] = self._forward(rows)
                 self._graphs[rows] = graph
         # The captures wrote dummy keys at position 0 of every slot: nothing is cached yet.
