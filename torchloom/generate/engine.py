@@ -4,9 +4,11 @@ token's log-probability.
 
 Requests wait in a queue (``submit``); each ``step`` is one scheduling round: when cache slots
 are free, waiting requests are prefilled together (right-padded; requests admitted together with
-the same prompt, like an RL group, share one prefill); otherwise every active request advances
-one token. A request leaves as soon as it stops, and its slot takes the next waiting request
-in the following round. ``generate(requests)`` submits and steps until they are done.
+the same prompt, like an RL group, share one prefill; when the rows are short, the active
+requests advance one token in the same forward); otherwise every active request advances one
+token. A request leaves as soon as it stops, and its slot takes the next waiting request in
+the following round. ``generate(requests)`` submits and steps until they are done.
+
 A sampled token's log-probability is that of the distribution it was drawn from (the fp32
 log-softmax of the logits, divided by the temperature, restricted to what top-k and top-p keep
 and renormalised: ``sampling.sampling_logprobs``); a greedy token's is the model's own. So an
@@ -198,8 +200,10 @@ class Generator:
         return request_id
 
     def step(self) -> list[tuple[int, Completion]]:
-        """One scheduling round: admit waiting requests into free slots with one prefill, or
-        else advance every active request by one token (one forward; a no-op when idle).
+        """One scheduling round: admit waiting requests into slots (free, their kept one, or
+        an evicted kept one) with one prefill, which also advances the active requests when
+        its rows are short, or else advance every active request by one token (one forward;
+        a no-op when idle).
         Returns (id, Completion) of the requests that finished in it, and of those refused by
         ``submit`` or ended by ``update_weights`` since the last step."""
         with torch.no_grad():
