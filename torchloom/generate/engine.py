@@ -516,6 +516,7 @@ def _draw(
         logprobs_SV, column([p.temperature for p in params]), column([p.top_k for p in params]),
         column([p.top_p for p in params]), column([states[i].seed for i in sampling]),
         column([len(states[i].completion.tokens) for i in sampling]),
+        filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
     )  # fmt: skip
     pairs = torch.stack((tokens_S.double(), picked_S.double()), dim=1).tolist()
     return {i: (int(token), logprob) for i, (token, logprob) in zip(sampling, pairs, strict=True)}

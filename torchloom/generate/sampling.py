@@ -78,6 +78,7 @@ def sampling_logprobs(
     temperature_B: torch.Tensor,
     top_k_B: torch.Tensor,
     top_p_B: torch.Tensor,
+    filtered: bool = True,
 ) -> torch.Tensor:
     """[B, V] fp32 log-probabilities of the distribution a row is sampled from: the model's
     log-probabilities divided by the temperature, restricted to the tokens top-k and top-p keep,
@@ -85,11 +86,14 @@ def sampling_logprobs(
     the RL trainer computes the same function of its own logits (torchloom/rl/objectives.py),
     so both score the distribution the tokens came from, bit for bit in batch-invariant mode.
     Rows at temperature 1 without top-k or top-p get ``logprobs_BV`` itself (the same
-    distribution; renormalising it again would only add rounding)."""
+    distribution; renormalising it again would only add rounding). ``filtered=False`` says no
+    row uses top-k or top-p (the caller knows from its settings): the sorts they need are
+    skipped, with the same result."""
     logprobs_BV = logprobs_BV.float()
     scores_BV = logprobs_BV / temperature_B[:, None]
-    kept_BV = kept_tokens(scores_BV, top_k_B, top_p_B)
-    sampling_BV = torch.log_softmax(scores_BV.masked_fill(~kept_BV, float("-inf")), dim=-1)
+    if filtered:
+        scores_BV = scores_BV.masked_fill(~kept_tokens(scores_BV, top_k_B, top_p_B), float("-inf"))
+    sampling_BV = torch.log_softmax(scores_BV, dim=-1)
     plain_B = (temperature_B == 1) & (top_k_B == 0) & (top_p_B >= 1)
     return torch.where(plain_B[:, None], logprobs_BV, sampling_BV)
 
@@ -101,11 +105,12 @@ def sample_rows(
     top_p_B: torch.Tensor,
     seeds_B: torch.Tensor,
     counters_B: torch.Tensor,
+    filtered: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([B] token ids, [B] their log-probabilities under the sampling distribution): row b drawn
     from its log-probabilities under its own settings (temperature > 0) with draw
     ``counters_B[b]`` of stream ``seeds_B[b]``."""
-    sampling_BV = sampling_logprobs(logprobs_BV, temperature_B, top_k_B, top_p_B)
+    sampling_BV = sampling_logprobs(logprobs_BV, temperature_B, top_k_B, top_p_B, filtered)
     noise_BV = uniform_noise(seeds_B, counters_B, sampling_BV.shape[-1])
     gumbel_BV = -torch.log(-torch.log(noise_BV))
     tokens_B = (sampling_BV + gumbel_BV).argmax(dim=-1)

@@ -32,6 +32,7 @@ def rl_debug() -> RLJobConfig:
             prompts_per_step=8,
             group_size=8,
             max_new_tokens=16,
+            max_refill_rounds=0,  # 2 CPU cores: refills would multiply the generation time
             init_recipes=["llama3_tiny", "sft_tiny"],
         ),
         output=OutputConfig(dir="outputs/rl_debug"),

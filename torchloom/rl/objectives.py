@@ -70,7 +70,7 @@ def sampled_token_logprobs(
     sampling_NV = sampling_logprobs(
         logprobs_NV, torch.full((rows,), cfg.temperature, device=device),
         torch.zeros(rows, dtype=torch.long, device=device),
-        torch.full((rows,), cfg.top_p, device=device),
+        torch.full((rows,), cfg.top_p, device=device), filtered=cfg.top_p < 1,
     )  # fmt: skip
     return picked_logprobs(sampling_NV.view(*labels_BT.shape, -1), labels_BT)
 
