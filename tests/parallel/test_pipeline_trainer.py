@@ -53,4 +53,6 @@ def test_pipeline_trainer_matches_single_process(
     print(f"{layout}: losses {parallel}, max |loss diff| {diff:.2e}, |param diff| {param_diff:.2e}")
     assert len(single) == len(parallel) == 6  # val before, 4 steps, val after
     assert diff < 1e-5
-    assert param_diff < 2e-5  # 4 Adam steps at lr up to 2e-3 amplify fp32 rounding noise
+    # 4 Adam steps at lr up to 2e-3 amplify fp32 rounding noise: 2.49e-5 on an AMD host's BLAS
+    # (the same before and after the RL rework), under 2e-5 on Intel.
+    assert param_diff < 4e-5
