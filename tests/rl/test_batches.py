@@ -62,6 +62,9 @@ def test_overlong_shaping_and_filtering() -> None:
     batch = to_batch(rows, [1.0, -1.0], filtered)
     assert (batch.labels[1] == IGNORE_INDEX).all()  # the cut rollout is out of the loss
     assert (batch.labels[0] != IGNORE_INDEX).sum() == 3
+    # An environment that raised ends its episode with 'error': never trained on.
+    failed = to_batch([rollout(0, 0.0, 3, finish="error"), rollout(0, 1.0, 3)], [-1, 1], cfg)
+    assert (failed.labels[0] == IGNORE_INDEX).all() and (failed.labels[1] != IGNORE_INDEX).any()
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence", "constant"])

@@ -32,6 +32,13 @@ def shaped_reward(rollout: Rollout, cfg: RLConfig) -> float:
     return rollout.reward - cfg.overlong_penalty * into / cfg.overlong_buffer
 
 
+def trains(rollout: Rollout, cfg: RLConfig) -> bool:
+    """Whether the loss trains on ``rollout``: not when its environment failed ('error': the
+    failure is the infrastructure's, not the policy's), nor when it was cut and
+    ``overlong_filter`` is on. Either still counts in its group's advantages."""
+    return rollout.finish_reason != "error" and not (cfg.overlong_filter and rollout.truncated)
+
+
 def advantages_by_rollout(rollouts: Sequence[Rollout], cfg: RLConfig) -> list[float]:
     """Each rollout's group-relative advantage (``group_advantages`` over its own group's
     shaped rewards), in the order given."""
@@ -59,7 +66,7 @@ def to_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cfg: RLCo
              multiple: int = 1) -> Batch:  # fmt: skip
     """The rollouts as one right-padded micro-batch (length a ``multiple`` of the sequence
     split of tensor / context parallelism). Labels are the next token on generated positions
-    (IGNORE_INDEX elsewhere, and everywhere in a cut rollout with ``overlong_filter``); extras:
+    (IGNORE_INDEX elsewhere, and everywhere in a rollout that ``trains`` says no to); extras:
     ``behavior_logprobs`` (the generator's), ``old_logprobs`` (the same until the trainer
     recomputes them), ``advantages`` (on every token of the row), ``weights`` (the loss
     normalization) and ``norm_units`` (int: 1 per trained token, or 1 on a sequence's first
@@ -74,7 +81,7 @@ def to_batch(rollouts: Sequence[Rollout], advantages: Sequence[float], cfg: RLCo
         n = len(r.tokens) - 1
         tokens_BT[row, :n] = torch.tensor(r.tokens[:-1])
         trained = torch.tensor(r.mask[1:])
-        if cfg.overlong_filter and r.truncated:
+        if not trains(r, cfg):
             trained = torch.zeros_like(trained)
         labels_BT[row, :n] = torch.where(trained, torch.tensor(r.tokens[1:]), IGNORE_INDEX)
         behavior_BT[row, :n] = torch.tensor(r.logprobs[1:], dtype=torch.float32)

@@ -41,7 +41,12 @@ from torchloom.models import build_model
 from torchloom.parallel import build_parallel_dims, init_distributed
 from torchloom.parallel.data_parallel import mixed_precision_policy
 from torchloom.parallel.state import full_state_items
-from torchloom.rl.batches import advantages_by_rollout, minibatch_groups, my_micro_batches
+from torchloom.rl.batches import (
+    advantages_by_rollout,
+    minibatch_groups,
+    my_micro_batches,
+    trains,
+)
 from torchloom.rl.config import RLJobConfig
 from torchloom.rl.disaggregated import Link, trainer_ranks
 from torchloom.rl.evaluate import evaluate
@@ -486,9 +491,7 @@ def _update_values(
 
 def _trained(rollout: Rollout, cfg: Any) -> int:
     """Tokens of ``rollout`` the loss trains on."""
-    if cfg.overlong_filter and rollout.truncated:
-        return 0
-    return sum(rollout.mask[1:])
+    return sum(rollout.mask[1:]) if trains(rollout, cfg) else 0
 
 
 def _summary(steps: int, rewards: list[float]) -> dict[str, float]:
