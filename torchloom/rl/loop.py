@@ -64,6 +64,7 @@ from torchloom.train.builders import (
     check_seq_len,
 )
 from torchloom.train.expert_balance import expert_balance
+from torchloom.train.loss import IGNORE_INDEX
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.run import RunScaffold
@@ -349,19 +350,20 @@ class RLRunner:
         assert parts is not None
         recompute = r.old_logprobs == "recompute" and r.ppo_epochs * r.minibatches > 1
         scorer = SampledLogProbs(r)
-        diff = 0.0
+        ref_parts = None if self.reference is None else replace(parts, model=self.reference)
+        diff = torch.zeros((), device=self.device)  # one host read at the end, not per batch
         for micro in minibatches:
             for b in micro:
-                mask = b.labels != -100
                 if recompute:
                     old = parts.score(b, scorer).float()
                     b.extras["old_logprobs"] = old
-                    gap = torch.where(mask, (old - b.extras["behavior_logprobs"]).abs(), 0.0)
-                    diff = max(diff, gap.max().item() if gap.numel() else 0.0)
-                if self.reference is not None:
-                    ref_parts = replace(parts, model=self.reference)
+                    gap = (old - b.extras["behavior_logprobs"]).abs()
+                    diff = torch.maximum(
+                        diff, torch.where(b.labels != IGNORE_INDEX, gap, 0.0).max()
+                    )
+                if ref_parts is not None:
                     b.extras["ref_logprobs"] = ref_parts.score(b, scorer).float()
-        return diff
+        return diff.item()
 
     # -- the loop -------------------------------------------------------------------------------
 
