@@ -184,18 +184,31 @@ def test_rms_norm_forward_is_batch_invariant_on_gpu(dtype: torch.dtype) -> None:
         assert torch.equal(together, alone), f"dim {dim}: max |diff| {diff:.2e}"
 
 
+def _block(cfg: TransformerConfig) -> Block:
+    """Layer 0 of ``cfg`` on its own, as the decoder builds it."""
+    return Block(cfg, 0, cfg.layer_specs()[0])
+
+
+def test_block_with_triton_slots_builds_on_cpu() -> None:
+    """What the GPU test below builds, built where CI runs: a change to Block's constructor
+    fails here, not only on a GPU machine."""
+    block, reference = _block(replace(TINY, head_dim=16, **TRITON_SLOTS)), _block(TINY)
+    assert isinstance(block.attention_norm, TritonRMSNorm)
+    assert block.state_dict().keys() == reference.state_dict().keys()
+
+
 @pytest.mark.gpu
 def test_compiled_block_with_triton_slots_matches_eager_on_gpu() -> None:
     """torch.compile traces the Triton ops without graph breaks (fullgraph) and agrees with
     eager, which agrees with the PyTorch slots (same state dict), within bf16 rounding."""
     torch.manual_seed(0)
     cfg = replace(TINY, head_dim=16, **TRITON_SLOTS)
-    block = Block(cfg).cuda().to(torch.bfloat16)
+    block = _block(cfg).cuda().to(torch.bfloat16)
     with torch.no_grad():
         for name, param in block.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-    reference = Block(replace(TINY, head_dim=16)).cuda().to(torch.bfloat16)
+    reference = _block(replace(TINY, head_dim=16)).cuda().to(torch.bfloat16)
     reference.load_state_dict(block.state_dict())
     x_BTD = torch.randn(2, 33, cfg.dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     positions_BT = torch.arange(33, device="cuda").expand(2, -1)

@@ -1,10 +1,14 @@
 """rl_debug learns, CI-sized: the chain behind `torchloom rl --recipe rl_debug` (pre-train
 llama3_tiny, chat-SFT it with sft_tiny, then GRPO on the letter-count task), through the same
 commands and recipes, with fewer steps and shorter sequences: the mean reward of the last fifth
-of the updates beats the first fifth's by a clear margin."""
+of the updates beats the first fifth's by a clear margin. The run evaluates the policy on the
+task's held-out words as the GPU recipe rl_wp does on its held-out problems (greedy pass@1 every
+20 updates, sampled pass@k at the start and the end), and those metrics are logged beside the
+reward."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -38,7 +42,14 @@ def test_rl_debug_reward_rises(tmp_path: Path) -> None:
                  "--output.dir", str(sft)]) == 0  # fmt: skip
     assert main(["rl", "--recipe", "rl_debug", "--training.steps", str(RL_STEPS),
                  "--checkpoint.initial_load_hf", str(sft / "hf"), "--data.tokenizer",
-                 str(sft / "hf"), *QUICK, "--output.dir", str(rl)]) == 0  # fmt: skip
+                 str(sft / "hf"), *QUICK, "--output.dir", str(rl), "--eval.every", "20",
+                 "--eval.problems", "48", "--eval.k", "4"]) == 0  # fmt: skip
+    lines = (rl / "metrics.jsonl").read_text().splitlines()
+    evals = [r for r in map(json.loads, lines) if "eval_pass@1" in r]
+    print("held-out:", [(r["step"], r["eval_pass@1"], r.get("eval_pass@4")) for r in evals])
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert "eval_pass@4" in evals[0] and "eval_pass@4" in evals[-1]
+    assert all(0.0 <= r[k] <= 1.0 for r in evals for k in r if k.startswith("eval_pass@"))
     rewards = [r["reward_mean"] for r in records(rl)]
     assert len(rewards) == RL_STEPS
     fifth = RL_STEPS // 5

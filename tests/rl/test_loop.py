@@ -138,3 +138,5 @@ def test_held_out_evaluation_is_logged_and_plotted(tmp_path: Path) -> None:
     assert main(["plot", str(tmp_path), "--metric", "eval_pass@1"]) == 0
     assert (tmp_path / "metrics-eval_pass_1.png").stat().st_size > 0
     assert main(["rl", *BASE, "--output.dir", str(tmp_path / "x"), "--eval.every", "1"]) == 2
+    assert main(["rl", *BASE, "--output.dir", str(tmp_path / "y"), "--rl.task", "letters",
+                 "--eval.every", "1", "--eval.problems", "49"]) == 2  # fmt: skip

@@ -187,10 +187,13 @@ def _largest(rng: random.Random) -> Task:
     return f"Which number is the largest: {listed}?", str(max(numbers)), max(numbers)
 
 
-def _count_letters(rng: random.Random) -> Task:
-    word = rng.choice(WORDS)
+def count_letters_task(word: str) -> Task:
     question = f'How many letters are in the word "{word}"?'
     return question, f'The word "{word}" has {len(word)} letters.', len(word)
+
+
+def _count_letters(rng: random.Random) -> Task:
+    return count_letters_task(rng.choice(WORDS))
 
 
 def _count_letter(rng: random.Random) -> Task:

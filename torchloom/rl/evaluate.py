@@ -25,12 +25,12 @@ from torchloom.rl.env import Check, Prompt
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation of the policy during RL (the word_problems task's held-out set)."""
+    """Held-out evaluation of the policy during RL, on the task's held-out set (tasks.HELD_OUT)."""
 
     every: int = 0
     """Greedy held-out pass@1 every this many updates (0: off)."""
     problems: int = 500
-    """Held-out problems to evaluate on (the first N of the fixed held-out set, at most 1000)."""
+    """Held-out problems to evaluate on: the first N of the task's fixed set (word_problems: 1000)."""
     k: int = 0
     """Samples per problem for pass@k at the start and the end of the run (0: off; e.g. 8)."""
     max_new_tokens: int = 0

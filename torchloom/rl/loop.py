@@ -122,6 +122,11 @@ class RLRunner:
                 f"--eval.every / --eval.k evaluate on the task's held-out set, and task "
                 f"{r.task!r} has none (tasks with one: {sorted(HELD_OUT)}); set both to 0."
             )
+        if ev.every or ev.k:
+            try:
+                HELD_OUT[r.task](ev.problems)
+            except ValueError as e:
+                raise ConfigError(f"--eval.problems {ev.problems}: {e}.") from None
         self.version = 0  # RL steps the policy has taken
         self.gen_version = 0  # the version the generator's weights hold (a copy's, with lag)
         self.params_lock = threading.Lock()

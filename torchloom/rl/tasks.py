@@ -31,7 +31,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # Private on purpose there; used here so RL questions stay worded exactly as the SFT ones.
-from torchloom.data.chat_tasks import _add, _count_letters, _sort_numbers, _subtract
+from torchloom.data.chat_tasks import (
+    WORDS,
+    _add,
+    _count_letters,
+    _sort_numbers,
+    _subtract,
+    count_letters_task,
+)
 from torchloom.rl.env import Check, Environment, Prompt, PromptSource, Turn
 from torchloom.rl.word_problems import check_final_answer, held_out_problems, word_problems_prompt
 
@@ -49,6 +56,30 @@ def letters_prompt(rng: random.Random) -> Prompt:
     reply's last number)."""
     question, _, count = _count_letters(rng)
     return Prompt(question, answer=count, meta={"task": "letters"})
+
+
+# Words the letters task never asks about (its stream and the chat SFT set draw from WORDS):
+# counting their letters is the held-out skill. Lengths 3 to 9, so no one count is most of them.
+LETTERS_HELD_OUT = (
+    "cup", "owl", "jam", "fox", "frog", "bell", "coat", "drum", "kite", "nest", "ocean",
+    "wagon", "bench", "piano", "puzzle", "mouse", "clock", "lemon", "ladder", "bottle", "castle",
+    "rocket", "planet", "tomato", "spider", "carpet", "pillow", "blanket", "thunder", "kitchen",
+    "morning", "harvest", "library", "diamond", "mountain", "elephant", "dinosaur", "umbrella",
+    "notebook", "sandwich", "butterfly", "chocolate", "telescope", "waterfall", "blueberry",
+    "crocodile", "hurricane", "pineapple",
+)  # fmt: skip
+assert not set(LETTERS_HELD_OUT) & set(WORDS), "a held-out word is in the training words"
+
+
+def held_out_letters(n: int) -> list[Prompt]:
+    """The first ``n`` (at most 48) held-out letter-count questions."""
+    if not 0 < n <= len(LETTERS_HELD_OUT):
+        raise ValueError(f"the letters task has {len(LETTERS_HELD_OUT)} held-out words; got {n}")
+    prompts = []
+    for word in LETTERS_HELD_OUT[:n]:
+        question, _, count = count_letters_task(word)
+        prompts.append(Prompt(question, answer=count, meta={"task": "letters"}))
+    return prompts
 
 
 def sort_prompt(rng: random.Random) -> Prompt:
@@ -226,7 +257,10 @@ CHECKS: dict[str, Callable[[str, Any], Check]] = {
 }
 """Task name (``prompt.meta["task"]``) -> the check of a reply against ``prompt.answer``."""
 
-HELD_OUT: dict[str, Callable[[int], list[Prompt]]] = {"word_problems": held_out_problems}
+HELD_OUT: dict[str, Callable[[int], list[Prompt]]] = {
+    "word_problems": held_out_problems,
+    "letters": held_out_letters,
+}
 """Task name -> its fixed held-out set (the first n problems; never in the training stream),
 what ``--eval.every`` and ``--eval.k`` evaluate the policy on."""
 
