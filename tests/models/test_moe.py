@@ -92,10 +92,13 @@ def test_gradients_match_the_direct_loop() -> None:
 def test_grouped_linear_matches_a_loop_with_empty_groups() -> None:
     g = torch.Generator().manual_seed(3)
     x_MD, w_EOD = torch.randn(10, 6, generator=g), torch.randn(4, 5, 6, generator=g)
-    ends = torch.tensor([3, 3, 9, 9], dtype=torch.int32)  # groups 1 and 3 empty, 1 row unused
+    ends = torch.tensor([3, 3, 10, 10], dtype=torch.int32)  # groups 1 and 3 empty
     out = grouped_linear(x_MD, w_EOD, ends)
-    expected = torch.cat([x_MD[:3] @ w_EOD[0].T, x_MD[3:9] @ w_EOD[2].T, torch.zeros(1, 5)])
+    expected = torch.cat([x_MD[:3] @ w_EOD[0].T, x_MD[3:10] @ w_EOD[2].T])
     torch.testing.assert_close(out, expected)
+    # A row in no group: torch._grouped_mm would leave it unwritten, so the loop refuses it.
+    with pytest.raises(ValueError, match="groups end at row 9 of 10"):
+        grouped_linear(x_MD, w_EOD, torch.tensor([3, 3, 9, 9], dtype=torch.int32))
 
 
 def test_balance_loss_matches_its_formula() -> None:

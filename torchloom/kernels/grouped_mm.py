@@ -53,8 +53,9 @@ def grouped_linear(
     invariant: bool = False,
 ) -> torch.Tensor:
     """[M, O]: row block e of ``x_MD`` (rows ends[e-1]..ends[e]) times ``weight_EOD[e]``
-    transposed. ``ends_E`` is the int32 cumulative row count per group (ends[-1] <= M; rows
-    past it come out zero)."""
+    transposed. ``ends_E`` is the int32 cumulative row count per group, and every row belongs
+    to one: ends[-1] == M (``torch._grouped_mm`` leaves rows past the last end unwritten, so
+    the loop refuses them rather than give the two paths different answers)."""
     device = x_MD.device.type
     if torch.is_autocast_enabled(device):  # autocast does not reach inside either path
         dtype = torch.get_autocast_dtype(device)
@@ -70,9 +71,12 @@ def grouped_linear(
 # a compiled region keeps them as one call instead of breaking its graph.
 
 
-def _bounds(ends_E: torch.Tensor) -> list[tuple[int, int, int]]:
+def _bounds(ends_E: torch.Tensor, rows: int) -> list[tuple[int, int, int]]:
     """(group, first row, end row) of every non-empty group, read on the host."""
     bounds = [0, *ends_E.tolist()]
+    if bounds[-1] != rows:
+        raise ValueError(f"grouped_linear: the groups end at row {bounds[-1]} of {rows}; "
+                         "every row must belong to a group (ends[-1] == rows)")  # fmt: skip
     return [(e, lo, hi) for e, (lo, hi) in enumerate(itertools.pairwise(bounds)) if hi > lo]
 
 
@@ -83,7 +87,7 @@ def _loop(
     """One matmul per group (the fixed-order linear when ``invariant``)."""
     linear = batch_invariant.linear if invariant else F.linear
     out_MO = x_MD.new_zeros(x_MD.shape[0], weight_EOD.shape[1])
-    for e, lo, hi in _bounds(ends_E):
+    for e, lo, hi in _bounds(ends_E, x_MD.shape[0]):
         out_MO[lo:hi] = linear(x_MD[lo:hi], weight_EOD[e])
     return out_MO
 
@@ -98,7 +102,7 @@ def _loop_backward(
     grad_MO: torch.Tensor, x_MD: torch.Tensor, weight_EOD: torch.Tensor, ends_E: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_x, grad_w = torch.zeros_like(x_MD), torch.zeros_like(weight_EOD)
-    for e, lo, hi in _bounds(ends_E):
+    for e, lo, hi in _bounds(ends_E, x_MD.shape[0]):
         grad_x[lo:hi] = grad_MO[lo:hi] @ weight_EOD[e]
         grad_w[e] = grad_MO[lo:hi].T @ x_MD[lo:hi]
     return grad_x, grad_w
