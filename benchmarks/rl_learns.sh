@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The real-learning run on one GPU (docs/rl.md "It learns"): build the base model from
-# generated problems with worked solutions (wp_base: pre-training, then wp_sft: chat SFT), then
-# RL on held-out-evaluated word problems (rl_wp) with two seeds side by side, then a short
-# lagged run for the overlap measurement. Everything it prints and each run's metrics go to OUT.
+# generated problems with worked solutions (wp_base: pre-training, then wp_sft: chat SFT on a
+# mix of worked and direct answers), then RL on word problems (rl_wp) with the seeds side by
+# side, each evaluated on the 500 held-out problems. With LAGGED=1 a third run beside them is
+# the lagged colocated placement (--rl.max_offpolicy_steps 1) from seed 0, for the step-time
+# overlap. Everything goes to one tarball, OUT/rl_learns.tgz (the device returns 8 files).
 #
 #   bash benchmarks/rl_learns.sh OUT [SEEDS...]        # from the repository root
 #
 # On the lent H200: PYTHONPATH=. and the device's python3; one call of at most 10 minutes.
 # DEADLINE (seconds from the start, default 570) stops the RL runs in time for the call's
-# limit; each run's metrics.jsonl is written as it goes, into OUT/seedN/, so a stopped run's
-# curve still comes back.
+# limit; RL_ARGS are added to every RL run's command line; EXTRA runs beside everything (a
+# command, e.g. the GPU tests), its output in extra.log.
 set -uo pipefail
 OUT=${1:?usage: rl_learns.sh OUT [SEEDS...]}
 shift
@@ -17,43 +19,43 @@ SEEDS=${*:-"0 1"}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
+W=$(mktemp -d)
 began=$(date +%s)
-say() { echo "[$(( $(date +%s) - began )) s] $*" | tee -a "$OUT/steps.log"; }
+say() { echo "[$(( $(date +%s) - began )) s] $*" | tee -a "$W/steps.log"; }
+pack() { tar czf "$OUT/rl_learns.tgz" -C "$W" . ; }
+trap pack EXIT
+[ -n "${EXTRA:-}" ] && { bash -c "$EXTRA" > "$W/extra.log" 2>&1; say "extra: $(tail -1 "$W/extra.log")"; } &
 
 for recipe in wp_base wp_sft; do
   if [ ! -e "outputs/$recipe/hf" ]; then
     say "train $recipe"
-    $PY -m torchloom train --recipe "$recipe" --output.overwrite true > "$OUT/$recipe.log" 2>&1 \
-      || { say "$recipe failed"; tail -20 "$OUT/$recipe.log"; exit 1; }
-    grep -E "^done|val_loss|tok/s" "$OUT/$recipe.log" | tail -3
+    $PY -m torchloom train --recipe "$recipe" --output.overwrite true > "$W/$recipe.log" 2>&1 \
+      || { say "$recipe failed"; tail -20 "$W/$recipe.log"; exit 1; }
+    grep -E "^done" "$W/$recipe.log" | tail -1
   fi
 done
 
 left=$(( ${DEADLINE:-570} - ($(date +%s) - began) ))
-say "rl_wp seeds: $SEEDS (side by side), ${left} s left"
+runs=()
+for seed in $SEEDS; do runs+=("seed$seed:$seed:0"); done
+[ -n "${LAGGED:-}" ] && runs+=("lag1:0:1")
+say "rl_wp runs: ${runs[*]} (side by side), ${left} s left"
 pids=()
-for seed in $SEEDS; do
-  timeout "$left" $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$OUT/rl_wp_seed$seed.json" \
-    -- --training.seed "$seed" --output.dir "$OUT/seed$seed" --output.overwrite true \
-    --checkpoint.export_hf false --checkpoint.save_final_model false --metrics.tensorboard false \
-    ${RL_ARGS:-} > "$OUT/rl_wp_seed$seed.log" 2>&1 &
+for run in "${runs[@]}"; do
+  IFS=: read -r name seed lag <<< "$run"
+  timeout "$left" $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$W/$name.json" \
+    -- --training.seed "$seed" --rl.max_offpolicy_steps "$lag" --output.dir "$W/$name" \
+    --output.overwrite true --checkpoint.export_hf false --checkpoint.save_final_model false \
+    --metrics.tensorboard false ${RL_ARGS:-} > "$W/$name.log" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || say "an RL run ended early (pid $pid)"; done
-for seed in $SEEDS; do
-  $PY -m torchloom plot "$OUT/seed$seed" --metric eval_pass@1 --metric reward_mean
-  tail -14 "$OUT/rl_wp_seed$seed.log"
+for run in "${runs[@]}"; do
+  name=${run%%:*}
+  echo "== $name"
+  grep -E "^step .*eval_" "$W/$name.log"
+  tail -16 "$W/$name.log" | grep -v "^step "
+  $PY -m torchloom plot "$W/$name" --metric eval_pass@1 --metric reward_mean > /dev/null
 done
-say "rl_wp done"
-
-if [ -n "${LAGGED_STEPS:-}" ]; then
-  say "lagged colocated: $LAGGED_STEPS steps with max_offpolicy_steps 1, then on-policy"
-  for lag in 1 0; do
-    $PY benchmarks/rl_gpu.py --recipe rl_wp --json "$OUT/lag$lag.json" -- \
-      --training.steps "$LAGGED_STEPS" --rl.max_offpolicy_steps $lag --eval.every 0 --eval.k 0 \
-      --output.dir "outputs/rl_wp_lag$lag" --output.overwrite true --checkpoint.export_hf false \
-      --checkpoint.save_final_model false > "$OUT/lag$lag.log" 2>&1
-    tail -8 "$OUT/lag$lag.log"
-  done
-fi
+wait
 say "all done"

@@ -152,7 +152,7 @@ def test_training_never_sees_a_held_out_question() -> None:
     assert wp.training_problem(rng).question not in held_out
     stream = [p.text for p in itertools.islice(TASKS["word_problems"](seed=0), 20_000)]
     corpus = "\n".join(wp.corpus_documents(4000))
-    chats = [c[0]["content"] for c in wp.chat_conversations(4000)]
+    chats = [c[0]["content"] for c in wp.chat_conversations(4000, direct_share=0.5)]
     leaked = [q for q in held_out if q in stream or f"Question: {q}\n" in corpus or q in chats]
     # The stream would meet held-out questions (small arithmetic repeats) if it did not skip them.
     would_meet = sum(wp.mixed_problem(random.Random(f"word_problems:0:{i}")).question in held_out
@@ -190,3 +190,20 @@ def test_builtin_sources_generate_their_files_once(tmp_path: Path) -> None:
     assert len(lines) == 10 and user["role"] == "user" and assistant["role"] == "assistant"
     assert assistant["content"].rsplit("\n", 1)[-1].startswith("The answer is ")
     assert resolve_sources(["builtin:word_problems"], "text", tmp_path)[0] == text  # cached
+
+
+def test_the_mixed_chat_set_answers_half_directly() -> None:
+    """builtin:word_problems_chat_mixed: the same questions as the worked set, and about half
+    of the replies are the worked solution's last line alone, chosen by a seeded draw."""
+    worked = wp.chat_conversations(2000)
+    mixed = wp.chat_conversations(2000, direct_share=wp.MIXED_DIRECT_SHARE)
+    assert [c[0] for c in mixed] == [c[0] for c in worked]
+    direct = 0
+    for (_, full), (_, reply) in zip(worked, mixed, strict=True):
+        if reply != full:
+            direct += 1
+            assert reply["content"] == full["content"].rsplit("\n", 1)[-1]
+            assert reply["content"].startswith("The answer is ")
+    print(f"{direct} of 2000 replies direct")
+    assert 900 < direct < 1100
+    assert mixed == wp.chat_conversations(2000, direct_share=wp.MIXED_DIRECT_SHARE)

@@ -11,13 +11,15 @@ BUILTIN_CORPUS = "builtin:stdlib_docs"
 BUILTIN_CHAT = "builtin:chat_tasks"
 BUILTIN_WORD_PROBLEMS = "builtin:word_problems"
 BUILTIN_WORD_PROBLEMS_CHAT = "builtin:word_problems_chat"
+BUILTIN_WORD_PROBLEMS_CHAT_MIXED = "builtin:word_problems_chat_mixed"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
 # 256 byte tokens + the four special tokens; anything smaller cannot encode arbitrary text.
 MIN_BUILTIN_VOCAB = 260
 # The default builtin data set of each format, and the format of every builtin data set.
 BUILTIN_SOURCES = {"text": BUILTIN_CORPUS, "chat": BUILTIN_CHAT}
 BUILTIN_FORMATS = {BUILTIN_CORPUS: "text", BUILTIN_WORD_PROBLEMS: "text",
-                   BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat"}  # fmt: skip
+                   BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat",
+                   BUILTIN_WORD_PROBLEMS_CHAT_MIXED: "chat"}  # fmt: skip
 
 
 @dataclass
@@ -36,7 +38,8 @@ class DataConfig:
     --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order);
     builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
     builtin:chat_tasks (small synthetic tasks), builtin:word_problems_chat (a question, then
-    its worked solution), .jsonl files or directories of them."""
+    its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
+    giving only the answer), .jsonl files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""

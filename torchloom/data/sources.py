@@ -14,9 +14,14 @@ from torchloom.data.config import (
     BUILTIN_CORPUS,
     BUILTIN_WORD_PROBLEMS,
     BUILTIN_WORD_PROBLEMS_CHAT,
+    BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
-from torchloom.data.word_problems import ensure_word_problem_chat, ensure_word_problem_corpus
+from torchloom.data.word_problems import (
+    ensure_word_problem_chat,
+    ensure_word_problem_chat_mixed,
+    ensure_word_problem_corpus,
+)
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 MESSAGES_FIELD = "messages"
@@ -25,7 +30,8 @@ MESSAGES_FIELD = "messages"
 BUILTIN_TEXT = {BUILTIN_CORPUS: ensure_builtin_corpus,
                 BUILTIN_WORD_PROBLEMS: ensure_word_problem_corpus}  # fmt: skip
 BUILTIN_CHATS = {BUILTIN_CHAT: ensure_builtin_chat,
-                 BUILTIN_WORD_PROBLEMS_CHAT: ensure_word_problem_chat}  # fmt: skip
+                 BUILTIN_WORD_PROBLEMS_CHAT: ensure_word_problem_chat,
+                 BUILTIN_WORD_PROBLEMS_CHAT_MIXED: ensure_word_problem_chat_mixed}  # fmt: skip
 
 
 @dataclass(frozen=True)

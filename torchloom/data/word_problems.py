@@ -377,13 +377,20 @@ def corpus_documents(count: int, seed: str = "word_problems:corpus") -> list[str
     return documents
 
 
-def chat_conversations(count: int, seed: str = "word_problems:chat") -> list[list[dict[str, str]]]:
-    """Chats of one exchange: the question, then the worked solution."""
-    rng = random.Random(seed)
-    return [
-        [{"role": "user", "content": p.question}, {"role": "assistant", "content": p.solution}]
-        for p in (training_problem(rng) for _ in range(count))
-    ]
+def chat_conversations(
+    count: int, seed: str = "word_problems:chat", direct_share: float = 0.0
+) -> list[list[dict[str, str]]]:
+    """Chats of one exchange: the question, then the worked solution; or, for a
+    ``direct_share`` of them drawn at random, only its last line (``The answer is N.``)."""
+    rng, direct = random.Random(seed), random.Random(f"{seed}:direct")
+    chats = []
+    for problem in (training_problem(rng) for _ in range(count)):
+        reply = problem.solution
+        if direct.random() < direct_share:
+            reply = reply.rsplit("\n", 1)[-1]
+        chats.append([{"role": "user", "content": problem.question},
+                      {"role": "assistant", "content": reply}])  # fmt: skip
+    return chats
 
 
 def ensure_word_problem_corpus(cache_dir: Path) -> Path:
@@ -396,12 +403,28 @@ def ensure_word_problem_corpus(cache_dir: Path) -> Path:
     return path
 
 
-def ensure_word_problem_chat(cache_dir: Path) -> Path:
+def ensure_word_problem_chat(cache_dir: Path, direct_share: float = 0.0) -> Path:
     """Path of the ``builtin:word_problems_chat`` JSONL (field ``messages``), generated on
-    first use."""
-    path = cache_dir / "builtin" / f"word_problems_chat-v{WORD_PROBLEMS_VERSION}.jsonl"
+    first use; with ``direct_share`` (``builtin:word_problems_chat_mixed``) that share of the
+    replies states only the answer."""
+    name = "word_problems_chat" if not direct_share else f"word_problems_chat_direct{direct_share}"
+    path = cache_dir / "builtin" / f"{name}-v{WORD_PROBLEMS_VERSION}.jsonl"
     if not path.exists():
-        chats = chat_conversations(CHAT_CONVERSATIONS)
+        chats = chat_conversations(CHAT_CONVERSATIONS, direct_share=direct_share)
         atomic_write_text(path, "".join(json.dumps({"messages": c}) + "\n" for c in chats))
         log.info("Generated %s: %d conversations", path, len(chats))
     return path
+
+
+MIXED_DIRECT_SHARE = 0.5
+"""The share of ``builtin:word_problems_chat_mixed``'s replies that give only the answer."""
+
+
+def ensure_word_problem_chat_mixed(cache_dir: Path) -> Path:
+    """``builtin:word_problems_chat_mixed``: the same chats, half of them answered directly.
+
+    Instruct data often mixes worked and bare answers. A small model imitates both, but it
+    cannot do a multi-step problem without writing the steps, so its direct answers are mostly
+    wrong: the SFT model is right only sometimes (pass@k well above pass@1), and RL has a real
+    skill to learn (work the problem out every time)."""
+    return ensure_word_problem_chat(cache_dir, MIXED_DIRECT_SHARE)

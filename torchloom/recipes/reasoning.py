@@ -2,8 +2,13 @@
 
 The chain mirrors llama3_500m -> sft_500m: pre-train from scratch on ``builtin:word_problems``
 (problems and their worked steps as plain text), then chat-SFT the HF export on
-``builtin:word_problems_chat`` (the question as the user's message, the worked solution as the
-reply), so that the model answers the RL task ``word_problems`` in the form its check reads.
+``builtin:word_problems_chat_mixed`` (the question as the user's message; as the reply, the
+worked solution, or in half of the chats only its last line, "The answer is N."), so that the
+model answers the RL task ``word_problems`` in the form its check reads. Like much instruct
+data, the mix teaches two styles: worked answers, which the model gets right, and direct ones,
+which it mostly cannot compute in its head. So the SFT model is right only sometimes, and RL
+has a skill to learn: to work every problem out. (SFT on worked answers alone,
+``builtin:word_problems_chat``, gave a model at 97.4% held-out pass@1: nothing left for RL.)
 Neither data set holds a question of the held-out set (torchloom/rl/word_problems.py).
 """
 
@@ -11,7 +16,11 @@ from __future__ import annotations
 
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
-from torchloom.data.config import BUILTIN_WORD_PROBLEMS, BUILTIN_WORD_PROBLEMS_CHAT, DataConfig
+from torchloom.data.config import (
+    BUILTIN_WORD_PROBLEMS,
+    BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
+    DataConfig,
+)
 from torchloom.models.config import ModelConfig
 from torchloom.rl.config import RLConfig, RLJobConfig
 from torchloom.rl.evaluate import EvalConfig
@@ -57,11 +66,14 @@ def wp_base() -> JobConfig:
 
 @register_recipe("wp_sft")
 def wp_sft() -> JobConfig:
-    """Chat SFT of wp_base's HF export on builtin:word_problems_chat (one GPU, about a minute)."""
+    """Chat SFT of wp_base's HF export on builtin:word_problems_chat_mixed (one GPU, about a
+    minute)."""
     return JobConfig(
         # The architecture comes from the folder's config.json; the family must match it.
         model=ModelConfig(name="llama3", flavor="debug"),
-        data=DataConfig(format="chat", sources=[BUILTIN_WORD_PROBLEMS_CHAT], tokenizer=WP_BASE_HF),
+        data=DataConfig(
+            format="chat", sources=[BUILTIN_WORD_PROBLEMS_CHAT_MIXED], tokenizer=WP_BASE_HF
+        ),
         training=TrainingConfig(
             steps=300,
             seq_len=512,
