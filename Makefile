@@ -1,9 +1,12 @@
 # The two commands of the README: `make train` and `make test`. Both set up what is missing first.
+# `make test-gpu` (on a machine with a CUDA GPU) runs every GPU test and a short GPU training run
+# of each family; it uses .venv when there is one, else the machine's python3 (PY=... to choose).
 VENV := .venv
 BIN := $(VENV)/bin
 RECIPE ?= llama3_tiny
+PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: setup train test lint format
+.PHONY: setup train test test-gpu lint format
 
 setup: $(VENV)/.torchloom-installed
 
@@ -15,6 +18,10 @@ train: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q
+
+test-gpu:
+	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-gpu needs a CUDA GPU; this machine has none (make test skips the GPU tests)')"
+	$(PY) -m pytest -q -m gpu -rs tests
 
 lint: setup
 	$(BIN)/ruff check .
