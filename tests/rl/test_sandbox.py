@@ -9,6 +9,11 @@ import os
 import socket
 import time
 
+import pytest
+
+from torchloom.config.errors import ConfigError
+from torchloom.rl import tool_env
+from torchloom.rl.config import RLConfig
 from torchloom.rl.env import Prompt
 from torchloom.rl.isolation import readable_paths
 from torchloom.rl.sandbox import SandboxResult, probe_isolation, run_python
@@ -174,6 +179,22 @@ def test_mkfifo_outside_the_folder_fails_and_leaves_nothing(tmp_path) -> None:
         assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
     assert seen["inside"] == ["ok", ["fifo", "main.py"]], seen
     assert list(tmp_path.iterdir()) == [], "a FIFO escaped the sandbox"
+
+
+def test_tool_env_refuses_to_start_without_isolation(monkeypatch) -> None:
+    """Where neither a mount namespace nor Landlock works (simulated: the probe finds none),
+    the environment refuses in one line naming the flag; the unsafe flag lets it run."""
+    monkeypatch.setattr(tool_env, "probe_isolation", lambda: ())
+    with pytest.raises(ConfigError) as refusal:
+        PythonToolEnv()
+    message = str(refusal.value)
+    assert "\n" not in message and "--rl.unsafe_sandbox true" in message, message
+    env = PythonToolEnv(unsafe_sandbox=True)
+    env.reset(Prompt("What is 6 * 7?", answer="42"))
+    turn = env.step("```python\nprint(6 * 7)\n```")
+    assert turn.observation == "Output:\n42" and turn.info["tool_ok"], turn
+    with pytest.raises(ConfigError, match="python_tool"):
+        RLConfig(task="arithmetic", unsafe_sandbox=True).validate()
 
 
 def test_this_machine_isolates_the_filesystem() -> None:
