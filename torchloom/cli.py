@@ -162,7 +162,10 @@ def cmd_rl(argv: list[str]) -> int:
         return 0
     from torchloom.parallel import destroy
     from torchloom.rl.loop import RLRunner, prepare_initial_model
+    from torchloom.rl.tool_env import PythonToolEnv
 
+    if job.rl.task == "python_tool":  # refuse an unisolated sandbox before any training
+        PythonToolEnv(unsafe_sandbox=job.rl.unsafe_sandbox)
     prepare_initial_model(job)
     trainer = RLRunner(job)
     try:

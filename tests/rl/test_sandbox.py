@@ -4,18 +4,26 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import socket
 import time
 
+import pytest
+
+from torchloom.config.errors import ConfigError
+from torchloom.rl import tool_env
+from torchloom.rl.config import RLConfig
 from torchloom.rl.env import Prompt
-from torchloom.rl.sandbox import SandboxResult, run_python
+from torchloom.rl.isolation import readable_paths
+from torchloom.rl.sandbox import SandboxResult, probe_isolation, run_python
 from torchloom.rl.tool_env import PythonToolEnv, tool_prompts
 
 
 def _describe(result: SandboxResult) -> str:
     return (
         f"exit {result.exit_code}, killed {result.killed_reason}, {result.wall_s:.2f} s, "
-        f"netns {result.network_isolated}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
+        f"netns {result.network_isolated}, filesystem {result.filesystem_isolation}\nstdout: {result.stdout!r}\nstderr: {result.stderr!r}"
     )
 
 
@@ -108,6 +116,92 @@ print(open("inside.txt").read())
     assert result.stdout.count("refused") == 6 and "worked" not in result.stdout, _describe(result)
     assert result.stdout.endswith("kept\n"), _describe(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "a write escaped the sandbox"
+
+
+def _attempts(attempts: dict[str, str]) -> str:
+    """Code that runs each expression and prints {name: ["ok", value] or ["error", type]}."""
+    lines = ["import json, os", "seen = {}"]
+    for name, expression in attempts.items():
+        lines += [
+            "try:",
+            f"    seen[{name!r}] = ['ok', {expression}]",
+            "except OSError as error:",
+            f"    seen[{name!r}] = ['error', type(error).__name__]",
+        ]
+    return "\n".join([*lines, "print(json.dumps(seen))"])
+
+
+def test_files_outside_the_folder_cannot_be_read(tmp_path) -> None:
+    """/etc/passwd, a secret by absolute path, a home-like folder and the real home: the code
+    reads and lists none of them (its own folder and the standard library still work)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token-1234")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("private key")
+    real_home = os.path.expanduser("~")
+    code = _attempts({
+        "passwd": "open('/etc/passwd').read()",
+        "secret": f"open({str(secret)!r}).read()",
+        "key": f"open({str(home / '.ssh' / 'id_ed25519')!r}).read()",
+        "home": f"sorted(os.listdir({str(home)!r}))",
+        "real home": f"sorted(os.listdir({real_home!r}))",
+        "own folder": "open('main.py').read(1) and sorted(os.listdir('.'))",
+        "stdlib": "str(__import__('fractions').Fraction(2, 6))",
+    })  # fmt: skip
+    result = run_python(code)
+    assert result.ok and result.filesystem_isolation, _describe(result)
+    seen = json.loads(result.stdout)
+    for name in ("passwd", "secret", "key", "home"):
+        assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
+    # The home folder may hold the Python installation (pyenv): only the way there shows.
+    on_the_way = {p[len(real_home) + 1 :].split("/")[0] for p in readable_paths()
+                  if p.startswith(real_home + "/")}  # fmt: skip
+    if seen["real home"][0] == "ok":
+        assert set(seen["real home"][1]) <= on_the_way, (seen["real home"], on_the_way)
+    assert seen["own folder"] == ["ok", ["main.py"]], seen
+    assert seen["stdlib"] == ["ok", "1/3"], seen
+    assert "token-1234" not in result.stdout and "private key" not in result.stdout
+
+
+def test_mkfifo_outside_the_folder_fails_and_leaves_nothing(tmp_path) -> None:
+    """A FIFO left behind would block whatever opens it later; only the folder (deleted after
+    the run) takes one."""
+    code = _attempts({
+        "tmp_path": f"os.mkfifo({str(tmp_path / 'fifo')!r})",
+        "beside the folder": "os.mkfifo(os.path.dirname(os.getcwd()) + '/fifo')",
+        "inside": "os.mkfifo('fifo') or sorted(os.listdir('.'))",
+    })  # fmt: skip
+    result = run_python(code)
+    assert result.ok and result.filesystem_isolation, _describe(result)
+    seen = json.loads(result.stdout)
+    for name in ("tmp_path", "beside the folder"):
+        assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
+    assert seen["inside"] == ["ok", ["fifo", "main.py"]], seen
+    assert list(tmp_path.iterdir()) == [], "a FIFO escaped the sandbox"
+
+
+def test_tool_env_refuses_to_start_without_isolation(monkeypatch) -> None:
+    """Where neither a mount namespace nor Landlock works (simulated: the probe finds none),
+    the environment refuses in one line naming the flag; the unsafe flag lets it run."""
+    monkeypatch.setattr(tool_env, "probe_isolation", lambda: ())
+    with pytest.raises(ConfigError) as refusal:
+        PythonToolEnv()
+    message = str(refusal.value)
+    assert "\n" not in message and "--rl.unsafe_sandbox true" in message, message
+    env = PythonToolEnv(unsafe_sandbox=True)
+    env.reset(Prompt("What is 6 * 7?", answer="42"))
+    turn = env.step("```python\nprint(6 * 7)\n```")
+    assert turn.observation == "Output:\n42" and turn.info["tool_ok"], turn
+    with pytest.raises(ConfigError, match="python_tool"):
+        RLConfig(task="arithmetic", unsafe_sandbox=True).validate()
+
+
+def test_this_machine_isolates_the_filesystem() -> None:
+    """What the probe finds here; the tests above need at least one mechanism."""
+    found = probe_isolation()
+    print(f"filesystem isolation here: {found or 'none'}")
+    assert found, "neither a mount namespace nor Landlock works on this machine"
 
 
 def test_processes_are_refused() -> None:

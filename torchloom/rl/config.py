@@ -107,6 +107,10 @@ class RLConfig:
     """Rollouts per trainer forward (the update accumulates over the step's rollouts)."""
     generator_slots: int = 64
     """Rollouts the generator decodes at once (cache slots)."""
+    unsafe_sandbox: bool = False
+    """With task python_tool: run the model's code even where the sandbox cannot make the
+    filesystem private (neither a mount namespace nor Landlock works), so that code can read
+    every file you can. Without it the tool environment refuses to start on such a machine."""
     init_recipes: list[str] = field(default_factory=list)
     """Training recipes that build the starting model, run in order (each with its own output
     folder) when --checkpoint.initial_load_hf does not exist yet; e.g. pre-training, then SFT."""
@@ -161,6 +165,11 @@ class RLConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--rl.top_p must be in (0, 1]; got {self.top_p}.")
+        if self.unsafe_sandbox and self.task != "python_tool":
+            raise ConfigError(
+                f"--rl.unsafe_sandbox applies to the sandboxed Python tool (--rl.task "
+                f"python_tool) only; task {self.task!r} runs no code. Leave it false."
+            )
 
     def clip_range(self) -> tuple[float, float]:
         """(clip_low, clip_high) as set, else the defaults of the ratio level."""

@@ -112,7 +112,10 @@ class RLRunner:
                              in_flight=r.max_offpolicy_steps + 1)  # fmt: skip
         if r.task == "python_tool":  # multi-turn: the model's code runs in the sandbox
             self.prompts = tool_prompts(seed=t.seed)
-            self.make_env = lambda prompt: PythonToolEnv(max_turns=r.max_turns)
+            self.make_env = lambda prompt: PythonToolEnv(
+                max_turns=r.max_turns, unsafe_sandbox=r.unsafe_sandbox
+            )
+            self.make_env(None)  # without isolation (and unsafe_sandbox) it refuses here
         else:
             self.prompts = TASKS[r.task](seed=t.seed)
             self.make_env = lambda prompt: make_env(prompt, r.format_reward)

@@ -6,6 +6,15 @@ policy execute code (``torchloom.rl.tool_env.PythonToolEnv``).
 deleted afterwards, with an almost empty environment (``HOME`` and ``TMPDIR`` point at that
 folder) and no stdin. What guards the run:
 
+- **A private filesystem** (``torchloom.rl.isolation``): the child pivots into a mount
+  namespace whose read-only root holds only its folder (the one writable place), the Python
+  installation and shared libraries (read-only) and ``/dev/null``, ``/dev/zero``,
+  ``/dev/urandom``; where Landlock exists, kernel rules also let it read only those paths and
+  write only its folder. Either one keeps the user's files (``/etc/passwd``, keys, tokens, the
+  home folder) from the code, and whatever it creates (files, FIFOs) stays in its folder,
+  which is deleted. ``SandboxResult.filesystem_isolation`` says which worked; where neither
+  does, the code does not run and ConfigError(``UNISOLATED``) says so, unless
+  ``unsafe_sandbox=True``.
 - **Limits** (kernel rlimits, set before the code runs and lowered for good): address space
   ``memory_mb`` (an allocation past it raises MemoryError in the child), CPU seconds just above
   the wall limit, 64 MiB per written file, no core dumps, 64 open files, and no new processes
@@ -18,7 +27,7 @@ folder) and no stdin. What guards the run:
 - **Network**: the child first moves itself into a new, empty network namespace (``unshare``:
   as root, or as any user where unprivileged user namespaces are enabled), a kernel boundary
   with only a loopback interface that is down. ``SandboxResult.network_isolated`` says whether
-  that worked.
+  that worked. Then it drops every capability and sets no-new-privileges.
 - **An audit hook** (``sys.addaudithook``), installed before the code runs and impossible to
   remove, refuses with PermissionError: sockets and name lookups; subprocess, os.system, exec,
   fork, spawn and subinterpreters; ctypes and sqlite extensions; raising the limits; signals to
@@ -26,17 +35,19 @@ folder) and no stdin. What guards the run:
   mode of anything outside the temporary folder (``/dev/null`` excepted). The interpreter leaves
   with ``os._exit``, so no user code runs after CPython clears its hooks at shutdown.
 
-What this is not: a security boundary against a determined attacker. The hook sees only what
-CPython audits, and a deliberate attack on the interpreter itself can get past it; the code may
-read any file the user may; C extensions that open files themselves (dbm, ...) and
-``os.mkfifo``/``os.mknod`` are not seen; as root only the hook stands between the code and new
-processes. It keeps model-written code in RL from doing damage by mistake or by reward hacking;
-run a large untrusted workload inside a container or VM as well.
+What this is not: a container. The hook sees only what CPython audits, and a deliberate attack
+on the interpreter itself can get past it (then the kernel's boundaries above still hold, but
+the code could start processes); the code can read the Python installation and system
+libraries, and ``os.stat`` under Landlock alone still tells whether a path exists; the kernel
+itself is shared. It keeps model-written code in RL from reading the user's files and from
+doing damage by mistake or by reward hacking; run a large untrusted workload inside a
+container or VM as well.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import selectors
@@ -47,29 +58,20 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from torchloom.config.errors import ConfigError
+from torchloom.rl import isolation
 
 _CODE_FILE = "main.py"
 _FILE_LIMIT_BYTES = 64 * 2**20
 
-# Runs in the child, compiled as "<sandbox>" by ``_LAUNCH``, before the model's code: network
-# namespace, limits, audit hook, then the code from ``main.py`` as ``__main__``. Arguments: the
-# folder, the code file, the status fd (one byte: the namespace worked), memory bytes, CPU
-# seconds, file bytes.
+# Runs in the child, compiled as "<sandbox>" by ``_LAUNCH``, after the source of
+# ``torchloom.rl.isolation``, before the model's code: isolation, limits, audit hook, then the
+# code from ``main.py`` as ``__main__``. Arguments: the folder, the code file, the status fd
+# (three bytes: own network, own filesystem view, Landlock), the readable paths (one a line),
+# whether to run without filesystem isolation, memory bytes, CPU seconds, file bytes.
 _BOOTSTRAP = r'''
-import os, sys
-
-
-def _unshare_network():
-    """Move this (still single-threaded) process into a new, empty network namespace."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        new_net, new_user = 0x40000000, 0x10000000
-        return libc.unshare(new_net) == 0 or libc.unshare(new_user | new_net) == 0
-    except Exception:
-        return False
-
 
 def _set_limits(memory_bytes, cpu_seconds, file_bytes):
     import resource
@@ -209,13 +211,15 @@ def _install_guard(root):
     sys.addaudithook(guard)
 
 
-def _main(root, code_file, status_fd, memory_bytes, cpu_seconds, file_bytes):
+def _main(root, code_file, status_fd, readable, unsafe, memory_bytes, cpu_seconds, file_bytes):
     import linecache, traceback, types
 
     exit_ = os._exit
-    isolated = _unshare_network()
-    os.write(int(status_fd), b"1" if isolated else b"0")
+    network, view, landlock = isolate(root, readable.split("\n"))
+    os.write(int(status_fd), bytes(b"01"[flag] for flag in (network, view, landlock)))
     os.close(int(status_fd))
+    if not (view or landlock or unsafe == "1"):
+        exit_(2)  # the parent says why
     with open(code_file, encoding="utf-8") as f:
         source = f.read()
     linecache.cache[code_file] = (len(source), None, source.splitlines(True), code_file)
@@ -254,7 +258,13 @@ def _main(root, code_file, status_fd, memory_bytes, cpu_seconds, file_bytes):
 _main(*sys.argv[2:])
 '''
 
+_BOOTSTRAP = Path(isolation.__file__).read_text(encoding="utf-8") + _BOOTSTRAP
 _LAUNCH = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'))"
+UNISOLATED = (
+    "The Python sandbox cannot isolate the filesystem here (neither a mount namespace nor "
+    "Landlock works), so model-written code could read your files; to run it anyway, set "
+    "--rl.unsafe_sandbox true (unsafe_sandbox=True in Python)."
+)
 
 
 @dataclass
@@ -274,6 +284,10 @@ class SandboxResult:
     network_isolated: bool
     """Whether the run had its own empty network namespace (the audit hook blocks sockets
     either way)."""
+    filesystem_isolation: tuple[str, ...]
+    """What kept the run's filesystem private: "mount namespace" (a view with only its folder,
+    the Python installation and a few devices), "landlock" (kernel rules: read only those, write
+    only the folder), both, or neither (only with ``unsafe_sandbox``)."""
 
     @property
     def ok(self) -> bool:
@@ -282,23 +296,34 @@ class SandboxResult:
 
 
 def run_python(
-    code: str, *, timeout_s: float = 5.0, memory_mb: int = 256, max_output_chars: int = 2000
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 256,
+    max_output_chars: int = 2000,
+    unsafe_sandbox: bool = False,
 ) -> SandboxResult:
     """Run ``code`` as a script in a guarded subprocess (see the module docstring) and return
-    its output, each stream cut to ``max_output_chars``."""
+    its output, each stream cut to ``max_output_chars``. Where the child cannot make its
+    filesystem private, the code does not run and ConfigError(``UNISOLATED``) is raised, unless
+    ``unsafe_sandbox``."""
     if timeout_s <= 0 or memory_mb <= 0 or max_output_chars < 0:
         raise ValueError(
             f"run_python needs timeout_s > 0, memory_mb > 0 and max_output_chars >= 0; got "
             f"{timeout_s}, {memory_mb} and {max_output_chars}."
         )
-    root = os.path.realpath(tempfile.mkdtemp(prefix="torchloom-sandbox-"))
+    # The run's folder: "work" is the code's; the child mounts its private root on "view".
+    base = os.path.realpath(tempfile.mkdtemp(prefix="torchloom-sandbox-"))
+    root = os.path.join(base, "work")
     status_read, status_write = os.pipe()
     try:
+        os.mkdir(root, 0o700)
         with open(os.path.join(root, _CODE_FILE), "w", encoding="utf-8") as f:
             f.write(code)
         limits = [memory_mb * 2**20, math.ceil(timeout_s) + 1, _FILE_LIMIT_BYTES]
         command = [sys.executable, "-I", "-B", "-c", _LAUNCH, _BOOTSTRAP, root, _CODE_FILE]
-        command += [str(status_write), *map(str, limits)]
+        readable = "\n".join(isolation.readable_paths())
+        command += [str(status_write), readable, "01"[unsafe_sandbox], *map(str, limits)]
         start = time.monotonic()
         process = subprocess.Popen(
             command,
@@ -324,12 +349,14 @@ def run_python(
             process.stdout.close()
             process.stderr.close()
         wall_s = time.monotonic() - start
-        network_isolated = os.read(status_read, 1) == b"1"
+        network, view, landlock = (flag == ord("1") for flag in os.read(status_read, 3).ljust(3))
     finally:
         os.close(status_read)
         if status_write >= 0:
             os.close(status_write)
-        _remove_tree(root)
+        _remove_tree(base)
+    if not (view or landlock or unsafe_sandbox):
+        raise ConfigError(UNISOLATED)
     stdout, stderr = (raw.decode("utf-8", "replace") for raw in outputs.values())
     truncated = reason == "output_limit" or max(len(stdout), len(stderr)) > max_output_chars
     return SandboxResult(
@@ -340,8 +367,16 @@ def run_python(
         killed_reason=reason,
         truncated=truncated,
         wall_s=wall_s,
-        network_isolated=network_isolated,
+        network_isolated=network,
+        filesystem_isolation=("mount namespace",) * view + ("landlock",) * landlock,
     )
+
+
+@functools.cache
+def probe_isolation() -> tuple[str, ...]:
+    """What isolates a run's filesystem on this machine (empty: nothing does), from one run of
+    an empty script; ``PythonToolEnv`` asks before its first run."""
+    return run_python("", unsafe_sandbox=True).filesystem_isolation
 
 
 def _environment(root: str) -> dict[str, str]:

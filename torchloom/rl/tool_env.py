@@ -9,6 +9,10 @@ when the ``max_turns``-th reply gives no answer.
 ``tool_prompts(seed)`` is a small built-in source of tasks that reward using the tool (big
 products, sums of primes, digit sums of factorials, ...) with exact answers.
 
+The environment refuses to start where the sandbox cannot make the filesystem private (no
+mount namespace, no Landlock) unless ``unsafe_sandbox`` (``--rl.unsafe_sandbox true``) says to
+run the model's code anyway.
+
 Each run is its own subprocess, so the runs of a step's episodes, which the rollouts call from
 a thread pool, overlap (tests/rl/test_sandbox.py runs it through ``generate_rollouts``).
 """
@@ -23,7 +27,7 @@ from typing import Any
 
 from torchloom.config.errors import ConfigError
 from torchloom.rl.env import Prompt, Turn
-from torchloom.rl.sandbox import SandboxResult, run_python
+from torchloom.rl.sandbox import UNISOLATED, SandboxResult, probe_isolation, run_python
 from torchloom.rl.tasks import TaskSource
 
 INSTRUCTIONS = (
@@ -76,15 +80,19 @@ class PythonToolEnv:
         memory_mb: int = 256,
         max_output_chars: int = 2000,
         instructions: str = INSTRUCTIONS,
+        unsafe_sandbox: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ConfigError(f"PythonToolEnv needs max_turns >= 1 (got {max_turns}).")
+        if not (unsafe_sandbox or probe_isolation()):
+            raise ConfigError(UNISOLATED)
         self.max_turns = max_turns
         self.reward_fn = reward_fn
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.max_output_chars = max_output_chars
         self.instructions = instructions
+        self.unsafe_sandbox = unsafe_sandbox
         self._prompt: Prompt | None = None
         self._turns = 0
         self._tool_calls = 0
@@ -117,6 +125,7 @@ class PythonToolEnv:
             timeout_s=self.timeout_s,
             memory_mb=self.memory_mb,
             max_output_chars=self.max_output_chars,
+            unsafe_sandbox=self.unsafe_sandbox,
         )
         self._tool_calls += 1
         info.update(tool_calls=self._tool_calls, format_ok=True, tool_ok=result.ok)
