@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torchloom.kernels import batch_invariant
+from torchloom.kernels import attention_mask
 from torchloom.models.components.attention import (
     ATTENTION_BACKENDS,
     Attention,
@@ -137,7 +137,7 @@ def test_backends_agree_with_a_float64_reference(backend: str, with_docs: bool) 
 def test_causal_positions_and_starts_mark_each_document_start() -> None:
     """The batch-invariant kernel's view of packed rows: key span start = its document's first
     index, computed here by walking each row."""
-    positions, starts = batch_invariant.causal_positions_and_starts(
+    positions, starts = attention_mask.causal_positions_and_starts(
         *PACKED_DOC_IDS_BT.shape, PACKED_DOC_IDS_BT, torch.device("cpu")
     )
     expected = torch.zeros_like(PACKED_DOC_IDS_BT)
@@ -146,7 +146,7 @@ def test_causal_positions_and_starts_mark_each_document_start() -> None:
             expected[b, t] = t if row[t] != row[t - 1] else expected[b, t - 1]
     assert torch.equal(positions, torch.arange(T).expand_as(positions)), positions
     assert starts is not None and torch.equal(starts, expected), (starts, expected)
-    assert batch_invariant.causal_positions_and_starts(2, T, None, torch.device("cpu"))[1] is None
+    assert attention_mask.causal_positions_and_starts(2, T, None, torch.device("cpu"))[1] is None
 
 
 def test_qk_norm_makes_attention_invariant_to_qk_scale() -> None:

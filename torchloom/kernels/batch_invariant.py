@@ -39,6 +39,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from torchloom.kernels.attention_mask import causal_positions_and_starts, masked_attention
 from torchloom.kernels.rmsnorm import rms_norm_fused
 from torchloom.kernels.swiglu import swiglu_fused
 from torchloom.kernels.triton_support import use_triton
@@ -54,7 +55,7 @@ _CHUNK_ELEMENTS = 1 << 22
 
 def _triton_kernels(x: torch.Tensor) -> ModuleType | None:
     """The Triton kernels module for CUDA tensors when Triton is installed, else None (run the
-    references). Imported here because it imports this module."""
+    references). Imported on first use: importing it loads Triton."""
     if not use_triton(x):
         return None
     from torchloom.kernels import batch_invariant_triton
@@ -197,28 +198,6 @@ def _fixed_order_attention(
     return out_QKGd.reshape(B, T, H, d).transpose(1, 2).to(q_BHTd.dtype)
 
 
-def masked_attention(
-    q_BHTd: torch.Tensor,
-    k_BKLd: torch.Tensor,
-    v_BKLd: torch.Tensor,
-    positions_BT: torch.Tensor,
-    starts_BT: torch.Tensor | None,
-) -> torch.Tensor:
-    """The same function in differentiable PyTorch: SDPA with an explicit [B, 1, T, L] mask
-    (what the backward passes recompute)."""
-    group = q_BHTd.shape[1] // k_BKLd.shape[1]
-    index_L = torch.arange(k_BKLd.shape[2], device=q_BHTd.device)
-    visible_BTL = index_L <= positions_BT[:, :, None]
-    if starts_BT is not None:
-        visible_BTL &= index_L >= starts_BT[:, :, None]
-    return F.scaled_dot_product_attention(
-        q_BHTd,
-        k_BKLd.repeat_interleave(group, dim=1),
-        v_BKLd.repeat_interleave(group, dim=1),
-        attn_mask=visible_BTL[:, None],
-    )
-
-
 class _Attention(torch.autograd.Function):
     """The fixed-order forward; the backward recomputes with SDPA and takes its gradients."""
 
@@ -270,18 +249,6 @@ def causal_attention(
     B, _, T, _ = q_BHTd.shape
     positions_BT, starts_BT = causal_positions_and_starts(B, T, doc_ids_BT, q_BHTd.device)
     return attention(q_BHTd, k_BKTd, v_BKTd, positions_BT, starts_BT)
-
-
-def causal_positions_and_starts(
-    B: int, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Positions 0..T-1 of every row and, with ``doc_ids_BT``, the index of the first token of
-    each token's document (None without documents: every query sees from key 0)."""
-    positions_BT = torch.arange(T, device=device).expand(B, T)
-    if doc_ids_BT is None:
-        return positions_BT, None
-    new_doc_BT = F.pad(doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1], (1, 0), value=True)
-    return positions_BT, torch.where(new_doc_BT, positions_BT, 0).cummax(dim=1).values
 
 
 # -- norm and gate ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
-from torchloom.kernels.batch_invariant import causal_positions_and_starts, masked_attention
+from torchloom.kernels.attention_mask import causal_positions_and_starts, masked_attention
 from torchloom.kernels.triton_support import jit, tl, triton
 
 
