@@ -87,7 +87,11 @@ def hybrid_family(monkeypatch):
 
 
 def test_the_layers_are_of_the_kinds_the_config_says() -> None:
-    model = build_model(ModelConfig(name="hybrid", overrides={"dense_layers": 2, "num_layers": 4}))
+    model = build_model(
+        resolve_model_config(
+            ModelConfig(name="hybrid", overrides={"dense_layers": 2, "num_layers": 4})
+        )
+    )
     kinds = [type(block.mlp).__name__ for block in model.layers.values()]
     assert kinds == ["SwiGLU", "SwiGLU", "GeluMLP", "GeluMLP"]
     cfg = model.config
@@ -122,7 +126,7 @@ def test_auxiliary_losses_that_layers_report_join_the_objective() -> None:
     """Each GELU layer reports an auxiliary term; the objective adds their sum times the
     micro-batch's label count (so the step's division makes it a token-weighted mean) and logs
     it; the gradient reaches fc1 through it."""
-    model = build_model(ModelConfig(name="hybrid"))
+    model = build_model(resolve_model_config(ModelConfig(name="hybrid")))
     model.init_weights(0)
     tokens = torch.randint(0, 4096, (2, 12), generator=torch.Generator().manual_seed(0))
     labels = tokens.roll(-1, 1)
@@ -152,6 +156,6 @@ def _mlp_inputs(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def test_a_kind_without_a_tensor_parallel_split_is_refused() -> None:
     with torch.device("meta"):
-        model = build_model(ModelConfig(name="hybrid"))
+        model = build_model(resolve_model_config(ModelConfig(name="hybrid")))
     with pytest.raises(ConfigError, match="GeluMLP layers declare no tensor-parallel split"):
         decoder_tp_plan(model, 2)

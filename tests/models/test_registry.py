@@ -15,6 +15,7 @@ from torchloom.models import (
     get_model_spec,
     list_models,
     register_model,
+    resolve_model_config,
 )
 from torchloom.models.llama3 import LLAMA3_FLAVORS
 
@@ -42,17 +43,17 @@ def test_registering_a_name_twice_fails() -> None:
 
 
 def test_build_from_job_section_or_architecture() -> None:
-    from_job = build_model(ModelConfig(name="qwen3", flavor="debug"))
+    from_job = build_model(resolve_model_config(ModelConfig(name="qwen3", flavor="debug")))
     assert isinstance(from_job, Decoder) and from_job.config.qk_norm
     assert type(build_model(LLAMA3_FLAVORS["debug"])) is Decoder
 
 
 def test_build_on_meta_allocates_nothing() -> None:
     with torch.device("meta"):
-        model = build_model(ModelConfig(name="llama3", flavor="405B"))
+        model = build_model(resolve_model_config(ModelConfig(name="llama3", flavor="405B")))
     assert all(p.is_meta for p in model.parameters())
 
 
 def test_build_validates() -> None:
     with pytest.raises(ConfigError, match="multiple of num_kv_heads"):
-        build_model(ModelConfig(overrides={"num_kv_heads": 3}))
+        build_model(resolve_model_config(ModelConfig(overrides={"num_kv_heads": 3})))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pipeline_worker import rows_of
 from worker import ADAM_EPS, BATCH, MAX_NORM, SEQ_LEN, make_batches
 
-from torchloom.models import ModelConfig, build_model
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.parallel import (
@@ -74,7 +74,9 @@ CPU = torch.device("cpu")
 
 def build(overrides: dict) -> torch.nn.Module:
     with torch.device("meta"):
-        model = build_model(ModelConfig(name="qwen3_moe", flavor="debug", overrides=overrides))
+        model = build_model(
+            resolve_model_config(ModelConfig(name="qwen3_moe", flavor="debug", overrides=overrides))
+        )
     return model
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from worker import ADAM_EPS, BATCH, MAX_NORM, SEQ_LEN, make_batches, reference_run
 
 from torchloom.data.packing import Batch
-from torchloom.models import ModelConfig, build_model
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
@@ -85,7 +85,11 @@ def objective_reference(model, batches: list[dict], objective) -> list[dict]:
 
 
 def build() -> torch.nn.Module:
-    model = build_model(ModelConfig(name="llama3", flavor="debug", overrides={"num_layers": 4}))
+    model = build_model(
+        resolve_model_config(
+            ModelConfig(name="llama3", flavor="debug", overrides={"num_layers": 4})
+        )
+    )
     model.init_weights(0)
     return model
 

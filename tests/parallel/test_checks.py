@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchloom.config import ConfigError
-from torchloom.models import ModelConfig, build_model
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import ParallelConfig, ParallelDims, build_parallel_dims, parallelize
 from torchloom.parallel.tensor_parallel import check_sequence_parallel
@@ -12,7 +12,9 @@ from torchloom.parallel.tensor_parallel import check_sequence_parallel
 
 def debug_model(family: str = "llama3", **overrides):
     with torch.device("meta"):
-        return build_model(ModelConfig(name=family, flavor="debug", overrides=overrides))
+        return build_model(
+            resolve_model_config(ModelConfig(name=family, flavor="debug", overrides=overrides))
+        )
 
 
 def test_tp_must_divide_heads_kv_heads_ffn_and_vocab():

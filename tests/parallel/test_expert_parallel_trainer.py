@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from torchloom.cli import main
-from torchloom.models import ModelConfig, build_model, list_models
+from torchloom.models import ModelConfig, build_model, list_models, resolve_model_config
 
 pytestmark = pytest.mark.distributed
 
@@ -108,7 +108,7 @@ def test_dry_run_splits_the_experts():
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("(bytes)")) + 1
     params = [int(line.split()[1]) for line in lines[start : start + 4]]  # rank, parameters, ...
-    model = build_model(ModelConfig(name="qwen3_moe", flavor="debug"))
+    model = build_model(resolve_model_config(ModelConfig(name="qwen3_moe", flavor="debug")))
     total = sum(p.numel() * 4 for p in model.parameters())
     norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
     assert "ep 2 (from dp_shard x cp)" in proc.stdout

@@ -11,8 +11,8 @@ from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relati
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.parallel import ParallelConfig
+from torchloom.parallel.config import SCHEDULES
 from torchloom.parallel.pipeline import (
-    SCHEDULES,
     Pipeline,
     layers_per_stage,
     local_stage_ids,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchloom.models import ModelConfig, build_model
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
@@ -102,7 +102,7 @@ def make_batches(vocab_size: int) -> list[dict[str, torch.Tensor]]:
 
 
 def build(family: str) -> nn.Module:
-    model = build_model(ModelConfig(name=family, flavor="debug"))
+    model = build_model(resolve_model_config(ModelConfig(name=family, flavor="debug")))
     model.init_weights(0)
     return model
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from torchloom.models import ModelConfig, build_model
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.loss import IGNORE_INDEX, CrossEntropy, TokenLogProbs
 
 
 def _model_and_batch():
-    model = build_model(ModelConfig(name="qwen3"))  # tied head
+    model = build_model(resolve_model_config(ModelConfig(name="qwen3")))  # tied head
     model.init_weights(0)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 4096, (2, 10), generator=gen)

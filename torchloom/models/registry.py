@@ -17,7 +17,6 @@ from torchloom.kernels.float8 import convert_linears_to_float8
 from torchloom.models.components.decoder import DecoderConfig
 
 if TYPE_CHECKING:
-    from torchloom.models.config import ModelConfig
     from torchloom.models.hf_adapter import HFAdapter
 
 
@@ -106,18 +105,18 @@ def config_from_dict(family: str, data: dict[str, Any]) -> DecoderConfig:
     return from_dict(get_model_spec(family).config_cls, kept)
 
 
-def build_model(config: ModelConfig | DecoderConfig) -> nn.Module:
-    """Construct the model on the current default device (weights not yet initialized).
-
-    From a job's ModelConfig the architecture is its resolved family flavor; from a family
-    config, that config. For large models build under ``torch.device("meta")``, parallelize,
-    then ``to_empty(device=...)`` and ``init_weights(seed)`` (or load weights).
+def build_model(config: DecoderConfig) -> nn.Module:
+    """Construct the model of a resolved family config on the current default device (weights
+    not yet initialized); a job's ModelConfig resolves to one with
+    ``models.config.resolve_model_config``. For large models build under
+    ``torch.device("meta")``, parallelize, then ``to_empty(device=...)`` and
+    ``init_weights(seed)`` (or load weights).
     """
     if not isinstance(config, DecoderConfig):
-        # Imported here because resolving a ModelConfig itself looks families up in this module.
-        from torchloom.models.config import resolve_model_config
-
-        config = resolve_model_config(config)
+        raise TypeError(
+            f"build_model takes a family config (DecoderConfig); got {type(config).__name__}. "
+            "Resolve a job's ModelConfig first: build_model(resolve_model_config(model_config))."
+        )
     config.validate()
     model = config.build()
     if config.batch_invariant:

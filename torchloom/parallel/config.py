@@ -7,6 +7,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
 from torchloom.config.errors import ConfigError
 
 _AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
@@ -89,9 +92,6 @@ class ParallelConfig:
     def _validate_pipeline_options(self) -> None:
         """The pipeline options' own values, whatever pp is: a typo must not wait for the run
         that turns pipelining on."""
-        # Imported here: pipeline.py imports this module.
-        from torchloom.parallel.pipeline import schedule_class, stages_per_rank
-
         schedule_class(self.pp_schedule)
         per_rank = stages_per_rank(self)
         split = self.pp_layers_per_stage
@@ -141,3 +141,48 @@ class ParallelConfig:
     def dp_size(self) -> int:
         """Ranks that see different data (replicate x shard); valid after resolve()."""
         return self.dp_replicate * self.dp_shard
+
+
+# -- pipeline schedules (the facts the config checks; parallel/pipeline.py runs them) ----------
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""--parallel.pp_schedule -> class name in torch.distributed.pipelining.schedules."""
+_ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv")
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class for a name; ConfigError for unknown or unavailable ones."""
+    available = {k: v for k, v in SCHEDULES.items() if hasattr(torch_schedules, v)}
+    if name not in available:
+        raise ConfigError(
+            f"Unknown or unavailable --parallel.pp_schedule {name!r}; this torch "
+            f"({torch.__version__}) offers: {', '.join(available)}."
+        )
+    return getattr(torch_schedules, available[name])
+
+
+def stages_per_rank(config: ParallelConfig) -> int:
+    """Virtual stages each rank holds: 1 for gpipe/1f1b, >= 2 (exactly 2 for zbv) otherwise."""
+    single = config.pp_schedule in _ONE_STAGE_PER_RANK
+    per_rank = config.pp_stages_per_rank or (1 if single else 2)
+    if single and per_rank != 1:
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} runs one stage per rank; set "
+            f"--parallel.pp_stages_per_rank 1 (got {per_rank}) or pick interleaved_1f1b."
+        )
+    if not single and per_rank < 2:
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} needs >= 2 stages per rank; got "
+            f"--parallel.pp_stages_per_rank {per_rank}."
+        )
+    if config.pp_schedule == "zbv" and per_rank != 2:
+        raise ConfigError(f"zbv places exactly 2 stages per rank (V shape); got {per_rank}.")
+    return per_rank

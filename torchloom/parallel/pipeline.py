@@ -20,12 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX
 from torchloom.models.components.decoder import Decoder, DecoderConfig, Objective
-from torchloom.parallel.config import ParallelConfig
+from torchloom.parallel.config import (
+    SPLIT_BACKWARD,
+    ParallelConfig,
+    schedule_class,
+    stages_per_rank,
+)
 from torchloom.parallel.data_parallel import shard_pipeline_stage
 from torchloom.parallel.expert_parallel import check_expert_parallel, has_moe_layers, moe_layers
 from torchloom.parallel.loss_reduction import as_local
@@ -34,29 +38,6 @@ from torchloom.parallel.parallelize import parallelize
 from torchloom.parallel.state import full_state_items
 from torchloom.parallel.tensor_parallel import TPPlan, loss_context
 
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-}
-"""--parallel.pp_schedule -> class name in torch.distributed.pipelining.schedules."""
-_ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
-_SPLIT_BACKWARD = ("interleaved_zb", "zbv")
-
-
-def schedule_class(name: str) -> type:
-    """The torch schedule class for a name; ConfigError for unknown or unavailable ones."""
-    available = {k: v for k, v in SCHEDULES.items() if hasattr(torch_schedules, v)}
-    if name not in available:
-        raise ConfigError(
-            f"Unknown or unavailable --parallel.pp_schedule {name!r}; this torch "
-            f"({torch.__version__}) offers: {', '.join(available)}."
-        )
-    return getattr(torch_schedules, available[name])
-
 
 def zbv_runs_on(device_type: str) -> bool:
     """Whether this torch can run zbv here. Seen 2026-11-29: torch 2.11's multi-stage schedules
@@ -64,25 +45,6 @@ def zbv_runs_on(device_type: str) -> bool:
     which gloo cannot do (NCCL can); torch 2.13 no longer sends it."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     return device_type != "cpu" or version >= (2, 13)
-
-
-def stages_per_rank(config: ParallelConfig) -> int:
-    """Virtual stages each rank holds: 1 for gpipe/1f1b, >= 2 (exactly 2 for zbv) otherwise."""
-    single = config.pp_schedule in _ONE_STAGE_PER_RANK
-    per_rank = config.pp_stages_per_rank or (1 if single else 2)
-    if single and per_rank != 1:
-        raise ConfigError(
-            f"--parallel.pp_schedule {config.pp_schedule} runs one stage per rank; set "
-            f"--parallel.pp_stages_per_rank 1 (got {per_rank}) or pick interleaved_1f1b."
-        )
-    if not single and per_rank < 2:
-        raise ConfigError(
-            f"--parallel.pp_schedule {config.pp_schedule} needs >= 2 stages per rank; got "
-            f"--parallel.pp_stages_per_rank {per_rank}."
-        )
-    if config.pp_schedule == "zbv" and per_rank != 2:
-        raise ConfigError(f"zbv places exactly 2 stages per rank (V shape); got {per_rank}.")
-    return per_rank
 
 
 def split_layers(
@@ -400,7 +362,7 @@ def layers_per_stage(model_config: DecoderConfig, config: ParallelConfig) -> lis
         )
     schedule_class(config.pp_schedule)
     data_parallel = config.dp_shard > 1 or config.dp_replicate > 1 or config.cp > 1
-    if config.pp_schedule in _SPLIT_BACKWARD and data_parallel:
+    if config.pp_schedule in SPLIT_BACKWARD and data_parallel:
         # Measured on torch 2.13 (gloo): FSDP x zbv / interleaved_zb runs but its gradients
         # are off by ~5% (grad-norm 0.1 of 2), so it is refused rather than silently wrong.
         raise ConfigError(

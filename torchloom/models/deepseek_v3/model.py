@@ -15,7 +15,7 @@ given an objective and labels: evaluation, generation and plain logits never run
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,7 +26,9 @@ from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.decoder import Block, Decoder, LayerInputs, Objective
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit
-from torchloom.models.deepseek_v3.config import DeepSeekV3Config
+
+if TYPE_CHECKING:  # the config builds this model: the model needs its type only
+    from torchloom.models.deepseek_v3.config import DeepSeekV3Config
 
 
 class MTPBlock(nn.Module):
