@@ -106,6 +106,7 @@ def cmd_train(argv: list[str]) -> int:
         return dry_run(job)
 
     from torchloom.parallel import destroy
+    from torchloom.train.run import NothingToTrain
     from torchloom.train.trainer import Trainer, TrainingInterrupted
 
     # No try/finally: after an error on one rank, leaving the process group would wait for
@@ -114,6 +115,11 @@ def cmd_train(argv: list[str]) -> int:
     trainer = Trainer(job)
     try:
         result = trainer.train()
+    except NothingToTrain as done:  # every rank ends here, having written nothing
+        if trainer.is_rank0:
+            print(done)
+        destroy()
+        return 0
     except TrainingInterrupted as err:
         if not trainer.is_rank0:  # rank 0 says where the run stopped
             return 130
@@ -163,6 +169,7 @@ def cmd_rl(argv: list[str]) -> int:
     from torchloom.parallel import destroy
     from torchloom.rl.loop import RLRunner, prepare_initial_model
     from torchloom.rl.tool_env import PythonToolEnv
+    from torchloom.train.run import NothingToTrain
 
     if job.rl.task == "python_tool":  # refuse an unisolated sandbox before any training
         PythonToolEnv(unsafe_sandbox=job.rl.unsafe_sandbox)
@@ -170,6 +177,11 @@ def cmd_rl(argv: list[str]) -> int:
     trainer = RLRunner(job)
     try:
         result = trainer.train()
+    except NothingToTrain as done:  # every rank ends here, having written nothing
+        destroy()
+        if trainer.dims.is_rank0:
+            print(done)
+        return 0
     except BaseException:
         destroy(barrier=False)
         raise

@@ -72,11 +72,38 @@ def test_resume_validates_first_and_drops_a_torn_metrics_line(saved, run, capsys
     val_2 = [line for line in out.splitlines() if line.startswith("step 2  val_loss")]
     assert val_2 and "validation loss nan" not in out
     assert summary(run) == summary(saved)  # as the uninterrupted run wrote it: no duplicates
-    # Resumed at its last step: nothing to train, nothing logged twice.
-    before = (run / "metrics.jsonl").read_bytes()
+    # Resumed at its last step: nothing to train, nothing written.
+    before = snapshot(run)
     assert train(run, "--training.steps", "4", *RESUME) == 0
-    assert "no steps left" in capsys.readouterr().out
-    assert (run / "metrics.jsonl").read_bytes() == before
+    assert "Nothing to train" in capsys.readouterr().out
+    assert snapshot(run) == before
+
+
+def test_resume_at_the_last_step_says_so_and_touches_nothing(tmp_path, capsys):
+    """`--training.steps 2 --checkpoint.resume true` on a run whose newest checkpoint is step 2:
+    one line, exit 0, and config.json (bytes and mtime), metrics and exports as they were."""
+    out = tmp_path / "run"
+    tiny = ["train", "--recipe", "llama3_tiny", "--output.dir", str(out), "--training.steps", "2",
+            "--training.global_batch_size", "4", "--training.seq_len", "64",
+            "--training.val_sequences", "4", "--training.sample_tokens", "0",
+            "--metrics.tensorboard", "false", "--training.device", "cpu",
+            "--checkpoint.interval", "2"]  # fmt: skip
+    assert main(tiny) == 0  # the recipe exports an HF folder
+    assert (out / "hf" / "config.json").is_file() and (out / "checkpoints" / "step-2").is_dir()
+    before = snapshot(out)
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    capsys.readouterr()
+    # Flags that would change config.json (export_hf) must not reach it either.
+    assert main([*tiny, *RESUME, "--checkpoint.export_hf", "false"]) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    assert printed == (
+        f"Nothing to train: the checkpoint to resume ({out / 'checkpoints' / 'step-2'}) is "
+        "already at --training.steps 2; raise --training.steps to train further.\n"
+    )
+    assert snapshot(out) == before
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == mtimes
+    assert json.loads((out / "config.json").read_text())["checkpoint"]["export_hf"] is True
 
 
 def test_plot_skips_a_torn_metrics_line(run, capsys):

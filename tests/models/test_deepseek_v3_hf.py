@@ -186,6 +186,9 @@ def test_config_round_trips_through_hf(flavor: str) -> None:
     # No config.json field holds the bias update rate: a loaded model keeps its bias fixed.
     expected = replace(cfg, moe=replace(cfg.moe, bias_update_rate=0.0))
     assert ADAPTER.config_from_hf(ADAPTER.config_to_hf(cfg)) == expected
+    # transformers' shared experts are n_shared_experts experts wide, nothing else.
+    with pytest.raises(ConfigError, match="shared_expert_dim 48.*cannot be exported"):
+        ADAPTER.config_to_hf(replace(cfg, moe=replace(cfg.moe, shared_expert_dim=48)))
 
 
 def test_config_written_by_transformers_and_deepseek_is_read() -> None:

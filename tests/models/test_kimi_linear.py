@@ -191,6 +191,11 @@ def test_export_refuses_what_transformers_cannot_hold() -> None:
         ADAPTER.config_to_hf(replace(cfg, mla_use_nope=False))
     with pytest.raises(ConfigError, match="score_func 'softmax'"):
         ADAPTER.config_to_hf(replace(cfg, moe=replace(cfg.moe, score_func="softmax")))
+    # transformers' shared experts are ungated and n_shared_experts experts wide.
+    for change, message in (({"shared_expert_gate": True}, "shared_expert_gate True"),
+                            ({"shared_expert_dim": 48}, "shared_expert_dim 48")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            ADAPTER.config_to_hf(replace(cfg, moe=replace(cfg.moe, **change)))
 
 
 def test_flex_backend_is_refused() -> None:

@@ -165,6 +165,7 @@ def test_config_refusals() -> None:
         (dict(num_groups=4, top_groups=1, top_k=3), "raise moe.top_groups"),
         (dict(bias_update_rate=0.1), "needs moe.expert_bias true"),
         (dict(balance_loss="sequence"), "go together"),
+        (dict(num_shared_experts=2, shared_expert_dim=48), "set moe.num_shared_experts 1"),
     ):
         with pytest.raises(ConfigError, match=message):
             MoEConfig(**{"num_experts": 8, **bad}).validate()

@@ -80,6 +80,26 @@ def test_export_round_trips_through_transformers(hf_checkpoint, tmp_path, logits
     assert torchloom.from_hf(out).config == model.config
 
 
+@torch.no_grad()
+def test_shared_expert_of_any_width_matches_transformers(
+    hf_checkpoint, tmp_path, logits_parity
+) -> None:
+    """transformers' shared expert may be as wide as it likes, not only a multiple of an
+    expert's (48 here, experts 32): loaded, run and exported as it is."""
+    path, reference = hf_checkpoint(
+        "qwen3_next", **(NEXT_TINY | {"shared_expert_intermediate_size": 48})
+    )
+    model = torchloom.from_hf(path)
+    moe = model.config.moe
+    assert (moe.num_shared_experts, moe.shared_expert_dim, moe.shared_dim) == (1, 48, 48)
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(3))
+    logits_parity("qwen3_next shared expert 48 wide", model(tokens), reference(tokens).logits)
+    out = tmp_path / "export"
+    save_hf(out, "qwen3_next", model.config, model.state_dict().items())
+    assert json.loads((out / "config.json").read_text())["shared_expert_intermediate_size"] == 48
+    assert torchloom.from_hf(out).config == model.config
+
+
 @pytest.mark.parametrize("flavor", list(QWEN3_NEXT_FLAVORS))
 def test_config_round_trips_through_hf(flavor: str) -> None:
     cfg = QWEN3_NEXT_FLAVORS[flavor]
@@ -133,8 +153,8 @@ def test_config_refusals() -> None:
     base = ADAPTER.config_to_hf(QWEN3_NEXT_FLAVORS["debug"])
     with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\]"):
         ADAPTER.config_from_hf(base | {"mlp_only_layers": [1]})
-    with pytest.raises(ConfigError, match="shared_expert_intermediate_size=48"):
-        ADAPTER.config_from_hf(base | {"shared_expert_intermediate_size": 48})
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size must be a positive"):
+        ADAPTER.config_from_hf(base | {"shared_expert_intermediate_size": 0})
     with pytest.raises(ConfigError, match="layer_types"):
         ADAPTER.config_from_hf(base | {"layer_types": ["sliding_attention"] * 4})
     with pytest.raises(ConfigError, match="unknown option"):

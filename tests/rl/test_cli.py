@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from rl.common import BASE  # tests/ is on sys.path (rootdir-relative imports)
 from torchloom.cli import main
 
 
@@ -42,3 +43,18 @@ def test_bad_input_gets_one_clear_error(capsys) -> None:
         assert main(list(argv)) == 2, argv
         err = capsys.readouterr().err
         assert message in err, (argv, err)
+
+
+def test_resume_at_the_last_step_says_so_and_touches_nothing(tmp_path, capsys) -> None:
+    """The run scaffold's rule holds for `torchloom rl` too: one line, exit 0, no file touched."""
+    args = ["rl", *BASE, "--output.dir", str(tmp_path), "--training.steps", "2",
+            "--checkpoint.interval", "2", "--training.device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--checkpoint.resume", "true"]) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    assert printed.startswith("Nothing to train: ") and printed.count("\n") == 1
+    assert files == {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")
+                     if p.is_file()}  # fmt: skip

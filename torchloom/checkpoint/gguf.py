@@ -209,5 +209,8 @@ class _InMemory:
     def shape(self, name: str) -> list[int]:
         return list(self.tensors[name].shape)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name].dtype
+
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         return self.tensors[name][box] if box else self.tensors[name]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -68,13 +68,25 @@ def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: {err}") from None
 
 
+# What a weight may be stored as: casting between these keeps its values (up to rounding).
+# Anything else (integers, FP8 without its scales) would load as different numbers.
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class HFTensors(TensorReader, Protocol):
+    """Hugging Face-named tensors and the dtype each is stored in."""
+
+    def dtype(self, name: str) -> torch.dtype: ...
+
+
 class HFReader:
     """A Hugging Face folder's tensors under torchloom's parameter names, through the family's
     adapter: each parameter from one HF tensor, from several stacked (per-expert weights) or
     from some rows of one (a part of a fused tensor); any box of it read without the rest (a
     rank's shard). Tensors of the folder that no
     parameter uses are refused, except those the adapter says carry nothing to load and a tied
-    checkpoint's copy of the head. ``tensors`` reads the HF-named tensors from elsewhere than
+    checkpoint's copy of the head; so is a tensor a parameter uses that is not stored in one of
+    LOADABLE_DTYPES (this is where every HF load, convert and initial load reads). ``tensors`` reads the HF-named tensors from elsewhere than
     the folder's safetensors (a model in memory); ``hf_dir`` then only names the source."""
 
     def __init__(
@@ -83,9 +95,9 @@ class HFReader:
         adapter: HFAdapter,
         names: list[str],
         config: DecoderConfig,
-        tensors: TensorReader | None = None,
+        tensors: HFTensors | None = None,
     ) -> None:
-        self.folder = tensors if tensors is not None else SafetensorsFolder(hf_dir)
+        self.folder: HFTensors = tensors if tensors is not None else SafetensorsFolder(hf_dir)
         available = set(self.folder.names())
         tied = config.tie_embeddings
         self.sources: dict[str, str | list[str] | RowSlice] = {}
@@ -113,6 +125,32 @@ class HFReader:
                 f"{did_you_mean(hf_name, sorted(used))}"
             )
         self._available = available
+        self._check_dtypes(Path(hf_dir), used & available)
+
+    def _check_dtypes(self, hf_dir: Path, hf_names: set[str]) -> None:
+        """ConfigError for the first of ``hf_names`` not stored in one of LOADABLE_DTYPES, before
+        any tensor is read; from the file headers only."""
+        folder = self.folder
+
+        def file(hf_name: str) -> Path:
+            return folder.path(hf_name) if isinstance(folder, SafetensorsFolder) else hf_dir
+
+        for hf_name in sorted(hf_names, key=lambda n: (file(n), n)):  # one file open at a time
+            dtype = folder.dtype(hf_name)
+            if dtype in LOADABLE_DTYPES:
+                continue
+            stored = str(dtype).removeprefix("torch.")
+            fix = (
+                "an FP8 weight means nothing without its block scales: dequantize the "
+                "checkpoint to bfloat16 first"
+                if dtype.is_floating_point
+                else "store that tensor as float32 or bfloat16 and load again"
+            )
+            raise ConfigError(
+                f"{file(hf_name)}: tensor '{hf_name}' is stored as {stored}, not a floating-point "
+                f"type torchloom loads weights from (float32, bfloat16, float16, float64); casting it "
+                f"would change its values. Fix: {fix}."
+            )
 
     def names(self) -> list[str]:
         return [n for n, s in self.sources.items() if set(_as_list(s)) <= self._available]

@@ -28,6 +28,18 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# safetensors' dtype codes -> torch dtype names (those this torch lacks are left out).
+_STORED_DTYPES = {
+    code: getattr(torch, name)
+    for code, name in {
+        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "I64": "int64",
+        "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+        "U16": "uint16", "U8": "uint8", "BOOL": "bool", "C64": "complex64",
+    }.items()
+    if hasattr(torch, name)
+}  # fmt: skip
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -191,6 +203,20 @@ class SafetensorsFolder:
 
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
+
+    def path(self, name: str) -> Path:
+        """The file that holds ``name``."""
+        return self.folder / self.files[name]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` is stored in (read from the file's header, not its data)."""
+        code = self._slice(name).get_dtype()
+        if code not in _STORED_DTYPES:
+            raise ConfigError(
+                f"{self.path(name)}: tensor '{name}' has the safetensors dtype {code}, which this "
+                "PyTorch cannot read; store it as float32 or bfloat16."
+            )
+        return _STORED_DTYPES[code]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """``name``'s values in ``box`` (one slice per dim; None: all of it), on the CPU."""

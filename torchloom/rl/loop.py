@@ -377,7 +377,7 @@ class RLRunner:
 
     def train(self) -> dict[str, float]:
         if self.is_generator:
-            start, _ = self.run.start()
+            start = self.run.start()
             return _summary(self.job.training.steps, serve(self, start))
         job, t, r = self.job, self.job.training, self.job.rl
         self.start()
@@ -441,7 +441,7 @@ class RLRunner:
         """Start or resume (the run scaffold), then give the generator the policy the run
         continues from: its copy (with lag) was made from the initial weights before the
         checkpoint loaded. Returns the step to continue from."""
-        self.step, _ = self.run.start()
+        self.step = self.run.start()
         with self.params_lock:
             self.version = self.step
             self.gen_version = -1

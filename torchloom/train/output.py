@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from torchloom.config.errors import ConfigError
 from torchloom.config.paths import check_can_create
@@ -74,11 +73,11 @@ def remove_outputs(path: Path, names: list[str]) -> None:
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
-def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
+def truncate_metrics(path: Path, step: int) -> None:
     """Drop the records a run resumed after ``step`` writes again (those after it; all of them
-    for step 0, whose validation is logged again); returns the records kept."""
+    for step 0, whose validation is logged again)."""
     if not path.is_file():
-        return []
+        return
     records = read_records(path)
     kept = [r for r in records if r["step"] <= step] if step else []
     if len(kept) < len(records):
@@ -91,4 +90,3 @@ def truncate_metrics(path: Path, step: int) -> list[dict[str, Any]]:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(tmp, path)
-    return kept

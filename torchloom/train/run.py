@@ -25,6 +25,11 @@ from torchloom.train.metrics import MetricsLogger
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
 
 
+class NothingToTrain(Exception):
+    """The checkpoint to resume is already at --training.steps: the run ends at its start,
+    having written and removed nothing (the commands exit 0 with this message)."""
+
+
 class RunScaffold:
     """Start (or resume), log, save and export one job's run: ``job``'s output and checkpoint
     settings, ``checkpointer`` over what the job's checkpoints hold (its state registry)."""
@@ -33,26 +38,32 @@ class RunScaffold:
         self.job, self.checkpointer, self.is_rank0 = job, checkpointer, is_rank0
         self.output_dir = Path(job.output.dir)
 
-    def start(self) -> tuple[int, list[dict]]:
+    def start(self) -> int:
         """Choose the checkpoint and check the folders before any file is written or removed;
-        then clean up, load, and record the resolved config. Returns the step to continue from
-        and the metrics records kept from before it."""
+        then clean up, load, and record the resolved config. Returns the step to continue from.
+        NothingToTrain (on every rank) when the
+        checkpoint to resume is at the last step."""
         job, ckpt = self.job, self.checkpointer
         step = ckpt.choose(job.training.steps)
+        continues = "train_state" not in job.checkpoint.exclude_from_loading
+        if step is not None and continues and step == job.training.steps:
+            raise NothingToTrain(
+                f"Nothing to train: the checkpoint to resume ({ckpt.storage.step_dir(step)}) is "
+                f"already at --training.steps {step}; raise --training.steps to train further."
+            )
         replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step is not None))
         if self.is_rank0:
             remove_outputs(self.output_dir, replaced)
         if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
             ckpt.clean_interrupted()
-        kept: list[dict] = []
         if step is not None:
             step = ckpt.load(step)
             if self.is_rank0:
-                kept = truncate_metrics(self.output_dir / "metrics.jsonl", step)
+                truncate_metrics(self.output_dir / "metrics.jsonl", step)
         if self.is_rank0:  # only now: a refused resume must not replace the run's config
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
-        return step or 0, kept
+        return step or 0
 
     def _check_folders(self, resuming: bool) -> list[str]:
         """Rank 0: refuse an output or checkpoint folder this run may not write into; returns
@@ -72,12 +83,9 @@ class RunScaffold:
         ckpt = self.checkpointer
         if ckpt.loaded_step is None:
             return None
-        then = (
-            f"continuing at step {step + 1}" if step < self.job.training.steps else "no steps left"
-        )
         return (
             f"resumed from {ckpt.storage.step_dir(ckpt.loaded_step)} in {ckpt.load_seconds:.2f} s; "
-            f"{then}"
+            f"continuing at step {step + 1}"
         )
 
     def save_if_due(

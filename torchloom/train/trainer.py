@@ -155,8 +155,8 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         job, t = self.job, self.job.training
-        self.step, kept = self.run.start()
-        self.train_step.step = start_step = self.step
+        self.step = self.run.start()
+        self.train_step.step = self.step
         flops = self.model_config.flops_per_token(t.seq_len)
         metrics = MetricsLogger(
             self.output_dir, job.metrics, t.steps, self.device, flops, enabled=self.is_rank0
@@ -202,10 +202,8 @@ class Trainer:
                     metrics.log({"step": self.step, "val_loss": self.validate()})
                 self.run.save_if_due(metrics, self.step, self.train_loader.tokens_seen)
             self.run.finish(metrics)
-            val_after = self.validate() if self.step > start_step else val_before
-            # A run resumed at its last step may have logged this record already.
-            if not any(r["step"] == self.step and "val_loss" in r for r in kept):
-                metrics.log({"step": self.step, "val_loss": val_after})
+            val_after = self.validate()  # the run trained at least one step (NothingToTrain)
+            metrics.log({"step": self.step, "val_loss": val_after})
             model_dir = self._export(metrics)
         finally:
             metrics.close()

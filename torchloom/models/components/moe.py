@@ -56,7 +56,11 @@ class MoEConfig:
     expert_dim: int = 64
     """Hidden width of each expert's SwiGLU."""
     num_shared_experts: int = 0
-    """Experts every token goes through, as one SwiGLU of width num_shared_experts * expert_dim."""
+    """Experts every token goes through, as one SwiGLU of width ``shared_dim``."""
+    shared_expert_dim: int = 0
+    """The shared expert's width when it is not a multiple of expert_dim (Qwen3-Next's
+    shared_expert_intermediate_size may be any size); needs num_shared_experts 1. 0: the
+    shared experts are num_shared_experts * expert_dim wide."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output by sigmoid(x w_g), a learned per-token gate (Qwen2-MoE,
     Qwen3-Next); needs shared experts."""
@@ -83,6 +87,13 @@ class MoEConfig:
     balance_loss_coef: float = 0.0
     """Weight of the balance loss (DeepSeek-V3: 0.0001)."""
 
+    @property
+    def shared_dim(self) -> int:
+        """The shared experts' SwiGLU width (0: no shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_expert_dim or self.num_shared_experts * self.expert_dim
+
     def validate(self) -> None:
         for name in ("num_experts", "top_k", "expert_dim", "num_groups", "top_groups"):
             if getattr(self, name) <= 0:
@@ -93,6 +104,12 @@ class MoEConfig:
             )
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ConfigError("model moe.shared_expert_gate needs moe.num_shared_experts >= 1.")
+        if self.shared_expert_dim < 0 or (self.shared_expert_dim and self.num_shared_experts != 1):
+            raise ConfigError(
+                f"model moe.shared_expert_dim ({self.shared_expert_dim}) must be >= 0 and sets the "
+                "width of one shared expert: set moe.num_shared_experts 1 (it is "
+                f"{self.num_shared_experts}), or shared_expert_dim 0."
+            )
         if self.top_k > self.num_experts:
             raise ConfigError(
                 f"model moe.top_k ({self.top_k}) exceeds moe.num_experts ({self.num_experts})."
@@ -338,8 +355,7 @@ class MoE(nn.Module):
         self.shared_experts: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if cfg.num_shared_experts:
-            width = cfg.num_shared_experts * cfg.expert_dim
-            self.shared_experts = SwiGLU(dim, width, impl, init_std, out_std)
+            self.shared_experts = SwiGLU(dim, cfg.shared_dim, impl, init_std, out_std)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.dispatcher = LocalDispatch()

@@ -161,13 +161,15 @@ class DeepSeekV3HFAdapter(HFAdapter):
             or not moe.expert_bias
             or not moe.num_shared_experts
             or moe.shared_expert_gate
+            or moe.shared_expert_dim
         ):
             raise ConfigError(
                 f"This model's routing (score_func {moe.score_func!r}, expert_bias "
                 f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}, "
-                f"shared_expert_gate {moe.shared_expert_gate}) is not what transformers' "
-                "DeepseekV3ForCausalLM computes (sigmoid scores with the balancing bias, and "
-                "ungated shared experts); it cannot be exported as one."
+                f"shared_expert_gate {moe.shared_expert_gate}, shared_expert_dim "
+                f"{moe.shared_expert_dim}) is not what transformers' DeepseekV3ForCausalLM "
+                "computes (sigmoid scores with the balancing bias, and ungated shared experts "
+                "as wide as n_shared_experts experts); it cannot be exported as one."
             )
         hf = self.shared_hf_config(cfg, dtype, bos_token_id, eos_token_id)
         hf |= {

@@ -166,18 +166,21 @@ class Qwen3NextHFAdapter(HFAdapter):
             )
         expert_dim = get("moe_intermediate_size")
         shared_dim = get("shared_expert_intermediate_size")
-        if not shared_dim or shared_dim % expert_dim:
-            raise ConfigError(
-                f"shared_expert_intermediate_size={shared_dim} is not supported: it must be a "
-                f"positive multiple of moe_intermediate_size ({expert_dim})."
-            )
+        for key, value in (("moe_intermediate_size", expert_dim),
+                           ("shared_expert_intermediate_size", shared_dim)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{key} must be a positive integer, got {value!r}.")
+        # transformers' one shared expert may have any width; a multiple of an expert's is
+        # kept as that many experts' worth (the flavors' and earlier checkpoints' spelling).
+        multiple = shared_dim % expert_dim == 0
         top_k = get("num_experts_per_tok")
         aux = bool(get("output_router_logits"))
         moe = MoEConfig(
             num_experts=experts,
             top_k=top_k,
             expert_dim=expert_dim,
-            num_shared_experts=shared_dim // expert_dim,
+            num_shared_experts=shared_dim // expert_dim if multiple else 1,
+            shared_expert_dim=0 if multiple else shared_dim,
             shared_expert_gate=True,
             normalize_top_k=bool(get("norm_topk_prob")),
             # transformers adds coef * E * sum_i (count_i / N) P_i with output_router_logits;
@@ -228,9 +231,9 @@ class Qwen3NextHFAdapter(HFAdapter):
     def _moe_to_hf(self, moe: MoEConfig) -> dict[str, Any]:
         qwen_routing = MoEConfig(
             num_experts=moe.num_experts, top_k=moe.top_k, expert_dim=moe.expert_dim,
-            num_shared_experts=moe.num_shared_experts, shared_expert_gate=True,
-            normalize_top_k=moe.normalize_top_k, balance_loss=moe.balance_loss,
-            balance_loss_coef=moe.balance_loss_coef,
+            num_shared_experts=moe.num_shared_experts, shared_expert_dim=moe.shared_expert_dim,
+            shared_expert_gate=True, normalize_top_k=moe.normalize_top_k,
+            balance_loss=moe.balance_loss, balance_loss_coef=moe.balance_loss_coef,
         )  # fmt: skip
         renormalised_only = "norm_topk_prob" not in self.ignored_keys
         if (
@@ -248,7 +251,7 @@ class Qwen3NextHFAdapter(HFAdapter):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "moe_intermediate_size": moe.expert_dim,
-            "shared_expert_intermediate_size": moe.num_shared_experts * moe.expert_dim,
+            "shared_expert_intermediate_size": moe.shared_dim,
             "num_experts_per_tok": moe.top_k,
             "num_experts": moe.num_experts,
             "norm_topk_prob": moe.normalize_top_k,
