@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX
-
 __all__ = ["IGNORE_INDEX", "Batch"]
+
+IGNORE_INDEX = -100
+"""The label of a token with nothing to predict (padding, prompts under an assistant-only loss,
+a document's last token): every loss and count skips it. -100, as PyTorch's and HF's losses."""
 
 
 @dataclass

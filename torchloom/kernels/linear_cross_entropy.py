@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
+from torchloom.data.packing import IGNORE_INDEX
 from torchloom.kernels.triton_support import jit, tl, use_triton
 
-IGNORE_INDEX = -100
-"""Label value that contributes no loss (padding, prompt tokens in SFT, document ends)."""
 DEFAULT_CHUNK_TOKENS = 4096
 _BLOCK_V = 4096
 LOSS_IMPLS = ("full", "chunked")

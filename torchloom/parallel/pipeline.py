@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from torchloom.config.errors import ConfigError
-from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX
+from torchloom.data.packing import IGNORE_INDEX
 from torchloom.models.components.decoder import Decoder, DecoderConfig, Objective
 from torchloom.parallel.config import (
     SPLIT_BACKWARD,

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchloom.data.packing import IGNORE_INDEX
 from torchloom.kernels.linear_cross_entropy import (
-    IGNORE_INDEX,
     LOSS_IMPLS,
     cross_entropy_sum,
     linear_cross_entropy_sum,

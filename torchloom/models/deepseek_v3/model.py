@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchloom.kernels.linear_cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from torchloom.data.packing import IGNORE_INDEX
+from torchloom.kernels.linear_cross_entropy import cross_entropy_sum
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.decoder import Block, Decoder, LayerInputs, Objective
 from torchloom.models.components.norms import NORM_IMPLS
