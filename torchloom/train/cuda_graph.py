@@ -17,7 +17,8 @@ Compiled regions are compiled during the warm-up steps and captured like any oth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -93,8 +94,12 @@ class StepGraph:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Warm-up runs on a side stream, as capture requires: lazily created state (cuBLAS
         # handles and workspaces, compiled kernels, AdamW's moments) must exist before capture.
+        # The optimizer runs as it will in the graph (rate from a tensor, capturable), so every
+        # kernel the capture launches was compiled and loaded here: a Triton kernel first
+        # specialized inside the capture (the Triton AdamW's rate-on-device variant) would load
+        # a module there, which invalidates the capture.
         self.side_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side_stream):
+        with torch.cuda.stream(self.side_stream), self._as_captured(num_tokens.device):
             outputs = self.step_fn(batches, num_tokens)
             self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream().wait_stream(self.side_stream)
@@ -103,27 +108,32 @@ class StepGraph:
     def _capture(self, batches: Sequence[Batch], num_tokens: torch.Tensor) -> None:
         self.static_batches = [batch.clone() for batch in batches]
         self.static_num_tokens = num_tokens.clone()
-        groups = self.optimizer.param_groups
-        self.static_lrs = [
-            torch.tensor(g["lr"], dtype=torch.float32, device=num_tokens.device) for g in groups
-        ]
-        # Capture reads the rate from a tensor (a float would be frozen into the graph) and
-        # needs capturable=True; the fused AdamW computes the same either way. Both are put back
-        # afterwards, so the scheduler, checkpoints and an eager resume see the usual groups.
-        saved = [(g["lr"], g["capturable"]) for g in groups]
-        for group, lr in zip(groups, self.static_lrs, strict=True):
-            group["lr"], group["capturable"] = lr, True
         # Grads set to None, so the captured backward allocates them from the graph's pool and
         # every replay writes the same tensors.
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
+        with self._as_captured(num_tokens.device), torch.cuda.graph(graph):
+            self.static_outputs = self.step_fn(self.static_batches, self.static_num_tokens)
+        self.graph = graph
+
+    @contextlib.contextmanager
+    def _as_captured(self, device: torch.device) -> Iterator[None]:
+        """The optimizer's groups read their rates from ``static_lrs`` (a float would be frozen
+        into the graph; filled with this step's rates) with capturable=True, as a captured
+        step needs; the fused and Triton AdamW compute the same either way. Put back
+        afterwards, so the scheduler, checkpoints and an eager resume see the usual groups."""
+        groups = self.optimizer.param_groups
+        if not self.static_lrs:
+            self.static_lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in groups]
+        saved = [(g["lr"], g["capturable"]) for g in groups]
+        for group, lr in zip(groups, self.static_lrs, strict=True):
+            lr.fill_(group["lr"])
+            group["lr"], group["capturable"] = lr, True
         try:
-            with torch.cuda.graph(graph):
-                self.static_outputs = self.step_fn(self.static_batches, self.static_num_tokens)
+            yield
         finally:
             for group, (lr, capturable) in zip(groups, saved, strict=True):
                 group["lr"], group["capturable"] = lr, capturable
-        self.graph = graph
 
     def _copy_in(self, batches: Sequence[Batch], num_tokens: torch.Tensor) -> None:
         if len(batches) != len(self.static_batches):
