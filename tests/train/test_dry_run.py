@@ -111,3 +111,21 @@ def test_70b_over_two_fsdp_ranks_halves_the_parameters():
     peak_rss_gib = [row["peak_rss"] for row in per_rank(proc.stdout, "GiB").values()]
     assert max(peak_rss_gib) < 3.0, peak_rss_gib
     assert seconds < 120
+
+
+@pytest.mark.distributed
+def test_pp_over_more_stages_than_layers_is_refused():
+    """A 1-layer model over pp 2 used to report layers per stage [0, 1] and exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "torchloom", "train", "--recipe", "debug", "--training.device", "cpu",
+           "--parallel.pp", "2", "--model.overrides", '{"num_layers": 1}', "--dry-run"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    message = (
+        "error: 1 layer(s) cannot fill 2 pipeline stages (layers per stage [0, 1]); lower pp or "
+        "pp_stages_per_rank, or pass --parallel.pp_layers_per_stage."
+    )
+    # Each rank ends with the line and exit 2 (torchrun then exits 1, naming that status).
+    assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
+    assert "dry run:" not in proc.stdout
