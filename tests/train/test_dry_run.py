@@ -14,7 +14,7 @@ from torchloom.models import build_model, resolve_model_config
 from torchloom.models.config import ModelConfig
 from torchloom.parallel import build_parallel_dims
 from torchloom.train.builders import build_model_config, build_objective
-from torchloom.train.dry_run import estimate_activations, kept_by_forward
+from torchloom.train.dry_run import estimate_activations, kept_by_forward, rank_memory
 from torchloom.train.optim import OPTIMIZER_STATE_BYTES, OPTIMIZERS
 from torchloom.train.remat import apply_remat
 
@@ -129,3 +129,19 @@ def test_pp_over_more_stages_than_layers_is_refused():
     assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
     assert "dry run:" not in proc.stdout
+
+
+def test_frozen_parameters_have_no_gradient_bytes():
+    """A frozen parameter (requires_grad False) is counted in the parameters, not the
+    gradients."""
+    _, job = resolve_job(["--recipe", "debug"])
+    with torch.device("meta"):
+        model = build_model(resolve_model_config(job.model))
+    model.embed_tokens.weight.requires_grad_(False)
+    params = list(model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    frozen = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    row = rank_memory(0, model, job, None)
+    print(f"parameters {row.params}, gradients {row.grads}, frozen {frozen}")
+    assert row.params == nbytes
+    assert row.grads == nbytes - frozen
