@@ -49,3 +49,9 @@ def test_train_command_end_to_end(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 21))
     assert json.loads((out / "config.json").read_text())["training"]["steps"] == 20
     assert "sample:" in proc.stdout and "done: 20 steps" in proc.stdout
+
+
+def test_plot_help_is_help_not_a_folder(capsys):
+    assert main(["plot", "--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: torchloom plot OUTPUT_DIR") and captured.err == ""

@@ -283,7 +283,13 @@ def _parse_size(text: str) -> int:
     if not match:
         raise ConfigError(f"--max-shard-size expects a size such as 2GB or 500MB, got {text!r}.")
     number, unit = match.groups()
-    return int(float(number) * _SIZE_UNITS[(unit or "").upper()])
+    size = int(float(number) * _SIZE_UNITS[(unit or "").upper()])
+    if size < 1:
+        raise ConfigError(
+            f"--max-shard-size {text} leaves no room for a weight file; give a size of at least "
+            "1 byte, e.g. 2GB or 500MB."
+        )
+    return size
 
 
 def cmd_convert(argv: list[str]) -> int:
@@ -555,6 +561,9 @@ def cmd_plot(argv: list[str]) -> int:
         "--metric draws those metrics against step, e.g. --metric eval_pass@1)"
     )
     argv, names = list(argv), []
+    if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
+        print(usage)
+        return 0
     while (name := _pop_option(argv, "--metric")) is not None:
         names.append(name)
     if len(argv) != 1 or argv[0].startswith("-"):

@@ -129,3 +129,14 @@ def test_a_sibling_output_still_converts(tmp_path, hf_source, capsys) -> None:
     assert main(["convert", "--from", str(beside), "--to-hf", str(other)]) == 0
     capsys.readouterr()
     assert files_of(hf_source) == before
+
+
+@pytest.mark.parametrize("size", ["0", "0.5"])
+def test_a_max_shard_size_below_one_byte_is_refused(capsys, tmp_path, size):
+    """Named as the option the user typed, not as the writer's internal max_shard_bytes."""
+    refused(
+        capsys, tmp_path,
+        rf"^error: --max-shard-size {re.escape(size)} leaves no room for a weight file; give a "
+        r"size of at least 1 byte, e.g\. 2GB or 500MB\.\n$",
+        "--from-hf", tmp_path / "hf", "--to", tmp_path / "out", "--max-shard-size", size,
+    )  # fmt: skip

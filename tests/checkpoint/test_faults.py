@@ -1,10 +1,12 @@
 """Resume faults end with one line and a non-zero exit, and leave the user's files as they were:
 validation on resume, a finished run without checkpoints, a damaged marker, another model or
 data settings, a missing step, too few steps, a torn metrics line, a renamed step folder, a
-full disk during a save, and another run's checkpoint folder."""
+full disk or a per-file size limit during a save, and another run's checkpoint folder."""
 
 import errno
 import json
+import re
+import resource
 import shutil
 from pathlib import Path
 
@@ -15,9 +17,10 @@ from torchloom.checkpoint.convert import open_model_source
 from torchloom.checkpoint.storage import MARKER, CheckpointStorage
 from torchloom.cli import main
 
+# Warm-up 1: the debug recipe's 5 steps would outlast these short runs (a warning each time).
 COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
           "--training.val_sequences", "8", "--checkpoint.save_final_model", "false",
-          "--training.device", "cpu"]  # fmt: skip
+          "--training.device", "cpu", "--lr_schedule.warmup_steps", "1"]  # fmt: skip
 RESUME = ["--checkpoint.resume", "true"]
 
 
@@ -191,6 +194,30 @@ def test_full_disk_during_a_save_is_one_line(run, capsys, monkeypatch, mode):
         out = capsys.readouterr().out
         assert f"removed checkpoint {run / 'checkpoints/step-6'}: an interrupted save" in out
         assert storage.complete_steps() == [2, 4, 6]
+
+
+def test_file_size_limit_during_a_save_names_the_file(run, capsys):
+    """RLIMIT_FSIZE (ulimit -f) stops a checkpoint file mid-write; torch says only "[enforce fail
+    at inline_container.cc]". The message names the file and the limit instead."""
+    limit = 100_000  # bytes: below every checkpoint file, above config.json and metrics.jsonl
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        code = train(run, "--training.steps", "6", "--checkpoint.interval", "2", *RESUME)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert code == 1
+    err = one_line(capsys.readouterr().err)
+    step_dir = run / "checkpoints/step-6"
+    expected = (
+        rf"error: Saving the checkpoint of step 6 to {re.escape(str(step_dir))} failed: "
+        rf"__0_\d\.distcp reached this process's file-size limit of {limit} bytes \(ulimit -f\)\. "
+        r"Raise that limit \(or --checkpoint\.writer_threads: more threads write more, smaller "
+        r"files\), then run again with --checkpoint\.resume true to continue from the last "
+        r"complete checkpoint\.\n"
+    )
+    assert re.fullmatch(expected, err), err
+    assert CheckpointStorage.for_path(run / "checkpoints").interrupted_steps() == [6]
 
 
 def test_another_runs_checkpoint_folder_is_refused_at_start(saved, tmp_path, capsys):

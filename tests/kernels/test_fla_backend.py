@@ -4,10 +4,13 @@ state and its own rows, the next state, and the delta correction's ``-w @ h``.""
 
 import itertools
 import math
+import sys
+import types
 
 import pytest
 import torch
 
+from torchloom.kernels import fla_backend
 from torchloom.kernels.fla_backend import chunk_bwd_dqkwg, triton_kernel_fits
 
 
@@ -109,6 +112,43 @@ def test_triton_kernel_takes_whole_tiles_only() -> None:
     x, _ = _inputs(*CASES["varlen"], K=24, V=32)
     with pytest.raises(ValueError, match="power-of-two K, V >= 16; got 24, 32"):
         chunk_bwd_dqkwg(**x, kernel="triton")
+
+
+def test_registered_backend_takes_the_triton_kernel_only_when_every_head_dim_fits(
+    monkeypatch,
+) -> None:
+    """fla's dispatch, stood in for by a fake ``fla.backends`` (no fla or GPU needed): the
+    backend torchloom registers runs its Triton form only when both the key and the value head
+    dims fit it, and the PyTorch form when either does not."""
+    registered: dict[str, type] = {}
+
+    class BaseBackend:
+        pass
+
+    def register(name: str):
+        def add(cls: type) -> type:
+            registered[name] = cls
+            return cls
+
+        return add
+
+    backends = types.ModuleType("fla.backends")
+    backends.BaseBackend, backends.register = BaseBackend, register
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.backends", backends)
+    chosen: list[str] = []
+    monkeypatch.setattr(fla_backend, "chunk_bwd_dqkwg", lambda **kw: chosen.append(kw["kernel"]))
+    fla_backend.register.cache_clear()
+    try:
+        assert fla_backend.register() and set(registered) == {"common"}
+    finally:
+        fla_backend.register.cache_clear()  # the real fla (or none) for the other tests
+    backend = registered["common"]()
+    for K, V in ((16, 32), (16, 24), (24, 32), (24, 40)):
+        named = {n: torch.zeros(1) for n in ("q", "do", "h", "dh", "w", "g", "dv")}
+        backend.chunk_bwd_dqkwg(**named, k=torch.zeros(1, 64, 2, K), v=torch.zeros(1, 64, 2, V))
+    print(f"kernels for (K, V) = (16, 32), (16, 24), (24, 32), (24, 40): {chosen}")
+    assert chosen == [fla_backend.STEP_KERNEL, "torch", "torch", "torch"]
 
 
 def test_triton_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:

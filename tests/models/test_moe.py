@@ -188,3 +188,21 @@ def test_compiles_as_one_graph_and_matches_eager() -> None:
     for p, expected in zip(layer.parameters(), eager_grads, strict=True):
         torch.testing.assert_close(p.grad, expected)
     assert layer.take_load().sum().item() == 2 * (2 * 7 * SOFTMAX.top_k)  # both passes counted
+
+
+@pytest.mark.parametrize("kind, groups", [("sequence", 2), ("batch", 1)])
+def test_balance_loss_kind_picks_its_token_runs(kind: str, groups: int) -> None:
+    """'sequence' averages the loss over each sequence's tokens, 'batch' over the micro-batch:
+    the layer's term equals the formula with that grouping and differs from the other one."""
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=8, balance_loss=kind, balance_loss_coef=0.1)
+    layer = _layer(cfg).train()
+    x_BTD = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(7))
+    layer(x_BTD)
+    term = layer.pop_auxiliary_losses()["balance"].item()
+    with torch.no_grad():
+        _, experts_NK, scores_NE = layer.router(x_BTD.reshape(-1, DIM))
+    mine = 0.1 * balance_loss(scores_NE, experts_NK, groups).item()
+    other = 0.1 * balance_loss(scores_NE, experts_NK, 3 - groups).item()
+    print(f"{kind}: layer {term:.6f}, formula {mine:.6f}, other grouping {other:.6f}")
+    assert abs(mine - other) > 1e-4  # the input tells the two apart
+    assert term == pytest.approx(mine, rel=1e-6)

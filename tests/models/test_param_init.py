@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from torchloom.models import ModelConfig, build_model, list_models
+from torchloom.models import ModelConfig, build_model, list_models, resolve_model_config
 from torchloom.models.components.attention import Attention
+from torchloom.models.components.param_init import ParamInit
 
 
 def _materialized(config: ModelConfig, fill: float = float("nan")) -> nn.Module:
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(resolve_model_config(config))
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -66,3 +67,29 @@ def test_same_seed_same_weights_and_the_documented_distributions() -> None:
     assert torch.equal(block.attention_norm.weight, torch.ones_like(block.attention_norm.weight))
     embed = first.embed_tokens.weight
     assert abs(embed.std() - std) < 0.05 * std and embed.abs().max() > 3 * std  # not truncated
+
+
+def test_the_seed_comes_from_each_parameter_s_name() -> None:
+    """Same-shaped parameters (every layer's q_proj, ...) get different values, and a parameter's
+    values follow its name, not the order in which the parameters are registered."""
+    model = _materialized(ModelConfig(name="llama3"))
+    model.init_weights(3)
+    randoms = {n: p for n, p in model.named_parameters() if p.std() > 0}  # not ones / zeros
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for name, p in randoms.items():
+        by_shape.setdefault(tuple(p.shape), []).append(name)
+    pairs = [(a, b) for names in by_shape.values() for a in names for b in names if a < b]
+    assert len(pairs) >= 5, by_shape
+    same = [(a, b) for a, b in pairs if torch.equal(randoms[a], randoms[b])]
+    assert not same, f"identical values: {same}"
+
+    def init(order: list[str]) -> dict[str, torch.Tensor]:
+        layers = nn.ModuleDict({name: nn.Linear(4, 4, bias=False) for name in order})
+        param_init = ParamInit(layers, seed=5)
+        for layer in layers.values():
+            param_init.normal_(layer.weight, std=1.0)
+        return {name: layer.weight.detach().clone() for name, layer in layers.items()}
+
+    forward, backward = init(["a", "b"]), init(["b", "a"])
+    for name in ("a", "b"):
+        assert torch.equal(forward[name], backward[name]), name

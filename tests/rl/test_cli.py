@@ -58,3 +58,49 @@ def test_resume_at_the_last_step_says_so_and_touches_nothing(tmp_path, capsys) -
     assert printed.startswith("Nothing to train: ") and printed.count("\n") == 1
     assert files == {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")
                      if p.is_file()}  # fmt: skip
+
+
+def test_removed_and_nonsense_values_end_in_one_exact_line(capsys) -> None:
+    """Every message is checked in full: one line, exit 2, before anything is built."""
+    cases = {
+        ("--rl.tis_cap", "0"): "--rl.tis_cap no longer exists; it is now --rl.is_high (the "
+        "importance weight's cap; --rl.is_low is its floor).",
+        ("--rl.format_reward", "nan"): "--rl.format_reward must be in [0, 1] (an unparsable "
+        "reply scores 0, a correct one 1); got nan.",
+        ("--rl.format_reward", "-0.5"): "--rl.format_reward must be in [0, 1] (an unparsable "
+        "reply scores 0, a correct one 1); got -0.5.",
+        ("--rl.is_low", "nan"): "--rl.is_low must be >= 0; got nan.",
+        ("--rl.is_low", "-1"): "--rl.is_low must be >= 0; got -1.0.",
+        ("--rl.is_high", "nan"): "--rl.is_high must be a finite number above --rl.is_low (0.0); "
+        "got nan.",
+        ("--rl.is_high", "-1"): "--rl.is_high must be a finite number above --rl.is_low (0.0); "
+        "got -1.0.",
+        ("--rl.is_low", "1.5", "--rl.is_high", "1.5"): "--rl.is_high must be a finite number "
+        "above --rl.is_low (1.5); got 1.5.",
+    }
+    for argv, message in cases.items():
+        assert main(["rl", "--recipe", "rl_debug", *argv, "--print-config"]) == 2, argv
+        assert capsys.readouterr().err == f"error: {message}\n", argv
+
+
+def test_a_missing_start_model_is_named_before_any_recipe_runs(capsys, tmp_path) -> None:
+    """rl_debug's init recipes build outputs/sft_tiny/hf, which cannot stand in for another
+    path: the error names the user's path (not the recipe's tokenizer) and nothing trains."""
+    missing = tmp_path / "MISSING"
+    code = main(["rl", "--recipe", "rl_debug", "--checkpoint.initial_load_hf", str(missing),
+                 "--output.dir", str(tmp_path / "run")])  # fmt: skip
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: --checkpoint.initial_load_hf {missing} does not exist (--rl.init_recipes build "
+        "outputs/sft_tiny/hf, not it); point it at a Hugging Face model folder.\n"
+    )
+    assert "training recipe" not in captured.out
+    assert not (tmp_path / "run").exists()
+    code = main(["rl", "--recipe", "rl_debug", "--checkpoint.initial_load_hf", str(missing),
+                 "--rl.init_recipes", "[]", "--output.dir", str(tmp_path / "run")])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: --checkpoint.initial_load_hf {missing} does not exist; point it at a Hugging "
+        "Face model folder.\n"
+    )

@@ -14,7 +14,7 @@ from torchloom.models import build_model, resolve_model_config
 from torchloom.models.config import ModelConfig
 from torchloom.parallel import build_parallel_dims
 from torchloom.train.builders import build_model_config, build_objective
-from torchloom.train.dry_run import estimate_activations, kept_by_forward
+from torchloom.train.dry_run import estimate_activations, kept_by_forward, rank_memory
 from torchloom.train.optim import OPTIMIZER_STATE_BYTES, OPTIMIZERS
 from torchloom.train.remat import apply_remat
 
@@ -111,3 +111,37 @@ def test_70b_over_two_fsdp_ranks_halves_the_parameters():
     peak_rss_gib = [row["peak_rss"] for row in per_rank(proc.stdout, "GiB").values()]
     assert max(peak_rss_gib) < 3.0, peak_rss_gib
     assert seconds < 120
+
+
+@pytest.mark.distributed
+def test_pp_over_more_stages_than_layers_is_refused():
+    """A 1-layer model over pp 2 used to report layers per stage [0, 1] and exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "torchloom", "train", "--recipe", "debug", "--training.device", "cpu",
+           "--parallel.pp", "2", "--model.overrides", '{"num_layers": 1}', "--dry-run"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    message = (
+        "error: 1 layer(s) cannot fill 2 pipeline stages (layers per stage [0, 1]); lower pp or "
+        "pp_stages_per_rank, or pass --parallel.pp_layers_per_stage."
+    )
+    # Each rank ends with the line and exit 2 (torchrun then exits 1, naming that status).
+    assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count(message) == 2, proc.stderr[-3000:]
+    assert "dry run:" not in proc.stdout
+
+
+def test_frozen_parameters_have_no_gradient_bytes():
+    """A frozen parameter (requires_grad False) is counted in the parameters, not the
+    gradients."""
+    _, job = resolve_job(["--recipe", "debug"])
+    with torch.device("meta"):
+        model = build_model(resolve_model_config(job.model))
+    model.embed_tokens.weight.requires_grad_(False)
+    params = list(model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    frozen = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    row = rank_memory(0, model, job, None)
+    print(f"parameters {row.params}, gradients {row.grads}, frozen {frozen}")
+    assert row.params == nbytes
+    assert row.grads == nbytes - frozen

@@ -1,7 +1,8 @@
 """Training faults end with one line and the right exit code, and leave the user's files as they
 were: an output folder that is a file or cannot be created, Ctrl-C (exit 130, with the command
-that resumes), --output.overwrite saying what it removes, and option values refused at config
-validation even while the option that uses them is off."""
+that resumes, also as a save begins), --output.overwrite saying what it removes, option values
+refused at config validation even while the option that uses them is off (and accepted with a
+warning when valid), and values that used to pass validation and fail later with a traceback."""
 
 import json
 import os
@@ -9,13 +10,15 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 from torchloom.cli import main
 from torchloom.train.step import TrainStep
 
+# Warm-up 1: the debug recipe's 5 steps would outlast these short runs (a warning each time).
 COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
           "--training.val_sequences", "8", "--checkpoint.save_final_model", "false",
-          "--training.device", "cpu"]  # fmt: skip
+          "--training.device", "cpu", "--lr_schedule.warmup_steps", "1"]  # fmt: skip
 
 
 def train(output_dir: Path, *flags: str) -> int:
@@ -120,3 +123,100 @@ def test_ctrl_c_before_any_checkpoint(tmp_path, capsys, monkeypatch):
 def test_option_values_are_checked_while_their_feature_is_off(capsys, flags, message):
     assert main(["train", "--recipe", "debug", *flags, "--print-config"]) == 2
     assert message in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("mode, stopped", [("sync", 4), ("async", 5)])
+def test_ctrl_c_as_a_save_begins_is_an_interruption(tmp_path, capsys, monkeypatch, mode, stopped):
+    """Ctrl-C inside the writer of step 4's save (DCP wraps it in its own exception): exit 130
+    with the resume line, not "Saving the checkpoint ... failed: KeyboardInterrupt"; step 4 has
+    no marker yet, so step 2 is the one to resume from. (An async save's end is noticed after
+    the next step.)"""
+    out = tmp_path / "run"
+    flags = ["--training.steps", "6", "--checkpoint.interval", "2", "--checkpoint.mode", mode]
+    original = dcp_filesystem._write_item
+
+    def write_item(*args, **kwargs):
+        if "step-4" in str(args):
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_filesystem, "_write_item", write_item)
+        assert train(out, *flags) == 130
+    err = one_line(capsys.readouterr().err)
+    assert err.startswith(
+        f"error: Interrupted at step {stopped} of 6; the last complete checkpoint is "
+        f"{out / 'checkpoints/step-2'}. Resume with: torchloom train "
+    ), err
+    assert "failed" not in err
+
+
+def test_ctrl_c_before_the_first_marker_is_the_same_case(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the first save's marker is being written: exit 130, nothing to resume."""
+    from torchloom.checkpoint.storage import CheckpointStorage
+
+    def mark_complete(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CheckpointStorage, "mark_complete", mark_complete)
+    assert train(tmp_path / "run", "--training.steps", "4", "--checkpoint.interval", "2") == 130
+    assert one_line(capsys.readouterr().err) == (
+        "error: Interrupted at step 2 of 4; there is no complete checkpoint to resume from.\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--training.max_norm", "nan"],
+         "--training.max_norm must be >= 0 (0 disables clipping); got nan."),
+        (["--training.seed", "-1"], "--training.seed must be in [0, 2**63); got -1."),
+        (["--optimizer.lr", "nan"], "--optimizer.lr must be a positive number; got nan."),
+        (["--optimizer.eps", "-1"],
+         "--optimizer.eps must be a number >= 0 (1e-8 is usual); got -1.0."),
+        (["--optimizer.weight_decay", "-0.1"],
+         "--optimizer.weight_decay must be a number >= 0 (0: no decay); got -0.1."),
+        (["--model.loss_impl", "magic"], "Unknown --model.loss_impl 'magic'. Available: full, "
+         "chunked."),
+        (["--output.dir", ""], "--output.dir is empty; name the run's folder, e.g. --output.dir "
+         "outputs/run (. for the current folder)."),
+    ],
+)  # fmt: skip
+def test_values_that_failed_later_are_refused_at_once(capsys, flags, message):
+    assert main(["train", "--recipe", "debug", *flags, "--print-config"]) == 2
+    assert one_line(capsys.readouterr().err) == f"error: {message}\n"
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    file = tmp_path / "cache.txt"
+    file.write_text("not a folder\n")
+    assert train(tmp_path / "run", "--training.steps", "1", "--data.cache_dir", str(file)) == 2
+    assert one_line(capsys.readouterr().err) == (
+        f"error: --data.cache_dir {file} is a file, not a folder; point --data.cache_dir at a "
+        "folder.\n"
+    )
+    assert file.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize(
+    "flags, warning",
+    [
+        (["--compile.regions", '["Attention"]'],
+         "--compile.regions [\"Attention\"] has no effect until --compile.enabled true."),
+        (["--parallel.pp_microbatches", "3"],
+         "--parallel.pp_microbatches 3 has no effect until --parallel.pp > 1."),
+        (["--parallel.pp_schedule", "gpipe"],
+         "--parallel.pp_schedule gpipe has no effect until --parallel.pp > 1."),
+        (["--training.steps", "3", "--lr_schedule.warmup_steps", "11"],
+         "--lr_schedule.warmup_steps 11 exceeds --training.steps 3: the learning rate ends the "
+         "run at 25% of --optimizer.lr, never reaching it; lower warmup_steps to reach the peak."),
+    ],
+)  # fmt: skip
+def test_valid_options_that_do_nothing_are_accepted_with_a_warning(capsys, flags, warning):
+    """The rule for an option of a feature that is off (with
+    test_option_values_are_checked_while_their_feature_is_off): a bad value is refused, a
+    good one is accepted with one warning line."""
+    assert main(["train", "--recipe", "debug", *flags, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {warning}\n"
+    json.loads(captured.out)  # stdout stays the config alone

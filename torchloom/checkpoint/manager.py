@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -326,6 +327,8 @@ class CheckpointManager:
                 pending.done_at = time.perf_counter()
                 self._complete(pending)
             except (Exception, CheckpointException) as err:  # one line instead of pages
+                if isinstance(_root_error(err), KeyboardInterrupt):
+                    raise KeyboardInterrupt from None  # Ctrl-C as the save began: no failure
                 raise CheckpointError(self._save_failed(step, err)) from err
             return
         response = dcp.async_save(
@@ -356,9 +359,20 @@ class CheckpointManager:
         cause = _root_error(err)
         full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
         fix = "Free space there or choose another --checkpoint.folder" if full else "Fix that"
+        what = _one_line(cause)
+        capped = _file_at_size_limit(self.storage.step_dir(step))
+        if capped is not None:  # torch's writers report EFBIG as an "enforce fail"
+            what = (
+                f"{capped.name} reached this process's file-size limit of "
+                f"{capped.stat().st_size} bytes (ulimit -f)"
+            )
+            fix = (
+                "Raise that limit (or --checkpoint.writer_threads: more threads write more, "
+                "smaller files)"
+            )
         return (
             f"Saving the checkpoint of step {step} to {self.storage.step_dir(step)} failed: "
-            f"{_one_line(cause)}. {fix}, then run again with --checkpoint.resume true to "
+            f"{what}. {fix}, then run again with --checkpoint.resume true to "
             "continue from the last complete checkpoint."
         )
 
@@ -404,6 +418,9 @@ class CheckpointManager:
             finished, self._finished = self._finished, []
         records = []
         for pending in finished:
+            if pending.error is not None and isinstance(_root_error(pending.error),
+                                                         KeyboardInterrupt):  # fmt: skip
+                raise KeyboardInterrupt
             if pending.error is not None:
                 raise CheckpointError(self._save_failed(pending.step, pending.error)) from (
                     pending.error
@@ -455,6 +472,17 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _file_at_size_limit(folder: str | Path) -> Path | None:
+    """A file in ``folder`` (a local step folder) as large as this process may write one
+    (RLIMIT_FSIZE, ``ulimit -f``), or None: no limit, no such file, or not a local folder."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    folder = Path(folder)
+    if limit == resource.RLIM_INFINITY or not folder.is_dir():
+        return None
+    return next((p for p in sorted(folder.rglob("*")) if p.is_file() and p.stat().st_size >= limit),
+                None)  # fmt: skip
 
 
 def _root_error(err: BaseException) -> BaseException:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
 class ConfigError(ValueError):
     """Bad user input: the message names the problem and the fix, and is shown as-is."""
+
+
+_warned: set[str] = set()
+
+
+def warn(message: str) -> None:
+    """Print ``warning: message`` on stderr, once per process: for input that runs but likely
+    does not do what the user meant. A config may be validated more than once in a run."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def near_matches(name: str, options: Iterable[str], n: int = 3) -> list[str]:

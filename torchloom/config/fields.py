@@ -18,7 +18,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any, Literal, Union, get_args, get_origin
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError, did_you_mean, warn
 
 
 @functools.cache
@@ -242,3 +242,18 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         else:
             kwargs[name] = check_type(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+def warn_unused_options(config: Any, section: str, names: tuple[str, ...], until: str) -> None:
+    """The rule for the options of a feature that is off: ``validate`` checks their values all
+    the same (a typo must not wait for the run that turns the feature on), and each one set
+    away from its default is accepted with a warning that it does nothing ``until`` the feature
+    is on."""
+    defaults = {f.name: f for f in dataclasses.fields(config)}
+    for name in names:
+        f = defaults[name]
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        value = getattr(config, name)
+        if value != default:
+            shown = value if isinstance(value, str) else json.dumps(value)
+            warn(f"--{section}.{name} {shown} has no effect until {until}.")

@@ -42,6 +42,9 @@ def apply_overrides(cfg: Any, argv: list[str]) -> Any:
     for path, text in split_overrides(argv):
         path = path.replace("-", "_")
         if path not in paths:
+            renamed = _renamed(cfg, path)
+            if renamed:
+                raise ConfigError(f"--{path} no longer exists; {renamed}")
             options = [f"--{p}" for p in paths]
             sections = {f"--{p.split('.')[0]}" for p in paths}
             hint = did_you_mean(f"--{path}", options) or did_you_mean(
@@ -59,6 +62,18 @@ def apply_overrides(cfg: Any, argv: list[str]) -> Any:
             value = parse_value(text, hint, path)
         set_path(cfg, path, value)
     return cfg
+
+
+def _renamed(cfg: Any, path: str) -> str | None:
+    """What replaced a removed field, from the ``RENAMED`` table ({old name: what to use
+    instead}) of the config class that held it."""
+    *parents, leaf = path.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part, None)
+        if not dataclasses.is_dataclass(node):
+            return None
+    return getattr(type(node), "RENAMED", {}).get(leaf)
 
 
 def set_path(cfg: Any, path: str, value: Any) -> None:

@@ -8,11 +8,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from torchloom.config.errors import ConfigError
+from torchloom.config.paths import check_can_create
+
 
 def resolve_cache_dir(cache_dir: str = "") -> Path:
-    """``cache_dir`` if set, else ``$TORCHLOOM_CACHE``, else ``~/.cache/torchloom``."""
-    chosen = cache_dir or os.environ.get("TORCHLOOM_CACHE", "") or "~/.cache/torchloom"
-    return Path(chosen).expanduser()
+    """``cache_dir`` if set, else ``$TORCHLOOM_CACHE``, else ``~/.cache/torchloom``; a
+    ConfigError when that is a file or cannot be created."""
+    env = os.environ.get("TORCHLOOM_CACHE", "")
+    chosen = cache_dir or env or "~/.cache/torchloom"
+    path = Path(chosen).expanduser()
+    source = "--data.cache_dir" if cache_dir else "$TORCHLOOM_CACHE" if env else "the cache"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"{source} {path} is a file, not a folder; point --data.cache_dir at a folder."
+        )
+    if not path.exists():
+        check_can_create(path)
+    return path
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:

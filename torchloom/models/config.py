@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.kernels.linear_cross_entropy import LOSS_IMPLS
 from torchloom.models.components.decoder import DecoderConfig
 from torchloom.models.registry import get_model_spec
 from torchloom.models.transforms import apply_transforms
@@ -57,6 +58,14 @@ class ModelConfig:
     slow reference); saved models and exports stay high precision."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
+
+    def validate(self) -> None:
+        """The slots no family config checks (the others are checked when it is resolved)."""
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ConfigError(
+                f"Unknown --model.loss_impl {self.loss_impl!r}."
+                f"{did_you_mean(self.loss_impl, LOSS_IMPLS)} Available: {', '.join(LOSS_IMPLS)}."
+            )
 
 
 def resolve_model_config(model_cfg: ModelConfig) -> DecoderConfig:

@@ -11,8 +11,13 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from torchloom.config.errors import ConfigError
+from torchloom.config.fields import warn_unused_options
 
 _AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+_PIPELINE_OPTIONS = (
+    "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_layers_per_stage",
+    "pp_embedding_weight",
+)  # fmt: skip
 
 ParamDtype = Literal["auto", "bf16", "fp32"]
 ReduceDtype = Literal["fp32", "bf16"]
@@ -88,6 +93,8 @@ class ParallelConfig:
                 f"(0 picks a default); got {self.pp_microbatches} and {self.pp_stages_per_rank}."
             )
         self._validate_pipeline_options()
+        if self.pp == 1:
+            warn_unused_options(self, "parallel", _PIPELINE_OPTIONS, "--parallel.pp > 1")
 
     def _validate_pipeline_options(self) -> None:
         """The pipeline options' own values, whatever pp is: a typo must not wait for the run

@@ -65,10 +65,12 @@ def split_layers(
         # A layer goes to the stage whose share of the total weight contains its midpoint.
         center = embedding_weight + layer + 0.5
         counts[min(num_stages - 1, math.floor(center * num_stages / total))] += 1
+    # An end stage may hold only the embedding or the head (the balance counts them as layers),
+    # but a model with fewer layers than stages, or an empty middle stage, has nothing to split.
     empty = [s for s in range(1, num_stages - 1) if counts[s] == 0]
-    if empty or num_layers < num_stages - 2:
+    if empty or num_layers < num_stages:
         raise ConfigError(
-            f"{num_layers} layers cannot fill {num_stages} pipeline stages (layers per stage "
+            f"{num_layers} layer(s) cannot fill {num_stages} pipeline stages (layers per stage "
             f"{counts}); lower pp or pp_stages_per_rank, or pass --parallel.pp_layers_per_stage."
         )
     return counts

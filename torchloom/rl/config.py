@@ -5,7 +5,7 @@ the ``rl`` section below. ``--training.steps`` counts policy updates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torchloom.config.errors import ConfigError
 from torchloom.rl.evaluate import EvalConfig
@@ -14,6 +14,12 @@ from torchloom.train.job import JobConfig
 
 @dataclass
 class RLConfig:
+    RENAMED: ClassVar[dict[str, str]] = {
+        "tis_cap": "it is now --rl.is_high (the importance weight's cap; --rl.is_low is its "
+        "floor).",
+    }
+    """Removed options and what replaced them (the command line names the replacement)."""
+
     task: str = "arithmetic"
     """Built-in task the prompts, environment and reward come from (torchloom/rl/tasks.py:
     arithmetic, sort, countdown, mixed; python_tool: the sandboxed Python tool environment)."""
@@ -153,6 +159,11 @@ class RLConfig:
             value = getattr(self, name)
             if not value >= 0:  # nan too
                 raise ConfigError(f"--rl.{name} must be >= 0; got {value}.")
+        if not 0 <= self.format_reward <= 1:  # nan too
+            raise ConfigError(
+                f"--rl.format_reward must be in [0, 1] (an unparsable reply scores 0, a correct "
+                f"one 1); got {self.format_reward}."
+            )
         if not self.is_high > max(self.is_low, 0.0) or self.is_high == float("inf"):
             raise ConfigError(
                 f"--rl.is_high must be a finite number above --rl.is_low ({self.is_low}); got "

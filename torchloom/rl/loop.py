@@ -518,8 +518,18 @@ def prepare_initial_model(job: RLJobConfig) -> dict[str, float]:
 
     start = job.checkpoint.initial_load_hf
     seconds: dict[str, float] = {}
-    if not start or Path(start).exists() or not job.rl.init_recipes:
+    if not start or Path(start).exists():
         return seconds
+    # The recipes can only build their own last output folder's export, not any other path.
+    built = None
+    if job.rl.init_recipes:
+        built = Path(get_recipe(job.rl.init_recipes[-1]).build().output.dir) / "hf"
+    if built is None or built.resolve() != Path(start).resolve():
+        made = f" (--rl.init_recipes build {built}, not it)" if built else ""
+        raise ConfigError(
+            f"--checkpoint.initial_load_hf {start} does not exist{made}; point it at a Hugging "
+            "Face model folder."
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             f"--checkpoint.initial_load_hf {start} does not exist, and the recipes that build "

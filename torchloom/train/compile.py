@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.fields import warn_unused_options
 from torchloom.train.remat import recomputing
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -43,7 +44,8 @@ class CompileConfig:
 
     def validate(self) -> None:
         """Checked whether or not compile is enabled: a typo must not wait for the run that
-        turns it on. (Regions are matched against the model when it is built.)"""
+        turns it on. (Regions are matched against the model when it is compiled.) An option
+        set while compile is off is accepted with a warning that it does nothing."""
         if self.mode not in COMPILE_MODES:
             raise ConfigError(
                 f"--compile.mode must be one of {', '.join(COMPILE_MODES)}; got {self.mode!r}."
@@ -61,6 +63,9 @@ class CompileConfig:
                     f"{did_you_mean(self.backend, backends)} Common ones: "
                     f"{', '.join(_COMMON_BACKENDS)}."
                 )
+        if not self.enabled:
+            options = ("regions", "backend", "fullgraph", "mode")
+            warn_unused_options(self, "compile", options, "--compile.enabled true")
 
 
 def compile_regions(

@@ -60,8 +60,12 @@ class TrainingConfig:
                 f"--training.seq_len {self.seq_len}; use "
                 f"{(self.global_batch_tokens // self.seq_len or 1) * self.seq_len}."
             )
-        if self.max_norm < 0:
-            raise ConfigError("--training.max_norm must be >= 0 (0 disables clipping).")
+        if not self.max_norm >= 0:  # nan too
+            raise ConfigError(
+                f"--training.max_norm must be >= 0 (0 disables clipping); got {self.max_norm}."
+            )
+        if not 0 <= self.seed < 2**63:  # numpy takes no negative seed
+            raise ConfigError(f"--training.seed must be in [0, 2**63); got {self.seed}.")
         for name in ("val_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--training.{name} must be >= 0; got {getattr(self, name)}.")

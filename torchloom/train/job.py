@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchloom.checkpoint.config import CheckpointConfig
-from torchloom.config.errors import ConfigError
+from torchloom.config.errors import ConfigError, warn
 from torchloom.data.config import DataConfig
 from torchloom.models.components.transformer import TransformerConfig
 from torchloom.models.config import ModelConfig
@@ -27,6 +27,13 @@ class OutputConfig:
     """Replace the outputs of an earlier run in that folder (otherwise such a folder is refused,
     so nothing already there is ever mixed up or lost)."""
 
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError(
+                "--output.dir is empty; name the run's folder, e.g. --output.dir outputs/run "
+                "(. for the current folder)."
+            )
+
 
 @dataclass
 class JobConfig:
@@ -46,6 +53,13 @@ class JobConfig:
     def validate(self) -> None:
         """Checks that span sections (each section validates its own fields)."""
         p = self.parallel
+        warmup, steps = self.lr_schedule.warmup_steps, self.training.steps
+        if warmup > steps:
+            warn(
+                f"--lr_schedule.warmup_steps {warmup} exceeds --training.steps {steps}: the "
+                f"learning rate ends the run at {steps / (warmup + 1):.0%} of --optimizer.lr, "
+                "never reaching it; lower warmup_steps to reach the peak."
+            )
         if self.training.cuda_graph:
             _check_cuda_graph_job(self)
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):

@@ -51,10 +51,19 @@ class OptimizerConfig:
                 f"Unknown --optimizer.name {self.name!r}.{did_you_mean(self.name, OPTIMIZERS)} "
                 f"Available: {', '.join(sorted(OPTIMIZERS))}."
             )
-        if self.lr <= 0:
-            raise ConfigError(f"--optimizer.lr must be positive; got {self.lr}.")
+        if not 0 < self.lr < math.inf:  # nan too
+            raise ConfigError(f"--optimizer.lr must be a positive number; got {self.lr}.")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("--optimizer.beta1 and --optimizer.beta2 must lie in [0, 1).")
+        if not 0 <= self.eps < math.inf:
+            raise ConfigError(
+                f"--optimizer.eps must be a number >= 0 (1e-8 is usual); got {self.eps}."
+            )
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(
+                f"--optimizer.weight_decay must be a number >= 0 (0: no decay); got "
+                f"{self.weight_decay}."
+            )
 
 
 @dataclass
