@@ -173,7 +173,7 @@ def compare(layout_name: str, family: str, reference: list, runs: list, seconds:
 def init_report(name: str, layout: dict, overrides: dict, family: str) -> dict:
     """The largest difference between the single-process weights of seed 0 and those this
     layout initializes shard by shard (gathered); 0.0 when bitwise equal."""
-    config = ModelConfig(name=family, flavor="debug", overrides=overrides)
+    config = resolve_model_config(ModelConfig(name=family, flavor="debug", overrides=overrides))
     with torch.device("meta"):
         reference = build_model(config)
     reference.to_empty(device="cpu")

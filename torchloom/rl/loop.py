@@ -427,7 +427,12 @@ class RLRunner:
                     metrics.advance(self.step)
                 last = self.step == t.steps
                 if self._eval_due(self.step) or (last and ev.k):
-                    metrics.log(self.evaluate(self.step, sampled=last and bool(ev.k)))
+                    # Between the generator's batches: on the H200 a lagged run's evaluation
+                    # beside its generator thread lost 12-29 points of pass@1, and the batch
+                    # generated meanwhile had log-prob gaps of ~30 (the step-0 and last
+                    # evaluations, with no generation beside them, were right).
+                    with source.hold():
+                        metrics.log(self.evaluate(self.step, sampled=last and bool(ev.k)))
                 self.run.save_if_due(metrics, self.step, hold=source.hold)
             self.run.finish(metrics)
             self.run.export(metrics, self.parts.saved_config, self.tokenizer,
