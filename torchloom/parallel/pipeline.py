@@ -48,10 +48,15 @@ def zbv_runs_on(device_type: str) -> bool:
 
 
 def split_layers(
-    num_layers: int, num_stages: int, embedding_weight: float, explicit: list[int] | None
+    num_layers: int,
+    num_stages: int,
+    embedding_weight: float,
+    explicit: list[int] | None,
+    ranks: int = 1,
 ) -> list[int]:
     """Layers per stage. Balanced by default, counting the embedding (stage 0) and
-    the head (last stage) as ``embedding_weight`` layers each; or the user's explicit split."""
+    the head (last stage) as ``embedding_weight`` layers each; or the user's explicit split.
+    ``ranks``: the pipeline's ranks (--parallel.pp), each of which must get a layer."""
     if explicit is not None:
         if len(explicit) != num_stages or sum(explicit) != num_layers or min(explicit) < 0:
             raise ConfigError(
@@ -65,10 +70,11 @@ def split_layers(
         # A layer goes to the stage whose share of the total weight contains its midpoint.
         center = embedding_weight + layer + 0.5
         counts[min(num_stages - 1, math.floor(center * num_stages / total))] += 1
-    # An end stage may hold only the embedding or the head (the balance counts them as layers),
-    # but a model with fewer layers than stages, or an empty middle stage, has nothing to split.
+    # An end stage may hold only the embedding or the head (the balance counts them as layers:
+    # 2 layers on 4 stages give [0, 1, 1, 0]), but an empty middle stage, or fewer layers than
+    # pipeline ranks (a rank would hold no layer: 1 layer on pp 2 gives [0, 1]), is refused.
     empty = [s for s in range(1, num_stages - 1) if counts[s] == 0]
-    if empty or num_layers < num_stages:
+    if empty or num_layers < max(num_stages - 2, ranks):
         raise ConfigError(
             f"{num_layers} layer(s) cannot fill {num_stages} pipeline stages (layers per stage "
             f"{counts}); lower pp or pp_stages_per_rank, or pass --parallel.pp_layers_per_stage."
@@ -374,8 +380,9 @@ def layers_per_stage(model_config: DecoderConfig, config: ParallelConfig) -> lis
         )
     num_stages = config.pp * stages_per_rank(config)
     return split_layers(
-        model_config.num_layers, num_stages, config.pp_embedding_weight, config.pp_layers_per_stage
-    )
+        model_config.num_layers, num_stages, config.pp_embedding_weight,
+        config.pp_layers_per_stage, ranks=config.pp,
+    )  # fmt: skip
 
 
 def build_pipeline(
