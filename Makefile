@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 RECIPE ?= llama3_tiny
 PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
-.PHONY: setup train test test-gpu lint format
+.PHONY: setup train test test-slow test-gpu lint format
 
 setup: $(VENV)/.torchloom-installed
 
@@ -16,8 +16,13 @@ $(VENV)/.torchloom-installed: pyproject.toml scripts/setup.sh
 train: setup
 	$(BIN)/torchloom train --recipe $(RECIPE) --output.dir outputs/$(RECIPE) --output.overwrite true
 
+# make test: everything but the slow tests (about 10 minutes on 2 cores); make test-slow: the
+# rest (the full multi-process layouts, the Triton interpreter sweep, inductor compiles).
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 test-gpu:
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-gpu needs a CUDA GPU; this machine has none (make test skips the GPU tests)')"

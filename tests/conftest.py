@@ -10,6 +10,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
+    # `make test` stays short (-m "not slow"): a multi-process test (torchrun, 5-15 s a launch
+    # before it does anything) is slow unless it is one of the trimmed core; `make test-slow`
+    # runs the rest, and CI runs both.
+    for item in items:
+        if "distributed" in item.keywords and "multiprocess_core" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")

@@ -13,6 +13,8 @@ import pytest
 
 from torchloom.cli import main
 
+pytestmark = pytest.mark.distributed  # torchrun launches (slow: make test-slow)
+
 
 def _prompts(tmp_path):
     prompts = tmp_path / "prompts.jsonl"

@@ -165,6 +165,7 @@ def run_checks(checks: list[Callable[[], list[str]]]) -> int:
     return failures
 
 
+@pytest.mark.slow  # about 110 s on 2 cores: every kernel under the interpreter
 def test_kernels_in_the_triton_interpreter(run_in_triton_interpreter) -> None:
     run_in_triton_interpreter(__file__)
 

@@ -53,6 +53,7 @@ def check(results: list[dict], layout: str) -> None:
         assert r["param_diff"] <= PARAM_TOL, r
 
 
+@pytest.mark.multiprocess_core  # the two-rank launch: make test's check of real gloo layouts
 @pytest.mark.parametrize("layout", ["fsdp", "replicate", "tp", "tp_loss_parallel"])
 def test_two_rank_layouts_match_single_process(two_ranks, layout):
     check(two_ranks["RESULT"], layout)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
 
+pytestmark = pytest.mark.distributed  # torchrun launches (slow: make test-slow)
+
 WORKER = Path(__file__).with_name("mixer_tp_worker.py")
 # As tests/parallel/test_layouts.py: fp32 sums in another order, nothing more. Parameters: a
 # few times Adam's amplification of rounding (its first step divides by |grad| + 1e-6, and an

@@ -114,6 +114,7 @@ def test_70b_over_two_fsdp_ranks_halves_the_parameters():
 
 
 @pytest.mark.distributed
+@pytest.mark.multiprocess_core
 def test_pp_over_more_stages_than_layers_is_refused():
     """A 1-layer model over pp 2 used to report layers per stage [0, 1] and exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
