@@ -84,6 +84,35 @@ def test_offpolicy_lag_stays_within_the_bound(tmp_path: Path, slow: str, monkeyp
     assert all(r["weight_sync_s"] > 0 for r in records(tmp_path)[2:])  # pulled before batch 3
 
 
+def test_lagged_evaluation_waits_for_the_generator_between_batches(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A lagged run's mid-run evaluation and its generator thread never generate at the same
+    time (on the H200 they disturbed each other: evaluations read up to 29 points low and the
+    batch generated beside one had ~30-nat log-prob gaps)."""
+    rl = trainer(tmp_path, "--training.steps", "4", "--rl.max_offpolicy_steps", "1",
+                 "--rl.task", "letters", "--eval.every", "1", "--eval.problems", "4")  # fmt: skip
+    spans: dict[str, list[tuple[float, float]]] = {"rollouts": [], "evaluate": []}
+    for name in spans:
+        original = getattr(rl, name)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            start = time.perf_counter()
+            time.sleep(0.2)  # widen the window an overlap would show in
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spans[_name].append((start, time.perf_counter()))
+
+        monkeypatch.setattr(rl, name, timed)
+    rl.train()
+    overlaps = [(g, e) for g in spans["rollouts"] for e in spans["evaluate"][1:]
+                if g[0] < e[1] and e[0] < g[1]]  # fmt: skip
+    print(f"{len(spans['rollouts'])} batches, {len(spans['evaluate'])} evaluations")
+    assert len(spans["evaluate"]) == 5 and len(spans["rollouts"]) == 4
+    assert not overlaps, overlaps
+
+
 def test_weight_sync_gives_the_generator_the_trainers_weights_in_place(tmp_path: Path) -> None:
     rl = trainer(tmp_path, "--training.steps", "1", "--rl.max_offpolicy_steps", "1")
     assert rl.gen_model is not rl.model
