@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from rl.common import records  # tests/ is on sys.path (rootdir-relative imports)
 from torchloom.cli import main
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from torchloom.config.errors import ConfigError
+from torchloom.models.components.moe import MoEConfig
 from torchloom.models.components.rope import RopeConfig
 from torchloom.models.components.transformer import TransformerConfig
 
@@ -411,3 +412,24 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
     if rope.attention_factor is not None:
         params["attention_factor"] = rope.attention_factor
     return params
+
+
+def check_sigmoid_routing(moe: MoEConfig, hf_class: str, shared_key: str) -> None:
+    """Refuse, in one line, an MoE whose routing ``hf_class`` (DeepSeek-V3's kind: sigmoid
+    scores with the balancing bias, ungated shared experts as wide as ``shared_key`` experts)
+    does not compute, so it is never exported as one."""
+    if (
+        moe.score_func != "sigmoid"
+        or not moe.expert_bias
+        or not moe.num_shared_experts
+        or moe.shared_expert_gate
+        or moe.shared_expert_dim
+    ):
+        raise ConfigError(
+            f"This model's routing (score_func {moe.score_func!r}, expert_bias "
+            f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}, "
+            f"shared_expert_gate {moe.shared_expert_gate}, shared_expert_dim "
+            f"{moe.shared_expert_dim}) is not what transformers' {hf_class} computes (sigmoid "
+            f"scores with the balancing bias, and ungated shared experts as wide as "
+            f"{shared_key} experts); it cannot be exported as one."
+        )

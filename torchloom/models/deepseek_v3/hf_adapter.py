@@ -31,7 +31,7 @@ import torch
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.deepseek_v3.config import DeepSeekV3Config
-from torchloom.models.hf_adapter import HFAdapter, rope_from_hf
+from torchloom.models.hf_adapter import HFAdapter, check_sigmoid_routing, rope_from_hf
 
 # DeepseekV3Config's defaults (transformers 5) for keys a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -156,21 +156,7 @@ class DeepSeekV3HFAdapter(HFAdapter):
     ) -> dict[str, Any]:
         """A config.json for ``cfg`` that transformers loads as DeepseekV3ForCausalLM."""
         moe = cfg.moe
-        if (
-            moe.score_func != "sigmoid"
-            or not moe.expert_bias
-            or not moe.num_shared_experts
-            or moe.shared_expert_gate
-            or moe.shared_expert_dim
-        ):
-            raise ConfigError(
-                f"This model's routing (score_func {moe.score_func!r}, expert_bias "
-                f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}, "
-                f"shared_expert_gate {moe.shared_expert_gate}, shared_expert_dim "
-                f"{moe.shared_expert_dim}) is not what transformers' DeepseekV3ForCausalLM "
-                "computes (sigmoid scores with the balancing bias, and ungated shared experts "
-                "as wide as n_shared_experts experts); it cannot be exported as one."
-            )
+        check_sigmoid_routing(moe, "DeepseekV3ForCausalLM", "n_shared_experts")
         hf = self.shared_hf_config(cfg, dtype, bos_token_id, eos_token_id)
         hf |= {
             "intermediate_size": cfg.ffn_dim,

@@ -26,7 +26,7 @@ import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
-from torchloom.models.hf_adapter import HFAdapter
+from torchloom.models.hf_adapter import HFAdapter, check_sigmoid_routing
 from torchloom.models.kimi_linear.config import KimiLinearConfig
 
 # transformers' KimiLinearConfig defaults for keys a config.json may leave out.
@@ -157,21 +157,7 @@ class KimiLinearHFAdapter(HFAdapter):
         """A config.json for ``cfg`` that transformers loads as KimiLinearForCausalLM (and
         that Moonshot's own code reads: linear_attn_config, first_k_dense_replace)."""
         moe = cfg.moe
-        if (
-            moe.score_func != "sigmoid"
-            or not moe.expert_bias
-            or not moe.num_shared_experts
-            or moe.shared_expert_gate
-            or moe.shared_expert_dim
-        ):
-            raise ConfigError(
-                f"This model's routing (score_func {moe.score_func!r}, expert_bias "
-                f"{moe.expert_bias}, num_shared_experts {moe.num_shared_experts}, "
-                f"shared_expert_gate {moe.shared_expert_gate}, shared_expert_dim "
-                f"{moe.shared_expert_dim}) is not what transformers' KimiLinearForCausalLM "
-                "computes (sigmoid scores with the balancing bias, and ungated shared experts "
-                "as wide as num_shared_experts experts); it cannot be exported as one."
-            )
+        check_sigmoid_routing(moe, "KimiLinearForCausalLM", "num_shared_experts")
         if cfg.tie_embeddings:
             raise ConfigError(
                 "This model ties its output head to the embedding; transformers' "
