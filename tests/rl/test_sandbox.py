@@ -131,6 +131,17 @@ def _attempts(attempts: dict[str, str]) -> str:
     return "\n".join([*lines, "print(json.dumps(seen))"])
 
 
+def _try_in_sandbox(attempts: dict[str, str], refused: tuple[str, ...]) -> tuple[dict, str]:
+    """Run ``attempts`` in one isolated run; assert the ``refused`` ones raised OSError; return
+    what each gave and the run's stdout."""
+    result = run_python(_attempts(attempts))
+    assert result.ok and result.filesystem_isolation, _describe(result)
+    seen = json.loads(result.stdout)
+    for name in refused:
+        assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
+    return seen, result.stdout
+
+
 def test_files_outside_the_folder_cannot_be_read(tmp_path) -> None:
     """/etc/passwd, a secret by absolute path, a home-like folder and the real home: the code
     reads and lists none of them (its own folder and the standard library still work)."""
@@ -140,7 +151,7 @@ def test_files_outside_the_folder_cannot_be_read(tmp_path) -> None:
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "id_ed25519").write_text("private key")
     real_home = os.path.expanduser("~")
-    code = _attempts({
+    seen, stdout = _try_in_sandbox({
         "passwd": "open('/etc/passwd').read()",
         "secret": f"open({str(secret)!r}).read()",
         "key": f"open({str(home / '.ssh' / 'id_ed25519')!r}).read()",
@@ -148,12 +159,7 @@ def test_files_outside_the_folder_cannot_be_read(tmp_path) -> None:
         "real home": f"sorted(os.listdir({real_home!r}))",
         "own folder": "open('main.py').read(1) and sorted(os.listdir('.'))",
         "stdlib": "str(__import__('fractions').Fraction(2, 6))",
-    })  # fmt: skip
-    result = run_python(code)
-    assert result.ok and result.filesystem_isolation, _describe(result)
-    seen = json.loads(result.stdout)
-    for name in ("passwd", "secret", "key", "home"):
-        assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
+    }, refused=("passwd", "secret", "key", "home"))  # fmt: skip
     # The home folder may hold the Python installation (pyenv): only the way there shows.
     on_the_way = {p[len(real_home) + 1 :].split("/")[0] for p in readable_paths()
                   if p.startswith(real_home + "/")}  # fmt: skip
@@ -161,22 +167,17 @@ def test_files_outside_the_folder_cannot_be_read(tmp_path) -> None:
         assert set(seen["real home"][1]) <= on_the_way, (seen["real home"], on_the_way)
     assert seen["own folder"] == ["ok", ["main.py"]], seen
     assert seen["stdlib"] == ["ok", "1/3"], seen
-    assert "token-1234" not in result.stdout and "private key" not in result.stdout
+    assert "token-1234" not in stdout and "private key" not in stdout
 
 
 def test_mkfifo_outside_the_folder_fails_and_leaves_nothing(tmp_path) -> None:
     """A FIFO left behind would block whatever opens it later; only the folder (deleted after
     the run) takes one."""
-    code = _attempts({
+    seen, _ = _try_in_sandbox({
         "tmp_path": f"os.mkfifo({str(tmp_path / 'fifo')!r})",
         "beside the folder": "os.mkfifo(os.path.dirname(os.getcwd()) + '/fifo')",
         "inside": "os.mkfifo('fifo') or sorted(os.listdir('.'))",
-    })  # fmt: skip
-    result = run_python(code)
-    assert result.ok and result.filesystem_isolation, _describe(result)
-    seen = json.loads(result.stdout)
-    for name in ("tmp_path", "beside the folder"):
-        assert seen[name][0] == "error", (name, seen[name], result.filesystem_isolation)
+    }, refused=("tmp_path", "beside the folder"))  # fmt: skip
     assert seen["inside"] == ["ok", ["fifo", "main.py"]], seen
     assert list(tmp_path.iterdir()) == [], "a FIFO escaped the sandbox"
 
