@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from rl.turns import (  # the workload lives beside its tests
+from tests.rl.turns import (  # the workload lives beside its tests
     ByteChat,
     ScriptedPythonTool,
     SleepToolEnv,
@@ -39,7 +39,6 @@ from rl.turns import (  # the workload lives beside its tests
     tiny_model,
     tool_prompts,
 )
-
 from torchloom.generate.engine import Generator
 from torchloom.rl.rollout import generate_rollouts
 

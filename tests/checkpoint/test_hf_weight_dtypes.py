@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint.test_hf_io import QWEN_TINY  # tests/ is on sys.path (rootdir-relative imports)
-from models.test_deepseek_v3_hf import DS_TINY
-from models.test_kimi_linear import KL_TINY
-from models.test_qwen3_moe_hf import MOE_TINY
-from models.test_qwen3_next import NEXT_TINY
 from safetensors.torch import load_file, save_file
 
 import torchloom
+from tests.checkpoint.test_hf_io import QWEN_TINY
+from tests.models.test_deepseek_v3_hf import DS_TINY
+from tests.models.test_kimi_linear import KL_TINY
+from tests.models.test_qwen3_moe_hf import MOE_TINY
+from tests.models.test_qwen3_next import NEXT_TINY
 from torchloom.checkpoint.safetensors_io import weight_map
 from torchloom.cli import main
 from torchloom.config.errors import ConfigError

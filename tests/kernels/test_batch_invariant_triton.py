@@ -144,8 +144,8 @@ def check_model_end_to_end() -> list[str]:
     """tests/generate/test_batch_invariant.py's model-level check with every batch-invariant
     op on these kernels (CPU tensors routed to them): a debug llama3's generator outputs bitwise
     the same across batch compositions and equal to the trainer's forward."""
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, as pytest imports it
-    from generate.test_batch_invariant import check_bitwise_across_batches, invariant_model
+    sys.path.insert(0, str(Path(__file__).parents[2]))  # the repository root: tests/ is a package
+    from tests.generate.test_batch_invariant import check_bitwise_across_batches, invariant_model
 
     reference._triton_kernels = lambda x: kernels  # this subprocess only
     check_bitwise_across_batches(invariant_model("llama3"), "cpu", "llama3 debug")

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
-from test_layouts import check  # tests/parallel is on sys.path (no packages under tests/)
 
+from tests.parallel.launcher import run_worker
+from tests.parallel.test_layouts import check
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
 from torchloom.parallel.context_parallel import (

@@ -9,8 +9,9 @@ Two torchrun launches (see moe_worker.py), each running several layouts.
 from pathlib import Path
 
 import pytest
-from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
-from test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL
+
+from tests.parallel.launcher import run_worker
+from tests.parallel.test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL
 
 pytestmark = pytest.mark.distributed
 

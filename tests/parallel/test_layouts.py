@@ -7,7 +7,8 @@ tests below read its results.
 from pathlib import Path
 
 import pytest
-from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
+
+from tests.parallel.launcher import run_worker
 
 pytestmark = pytest.mark.distributed
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
+
+from tests.parallel.launcher import run_worker
 
 pytestmark = pytest.mark.distributed  # torchrun launches (slow: make test-slow)
 

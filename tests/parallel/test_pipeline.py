@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launcher import run_worker  # tests/parallel is on sys.path (rootdir-relative imports)
 
+from tests.parallel.launcher import run_worker
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.parallel import ParallelConfig

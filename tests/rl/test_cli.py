@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rl.common import BASE  # tests/ is on sys.path (rootdir-relative imports)
+from tests.rl.common import BASE
 from torchloom.cli import main
 
 

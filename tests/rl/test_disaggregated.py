@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from parallel.launcher import run_worker  # tests/ is on sys.path (rootdir-relative imports)
 
-from rl.common import BASE, records
+from tests.parallel.launcher import run_worker
+from tests.rl.common import BASE, records
 from torchloom.cli import main
 
 pytestmark = pytest.mark.distributed

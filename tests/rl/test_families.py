@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.common import BASE, records  # tests/ is on sys.path (rootdir-relative imports)
+from tests.rl.common import BASE, records
 from torchloom.cli import main
 
 

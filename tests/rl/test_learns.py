@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rl.common import records  # tests/ is on sys.path (rootdir-relative imports)
+from tests.rl.common import records
 from torchloom.cli import main
 
 QUICK = ["--metrics.tensorboard", "false", "--training.val_interval", "0",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.common import BASE, KEYS, records  # tests/ is on sys.path (rootdir-relative imports)
+from tests.rl.common import BASE, KEYS, records
 from torchloom.cli import main, resolve_job
 from torchloom.rl.loop import RLRunner
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from rl.turns import (
+from tests.rl.turns import (
     ByteChat,
     SleepToolEnv,
     alone_seconds,

@@ -284,7 +284,7 @@ def test_tool_env_runs_in_the_rollout_pool() -> None:
     that sleep 1 s and print the answer, then the answer): every run happens in the
     environments' thread pool, each episode gets its outputs and its reward, and the 16 runs
     overlap (one after another they would take 16 s)."""
-    from rl.turns import ByteChat, ScriptedPythonTool, rl_config, tiny_model, tool_prompts
+    from tests.rl.turns import ByteChat, ScriptedPythonTool, rl_config, tiny_model, tool_prompts
     from torchloom.generate.engine import Generator
     from torchloom.rl.rollout import generate_rollouts
 

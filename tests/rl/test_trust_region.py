@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.common import BASE, records  # tests/ is on sys.path (rootdir-relative imports)
+from tests.rl.common import BASE, records
 from torchloom.cli import main, resolve_job
 from torchloom.rl.loop import RLRunner
 from torchloom.rl.objectives import SampledLogProbs
