@@ -39,7 +39,13 @@ class Batch:
     """Per-token fields, ``[B, T, ...]`` (loss masks, advantages, the generator's log-probs):
     cut along T with the tokens (context parallelism) and along B (micro-batches)."""
     row_extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-row fields, ``[B, ...]`` (a sequence's reward, its image): cut along B only."""
+    """Per-row fields, ``[B, ...]`` (a sequence's reward): cut along B only."""
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The model's media inputs, per row and cut along B only: each row's images (and audio)
+    at fixed shapes, N items x L patches padded (``pixel_values`` ``[B, N, L, P]``,
+    ``image_grid_thw`` ``[B, N, 3]`` with zero rows for absent items; see
+    data/multimodal.py). The model reads them (``model(..., media=batch.media)``); empty for
+    text."""
     _num_label_tokens: int | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -55,6 +61,7 @@ class Batch:
         moved = self.map_tokens(lambda t: t.to(device, non_blocking=non_blocking))
         moved.row_extras = {k: v.to(device, non_blocking=non_blocking)
                             for k, v in self.row_extras.items()}  # fmt: skip
+        moved.media = {k: v.to(device, non_blocking=non_blocking) for k, v in self.media.items()}
         moved._num_label_tokens = count
         return moved
 
@@ -64,7 +71,7 @@ class Batch:
         doc_ids = None if self.doc_ids is None else fn(self.doc_ids)
         extras = {name: fn(value) for name, value in self.extras.items()}
         return Batch(fn(self.tokens), fn(self.labels), fn(self.positions), doc_ids, extras,
-                     dict(self.row_extras))  # fmt: skip
+                     dict(self.row_extras), dict(self.media))  # fmt: skip
 
     def named_tensors(self) -> dict[str, torch.Tensor | None]:
         """Every field by name (extras as ``extras.NAME``, ``row_extras.NAME``)."""
@@ -73,12 +80,14 @@ class Batch:
             "doc_ids": self.doc_ids,
             **{f"extras.{k}": v for k, v in self.extras.items()},
             **{f"row_extras.{k}": v for k, v in self.row_extras.items()},
+            **{f"media.{k}": v for k, v in self.media.items()},
         }  # fmt: skip
 
     def clone(self) -> Batch:
         """A batch of copies (its own memory, e.g. a CUDA graph's static inputs)."""
         copy = self.map_tokens(torch.clone)
         copy.row_extras = {k: v.clone() for k, v in self.row_extras.items()}
+        copy.media = {k: v.clone() for k, v in self.media.items()}
         copy._num_label_tokens = self._num_label_tokens
         return copy
 

@@ -26,6 +26,12 @@ from torchloom.train.loss import LossOutput, Objective, without_auxiliary
 from torchloom.train.optim import clip_gradients
 
 
+def media_inputs(batch: Batch) -> dict[str, dict[str, torch.Tensor]]:
+    """The ``media`` keyword of a multimodal batch's forward; none for text, so a text-only
+    model's forward never sees it."""
+    return {"media": batch.media} if batch.media else {}
+
+
 class TrainingError(RuntimeError):
     """The run cannot go on (for example a non-finite loss); the message says what to change."""
 
@@ -65,7 +71,7 @@ class StepParts:
         targets = batch.fields(self.objective.fields)
         with self.autocast():
             return self.model(batch.tokens, batch.positions, batch.doc_ids,
-                              objective=self.objective, targets=targets)  # fmt: skip
+                              objective=self.objective, targets=targets, **media_inputs(batch))  # fmt: skip
 
     @torch.no_grad()
     def score(self, batch: Batch, objective: Objective) -> object:
@@ -73,7 +79,7 @@ class StepParts:
         log-probabilities under the current weights, before an RL update changes them)."""
         with self.autocast(), loss_context(self.dims):
             return self.model(batch.tokens, batch.positions, batch.doc_ids, objective=objective,
-                              targets=batch.fields(objective.fields))  # fmt: skip
+                              targets=batch.fields(objective.fields), **media_inputs(batch))  # fmt: skip
 
     def normalizer(self, batches: Iterable[Batch]) -> torch.Tensor:
         """The global batch's normalizer: this rank's micro-batches' shares, summed over the
