@@ -33,8 +33,8 @@ KINDS = {
     "dense": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TEXT),
     "moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", MOE_TEXT),
 }
-# Row 0: two images (4x6 and 8x4 patches); row 1: one (6x6) and an absent slot.
-GRIDS = [[(1, 4, 6), (1, 8, 4)], [(1, 6, 6)]]
+# Row 0: two images (4x6 and 8x4 patches); row 1: one of two frames (2x4x6), an absent slot.
+GRIDS = [[(1, 4, 6), (1, 8, 4)], [(2, 4, 6)]]
 
 
 @pytest.fixture(params=list(KINDS))
@@ -55,7 +55,7 @@ def checkpoint(request, tmp_path):
     return tmp_path / "hf", reference.eval()
 
 
-def image_batch(grids=GRIDS, slots=2, places=36, seed=1, pad_value=0.0):
+def image_batch(grids=GRIDS, slots=2, places=48, seed=1, pad_value=0.0):
     """(tokens [B, T], media, HF's packed pixel_values and grids): each image between vision
     start/end tokens in random text; padding places hold ``pad_value``."""
     generator = torch.Generator().manual_seed(seed)
@@ -115,10 +115,10 @@ def test_padding_slots_and_places_change_nothing(checkpoint, logits_parity) -> N
     expected = model(tokens, media=media)
     _, garbage, _, _ = image_batch(pad_value=3.0)  # the same shapes, other padding values
     assert torch.equal(model(tokens, media=garbage), expected), "padding patches leak"
-    _, padded, _, _ = image_batch(slots=4, places=48, pad_value=3.0)
+    _, padded, _, _ = image_batch(slots=4, places=64, pad_value=3.0)
     got = model(tokens, media=padded)  # other shapes: only the float summation order changes
     assert torch.isfinite(got).all()
-    logits_parity("2 more absent slots, 12 more padded places", got, expected)
+    logits_parity("2 more absent slots, 16 more padded places", got, expected)
 
 
 @torch.no_grad()
