@@ -120,7 +120,7 @@ def load_image(path: Path, where: str, processing: ImageProcessing) -> Image.Ima
     if not path.is_file():
         raise ConfigError(
             f"{where}: image {path} does not exist. Image paths are relative to the JSONL "
-            f"file's folder; {fix}"
+            f"file's folder. {fix}"
         )
     try:
         with warnings.catch_warnings():
