@@ -25,7 +25,11 @@ from torchloom.data.chat import CHATML_TEMPLATE, DEFAULT_TEMPLATE_NAME
 from torchloom.data.config import DataConfig
 from torchloom.data.images import ImageProcessing, image_patches
 from torchloom.data.loader import TrainLoader
-from torchloom.data.multimodal import PackedMultimodal, load_multimodal_splits
+from torchloom.data.multimodal import (
+    PackedMultimodal,
+    load_multimodal_splits,
+    resolve_image_processing,
+)
 from torchloom.data.multimodal_format import MediaTokens, iter_samples
 from torchloom.data.packing import IGNORE_INDEX
 from torchloom.data.shapes_chat import generate_shapes_chat
@@ -338,3 +342,21 @@ def test_builtin_shapes_chat_builds_loaders(
     [batch] = train.next_step()
     assert batch.media["pixel_values"].shape == (2, 4, 64, 1536)
     assert batch.positions.shape == (2, 256, 3) and val is not None
+
+
+def test_image_settings_come_from_the_tokenizer_folder(
+    vl_tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    config = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+              "image_mean": [0.48, 0.46, 0.41], "image_std": [0.27, 0.26, 0.28],
+              "size": {"shortest_edge": 3136, "longest_edge": 12845056}}  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config))
+    vl_tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    folder_tokenizer = Tokenizer.from_file(tmp_path)
+    cfg = DataConfig(format="multimodal", max_image_patches=100)
+    processing = resolve_image_processing(cfg, folder_tokenizer)
+    assert (processing.patch_size, processing.min_pixels) == (14, 3136)
+    assert processing.image_mean == (0.48, 0.46, 0.41)
+    assert processing.max_pixels == 100 * 14 * 14  # lowered so an image fits its 100 slots
+    with pytest.raises(ConfigError, match="raise it to 16"):
+        resolve_image_processing(DataConfig(max_image_patches=15), folder_tokenizer)

@@ -81,8 +81,13 @@ class ImageProcessing:
             "patch_size": config.get("patch_size"),
             "temporal_patch_size": config.get("temporal_patch_size"),
             "merge_size": config.get("merge_size"),
-            "min_pixels": config.get("min_pixels", size.get("shortest_edge")),
-            "max_pixels": config.get("max_pixels", size.get("longest_edge")),
+            # Older Qwen2-VL folders put min/max_pixels at the top or inside "size".
+            "min_pixels": config.get(
+                "min_pixels", size.get("shortest_edge", size.get("min_pixels"))
+            ),
+            "max_pixels": config.get(
+                "max_pixels", size.get("longest_edge", size.get("max_pixels"))
+            ),
             "image_mean": tuple(config["image_mean"]) if "image_mean" in config else None,
             "image_std": tuple(config["image_std"]) if "image_std" in config else None,
         }

@@ -50,9 +50,9 @@ def resolve_image_processing(cfg: DataConfig, tokenizer: Tokenizer) -> ImageProc
     """How this run turns images into patches: the tokenizer folder's preprocessor_config.json
     (Hugging Face's, beside the tokenizer of a vision-language model) or Qwen3-VL's settings,
     with --data's pixel bounds, and max_pixels lowered so an image fits max_image_patches."""
-    folder = None if tokenizer.path is None else tokenizer.path
-    folder = folder if folder is None or folder.is_dir() else folder.parent
-    config_path = None if folder is None else folder / PREPROCESSOR_CONFIG
+    path = tokenizer.path
+    config_path = None if path is None else (path if path.is_dir() else path.parent)
+    config_path = None if config_path is None else config_path / PREPROCESSOR_CONFIG
     if config_path is not None and config_path.is_file():
         base = ImageProcessing.from_preprocessor_config(config_path)
     else:

@@ -208,7 +208,7 @@ class PackedConversations:
         self.num_dropped = int((~usable_N).sum())
         """Conversations left out: too long (unless truncating) or without assistant tokens."""
         self.num_truncated = int((usable_N & is_long_N).sum())
-        self._report(lengths_N, is_long_N, usable_N, truncate, split)
+        self._report(lengths_N, is_long_N, usable_N, truncate, split, images is None)
         usable = np.flatnonzero(usable_N)
         counts = None if images is None else images[usable]
         bins = pack_best_fit(self.kept_lengths[usable] - 1, seq_len, counts, max_images_per_row)
@@ -266,6 +266,7 @@ class PackedConversations:
         usable_N: np.ndarray,
         truncate: bool,
         split: str,
+        can_truncate: bool,
     ) -> None:
         """Say once, when packing, what was truncated or left out and how to avoid it."""
         num_long, total, limit = int(is_long_N.sum()), len(lengths_N), self.seq_len + 1
@@ -280,9 +281,10 @@ class PackedConversations:
             else:
                 log.warning(
                     "Dropped %d of %d %s conversations longer than seq_len + 1 = %d tokens "
-                    "(the longest has %d). Raise --training.seq_len, or keep their start with "
-                    "--data.overlong_conversations truncate.",
+                    "(the longest has %d). Raise --training.seq_len%s.",
                     num_long, total, split, limit, longest,
+                    ", or keep their start with --data.overlong_conversations truncate"
+                    if can_truncate else "",
                 )  # fmt: skip
         unlabelled = int((~usable_N & (truncate | ~is_long_N)).sum())
         if unlabelled:
