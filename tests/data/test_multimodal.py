@@ -2,17 +2,12 @@
 settings, the multimodal chat JSONL (relative paths, every bad case one line naming file and
 line), assistant-only labels, packing that keeps images with their text, exact resume with media,
 the builtin shapes set, the builtin VL tokenizer and the data config.
-
-The M-RoPE function is a stand-in here (``mrope_standin``, HF get_rope_index semantics for still
-images) until data/mrope.py lands on this branch: TEMPORARY, replace it with the real one then.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +20,7 @@ from torchloom.data.chat import CHATML_TEMPLATE, DEFAULT_TEMPLATE_NAME
 from torchloom.data.config import DataConfig
 from torchloom.data.images import ImageProcessing, image_patches
 from torchloom.data.loader import TrainLoader
+from torchloom.data.mrope import mrope_positions
 from torchloom.data.multimodal import (
     PackedMultimodal,
     load_multimodal_splits,
@@ -49,29 +45,6 @@ from .conftest import TINY_TEXTS
 # Qwen3-VL's patches (16 px, 2 frames, 2x2 merge, mean/std 0.5) with small pixel bounds.
 PROCESSING = ImageProcessing(min_pixels=32 * 32, max_pixels=32 * 32 * 16)
 MERGE = PROCESSING.merge_size
-
-
-def mrope_standin(
-    tokens: torch.Tensor, grids: torch.Tensor, image_id: int, start_id: int, merge: int
-) -> torch.Tensor:
-    """TEMPORARY stand-in for data/mrope.py's mrope_positions: text tokens count up on all three
-    axes; an image's tokens take (offset, offset + row, offset + column) over its merged grid and
-    the text after it continues from the largest position + 1."""
-    positions = torch.zeros(len(tokens), 3, dtype=torch.int64)
-    at, following, image = 0, 0, 0
-    while at < len(tokens):
-        if tokens[at] != image_id:
-            positions[at] = following
-            at, following = at + 1, following + 1
-            continue
-        t, h, w = (int(v) for v in grids[image])
-        h, w = h // merge, w // merge
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                          indexing="ij"), dim=-1).reshape(-1, 3)  # fmt: skip
-        positions[at : at + len(grid)] = grid + following
-        following = int(positions[at : at + len(grid)].max()) + 1
-        at, image = at + len(grid), image + 1
-    return positions
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +177,7 @@ def build_rows(
     files = [SourceFile(path, "messages")]
     train, _ = load_multimodal_splits(files, tokenizer, media, PROCESSING, val_fraction=0.0)
     return PackedMultimodal(train, seq_len, tokenizer.eos_id, media, PROCESSING, max_images,
-                            PROCESSING.max_pixels // 16**2, mrope_standin)  # fmt: skip
+                            PROCESSING.max_pixels // 16**2, )  # fmt: skip
 
 
 def mixed_lines(count: int) -> list[object]:
@@ -250,7 +223,7 @@ def test_packing_keeps_images_with_their_text(vl_tokenizer: Tokenizer, image_fol
         for s in indices:
             length = int(rows.text.kept_lengths[s]) - 1
             first, last = samples.image_offsets[s : s + 2]
-            alone = mrope_standin(batch.tokens[r, column : column + length],
+            alone = mrope_positions(batch.tokens[r, column : column + length],
                                   torch.from_numpy(samples.image_grids[first:last]),
                                   media.image_token_id, media.vision_start_token_id, MERGE)  # fmt: skip
             assert torch.equal(batch.positions[r, column : column + length], alone)
@@ -331,9 +304,6 @@ def test_builtin_shapes_chat_builds_loaders(
     (tmp_path / "builtin").mkdir()
     shutil.copy(tokenizer_file, builtin_tokenizer_path(tmp_path, 4096))
     monkeypatch.setattr(shapes_chat, "SPLITS", {"train": ("shapes_chat:train", 40)})
-    mrope = types.ModuleType("torchloom.data.mrope")  # TEMPORARY until data/mrope.py lands
-    mrope.mrope_positions = mrope_standin  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "torchloom.data.mrope", mrope)
     cfg = DataConfig(format="multimodal", sources=["builtin:shapes_chat"],
                      tokenizer="builtin:stdlib_bpe_vl", cache_dir=str(tmp_path),
                      val_fraction=0.1, image_min_pixels=32 * 32, max_image_patches=64)  # fmt: skip

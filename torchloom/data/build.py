@@ -111,8 +111,6 @@ def _multimodal_rows(
     cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
 ) -> tuple[RowSource, RowSource]:
     """Multimodal SFT: the train and validation samples packed whole with their images."""
-    from torchloom.data.mrope import mrope_positions  # lands with the M-RoPE work (data/mrope.py)
-
     files = resolve_chat_sources(cfg.sources, resolve_cache_dir(cfg.cache_dir), multimodal=True)
     media = MediaTokens.from_tokenizer(tokenizer)
     processing = resolve_image_processing(cfg, tokenizer)
@@ -120,7 +118,7 @@ def _multimodal_rows(
     pad_id = tokenizer.eos_id if tokenizer.pad_id is None else tokenizer.pad_id
     train, val = (
         PackedMultimodal(samples, seq_len, pad_id, media, processing, cfg.max_images_per_row,
-                         cfg.max_image_patches, mrope_positions, split)
+                         cfg.max_image_patches, split)
         for samples, split in zip(splits, ("training", "validation"))
     )  # fmt: skip
     return train, val

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from torchloom.data.config import DataConfig
 from torchloom.data.conversations import tokenize_conversations
 from torchloom.data.dataset import chunked, held_out_mask
 from torchloom.data.images import ImageProcessing, image_patches, load_image
+from torchloom.data.mrope import mrope_positions
 from torchloom.data.multimodal_format import MediaTokens, MultimodalSample, iter_samples
 from torchloom.data.packing import Batch
 from torchloom.data.sft import Conversations, PackedConversations
@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 
 TOKENIZE_CHUNK = 256
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
-
-PositionsFn = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
-"""``mrope_positions(tokens [T], image_grid_thw [k, 3], image_token_id, vision_start_token_id,
-spatial_merge_size) -> int64 [T, 3]``: one sample's M-RoPE positions (data/mrope.py)."""
 
 
 def resolve_image_processing(cfg: DataConfig, tokenizer: Tokenizer) -> ImageProcessing:
@@ -158,7 +154,6 @@ class PackedMultimodal:
         processing: ImageProcessing,
         max_images_per_row: int,
         max_image_patches: int,
-        mrope_positions: PositionsFn,
         split: str = "training",
     ) -> None:
         self.samples = samples
@@ -167,7 +162,6 @@ class PackedMultimodal:
         self.processing = processing
         self.max_images_per_row = max_images_per_row
         self.max_image_patches = max_image_patches
-        self.mrope_positions = mrope_positions
         self._check_limits()
         self.text = PackedConversations(
             samples.conversations, seq_len, pad_id, "drop", split,
@@ -207,7 +201,7 @@ class PackedMultimodal:
                 first, last = self.samples.image_offsets[index : index + 2]
                 grids_K3 = torch.from_numpy(self.samples.image_grids[first:last])
                 tokens_N = batch.tokens[b, column : column + length]
-                positions_BT3[b, column : column + length] = self.mrope_positions(
+                positions_BT3[b, column : column + length] = mrope_positions(
                     tokens_N, grids_K3, self.media.image_token_id,
                     self.media.vision_start_token_id, self.processing.merge_size,
                 )  # fmt: skip
