@@ -160,7 +160,9 @@ class HFReader:
         if isinstance(source, str):
             return self.folder.shape(source)
         if isinstance(source, RowSlice):
-            return [source.stop - source.start, *self.folder.shape(source.name)[1:]]
+            shape = list(self.folder.shape(source.name))
+            shape[source.dim] = source.stop - source.start
+            return shape
         return [len(source), *self.folder.shape(source[0])]
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
@@ -168,8 +170,10 @@ class HFReader:
         if isinstance(source, str):
             return self.folder.read(source, box)
         if isinstance(source, RowSlice):
-            rows = range(source.start, source.stop)[box[0] if box else slice(None)]
-            return self.folder.read(source.name, (slice(rows.start, rows.stop), *(box or ())[1:]))
+            full = list(box or ()) + [slice(None)] * (source.dim + 1 - len(box or ()))
+            rows = range(source.start, source.stop)[full[source.dim]]
+            full[source.dim] = slice(rows.start, rows.stop)
+            return self.folder.read(source.name, tuple(full))
         rows = range(len(source))[box[0]] if box else range(len(source))
         inner = box[1:] if box else None
         return torch.stack([self.folder.read(source[i], inner) for i in rows])
