@@ -160,7 +160,9 @@ class HFReader:
         if isinstance(source, str):
             return self.folder.shape(source)
         if isinstance(source, RowSlice):
-            return [source.stop - source.start, *self.folder.shape(source.name)[1:]]
+            shape = list(self.folder.shape(source.name))
+            shape[source.dim] = source.stop - source.start
+            return shape
         if isinstance(source, FusedExperts):
             experts, first, second = self.folder.shape(source.name)
             cols = first if self._stored_transposed(source) else second
@@ -176,8 +178,10 @@ class HFReader:
         if isinstance(source, str):
             return self.folder.read(source, box)
         if isinstance(source, RowSlice):
-            rows = range(source.start, source.stop)[box[0] if box else slice(None)]
-            return self.folder.read(source.name, (slice(rows.start, rows.stop), *(box or ())[1:]))
+            full = list(box or ()) + [slice(None)] * (source.dim + 1 - len(box or ()))
+            rows = range(source.start, source.stop)[full[source.dim]]
+            full[source.dim] = slice(rows.start, rows.stop)
+            return self.folder.read(source.name, tuple(full))
         if isinstance(source, FusedExperts):
             experts, rows_box, cols_box = box or (slice(None),) * 3
             rows = range(source.start, source.stop)[rows_box]

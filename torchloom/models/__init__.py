@@ -7,6 +7,8 @@ from torchloom.models import (  # noqa: F401  (registers)
     deepseek_v3,
     kimi_linear,
     llama3,
+    muse_glimmer,
+    muse_spark,
     qwen3,
     qwen3_5,
     qwen3_moe,

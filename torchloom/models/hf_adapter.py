@@ -77,11 +77,13 @@ _ROPE_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 
 class RowSlice(NamedTuple):
     """Rows [start, stop) of one Hugging Face tensor: a parameter that transformers keeps
-    fused with others in one tensor (Qwen3.5's in_proj_qkv holds q, k and v)."""
+    fused with others in one tensor (Qwen3.5's in_proj_qkv holds q, k and v). ``dim`` is the
+    dim they are rows of (1: Muse Spark's stacked gate_up_proj [experts, 2 * width, dim])."""
 
     name: str
     start: int
     stop: int
+    dim: int = 0
 
 
 class FusedExperts(NamedTuple):

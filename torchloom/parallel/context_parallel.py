@@ -147,4 +147,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     backend: AttentionBackend = ContextParallelAttention(cp_mesh)
     for module in model.modules():
         if isinstance(module, Attention):
+            if module.window is not None:
+                raise ConfigError(
+                    "context parallelism has no sliding-window attention yet (its all-gather "
+                    "kernel masks causally only); set --parallel.cp 1."
+                )
             module.attend = backend

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchloom.config.errors import ConfigError
 from torchloom.data.packing import IGNORE_INDEX
 from torchloom.kernels.linear_cross_entropy import (
     LOSS_IMPLS,
@@ -96,6 +97,11 @@ class CrossEntropy:
     ) -> LossOutput:
         labels_BT = targets["labels"]
         if self.impl == "chunked":
+            if getattr(model, "softcap", None) is not None:
+                raise ConfigError(
+                    "the chunked cross-entropy fuses a plain head and cannot soft-cap this "
+                    "model's logits; set the loss impl to 'full'."
+                )
             head_VD = model.head_weight()
             loss = linear_cross_entropy_sum(h_BTD.flatten(0, 1), head_VD, labels_BT.flatten())
         else:

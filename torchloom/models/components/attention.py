@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.models.components.cache import KVState
-from torchloom.models.components.norms import NORM_IMPLS
+from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm
 from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS
 
@@ -41,10 +41,23 @@ AttentionBackend = Callable[
 
 def causal_document_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
     """Boolean [B, 1, T, T]: query t may see key s iff s <= t and both are in the same document."""
-    T = doc_ids_BT.shape[1]
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=doc_ids_BT.device).tril()
+    return causal_mask(doc_ids_BT.shape[1], doc_ids_BT.device, doc_ids_BT)
+
+
+def causal_mask(
+    T: int, device: torch.device, doc_ids_BT: torch.Tensor | None, window: int | None = None
+) -> torch.Tensor:
+    """Boolean [B or 1, 1, T, T]: query t may see key s iff s <= t, both are in the same
+    document (with doc_ids_BT) and, with ``window``, t - s < window (sliding-window attention:
+    the query and the window - 1 keys before it)."""
+    index_T = torch.arange(T, device=device)
+    visible_TT = index_T[None, :] <= index_T[:, None]
+    if window is not None:
+        visible_TT &= index_T[:, None] - index_T[None, :] < window
+    if doc_ids_BT is None:
+        return visible_TT[None, None]
     same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
-    return (causal_TT & same_doc_BTT).unsqueeze(1)
+    return (visible_TT & same_doc_BTT).unsqueeze(1)
 
 
 def sdpa_attention(
@@ -52,9 +65,11 @@ def sdpa_attention(
     k_BKTd: torch.Tensor,
     v_BKTd: torch.Tensor,
     doc_ids_BT: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels)."""
-    if doc_ids_BT is None:
+    """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels). With
+    ``window``, each query sees only itself and the window - 1 keys before it."""
+    if doc_ids_BT is None and window is None:
         return F.scaled_dot_product_attention(
             q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True
         )
@@ -63,7 +78,7 @@ def sdpa_attention(
     group = q_BHTd.shape[1] // k_BKTd.shape[1]
     k_BHTd = k_BKTd.repeat_interleave(group, dim=1)
     v_BHTd = v_BKTd.repeat_interleave(group, dim=1)
-    mask_B1TT = causal_document_mask(doc_ids_BT)
+    mask_B1TT = causal_mask(q_BHTd.shape[2], q_BHTd.device, doc_ids_BT, window)
     return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_B1TT)
 
 
@@ -161,6 +176,13 @@ class Attention(nn.Module):
     head_dim rotates only each head's first rotary_dim channels (partial RoPE); cos/sin then
     have rotary_dim channels.
 
+    Muse's attention (Glimmer, Spark) adds, each off by default: ``gate_proj``, the output gate
+    from a projection of its own (sigmoid(gate_proj(x)) per channel) instead of from q_proj;
+    ``q_scale``, a constant the normed queries are multiplied by (on top of 1/sqrt(head_dim));
+    ``rotary=False``, no RoPE (NoPE layers); ``window``, sliding-window attention (each query
+    sees itself and the window - 1 keys before it; the 'sdpa' backend's mask); ``out_norm``, a
+    weightless RMSNorm over each head's output before the gate.
+
     Head counts are read from the projection shapes at run time (``view(B, T, -1, head_dim)``),
     so a tensor-parallel plan that shards q/k/v column-wise and o row-wise just works.
     """
@@ -181,10 +203,22 @@ class Attention(nn.Module):
         output_gate: bool = False,
         rotary_dim: int | None = None,
         make_norm: Callable[[int], nn.Module] | None = None,
+        gate_proj: bool = False,
+        q_scale: float = 1.0,
+        rotary: bool = True,
+        window: int | None = None,
+        out_norm: bool = False,
     ) -> None:
         """``init_std``: q/k/v; ``out_std``: o, the residual branch's output (default
         init_std). ``make_norm(dim)`` builds the q/k norms (default: norm_impl's RMSNorm)."""
         super().__init__()
+        if window is not None and backend != "sdpa":
+            raise ConfigError(
+                f"sliding-window attention runs on attn_backend 'sdpa' only (its window lives "
+                f"in that backend's mask), not {backend!r}; set --model.attn_backend sdpa."
+            )
+        if output_gate and gate_proj:
+            raise ValueError("output_gate (from q_proj) and gate_proj are two ways to one gate")
         self.head_dim = head_dim
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.output_gate = output_gate
@@ -198,8 +232,13 @@ class Attention(nn.Module):
             make_norm = functools.partial(NORM_IMPLS[norm_impl], eps=norm_eps)
         self.q_norm = make_norm(head_dim) if qk_norm else None
         self.k_norm = make_norm(head_dim) if qk_norm else None
+        self.gate_proj = nn.Linear(dim, num_heads * head_dim, bias=False) if gate_proj else None
+        self.out_norm = WeightlessRMSNorm(norm_eps) if out_norm else None
+        self.q_scale, self.rotary, self.window = q_scale, rotary, window
         self.backend = backend  # new_state: the batch-invariant kernel decodes its own way
         self.attend = ATTENTION_BACKENDS[backend]
+        if window is not None:
+            self.attend = functools.partial(sdpa_attention, window=window)
         self.rotate = ROPE_IMPLS[rope_impl]
 
     def forward(
@@ -223,14 +262,23 @@ class Attention(nn.Module):
         v_BTKd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
-        q_BHTd = self._rotate(q_BTHd, cos_BTd, sin_BTd).transpose(1, 2)
-        k_BKTd = self._rotate(k_BTKd, cos_BTd, sin_BTd).transpose(1, 2)
+        if self.q_scale != 1.0:
+            q_BTHd = q_BTHd * self.q_scale
+        if self.rotary:
+            q_BTHd = self._rotate(q_BTHd, cos_BTd, sin_BTd)
+            k_BTKd = self._rotate(k_BTKd, cos_BTd, sin_BTd)
+        q_BHTd, k_BKTd = q_BTHd.transpose(1, 2), k_BTKd.transpose(1, 2)
         v_BKTd = v_BTKd.transpose(1, 2)
         if cache is not None:
             out_BHTd = cache.attend(q_BHTd, k_BKTd, v_BKTd)
         else:
             out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
-        out_BTX = out_BHTd.transpose(1, 2).reshape(B, T, -1)
+        out_BTHd = out_BHTd.transpose(1, 2)
+        if self.out_norm is not None:
+            out_BTHd = self.out_norm(out_BTHd)
+        out_BTX = out_BTHd.reshape(B, T, -1)
+        if self.gate_proj is not None:
+            gate_BTX = self.gate_proj(x_BTD)
         if gate_BTX is not None:
             if self.backend == "batch_invariant":
                 out_BTX = out_BTX * batch_invariant.pointwise(torch.sigmoid, gate_BTX)
@@ -255,12 +303,15 @@ class Attention(nn.Module):
         kernel when that is this layer's backend."""
         kv_heads = local_tensor(self.k_proj.weight).shape[0] // self.head_dim
         invariant = self.backend == "batch_invariant"
-        return KVState(slots, kv_heads, max_len, self.head_dim, device, dtype, invariant)
+        return KVState(
+            slots, kv_heads, max_len, self.head_dim, device, dtype, invariant, self.window
+        )
 
     def init_weights(self, init: ParamInit) -> None:
         """Normal weights truncated at 3 std; q/k norms at one."""
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            init.trunc_normal_(proj.weight, self.init_std)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.gate_proj):
+            if proj is not None:
+                init.trunc_normal_(proj.weight, self.init_std)
         init.trunc_normal_(self.o_proj.weight, self.out_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
@@ -270,10 +321,11 @@ class Attention(nn.Module):
         """Training FLOPs per token: 6 per weight of q/k/v/o, plus attention itself. QK^T and AV
         each cost 2 * head_dim * seq_len per query head and token, halved by the causal mask,
         times 3 for forward and backward: 6 * heads * head_dim * seq_len."""
-        weights = sum(
-            p.weight.numel() for p in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
-        )
-        return 6 * weights + 6 * self.o_proj.weight.shape[1] * seq_len
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj)
+        weights = sum(p.weight.numel() for p in projections if p is not None)
+        # A sliding window attends to at most ``window`` keys (causal halving aside).
+        keys = seq_len if self.window is None else min(seq_len, 2 * self.window)
+        return 6 * weights + 6 * self.o_proj.weight.shape[1] * keys
 
     def check_tp(self, tp: int) -> None:
         """ConfigError unless ``tp`` divides both head counts (each rank takes whole heads)."""
@@ -295,6 +347,7 @@ class Attention(nn.Module):
             "q_proj": ColwiseParallel(),
             "k_proj": ColwiseParallel(),
             "v_proj": ColwiseParallel(),
+            **({"gate_proj": ColwiseParallel()} if self.gate_proj is not None else {}),
             "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
             else RowwiseParallel(),
         }  # fmt: skip

@@ -146,7 +146,9 @@ class ModelCache:
 
 
 class KVState:
-    """Keys and values of one attention layer: [slots, kv_heads, max_len, head_dim] each."""
+    """Keys and values of one attention layer: [slots, kv_heads, max_len, head_dim] each. With
+    ``window`` (sliding-window attention) a query sees only the window - 1 positions before its
+    own (every position is still stored: slots stay indexed by position)."""
 
     def __init__(
         self,
@@ -157,11 +159,14 @@ class KVState:
         device: torch.device,
         dtype: torch.dtype,
         batch_invariant: bool = False,
+        window: int | None = None,
     ) -> None:
+        if batch_invariant and window is not None:
+            raise ValueError("the batch-invariant decode kernel has no sliding window")
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.batch_invariant = batch_invariant
+        self.batch_invariant, self.window = batch_invariant, window
 
     def bound(self, binding: Binding) -> _BoundKV:
         return _BoundKV(self, binding)
@@ -195,14 +200,23 @@ class _BoundKV:
             values_BKLd = state.v[bound.slot_ids_B, :, : bound.length]
         if state.batch_invariant:
             return batch_invariant.attention(q_BHTd, keys_BKLd, values_BKLd, pos_BT)
-        hidden_B11TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))
+        window = state.window
+        if window is None:
+            hidden_B11TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))
+        else:
+            hidden_B11TL = bound.memo(f"hidden_keys_{window}", lambda: _hidden_keys(bound, window))
         return grouped_attention(q_BHTd, keys_BKLd, values_BKLd, hidden_B11TL)
 
 
-def _hidden_keys(bound: Binding) -> torch.Tensor:
-    """[B, 1, 1, T, L]: which key indices each query may not see (those past its position)."""
+def _hidden_keys(bound: Binding, window: int | None = None) -> torch.Tensor:
+    """[B, 1, 1, T, L]: which key indices each query may not see (those past its position and,
+    with ``window``, those window or more positions before it)."""
     index_L = torch.arange(bound.length, device=bound.positions_BT.device)
-    return (index_L[None, None, :] > bound.positions_BT[:, :, None])[:, None, None]
+    pos_BT1 = bound.positions_BT[:, :, None]
+    hidden_BTL = index_L[None, None, :] > pos_BT1
+    if window is not None:
+        hidden_BTL |= index_L[None, None, :] <= pos_BT1 - window
+    return hidden_BTL[:, None, None]
 
 
 def grouped_attention(

@@ -104,6 +104,29 @@ class DecoderConfig:
         the final norm), computed by the ``norm_impl`` kernel."""
         return NORM_IMPLS[self.norm_impl](dim, self.norm_eps)
 
+    def make_final_norm(self) -> nn.Module:
+        """The norm after the last block (default: ``make_norm(dim)``, as the blocks')."""
+        return self.make_norm(self.dim)
+
+    def make_post_norm(self, dim: int, slot: Literal["attention", "mlp"]) -> nn.Module | None:
+        """The norm on the ``slot`` branch's output before it joins the residual stream
+        (sandwich norms: Gemma 2, Muse); None (the default): the branch joins unnormed."""
+        return None
+
+    def make_residual(self, dim: int, slot: Literal["attention", "mlp"]) -> nn.Module | None:
+        """How the ``slot`` branch joins the residual stream: a module ``(residual, branch) ->
+        stream`` (Muse Spark's learned gate); None (the default): residual + branch."""
+        return None
+
+    def make_embedding_norm(self) -> nn.Module | None:
+        """A norm on the token embeddings before the first block (Muse); None: none."""
+        return None
+
+    def logit_softcap(self) -> tuple[float, float] | None:
+        """(scale, cap): the head's logits become cap * tanh(logits * scale / cap) (Gemma 2's
+        soft-cap with Muse's scale); None (the default): the head's logits as they are."""
+        return None
+
     def build(self) -> nn.Module:
         """The family's model for this config, on the current default device (built on meta
         and materialized by the caller for anything large)."""
@@ -278,7 +301,12 @@ class LayerInputs(NamedTuple):
 
 class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then h + ffn(norm(h)). The slots keep the
-    names ``attention`` and ``mlp`` whatever their kind, so checkpoints and plans read alike."""
+    names ``attention`` and ``mlp`` whatever their kind, so checkpoints and plans read alike.
+
+    A config may add, per branch, a post-norm on the branch's output (``attention_post_norm``,
+    ``mlp_post_norm``: sandwich norms) and a module joining it to the residual stream in place
+    of the sum (``attention_residual``, ``mlp_residual``); absent by default, so the blocks of
+    other families hold exactly the four slots above."""
 
     def __init__(self, cfg: DecoderConfig, index: int, spec: LayerSpec) -> None:
         super().__init__()
@@ -286,6 +314,13 @@ class Block(nn.Module):
         self.attention = MIXERS[spec.mixer](cfg, index)
         self.mlp_norm = cfg.make_norm(cfg.dim)
         self.mlp = FFNS[spec.ffn](cfg, index)
+        for slot in ("attention", "mlp"):
+            post_norm = cfg.make_post_norm(cfg.dim, slot)  # type: ignore[arg-type]
+            residual = cfg.make_residual(cfg.dim, slot)  # type: ignore[arg-type]
+            if post_norm is not None:
+                setattr(self, f"{slot}_post_norm", post_norm)
+            if residual is not None:
+                setattr(self, f"{slot}_residual", residual)
 
     def forward(
         self,
@@ -296,13 +331,23 @@ class Block(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         # cache by keyword: tensor-parallel plans describe the four positional inputs.
-        h_BTD = x_BTD + self.attention(
+        branch_BTD = self.attention(
             self.attention_norm(x_BTD), cos_BTd, sin_BTd, doc_ids_BT, cache=cache
         )
-        return h_BTD + self.mlp(self.mlp_norm(h_BTD))
+        h_BTD = self._join("attention", x_BTD, branch_BTD)
+        return self._join("mlp", h_BTD, self.mlp(self.mlp_norm(h_BTD)))
+
+    def _join(self, slot: str, x_BTD: torch.Tensor, branch_BTD: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the ``slot`` branch: x + branch, unless the config gave the
+        branch a post-norm or a residual module of its own."""
+        post_norm = getattr(self, f"{slot}_post_norm", None)
+        if post_norm is not None:
+            branch_BTD = post_norm(branch_BTD)
+        residual = getattr(self, f"{slot}_residual", None)
+        return x_BTD + branch_BTD if residual is None else residual(x_BTD, branch_BTD)
 
     def init_weights(self, init: ParamInit) -> None:
-        for module in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
+        for module in self.children():
             module.init_weights(init)
 
 
@@ -320,10 +365,12 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed_norm = cfg.make_embedding_norm()  # None unless the config has one
+        self.softcap = cfg.logit_softcap()
         self.rope = cfg.rotary()
         specs = cfg.layer_specs()
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, specs[i]) for i in range(len(specs))})
-        self.norm: nn.Module | None = cfg.make_norm(cfg.dim)
+        self.norm: nn.Module | None = cfg.make_final_norm()
         self.output: nn.Linear | None = None
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -344,9 +391,15 @@ class Decoder(nn.Module):
         sequence.
         """
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
-        h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
+        h_BTD = self.embed(tokens_BT) if self.embed_tokens is not None else tokens_BT
         h_BTD = self.run_blocks(h_BTD, inputs, cache)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
+
+    def embed(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        """The blocks' input for ``tokens_BT``: their embeddings (normed, if the config says)."""
+        assert self.embed_tokens is not None, "this pipeline stage has no embedding"
+        h_BTD = self.embed_tokens(tokens_BT)
+        return h_BTD if self.embed_norm is None else self.embed_norm(h_BTD)
 
     def layer_inputs(
         self,
@@ -430,14 +483,18 @@ class Decoder(nn.Module):
         raise ValueError("this model (a pipeline stage) has no output head")
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        """The output head applied to final hidden states."""
+        """The output head applied to final hidden states (then the soft-cap, if any)."""
         if self.output is not None:
-            return self.output(h_BTD)
-        weight_VD = self.head_weight()
-        # The embedding doubles as the head: no nn.Linear for batch-invariant mode to route.
-        if self.config.batch_invariant:
-            return batch_invariant.linear(h_BTD, weight_VD)
-        return F.linear(h_BTD, weight_VD)
+            logits_BTV = self.output(h_BTD)
+        elif self.config.batch_invariant:
+            # The embedding doubles as the head: no nn.Linear for batch-invariant mode to route.
+            logits_BTV = batch_invariant.linear(h_BTD, self.head_weight())
+        else:
+            logits_BTV = F.linear(h_BTD, self.head_weight())
+        if self.softcap is None:
+            return logits_BTV
+        scale, cap = self.softcap
+        return torch.tanh(logits_BTV * (scale / cap)) * cap
 
     def new_cache(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype

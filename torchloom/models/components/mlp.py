@@ -1,10 +1,12 @@
-"""SwiGLU feed-forward (Shazeer 2020), as used by Llama and Qwen."""
+"""SwiGLU feed-forward (Shazeer 2020), as used by Llama and Qwen; the plain GELU MLP of vision
+and audio encoders."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -87,3 +89,15 @@ class SwiGLU(nn.Module):
             "up_proj": ColwiseParallel(),
             "down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }  # fmt: skip
+
+
+class GeluMLP(nn.Module):
+    """fc2(gelu(fc1(x))) with biases (exact GELU): the feed-forward of ViT-style encoders."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))

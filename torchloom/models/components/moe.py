@@ -155,11 +155,14 @@ class MoEConfig:
 
 
 class Router(nn.Module):
-    """Top-k routing: ``forward(x_ND) -> (weights_NK fp32, experts_NK, scores_NE fp32)``."""
+    """Top-k routing: ``forward(x_ND) -> (weights_NK fp32, experts_NK, scores_NE fp32)``.
+    ``logit_scale`` multiplies the router's logits before the scores (Muse Spark's)."""
 
-    def __init__(self, dim: int, cfg: MoEConfig, invariant: bool = False) -> None:
+    def __init__(
+        self, dim: int, cfg: MoEConfig, invariant: bool = False, logit_scale: float = 1.0
+    ) -> None:
         super().__init__()
-        self.cfg, self.invariant = cfg, invariant
+        self.cfg, self.invariant, self.logit_scale = cfg, invariant, logit_scale
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
         self.expert_bias: torch.Tensor | None
         if cfg.expert_bias:
@@ -171,9 +174,12 @@ class Router(nn.Module):
         cfg = self.cfg
         if self.invariant:  # every token's scores and choice computed alike, whatever the batch
             logits_NE = batch_invariant.linear(x_ND.float(), self.weight.float())
+            logits_NE = logits_NE * self.logit_scale
             scores_NE = _invariant_scores(logits_NE, cfg.score_func)
         else:
             logits_NE = F.linear(x_ND.float(), self.weight.float())
+            if self.logit_scale != 1.0:
+                logits_NE = logits_NE * self.logit_scale
             scores_NE = (
                 logits_NE.softmax(-1) if cfg.score_func == "softmax" else logits_NE.sigmoid()
             )

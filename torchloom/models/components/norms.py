@@ -68,6 +68,41 @@ class ZeroCenteredRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, zero-centered"
 
 
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32, cast back to x's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """x / rms(x) in fp32, cast back: an RMSNorm without a learned scale (no parameters)."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return normalized(x, self.eps)
+
+    def init_weights(self, init: ParamInit) -> None:
+        """Nothing to initialize."""
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, weightless"
+
+
+class ScaleThenNormRMSNorm(ZeroCenteredRMSNorm):
+    """(1 + weight) * x, rounded to x's dtype, then divided by its rms: the scale comes before
+    the normalization (Muse Spark's post-feed-forward and expert-output norms)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = (x.float() * (1.0 + self.weight.float())).to(x.dtype)
+        return normalized(scaled, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, scale then normalize"
+
+
 _NORM_FUNCTIONS = {
     "torch": rms_norm,
     "triton": rms_norm_fused,
