@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.expert_parallel import moe_layers
@@ -41,8 +42,8 @@ def mixed_precision_policy(config: ParallelConfig, device_type: str) -> MixedPre
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
-    """Shard (or replicate) ``model`` in place: each block, then the embedding and the head,
-    then the root, which holds whatever is left (with tied embeddings, the embedding: the head
+    """Shard (or replicate) ``model`` in place: each block, a vision encoder as one unit, then
+    the embedding and the head, then the root, which holds whatever is left (with tied embeddings, the embedding: the head
     reads ``embed_tokens.weight`` from the root's forward, so it must be gathered there).
 
     A mixture-of-experts layer's weights that live on other meshes (``MoEMeshes``: experts under
@@ -83,6 +84,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again right at the start of backward.
             shard(block, mesh, default_reshard=i < len(blocks) - 1)
+        visual = getattr(model, "visual", None)
+        if visual is not None:  # a vision encoder: one unit, used once at the start
+            shard(visual, mesh, default_reshard=True, shard_placement_fn=_beside_strided)
         if model.output is not None:  # untied: the embedding is used only at the start
             if model.embed_tokens is not None:
                 shard(model.embed_tokens, mesh, default_reshard=True)
@@ -97,6 +101,16 @@ def _moe_meshes(model: nn.Module, dims: ParallelDims) -> MoEMeshes | None:
     if (dims.degrees.ep == 1 and not dims.tp_enabled) or not moe_layers(model):
         return None
     return dims.moe_meshes()
+
+
+def _beside_strided(param: nn.Parameter) -> Shard | None:
+    """A matrix split by tensor parallelism in strides (a fused qkv's) is sharded by FSDP along
+    its other dimension: FSDP's own split of the same dimension would nest two strided splits,
+    which DTensor does not describe (the gathered weights came out permuted)."""
+    strided = isinstance(param, DTensor) and any(
+        isinstance(p, _StridedShard) for p in param.placements
+    )
+    return Shard(1) if strided and param.ndim == 2 else None
 
 
 def _expert_placement(mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard]:

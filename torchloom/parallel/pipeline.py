@@ -103,14 +103,15 @@ def stage_model(model: Decoder, layer_ids: list[int], first: bool, last: bool) -
     return stage
 
 
-_TARGET = "target_"
-"""Prefix of the objective's batch fields among a stage's keyword arguments (the schedule cuts
-every tensor keyword into micro-batches; a dict it would not)."""
+_TARGET, _MEDIA = "target_", "media_"
+"""Prefixes of the objective's batch fields and of the media tensors among a stage's keyword
+arguments (the schedule cuts every tensor keyword into micro-batches; a dict it would not)."""
 
 
 class _StageForward(nn.Module):
-    """(tokens or hidden; positions, doc_ids and target_* fields as keywords) -> hidden, or the
-    objective's loss sum on the last stage. Only the hidden state travels between stages: every
+    """(tokens or hidden; positions, doc_ids, target_* and media_* fields as keywords) ->
+    hidden, or the objective's loss sum on the last stage. Only the first stage holds a vision
+    encoder, so only it reads the media. Only the hidden state travels between stages: every
     pp rank holds the batch, so the schedule hands each stage its microbatch's keywords (torch
     2.11's stages would also try to make received integer tensors require grad).
 
@@ -147,16 +148,22 @@ class _StageForward(nn.Module):
         *,
         positions_BT: torch.Tensor,
         doc_ids_BT: torch.Tensor | None,
-        **targets: torch.Tensor,
+        **batch_fields: torch.Tensor,
     ) -> torch.Tensor:
-        fields = {name.removeprefix(_TARGET): value for name, value in targets.items()}
+        fields = {
+            k.removeprefix(_TARGET): v for k, v in batch_fields.items() if k.startswith(_TARGET)
+        }
+        media = {k.removeprefix(_MEDIA): v for k, v in batch_fields.items() if k.startswith(_MEDIA)}
+        extra = {"media": media} if media else {}
         if not self.model.has_head or self.objective is None:
-            h = self.model(x, positions_BT, doc_ids_BT)
+            h = self.model(x, positions_BT, doc_ids_BT, **extra)
             terms = self.model.auxiliary_losses()
             if not terms or self.inferring:
                 return h
             return self._add_auxiliary(h, sum(terms.values()), fields)
-        out = self.model(x, positions_BT, doc_ids_BT, objective=self.objective, targets=fields)
+        out = self.model(
+            x, positions_BT, doc_ids_BT, objective=self.objective, targets=fields, **extra
+        )
         return out.loss.reshape(1)  # the schedule concatenates the micro-batches' outputs
 
     def _add_auxiliary(
@@ -237,6 +244,8 @@ class Pipeline:
         embed = next((s.embed_tokens for s in self.stages if s.embed_tokens is not None), None)
         shell = stage_model(self.stages[0], [], first=False, last=False)
         shell.embed_tokens = embed
+        if hasattr(shell, "visual"):
+            shell.visual = next((s.visual for s in self.stages if s.visual is not None), None)
         shell.layers = nn.ModuleDict({str(i): block for i, block in layers})
         has_head = [s for s in self.stages if s.output is not None]
         shell.norm = has_head[0].norm if has_head else None
@@ -260,7 +269,8 @@ class Pipeline:
         # Every stage: earlier ones weight their layers' auxiliary losses by the labels.
         fields = batch.fields(self.objective.fields)
         return {"positions_BT": batch.positions, "doc_ids_BT": batch.doc_ids,
-                **{_TARGET + name: value for name, value in fields.items()}}  # fmt: skip
+                **{_TARGET + name: value for name, value in fields.items()},
+                **{_MEDIA + name: value for name, value in batch.media.items()}}  # fmt: skip
 
     def step(self, batch, normalizer: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch, the loss being the objective's sum / ``normalizer``;
@@ -387,6 +397,19 @@ def layers_per_stage(model_config: DecoderConfig, config: ParallelConfig) -> lis
     )  # fmt: skip
 
 
+def check_deepstack_on_first_stage(model: Decoder, first_stage_layers: int) -> None:
+    """The vision encoder sits on the first stage, and its DeepStack tokens are added after the
+    first decoder layers: those layers must be there too (the tokens do not travel)."""
+    visual = getattr(model, "visual", None)
+    deepstack = 0 if visual is None else len(visual.cfg.deepstack_layers)
+    if deepstack > first_stage_layers:
+        raise ConfigError(
+            f"The first pipeline stage holds {first_stage_layers} layer(s) but the vision "
+            f"encoder's DeepStack tokens join decoder layers 0..{deepstack - 1}, which must be on "
+            f"that stage; pass --parallel.pp_layers_per_stage with a first count >= {deepstack}."
+        )
+
+
 def build_pipeline(
     model: Decoder,
     dims: ParallelDims,
@@ -403,6 +426,7 @@ def build_pipeline(
     the other ranks' layers are never allocated."""
     config = dims.degrees
     counts = layers_per_stage(model.config, config)
+    check_deepstack_on_first_stage(model, counts[0])
     check_expert_parallel(model, config.ep)
     if has_moe_layers(model):
         dims.moe_meshes()  # a collective: every rank, before stages without MoE layers split off

@@ -109,8 +109,9 @@ def build_model_parts(
 def check_layout(model: nn.Module, dims: ParallelDims) -> None:
     """ConfigError for layouts the model's parts cannot take yet: multi-token prediction
     under pipeline or context parallelism (its blocks follow the last stage and shift tokens
-    along the whole sequence), and token mixers other than grouped-query attention under
-    context parallelism (which swaps the kernel of Attention layers only)."""
+    along the whole sequence), a vision encoder under context parallelism (its image tokens
+    fill placeholders anywhere in the sequence), and token mixers other than grouped-query
+    attention under context parallelism (which swaps the kernel of Attention layers only)."""
     pp, cp = dims.degrees.pp, dims.degrees.cp
     if getattr(model, "mtp", None) is not None and (pp > 1 or cp > 1):
         axis = "pp" if pp > 1 else "cp"
@@ -118,6 +119,12 @@ def check_layout(model: nn.Module, dims: ParallelDims) -> None:
             f"--parallel.{axis} {pp if pp > 1 else cp} with multi-token prediction is not "
             "supported yet; set --model.overrides '{\"mtp_layers\": 0}' or "
             f"--parallel.{axis} 1."
+        )
+    if cp > 1 and getattr(model, "visual", None) is not None:
+        raise ConfigError(
+            f"--parallel.cp {cp} cannot split a model with a vision encoder yet: an image's "
+            "tokens are scattered into the embedding across the whole sequence, which cp cuts "
+            "between ranks (not implemented). Set --parallel.cp 1."
         )
     if cp > 1:
         kinds = sorted({type(b.attention).__name__ for b in model.layers.values()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.mrope import mrope_positions
@@ -98,6 +99,10 @@ class MultimodalDecoder(Decoder):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__(cfg)
         self.visual: VisionEncoder | None = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
+        # Where the embeddings and DeepStack tokens enter the residual stream: an identity that
+        # sequence parallelism hooks to cut them along the sequence after the full-sequence
+        # scatter of the image tokens (vision_plan.multimodal_tp_plan).
+        self.residual_entry = nn.Identity()
 
     def forward_hidden(
         self,
@@ -114,10 +119,13 @@ class MultimodalDecoder(Decoder):
         if media is not None and positions_BT is None:
             positions_BT = self.mrope_positions(tokens_BT, media["image_grid_thw"])
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
-        h_BTD = self.embed_tokens(tokens_BT) if self.embed_tokens is not None else tokens_BT
-        deepstack: list[torch.Tensor] = []
-        if media is not None:
-            h_BTD, deepstack = self.embed_media(tokens_BT, h_BTD, media)
+        h_BTD, deepstack = tokens_BT, []  # a later pipeline stage: the hidden state
+        if self.embed_tokens is not None:
+            h_BTD = self.embed_tokens(tokens_BT)
+            if media is not None:
+                h_BTD, deepstack = self.embed_media(tokens_BT, h_BTD, media)
+            h_BTD = self.residual_entry(h_BTD)
+            deepstack = [self.residual_entry(d_BTD) for d_BTD in deepstack]
         h_BTD = self.run_blocks(h_BTD, inputs, cache, deepstack)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 

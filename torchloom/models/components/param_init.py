@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 _BLOCK_ELEMENTS = 1 << 20
 """Elements per random block (whole rows; at least one row): a function of the global shape."""
@@ -95,7 +96,14 @@ class ParamInit:
         if local.device.type == "meta":
             return
         shape = tuple(param.shape)  # global
-        box = local_box(param)
+        data = param.data if isinstance(param, nn.Parameter) else param
+        strided = isinstance(data, DTensor) and any(
+            isinstance(p, _StridedShard) for p in data.placements
+        )
+        # A strided split (a fused qkv's, vision_plan.FusedColwiseParallel) holds no box of the
+        # whole: draw all of it, then keep this rank's part.
+        target = torch.empty(shape, device=local.device) if strided else local
+        box = tuple(slice(0, n) for n in shape) if strided else local_box(param)
         rows = shape[0] if shape else 1
         width = math.prod(shape[1:])
         block_rows = max(1, _BLOCK_ELEMENTS // max(width, 1))
@@ -107,11 +115,14 @@ class ParamInit:
             values = torch.empty((stop - start, *shape[1:]), device=local.device)
             draw(values, generator)
             if not shape:
-                local.copy_(values.reshape(()))
+                target.copy_(values.reshape(()))
                 continue
             lo, hi = max(start, first), min(stop, last)  # the rows this rank holds
             rest = box[1:]
-            local[lo - first : hi - first].copy_(values[(slice(lo - start, hi - start), *rest)])
+            target[lo - first : hi - first].copy_(values[(slice(lo - start, hi - start), *rest)])
+        if strided:
+            mine = distribute_tensor(target, data.device_mesh, data.placements, src_data_rank=None)
+            local.copy_(mine.to_local())
 
     def _block_seed(self, name: str, block: int) -> int:
         digest = hashlib.blake2b(f"{self.seed}/{name}/{block}".encode(), digest_size=8).digest()

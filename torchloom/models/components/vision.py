@@ -97,7 +97,7 @@ class VisionAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -105,12 +105,29 @@ class VisionAttention(nn.Module):
         self, x_SLD: torch.Tensor, cos_SLd: torch.Tensor, sin_SLd: torch.Tensor,
         visible_S1LL: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        S, L, D = x_SLD.shape
-        q, k, v = self.qkv(x_SLD).view(S, L, 3, self.num_heads, -1).unbind(2)
+        S, L, _ = x_SLD.shape
+        # -1 heads: under tensor parallelism a rank's qkv holds its own heads' q, k and v.
+        q, k, v = self.qkv(x_SLD).view(S, L, 3, -1, self.head_dim).unbind(2)
         q, k = apply_rotary(q, cos_SLd, sin_SLd), apply_rotary(k, cos_SLd, sin_SLd)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible_S1LL)
-        return self.proj(out.transpose(1, 2).reshape(S, L, D))
+        return self.proj(out.transpose(1, 2).reshape(S, L, -1))
+
+
+class PatchEmbed(nn.Module):
+    """One linear map of each flattened patch: transformers' Conv3d whose stride is its
+    kernel, applied as the matmul it amounts to."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.proj = nn.Conv3d(
+            cfg.in_channels, cfg.dim, (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+            stride=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+        )  # fmt: skip
+
+    def forward(self, x_SLP: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return F.linear(x_SLP.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -170,12 +187,7 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.init_std = init_std
-        self.patch_embed = nn.Module()
-        # transformers' Conv3d with stride = kernel: one linear map of the flattened patch.
-        self.patch_embed.proj = nn.Conv3d(
-            cfg.in_channels, cfg.dim, (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
-            stride=(cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
-        )  # fmt: skip
+        self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.dim)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, out_dim, norm_joined=False)
@@ -187,9 +199,7 @@ class VisionEncoder(nn.Module):
         self, pixel_values_BNLP: torch.Tensor, image_grid_thw_BN3: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         B, N, L, P = pixel_values_BNLP.shape
-        proj = self.patch_embed.proj
-        x_SLP = pixel_values_BNLP.reshape(B * N, L, P).to(proj.weight.dtype)
-        x_SLD = F.linear(x_SLP, proj.weight.flatten(1), proj.bias)
+        x_SLD = self.patch_embed(pixel_values_BNLP.reshape(B * N, L, P))
         grid_S3 = image_grid_thw_BN3.reshape(-1, 3)
         frame_SL, row_SL, col_SL = self.patch_coordinates(grid_S3, L)
         x_SLD = x_SLD + self.interpolated_positions(row_SL, col_SL, grid_S3).to(x_SLD.dtype)

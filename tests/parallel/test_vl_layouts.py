@@ -1,0 +1,86 @@
+"""Qwen3-VL (vision encoder + decoder, rows with images) under every parallel layout it takes
+reproduces the single-process run (gloo, 2 and 4 processes); the layouts it cannot take yet
+are refused in one line.
+
+One launch per world size runs every layout (see vl_worker.py); the tests read its results.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parallel.launcher import run_worker
+from tests.parallel.test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL
+from torchloom.config.errors import ConfigError
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.parallel import ParallelConfig, ParallelDims
+from torchloom.train.builders import check_layout
+
+WORKER = Path(__file__).with_name("vl_worker.py")
+TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split")
+FOUR_RANKS = ("fsdp_tp", "fsdp_tp_ep")
+
+
+def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {"RESULT": [], "REFUSED": []}
+    for kind, payload in run_worker(WORKER, nproc, *names):
+        if kind in out:
+            out[kind].append(payload)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(2, *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch(4, *FOUR_RANKS)
+
+
+def check(results: list[dict], layout: str) -> None:
+    rows = [r for r in results if r["layout"] == layout]
+    assert rows, f"the worker reported nothing for {layout}"
+    for r in rows:
+        print(
+            f"{layout:>10} {r['flavor']:>9}: max |loss diff| {r['loss_diff']:.1e}, "
+            f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
+            f"({r['worst_param']}, {r['seconds']:.1f} s)"
+        )
+        assert not r["missing"], f"parameters differ in name: {r['missing']}"
+        assert r["loss_diff"] <= LOSS_TOL, r
+        assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
+        assert r["param_diff"] <= PARAM_TOL, r
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "pp"])
+def test_two_rank_layouts_match_single_process(two_ranks, layout):
+    check(two_ranks["RESULT"], layout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", FOUR_RANKS)
+def test_four_rank_layouts_match_single_process(four_ranks, layout):
+    check(four_ranks["RESULT"], layout)
+
+
+@pytest.mark.distributed
+def test_pipeline_refuses_deepstack_layers_past_the_first_stage(two_ranks):
+    (report,) = [r for r in two_ranks["REFUSED"] if r["layout"] == "pp_deepstack_split"]
+    message = report["message"]
+    assert message is not None, "a DeepStack layer on the second stage was accepted"
+    assert "\n" not in message and "DeepStack" in message and "pp_layers_per_stage" in message
+
+
+def test_context_parallel_refuses_a_vision_encoder_in_one_line():
+    config = resolve_model_config(ModelConfig(name="qwen3_vl", flavor="debug"))
+    with torch.device("meta"):
+        model = build_model(config)
+    dims = ParallelDims(ParallelConfig(cp=2, dp_shard=1).resolve(2), 2, 0, "cpu")
+    with pytest.raises(ConfigError) as error:
+        check_layout(model, dims)
+    message = str(error.value)
+    assert "\n" not in message and "--parallel.cp 2" in message and "vision encoder" in message

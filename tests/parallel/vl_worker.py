@@ -1,0 +1,219 @@
+"""Run under torchrun (gloo): Qwen3-VL (a vision encoder in front of the decoder) under parallel
+layouts against one process.
+
+    torchrun --standalone --nproc-per-node 2 tests/parallel/vl_worker.py fsdp tp ep pp ...
+
+Every row holds images (one of two frames, absent slots, padding places) between vision
+start/end tokens, with M-RoPE positions [B, T, 3]. Each layout trains 3 AdamW steps with
+clipping through the trainer's own step (train/step.py passes the media; the pipeline cuts them
+into micro-batches) from weights initialized shard by shard after parallelizing; the reference,
+one process, runs the same micro-batches (the MoE balance loss is a function of one). Rank 0
+prints one ``RESULT`` line per (layout, flavor) with the largest differences in loss, gradient
+norm and the final weights (gathered as the export does), and ``REFUSED`` lines for layouts
+that must be refused at build.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchloom.config.errors import ConfigError
+from torchloom.data.mrope import mrope_positions
+from torchloom.data.packing import Batch
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.models.components.vision_plan import multimodal_tp_plan
+from torchloom.parallel import (
+    ParallelConfig,
+    ParallelDims,
+    build_parallel_dims,
+    destroy,
+    init_distributed,
+    parallelize,
+)
+from torchloom.parallel.pipeline import build_pipeline
+from torchloom.parallel.state import full_state_items
+from torchloom.train.expert_balance import expert_balance
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
+from torchloom.train.step import StepParts, TrainStep
+
+# layout name -> (parallel config, flavors, model overrides)
+LAYOUTS: dict[str, tuple[dict, tuple[str, ...], dict]] = {
+    "fsdp": ({"dp_shard": 2}, ("debug", "debug_moe"), {}),
+    "tp": ({"tp": 2, "dp_shard": 1}, ("debug", "debug_moe"), {}),  # sequence parallel
+    "ep": ({"dp_shard": 2, "ep": 2}, ("debug_moe",), {}),
+    # Untied (pp refuses tied embeddings); both DeepStack layers on the first stage.
+    "pp": (
+        {"pp": 2, "dp_shard": 1, "pp_layers_per_stage": [2, 1]},
+        ("debug",),
+        {"tie_embeddings": False},
+    ),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, ("debug", "debug_moe"), {}),
+    "fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("debug_moe",), {}),
+}
+# Refused at build, in one line: DeepStack layer 1 would sit on the second stage.
+REFUSALS: dict[str, tuple[dict, str, dict]] = {
+    "pp_deepstack_split": (
+        {"pp": 2, "dp_shard": 1, "pp_layers_per_stage": [1, 2]},
+        "debug",
+        {"tie_embeddings": False},
+    ),
+}
+STEPS, BATCH, SEQ_LEN, MAX_NORM, ADAM_EPS = 3, 4, 32, 0.5, 1e-6
+SLOTS, PLACES = 2, 32
+# Per row: its images' (t, h, w) grids in patches (merge windows of 2 x 2).
+GRIDS = [[(1, 4, 4), (1, 4, 8)], [(2, 4, 4)], [(1, 8, 4)], [(1, 4, 4), (1, 4, 4)]]
+CPU = torch.device("cpu")
+
+
+def make_batches(config) -> list[dict]:
+    """Rows of text and images, fixed shapes; labels ignored on the image placeholders."""
+    gen = torch.Generator().manual_seed(1234)
+    image, start, end = config.image_token_id, config.vision_start_token_id, 4091
+    patch_dim, merge = config.vision.patch_dim, config.vision.spatial_merge_size
+    batches = []
+    for step in range(STEPS):
+        rows, pixels, grids = [], torch.zeros(BATCH, SLOTS, PLACES, patch_dim), []
+        for b in range(BATCH):
+            row_grids = GRIDS[(b + step) % len(GRIDS)]
+            tokens = torch.randint(0, 4000, (3,), generator=gen).tolist()
+            for slot, (t, h, w) in enumerate(row_grids):
+                pixels[b, slot, : t * h * w] = torch.randn(t * h * w, patch_dim, generator=gen)
+                tokens += [start] + [image] * (t * h * w // merge**2) + [end]
+                tokens += torch.randint(0, 4000, (2,), generator=gen).tolist()
+            tail = torch.randint(0, 4000, (SEQ_LEN - len(tokens),), generator=gen).tolist()
+            rows.append(tokens + tail)
+            grids.append(list(row_grids) + [(0, 0, 0)] * (SLOTS - len(row_grids)))
+        tokens = torch.tensor(rows)
+        grid = torch.tensor(grids)
+        labels = torch.randint(0, 4000, (BATCH, SEQ_LEN), generator=gen)
+        labels[(tokens == image) | (torch.rand(BATCH, SEQ_LEN, generator=gen) < 0.2)] = IGNORE_INDEX
+        positions = torch.stack(
+            [mrope_positions(t, g, image, start, merge) for t, g in zip(tokens, grid)]
+        )
+        batches.append({"tokens": tokens, "labels": labels, "positions": positions,
+                        "pixel_values": pixels, "image_grid_thw": grid})  # fmt: skip
+    return batches
+
+
+def rows_of(batch: dict, rows: slice) -> Batch:
+    media = {k: batch[k][rows] for k in ("pixel_values", "image_grid_thw")}
+    return Batch(batch["tokens"][rows], batch["labels"][rows], batch["positions"][rows],
+                 media=media)  # fmt: skip
+
+
+def config_of(flavor: str, overrides: dict):
+    return resolve_model_config(ModelConfig(name="qwen3_vl", flavor=flavor, overrides=overrides))
+
+
+def build(config) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def train(parts: StepParts, micro_batches: list[list[Batch]]) -> list[dict]:
+    step = TrainStep(parts, before_update=lambda: None)
+    records = []
+    for batches in micro_batches:
+        loss, norm, _ = step(batches)
+        records.append({"loss": loss.item(), "norm": norm.item()})
+    return records
+
+
+def _parts(model, pipeline, dims: ParallelDims, config) -> StepParts:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
+    return StepParts(model, pipeline, CrossEntropy(), optimizer, dims, CPU, MAX_NORM,
+                     expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
+
+
+def reference_run(config, batches: list[dict], pieces: int) -> tuple:
+    """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see."""
+    model = build(config)
+    model.to_empty(device=CPU)
+    model.init_weights(0)
+    dims = ParallelDims(ParallelConfig().resolve(1), 1, 0, "cpu")
+    share = BATCH // pieces
+    micro = [[rows_of(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
+             for b in batches]  # fmt: skip
+    records = train(_parts(model, None, dims, config), micro)
+    return records, {n: t.clone() for n, t in model.state_dict().items()}
+
+
+def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
+    dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
+    model, pipeline = build(config), None
+    if dims.degrees.pp > 1:
+        pipeline = build_pipeline(model, dims, seq_len=SEQ_LEN, tp_plan=multimodal_tp_plan,
+                                  device=CPU, objective=CrossEntropy())  # fmt: skip
+        for stage in pipeline.stages:
+            stage.to_empty(device=CPU)
+            stage.init_weights(0)
+        held = pipeline.stages
+    else:
+        parallelize(model, dims, seq_len=SEQ_LEN, tp_plan=multimodal_tp_plan)
+        model.to_empty(device=CPU)
+        model.init_weights(0)
+        held = model
+    share = BATCH // dims.dp_size
+    micro = [[rows_of(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
+             for b in batches]  # fmt: skip
+    records = train(_parts(held, pipeline, dims, config), micro)
+    state = dict(pipeline.full_state_items() if pipeline else full_state_items(held))
+    return records, state, dims
+
+
+def compare(layout: str, flavor: str, ref: tuple, run: tuple, seconds: float) -> dict:
+    (ref_steps, ref_state), (steps, state) = ref, run
+    common = [n for n in ref_state if n in state]
+    diff, worst = max(((ref_state[n] - state[n]).abs().max().item(), n) for n in common)
+    return {
+        "layout": layout, "flavor": flavor, "seconds": round(seconds, 2),
+        "loss_diff": max(abs(r["loss"] - p["loss"]) for r, p in zip(ref_steps, steps)),
+        "norm_diff": max(abs(r["norm"] - p["norm"]) for r, p in zip(ref_steps, steps)),
+        "losses": [p["loss"] for p in steps], "norms": [p["norm"] for p in steps],
+        "param_diff": diff, "worst_param": worst,
+        "missing": sorted(set(ref_state) ^ set(state)),
+    }  # fmt: skip
+
+
+def main(names: list[str]) -> None:
+    init_distributed("cpu")
+    torch.manual_seed(0)
+    rank0 = dist.get_rank() == 0
+    references: dict[tuple, tuple] = {}
+    for name in names:
+        if name in REFUSALS:
+            layout, flavor, overrides = REFUSALS[name]
+            dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
+            try:
+                build_pipeline(build(config_of(flavor, overrides)), dims, seq_len=SEQ_LEN,
+                               tp_plan=multimodal_tp_plan, device=CPU, objective=CrossEntropy())  # fmt: skip
+                message = None
+            except ConfigError as error:
+                message = str(error)
+            if rank0:
+                print("REFUSED " + json.dumps({"layout": name, "message": message}), flush=True)
+            continue
+        layout, flavors, overrides = LAYOUTS[name]
+        for flavor in flavors:
+            begin = time.perf_counter()
+            config = config_of(flavor, overrides)
+            batches = make_batches(config)
+            records, state, dims = parallel_run(config, layout, batches)
+            pieces = dims.dp_size * (2 if dims.degrees.pp > 1 else 1)  # pp: 2 microbatches
+            key = (flavor, json.dumps(overrides, sort_keys=True), pieces)
+            if key not in references:
+                references[key] = reference_run(config, batches, pieces)
+            result = compare(name, flavor, references[key], (records, state),
+                             time.perf_counter() - begin)  # fmt: skip
+            if rank0:
+                print("RESULT " + json.dumps(result), flush=True)
+    destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
