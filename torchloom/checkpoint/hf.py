@@ -37,7 +37,7 @@ from torchloom.models import (
     get_model_spec,
 )
 from torchloom.models.config import apply_component_choices
-from torchloom.models.hf_adapter import RowSlice
+from torchloom.models.hf_adapter import FusedExperts, RowSlice
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -100,12 +100,12 @@ class HFReader:
         self.folder: HFTensors = tensors if tensors is not None else SafetensorsFolder(hf_dir)
         available = set(self.folder.names())
         tied = config.tie_embeddings
-        self.sources: dict[str, str | list[str] | RowSlice] = {}
+        self.sources: dict[str, str | list[str] | RowSlice | FusedExperts] = {}
         for name in names:
             source = adapter.hf_names(name, config)
             if isinstance(source, str):
                 source = adapter.held_name(source, available)
-            elif isinstance(source, RowSlice):
+            elif isinstance(source, RowSlice | FusedExperts):
                 source = source._replace(name=adapter.held_name(source.name, available))
             else:
                 source = [adapter.held_name(part, available) for part in source]
@@ -161,7 +161,15 @@ class HFReader:
             return self.folder.shape(source)
         if isinstance(source, RowSlice):
             return [source.stop - source.start, *self.folder.shape(source.name)[1:]]
+        if isinstance(source, FusedExperts):
+            experts, first, second = self.folder.shape(source.name)
+            cols = first if self._stored_transposed(source) else second
+            return [experts, source.stop - source.start, cols]
         return [len(source), *self.folder.shape(source[0])]
+
+    def _stored_transposed(self, source: FusedExperts) -> bool:
+        """Whether a fused experts tensor is stored [experts, cols, rows] (FusedExperts)."""
+        return self.folder.shape(source.name)[1] != source.rows
 
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         source = self.sources[name]
@@ -170,13 +178,20 @@ class HFReader:
         if isinstance(source, RowSlice):
             rows = range(source.start, source.stop)[box[0] if box else slice(None)]
             return self.folder.read(source.name, (slice(rows.start, rows.stop), *(box or ())[1:]))
+        if isinstance(source, FusedExperts):
+            experts, rows_box, cols_box = box or (slice(None),) * 3
+            rows = range(source.start, source.stop)[rows_box]
+            rows_box = slice(rows.start, rows.stop)
+            if not self._stored_transposed(source):
+                return self.folder.read(source.name, (experts, rows_box, cols_box))
+            return self.folder.read(source.name, (experts, cols_box, rows_box)).transpose(1, 2)
         rows = range(len(source))[box[0]] if box else range(len(source))
         inner = box[1:] if box else None
         return torch.stack([self.folder.read(source[i], inner) for i in rows])
 
 
-def _as_list(source: str | list[str] | RowSlice) -> list[str]:
-    if isinstance(source, RowSlice):
+def _as_list(source: str | list[str] | RowSlice | FusedExperts) -> list[str]:
+    if isinstance(source, RowSlice | FusedExperts):
         return [source.name]
     return [source] if isinstance(source, str) else source
 

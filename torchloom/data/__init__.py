@@ -1,10 +1,12 @@
 """Data layer: sources -> tokenizer (and chat template) -> cached token arrays -> packed,
-resumable batches, for pre-training text and for SFT conversations."""
+resumable batches, for pre-training text, SFT conversations and multimodal (image) chats."""
 
 from torchloom.data.build import DataLoaders, build_dataloaders, build_tokenizer
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
 from torchloom.data.loader import RowSource, TrainLoader, ValLoader
+from torchloom.data.multimodal import PackedMultimodal
+from torchloom.data.multimodal_format import MediaTokens
 from torchloom.data.packing import IGNORE_INDEX, Batch, TokenWindows
 from torchloom.data.sft import ChatDataset, PackedConversations
 from torchloom.data.tokenizer import Tokenizer
@@ -15,7 +17,9 @@ __all__ = [
     "ChatDataset",
     "DataConfig",
     "DataLoaders",
+    "MediaTokens",
     "PackedConversations",
+    "PackedMultimodal",
     "RowSource",
     "TokenDataset",
     "TokenWindows",

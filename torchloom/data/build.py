@@ -10,6 +10,12 @@ from torchloom.data.cache import resolve_cache_dir
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
 from torchloom.data.loader import RowSource, TrainLoader, ValLoader
+from torchloom.data.multimodal import (
+    PackedMultimodal,
+    load_multimodal_splits,
+    resolve_image_processing,
+)
+from torchloom.data.multimodal_format import MediaTokens
 from torchloom.data.packing import TokenWindows
 from torchloom.data.sft import ChatDataset, PackedConversations
 from torchloom.data.sources import resolve_chat_sources, resolve_sources
@@ -60,6 +66,8 @@ def build_dataloaders(
     tokenizer = build_tokenizer(cfg)
     if cfg.format == "chat":
         train_rows, val_rows = _chat_rows(cfg, tokenizer, seq_len)
+    elif cfg.format == "multimodal":
+        train_rows, val_rows = _multimodal_rows(cfg, tokenizer, seq_len)
     else:
         train_rows, val_rows = _text_rows(cfg, tokenizer, seq_len)
     train = TrainLoader(
@@ -96,4 +104,21 @@ def _chat_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Row
     overlong = cfg.overlong_conversations
     train = PackedConversations(dataset.train, seq_len, pad_id, overlong, split="training")
     val = PackedConversations(dataset.val, seq_len, pad_id, overlong, split="validation")
+    return train, val
+
+
+def _multimodal_rows(
+    cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
+) -> tuple[RowSource, RowSource]:
+    """Multimodal SFT: the train and validation samples packed whole with their images."""
+    files = resolve_chat_sources(cfg.sources, resolve_cache_dir(cfg.cache_dir), multimodal=True)
+    media = MediaTokens.from_tokenizer(tokenizer)
+    processing = resolve_image_processing(cfg, tokenizer)
+    splits = load_multimodal_splits(files, tokenizer, media, processing, cfg.val_fraction)
+    pad_id = tokenizer.eos_id if tokenizer.pad_id is None else tokenizer.pad_id
+    train, val = (
+        PackedMultimodal(samples, seq_len, pad_id, media, processing, cfg.max_images_per_row,
+                         cfg.max_image_patches, split)
+        for samples, split in zip(splits, ("training", "validation"))
+    )  # fmt: skip
     return train, val

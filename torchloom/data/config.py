@@ -12,25 +12,34 @@ BUILTIN_CHAT = "builtin:chat_tasks"
 BUILTIN_WORD_PROBLEMS = "builtin:word_problems"
 BUILTIN_WORD_PROBLEMS_CHAT = "builtin:word_problems_chat"
 BUILTIN_WORD_PROBLEMS_CHAT_MIXED = "builtin:word_problems_chat_mixed"
+BUILTIN_SHAPES_CHAT = "builtin:shapes_chat"
+BUILTIN_SHAPES_CHAT_TEST = "builtin:shapes_chat_test"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
+BUILTIN_VL_TOKENIZER = "builtin:stdlib_bpe_vl"
+"""The builtin tokenizer plus vision (and reserved video/audio) tokens appended after its ids."""
+BUILTIN_TOKENIZERS = (BUILTIN_TOKENIZER, BUILTIN_VL_TOKENIZER)
 # 256 byte tokens + the four special tokens; anything smaller cannot encode arbitrary text.
 MIN_BUILTIN_VOCAB = 260
 # The default builtin data set of each format, and the format of every builtin data set.
-BUILTIN_SOURCES = {"text": BUILTIN_CORPUS, "chat": BUILTIN_CHAT}
+BUILTIN_SOURCES = {"text": BUILTIN_CORPUS, "chat": BUILTIN_CHAT, "multimodal": BUILTIN_SHAPES_CHAT}
 BUILTIN_FORMATS = {BUILTIN_CORPUS: "text", BUILTIN_WORD_PROBLEMS: "text",
                    BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat",
-                   BUILTIN_WORD_PROBLEMS_CHAT_MIXED: "chat"}  # fmt: skip
+                   BUILTIN_WORD_PROBLEMS_CHAT_MIXED: "chat",
+                   BUILTIN_SHAPES_CHAT: "multimodal",
+                   BUILTIN_SHAPES_CHAT_TEST: "multimodal"}  # fmt: skip
 
 
 @dataclass
 class DataConfig:
     """Training data: where it comes from, how it is tokenized, packed and split."""
 
-    format: Literal["text", "chat"] = "text"
+    format: Literal["text", "chat", "multimodal"] = "text"
     """text: documents for pre-training, loss on every token. chat: conversations for
     supervised fine-tuning (JSONL lines {"messages": [{"role", "content"}, ...]}) rendered by
     the tokenizer's chat template, loss only on assistant tokens, packed without splitting a
-    conversation."""
+    conversation. multimodal: chats whose content may be a list of parts, text and images
+    ({"type": "image", "path": "img/0.png"}, relative to the JSONL file), for vision-language
+    models (docs/data.md)."""
 
     sources: list[str] = field(default_factory=lambda: [BUILTIN_CORPUS])
     """Data to train on. Text: builtin:stdlib_docs (English docs shipped with Python), a .txt
@@ -39,7 +48,9 @@ class DataConfig:
     builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
     builtin:chat_tasks (small synthetic tasks), builtin:word_problems_chat (a question, then
     its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
-    giving only the answer), .jsonl files or directories of them."""
+    giving only the answer), .jsonl files or directories of them. Multimodal:
+    builtin:shapes_chat (questions about drawn shapes; builtin:shapes_chat_test is its
+    held-out split), multimodal chat .jsonl files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""
@@ -58,7 +69,26 @@ class DataConfig:
     truncated to its first seq_len + 1 tokens."""
 
     vocab_size: int = 4096
-    """Vocabulary size of the builtin tokenizer, special tokens included (ignored otherwise)."""
+    """Vocabulary size of the builtin tokenizer, special tokens included (ignored otherwise;
+    builtin:stdlib_bpe_vl appends its 7 media tokens above it)."""
+
+    max_images_per_row: int = 4
+    """Multimodal: image slots per packed row (N of media pixel_values [B, N, L, P]); a row
+    holds at most this many images, and a sample with more is refused."""
+
+    max_image_patches: int = 1024
+    """Multimodal: patch slots per image (L). Larger images are resized down to fit (their
+    max pixels become at most L x patch^2), as the processor's max_pixels would."""
+
+    image_min_pixels: int = 0
+    """Multimodal: smaller images are resized up to this many pixels (0: the processor's
+    own, from the tokenizer folder's preprocessor_config.json, else Qwen3-VL's 65536)."""
+
+    image_max_pixels: int = 0
+    """Multimodal: larger images are resized down to this many pixels (0: the processor's)."""
+
+    image_decode_limit: int = 100_000_000
+    """Multimodal: an image file of more pixels (width x height) is refused before decoding."""
 
     document_mask: bool = True
     """Packed sequences never attend across documents, and positions restart at each document.
@@ -97,23 +127,25 @@ class DataConfig:
                     f"'{source}' holds {other} data but --data.format is {self.format}: use "
                     f"--data.format {other}, or the {self.format} source '{builtin}'."
                 )
-        if self.format == "chat" and not self.document_mask:
+        if self.format != "text" and not self.document_mask:
             raise ConfigError(
-                "--data.document_mask false does not apply to --data.format chat: packed "
-                "conversations never attend to each other. Leave document_mask on."
+                f"--data.document_mask false does not apply to --data.format {self.format}: "
+                "packed conversations never attend to each other. Leave document_mask on."
             )
-        if self.tokenizer.startswith("builtin:") and self.tokenizer != BUILTIN_TOKENIZER:
+        if self.tokenizer.startswith("builtin:") and self.tokenizer not in BUILTIN_TOKENIZERS:
             raise ConfigError(
-                f"Unknown builtin tokenizer '{self.tokenizer}'; the builtin tokenizer is "
-                f"'{BUILTIN_TOKENIZER}'.{did_you_mean(self.tokenizer, [BUILTIN_TOKENIZER])}"
+                f"Unknown builtin tokenizer '{self.tokenizer}'; the builtin tokenizers are "
+                f"{', '.join(BUILTIN_TOKENIZERS)}.{did_you_mean(self.tokenizer, BUILTIN_TOKENIZERS)}"
             )
+        if self.format == "multimodal":
+            self._validate_multimodal()
         if not self.text_field:
             raise ConfigError("--data.text_field is empty: name the JSONL field holding the text.")
         if not self.tokenizer:
             raise ConfigError(
                 f"--data.tokenizer is empty: use '{BUILTIN_TOKENIZER}' or a tokenizer.json path."
             )
-        if self.tokenizer == BUILTIN_TOKENIZER and self.vocab_size <= MIN_BUILTIN_VOCAB:
+        if self.tokenizer in BUILTIN_TOKENIZERS and self.vocab_size <= MIN_BUILTIN_VOCAB:
             raise ConfigError(
                 f"--data.vocab_size={self.vocab_size} is too small: the builtin byte-level BPE "
                 f"needs more than {MIN_BUILTIN_VOCAB} (256 bytes + 4 special tokens); try 4096."
@@ -122,6 +154,28 @@ class DataConfig:
             raise ConfigError(
                 f"--data.val_fraction={self.val_fraction} must be in [0, 1): it is the fraction "
                 "of documents held out for validation, e.g. 0.02 (0 disables validation)."
+            )
+
+    def _validate_multimodal(self) -> None:
+        if self.tokenizer == BUILTIN_TOKENIZER:
+            raise ConfigError(
+                f"--data.tokenizer {BUILTIN_TOKENIZER} has no image tokens; multimodal data needs "
+                f"--data.tokenizer {BUILTIN_VL_TOKENIZER} (the same ids plus vision tokens) or a "
+                "vision-language model's tokenizer folder."
+            )
+        if self.overlong_conversations == "truncate":
+            raise ConfigError(
+                "--data.overlong_conversations truncate does not apply to --data.format "
+                "multimodal: a cut could split an image's tokens. Use drop, or raise seq_len."
+            )
+        for name in ("max_images_per_row", "max_image_patches", "image_decode_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--data.{name}={getattr(self, name)} must be at least 1.")
+        low, high = self.image_min_pixels, self.image_max_pixels
+        if low < 0 or high < 0 or (low and high and low > high):
+            raise ConfigError(
+                f"--data.image_min_pixels={low} and --data.image_max_pixels={high} must be >= 0 "
+                "(0: the processor's own) with min <= max."
             )
 
 

@@ -135,23 +135,33 @@ def _tokenize_to_cache(
     )
 
 
-def pack_best_fit(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+def pack_best_fit(
+    sizes: np.ndarray, capacity: int, counts: np.ndarray | None = None, max_count: int = 0
+) -> list[list[int]]:
     """Bins of item indices, each holding at most ``capacity``: best-fit decreasing.
 
     Items go largest first, each into the fullest bin it still fits, which wastes little space
-    and depends only on the sizes, so every run (and every rank) packs identically.
+    and depends only on the sizes, so every run (and every rank) packs identically. With
+    ``counts`` (say, images per item), a bin also holds at most ``max_count`` of them: an item
+    goes into the fullest bin with room for both.
     """
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (space left, bin index), sorted
+    held: list[int] = []  # counts per bin
     for item in np.argsort(-sizes, kind="stable").tolist():
         size = int(sizes[item])
+        count = 0 if counts is None else int(counts[item])
         at = bisect_left(free, (size, -1))
+        while count and at < len(free) and held[free[at][1]] + count > max_count:
+            at += 1
         if at == len(free):
             bins.append([item])
+            held.append(count)
             space, index = capacity - size, len(bins) - 1
         else:
             space, index = free.pop(at)
             bins[index].append(item)
+            held[index] += count
             space -= size
         if space > 0:
             insort(free, (space, index))
@@ -165,7 +175,8 @@ class PackedConversations:
     ``ids[1:]`` kept only where the label is an assistant token. No conversation is ever split
     across rows; doc ids count the conversations of a row (0, 1, ...) and positions restart at
     each, so packed conversations never see each other. The rest of a row is padding, with its
-    own doc id and ignored labels.
+    own doc id and ignored labels. With ``images`` (per conversation), a row holds at most
+    ``max_images_per_row`` of them.
     """
 
     def __init__(
@@ -175,6 +186,8 @@ class PackedConversations:
         pad_id: int,
         overlong: Literal["drop", "truncate"] = "drop",
         split: str = "training",
+        images: np.ndarray | None = None,
+        max_images_per_row: int = 0,
     ) -> None:
         self.conversations = conversations
         self.seq_len = seq_len
@@ -195,9 +208,10 @@ class PackedConversations:
         self.num_dropped = int((~usable_N).sum())
         """Conversations left out: too long (unless truncating) or without assistant tokens."""
         self.num_truncated = int((usable_N & is_long_N).sum())
-        self._report(lengths_N, is_long_N, usable_N, truncate, split)
+        self._report(lengths_N, is_long_N, usable_N, truncate, split, images is None)
         usable = np.flatnonzero(usable_N)
-        bins = pack_best_fit(self.kept_lengths[usable] - 1, seq_len)
+        counts = None if images is None else images[usable]
+        bins = pack_best_fit(self.kept_lengths[usable] - 1, seq_len, counts, max_images_per_row)
         self.row_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
         self.row_offsets[1:] = np.cumsum([len(b) for b in bins])
         self.row_conversations = np.array([usable[i] for b in bins for i in b], dtype=np.int64)
@@ -252,6 +266,7 @@ class PackedConversations:
         usable_N: np.ndarray,
         truncate: bool,
         split: str,
+        can_truncate: bool,
     ) -> None:
         """Say once, when packing, what was truncated or left out and how to avoid it."""
         num_long, total, limit = int(is_long_N.sum()), len(lengths_N), self.seq_len + 1
@@ -266,9 +281,10 @@ class PackedConversations:
             else:
                 log.warning(
                     "Dropped %d of %d %s conversations longer than seq_len + 1 = %d tokens "
-                    "(the longest has %d). Raise --training.seq_len, or keep their start with "
-                    "--data.overlong_conversations truncate.",
+                    "(the longest has %d). Raise --training.seq_len%s.",
                     num_long, total, split, limit, longest,
+                    ", or keep their start with --data.overlong_conversations truncate"
+                    if can_truncate else "",
                 )  # fmt: skip
         unlabelled = int((~usable_N & (truncate | ~is_long_N)).sum())
         if unlabelled:

@@ -12,11 +12,14 @@ from torchloom.data.chat_tasks import ensure_builtin_chat
 from torchloom.data.config import (
     BUILTIN_CHAT,
     BUILTIN_CORPUS,
+    BUILTIN_SHAPES_CHAT,
+    BUILTIN_SHAPES_CHAT_TEST,
     BUILTIN_WORD_PROBLEMS,
     BUILTIN_WORD_PROBLEMS_CHAT,
     BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
+from torchloom.data.shapes_chat import ensure_shapes_chat, ensure_shapes_chat_test
 from torchloom.data.word_problems import (
     ensure_word_problem_chat,
     ensure_word_problem_chat_mixed,
@@ -32,6 +35,8 @@ BUILTIN_TEXT = {BUILTIN_CORPUS: ensure_builtin_corpus,
 BUILTIN_CHATS = {BUILTIN_CHAT: ensure_builtin_chat,
                  BUILTIN_WORD_PROBLEMS_CHAT: ensure_word_problem_chat,
                  BUILTIN_WORD_PROBLEMS_CHAT_MIXED: ensure_word_problem_chat_mixed}  # fmt: skip
+BUILTIN_MULTIMODAL = {BUILTIN_SHAPES_CHAT: ensure_shapes_chat,
+                      BUILTIN_SHAPES_CHAT_TEST: ensure_shapes_chat_test}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,17 @@ def resolve_sources(sources: list[str], text_field: str, cache_dir: Path) -> lis
     return files
 
 
-def resolve_chat_sources(sources: list[str], cache_dir: Path) -> list[SourceFile]:
-    """The chat JSONL files behind ``sources``, in order; directories expand to their .jsonl."""
+def resolve_chat_sources(
+    sources: list[str], cache_dir: Path, multimodal: bool = False
+) -> list[SourceFile]:
+    """The chat JSONL files behind ``sources``, in order; directories expand to their .jsonl.
+    With ``multimodal``, the builtin sources are the multimodal ones."""
+    builtins = BUILTIN_MULTIMODAL if multimodal else BUILTIN_CHATS
     files: list[SourceFile] = []
     for source in sources:
         if source.startswith("builtin:"):
-            _check_builtin(source, BUILTIN_CHATS)
-            files.append(SourceFile(BUILTIN_CHATS[source](cache_dir), MESSAGES_FIELD))
+            _check_builtin(source, builtins)
+            files.append(SourceFile(builtins[source](cache_dir), MESSAGES_FIELD))
             continue
         for path in _expand(source, (".jsonl",)):
             if path.suffix != ".jsonl":

@@ -22,7 +22,7 @@ from torchloom.data.chat import (
     read_chat_templates,
     render_chat,
 )
-from torchloom.data.config import BUILTIN_TOKENIZER
+from torchloom.data.config import BUILTIN_TOKENIZER, BUILTIN_TOKENIZERS, BUILTIN_VL_TOKENIZER
 from torchloom.data.corpus import ensure_builtin_corpus, python_tag
 from torchloom.data.sources import SourceFile, iter_documents
 
@@ -36,6 +36,13 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 # Ids 0..3 of the builtin tokenizer, reserved from the start so a pre-trained model can later be
 # fine-tuned on chats without growing its vocabulary.
 BUILTIN_SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, *CHAT_TOKENS)
+# The builtin vision-language tokenizer (builtin:stdlib_bpe_vl) is the builtin one with these
+# appended after its last id, so every text id stays the same: Qwen-VL's vision markers, and the
+# video and audio ones reserved so adding those inputs later changes no id.
+VISION_START_TOKEN, VISION_END_TOKEN = "<|vision_start|>", "<|vision_end|>"
+IMAGE_TOKEN = "<|image_pad|>"
+MEDIA_SPECIAL_TOKENS = (VISION_START_TOKEN, VISION_END_TOKEN, IMAGE_TOKEN, "<|video_pad|>",
+                        "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")  # fmt: skip
 # The named special tokens transformers passes to chat templates (as ``bos_token``, ...).
 TEMPLATE_TOKEN_ROLES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # Used when no tokenizer_config.json names the special tokens: common spellings, best first.
@@ -290,9 +297,11 @@ class Tokenizer:
 
 def load_tokenizer(spec: str, cache_dir: Path, vocab_size: int) -> Tokenizer:
     """The tokenizer named by ``--data.tokenizer``; the builtin one is trained on first use."""
-    if spec == BUILTIN_TOKENIZER:
+    if spec in BUILTIN_TOKENIZERS:
         path = ensure_builtin_tokenizer(cache_dir, vocab_size)
         backend = tokenizers.Tokenizer.from_file(str(path))
+        if spec == BUILTIN_VL_TOKENIZER:
+            backend.add_special_tokens(list(MEDIA_SPECIAL_TOKENS))  # appended: ids >= vocab_size
         return Tokenizer(
             backend,
             EOS_TOKEN,
@@ -303,8 +312,8 @@ def load_tokenizer(spec: str, cache_dir: Path, vocab_size: int) -> Tokenizer:
         )
     if spec.startswith("builtin:"):
         raise ConfigError(
-            f"Unknown builtin tokenizer '{spec}'.{did_you_mean(spec, [BUILTIN_TOKENIZER])} "
-            f"The builtin tokenizer is '{BUILTIN_TOKENIZER}'."
+            f"Unknown builtin tokenizer '{spec}'.{did_you_mean(spec, BUILTIN_TOKENIZERS)} "
+            f"The builtin tokenizers are {', '.join(BUILTIN_TOKENIZERS)}."
         )
     return Tokenizer.from_file(spec)
 

@@ -11,6 +11,7 @@ from torchloom.models import (  # noqa: F401  (registers)
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    qwen3_vl,
 )
 from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
 from torchloom.models.components.decoder import Block, Decoder, DecoderConfig, LayerSpec

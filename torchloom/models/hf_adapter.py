@@ -84,6 +84,18 @@ class RowSlice(NamedTuple):
     stop: int
 
 
+class FusedExperts(NamedTuple):
+    """Rows [start, stop) of every expert's matrix in one ``[experts, rows, cols]`` Hugging
+    Face tensor holding all experts (transformers' fused ``gate_up_proj`` / ``down_proj``). A
+    checkpoint may store it transposed, ``[experts, cols, rows]`` (the released Qwen3-VL-MoE
+    files); the stored shape tells which (square: untransposed, as transformers reads it)."""
+
+    name: str
+    start: int
+    stop: int
+    rows: int
+
+
 class HFAdapter:
     """Config and tensor-name mapping between one family and its transformers class."""
 
@@ -231,7 +243,7 @@ class HFAdapter:
 
     # Tensor names. Ours mirror HF's minus the "model." prefix, with a few renamed modules, and
     # per-expert weights stacked into one parameter per projection.
-    def hf_names(self, name: str, config: Any) -> str | list[str] | RowSlice:
+    def hf_names(self, name: str, config: Any) -> str | list[str] | RowSlice | FusedExperts:
         """The Hugging Face tensor(s) torchloom's parameter ``name`` of a model of ``config`` is
         made of: one name, a list of tensors stacked along a new first dim (the experts), or
         some rows of one tensor (a part of a fused tensor)."""

@@ -160,13 +160,51 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_BTd, sin_BTd in fp32, each pair's angle repeated in both halves of head_dim."""
         inv_freq_F, scale = inverse_frequencies(self.cfg, self.head_dim, positions_BT.device)
-        angles_BTF = positions_BT[..., None].float() * inv_freq_F
+        return self.tables(positions_BT[..., None].float() * inv_freq_F, scale)
+
+    def tables(self, angles_BTF: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every pair's angle, repeated in both halves of head_dim, times scale."""
         angles_BTd = torch.cat((angles_BTF, angles_BTF), dim=-1)
         if self.batch_invariant:
             cos_BTd, sin_BTd = (pointwise(f, angles_BTd) for f in (torch.cos, torch.sin))
         else:
             cos_BTd, sin_BTd = angles_BTd.cos(), angles_BTd.sin()
         return cos_BTd * scale, sin_BTd * scale
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL's M-RoPE, in Qwen3-VL's interleaved layout): a token has a
+    (t, h, w) position, and each frequency pair turns by one of the three. Pair f follows h when
+    f % 3 == 1 and f < 3 * sections[1], w when f % 3 == 2 and f < 3 * sections[2], and t
+    otherwise, so every axis gets low and high frequencies. Text tokens hold the same position
+    on all three axes, which makes this plain RoPE; ``[B, T]`` positions are read that way."""
+
+    def __init__(
+        self,
+        cfg: RopeConfig,
+        head_dim: int,
+        sections: tuple[int, int, int],
+        batch_invariant: bool = False,
+    ) -> None:
+        """``sections``: frequency pairs per axis (t, h, w), summing to head_dim / 2."""
+        super().__init__(cfg, head_dim, batch_invariant)
+        self.sections = tuple(sections)
+
+    def axis_of_pairs(self, device: torch.device | None = None) -> torch.Tensor:
+        """The position axis (0 t, 1 h, 2 w) each frequency pair turns by, int64 [head_dim/2]."""
+        pair_F = torch.arange(self.head_dim // 2, device=device)
+        axis_F = torch.zeros_like(pair_F)
+        for axis in (1, 2):
+            axis_F[(pair_F % 3 == axis) & (pair_F < 3 * self.sections[axis])] = axis
+        return axis_F
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_BTd, sin_BTd of positions ``[B, T, 3]`` (t, h, w) or ``[B, T]`` (text)."""
+        if positions.dim() == 2:
+            return super().forward(positions)
+        inv_freq_F, scale = inverse_frequencies(self.cfg, self.head_dim, positions.device)
+        axis_BTF = self.axis_of_pairs(positions.device).expand(*positions.shape[:2], -1)
+        return self.tables(positions.gather(-1, axis_BTF).float() * inv_freq_F, scale)
 
 
 ROPE_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
