@@ -11,13 +11,13 @@ import transformers
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moonvit import MoonViT, MoonViTConfig
-from torchloom.models.components.moonvit_hf import (
+from torchloom.models.components.param_init import ParamInit
+from torchloom.models.kimi_k25.moonvit_hf import (
     config_from_hf,
     from_hf_name,
     hf_name,
     is_hf_moonvit_name,
 )
-from torchloom.models.components.param_init import ParamInit
 
 PATCH, CHANNELS, IMAGE_TOKEN = 4, 3, 200
 TEXT = dict(
@@ -86,7 +86,7 @@ def check_close(what: str, ours: torch.Tensor, reference: torch.Tensor) -> None:
 
 def valid_features(out: torch.Tensor, grid: torch.Tensor, model: MoonViT) -> torch.Tensor:
     """The valid merged features of every slot, in row-major slot order: [total, text_dim]."""
-    lengths = model.merged_lengths(grid).flatten().tolist()
+    lengths = model.merged_counts(grid).flatten().tolist()
     return torch.cat([slot[:n] for slot, n in zip(out.flatten(0, 1), lengths)])
 
 
@@ -96,7 +96,7 @@ def test_one_image_matches_transformers(models) -> None:
     grids = [(1, 8, 6)]
     images = random_images(grids)
     pixels, grid = padded(images, grids, [(0, 0)], rows=1, per_row=1, length=48)
-    out = ours(pixels, grid)
+    out, _ = ours(pixels, grid)
     assert out.shape == (1, 1, 12, TEXT["hidden_size"])
     expected = reference.get_image_features(torch.cat(images), torch.tensor(grids)).pooler_output
     check_close("one image 8x6", out[0, 0], expected[0])
@@ -110,7 +110,7 @@ def test_two_images_at_the_placeholders_as_transformers_scatters_them(models) ->
     grids = [(1, 4, 4), (1, 8, 4), (1, 2, 10)]
     images = random_images(grids, seed=1)
     pixels, grid = padded(images, grids, [(0, 0), (1, 0), (1, 1)], rows=2, per_row=2, length=40)
-    features = valid_features(ours(pixels, grid), grid, ours)
+    features = valid_features(ours(pixels, grid)[0], grid, ours)
 
     counts = [h * w // 4 for _, h, w in grids]  # 4, 8, 5 placeholder tokens
     rows = [
@@ -139,7 +139,7 @@ def test_video_chunk_matches_transformers(models) -> None:
     grids = [(3, 4, 6)]
     images = random_images(grids, seed=2)
     pixels, grid = padded(images, grids, [(0, 0)], rows=1, per_row=1, length=80)
-    out = ours(pixels, grid)
+    out, _ = ours(pixels, grid)
     expected = reference.get_video_features(torch.cat(images), torch.tensor(grids)).pooler_output
     check_close("video chunk 3x4x6", out[0, 0, :6], expected[0])
 
@@ -151,12 +151,12 @@ def test_padding_and_absent_slots_change_nothing(models) -> None:
     ours, _ = models
     grids = [(1, 4, 6), (1, 6, 2)]
     images = random_images(grids, seed=3)
-    tight = ours(*padded(images, grids, [(0, 0), (0, 1)], rows=1, per_row=2, length=24))
-    garbage = ours(*padded(images, grids, [(0, 0), (0, 1)], rows=1, per_row=2, length=24,
+    tight, _ = ours(*padded(images, grids, [(0, 0), (0, 1)], rows=1, per_row=2, length=24))
+    garbage, _ = ours(*padded(images, grids, [(0, 0), (0, 1)], rows=1, per_row=2, length=24,
                            fill=1e3))  # fmt: skip
     assert torch.equal(garbage, tight)
     pixels, grid = padded(images, grids, [(1, 2), (0, 1)], rows=2, per_row=3, length=40, fill=7.0)
-    loose = ours(pixels, grid)
+    loose, _ = ours(pixels, grid)
     assert not loose.isnan().any()
     check_close("image 0, padded", loose[1, 2, :6], tight[0, 0, :6])
     check_close("image 1, padded", loose[0, 1, :3], tight[0, 1, :3])
@@ -172,7 +172,7 @@ def test_backward_gives_finite_gradients_and_none_into_padding(models) -> None:
                           per_row=2, length=20, fill=3.0)  # fmt: skip
     pixels.requires_grad_(True)
     ours.zero_grad()
-    ours(pixels, grid).square().sum().backward()
+    ours(pixels, grid)[0].square().sum().backward()
     for name, param in ours.named_parameters():
         assert param.grad is not None and param.grad.isfinite().all(), name
         assert param.grad.abs().sum() > 0, f"{name} got no gradient"
@@ -208,8 +208,8 @@ def test_media_flops_against_a_hand_count() -> None:
 
     grids = torch.tensor([[[1, 8, 6], [0, 0, 0]], [[1, 4, 10], [3, 2, 2]]])
     expected = by_hand(1, 8, 6) + by_hand(1, 4, 10) + by_hand(3, 2, 2)
-    assert model.media_flops(grids) == expected
-    assert model.media_flops(grids[:1, :1]) == by_hand(1, 8, 6)
+    assert model.flops(grids) == expected
+    assert model.flops(grids[:1, :1]) == by_hand(1, 8, 6)
 
 
 def test_init_weights_fills_every_parameter_the_same_for_a_seed() -> None:

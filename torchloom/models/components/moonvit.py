@@ -48,6 +48,9 @@ class MoonViTConfig:
     """Hidden width of each block's GELU MLP."""
     pos_grid: int = 64
     """Side of the learned square position grid, resampled to every image's patch grid."""
+    max_frames: int = 4
+    """Frames of a video chunk transformers' temporal table holds (pos_emb_time); kept for
+    export: the sinusoid here is computed for any frame count."""
     merge: int = 2
     """Side of the square block of patches merged into one token for the text model."""
     rope_theta: float = 10000.0
@@ -316,8 +319,17 @@ class MoonViT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.projector = Projector(cfg)
 
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """[B, N, L, P] pixels and [B, N, 3] grids -> [B, N, L // merge**2, text_dim]."""
+    @property
+    def merge_size(self) -> int:
+        """Side of the square block of patches merged into one token."""
+        return self.config.merge
+
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """[B, N, L, P] pixels and [B, N, 3] grids -> ([B, N, L // merge**2, text_dim], []):
+        the merged tokens, and no DeepStack tokens (the MediaEncoder protocol of
+        models/components/multimodal.py)."""
         B, N, L, P = pixel_values.shape
         layout = PatchLayout(image_grid_thw.reshape(B * N, 3), L)
         x_SLD = self.patch_embed(pixel_values.reshape(B * N, L, P))
@@ -332,9 +344,9 @@ class MoonViT(nn.Module):
         blocks_SMKD = self.merge_patches(self.norm(x_SLD), layout)
         out_SMT = self.projector(blocks_SMKD)
         M = out_SMT.shape[1]
-        lengths_S1 = self.merged_lengths(image_grid_thw).reshape(B * N, 1)
-        valid_SM1 = (torch.arange(M, device=out_SMT.device) < lengths_S1)[..., None]
-        return torch.where(valid_SM1, out_SMT, 0.0).view(B, N, M, -1)
+        counts_S1 = self.merged_counts(image_grid_thw).reshape(B * N, 1)
+        valid_SM1 = (torch.arange(M, device=out_SMT.device) < counts_S1)[..., None]
+        return torch.where(valid_SM1, out_SMT, 0.0).view(B, N, M, -1), []
 
     def merge_patches(self, x_SLD: torch.Tensor, layout: PatchLayout) -> torch.Tensor:
         """[S, L // k**2, k**2, D] (k = merge): each merged token's k x k patches in raster
@@ -353,12 +365,12 @@ class MoonViT(nn.Module):
         )
         return pooled[:, :-1].view(S, M, k * k, D).to(x_SLD.dtype)
 
-    def merged_lengths(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    def merged_counts(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged tokens of each slot, h * w / merge**2 (0 for an absent slot), shaped like the
         grids without their last dim: how many image placeholder tokens each image takes."""
         return image_grid_thw[..., 1] * image_grid_thw[..., 2] // self.config.merge**2
 
-    def media_flops(self, image_grid_thw: torch.Tensor) -> int:
+    def flops(self, image_grid_thw: torch.Tensor) -> int:
         """Training FLOPs (forward + backward) of encoding the images of ``image_grid_thw``
         ([..., 3], zero rows for absent slots) and projecting their merged tokens: 6 per matmul
         weight per patch (patch embedding, each block's projections and MLP), attention over

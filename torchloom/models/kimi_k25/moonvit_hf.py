@@ -1,5 +1,6 @@
 """MoonViT <-> transformers' Kimi_K25ForConditionalGeneration: the vision tower's and the
-projector's tensor names, and the MoonViTConfig of a Kimi K2.5 config.json.
+projector's tensor names (MoonViT's own, relative to the module), and the MoonViTConfig of a
+Kimi K2.5 config.json and back.
 
 Names are transformers' (what its ``save_pretrained`` writes): ``model.vision_tower.*`` and
 ``model.mm_projector.*``. Every tensor keeps its shape, so loading is a rename. Moonshot's own
@@ -15,6 +16,7 @@ from typing import Any
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moonvit import MoonViTConfig
+from torchloom.models.hf_adapter import _METADATA_KEYS
 
 _TOWER, _PROJECTOR = "model.vision_tower.", "model.mm_projector."
 # Ours -> transformers', outside the blocks.
@@ -82,11 +84,28 @@ def from_hf_name(hf_name: str) -> str | None:
     )
 
 
+# Kimi_K25VisionConfig's keys (model_type checked below; architectures: null in a sub-config).
+_VISION_KEYS = frozenset({
+    "model_type", "architectures", "patch_size", "pos_emb_height", "pos_emb_width", "pos_emb_time",
+    "num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size", "hidden_act",
+    "merge_kernel_size", "rope_parameters",
+})  # fmt: skip
+
+
 def config_from_hf(hf: dict[str, Any]) -> MoonViTConfig:
     """The MoonViTConfig of a Kimi K2.5 config.json (its vision_config, the projector's keys and
-    the text model's width); ConfigError for what MoonViT does not compute."""
+    the text model's width); ConfigError for what MoonViT does not compute, and for a
+    vision_config key it does not know."""
     vision = hf.get("vision_config") or {}
     text = hf.get("text_config") or {}
+    for key, value in vision.items():
+        if key not in _VISION_KEYS | _METADATA_KEYS:
+            raise ConfigError(
+                f"unknown option {key}={value!r} in a kimi_k25 vision_config. torchloom does not "
+                "know what it changes in MoonViT, so it refuses rather than ignores it."
+            )
+    if vision.get("model_type", "kimi_k25_vision") != "kimi_k25_vision":
+        raise ConfigError(f"vision_config model_type {vision['model_type']!r} is not MoonViT's.")
 
     def get(key: str, default: Any) -> Any:
         value = vision.get(key)
@@ -98,6 +117,8 @@ def config_from_hf(hf: dict[str, Any]) -> MoonViTConfig:
     grid = (get("pos_emb_height", 64), get("pos_emb_width", 64))
     merge = tuple(get("merge_kernel_size", (2, 2)))
     rope = get("rope_parameters", {})
+    if set(rope) - {"rope_type", "rope_theta"}:
+        raise ConfigError(f"vision rope_parameters {rope} are not supported (axial only).")
     act, rope_type = get("hidden_act", "gelu_pytorch_tanh"), rope.get("rope_type", "axial")
     projected = hf.get("projection_hidden_size") or dim
     checks = (
@@ -124,6 +145,7 @@ def config_from_hf(hf: dict[str, Any]) -> MoonViTConfig:
         num_heads=get("num_attention_heads", defaults.num_heads),
         ffn_dim=get("intermediate_size", defaults.ffn_dim),
         pos_grid=grid[0],
+        max_frames=get("pos_emb_time", defaults.max_frames),
         merge=merge[0],
         rope_theta=float(rope.get("rope_theta", defaults.rope_theta)),
         projector_norm_eps=float(hf.get("projection_layer_norm_eps", 1e-5)),
@@ -131,3 +153,26 @@ def config_from_hf(hf: dict[str, Any]) -> MoonViTConfig:
     )
     cfg.validate()
     return cfg
+
+
+def config_to_hf(cfg: MoonViTConfig) -> dict[str, Any]:
+    """The vision_config and projector keys of a Kimi K2.5 config.json for ``cfg``; ConfigError
+    for what transformers' MoonViT does not compute (its LayerNorms' epsilon and the channels
+    are fixed there)."""
+    if cfg.num_channels != 3 or cfg.norm_eps != 1e-5:
+        raise ConfigError(
+            f"MoonViT with num_channels={cfg.num_channels}, norm_eps={cfg.norm_eps} cannot be "
+            "exported: transformers' Kimi K2.5 vision tower has 3 channels and LayerNorm "
+            "epsilon 1e-5."
+        )
+    vision = {
+        "model_type": "kimi_k25_vision", "patch_size": cfg.patch_size,
+        "pos_emb_height": cfg.pos_grid, "pos_emb_width": cfg.pos_grid,
+        "pos_emb_time": cfg.max_frames, "num_attention_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim, "hidden_act": "gelu_pytorch_tanh",
+        "merge_kernel_size": [cfg.merge, cfg.merge],
+        "rope_parameters": {"rope_type": "axial", "rope_theta": cfg.rope_theta},
+    }  # fmt: skip
+    return {"vision_config": vision, "projection_hidden_size": cfg.dim,
+            "projection_layer_norm_eps": cfg.projector_norm_eps}  # fmt: skip
