@@ -95,8 +95,9 @@ def stage_model(model: Decoder, layer_ids: list[int], first: bool, last: bool) -
         stage = type(model)(model.config)
     stage.rope = model.rope
     stage.embed_tokens = model.embed_tokens if first else None
-    if hasattr(model, "visual"):  # a multimodal decoder's encoder feeds the embedding
-        stage.visual = model.visual if first else None
+    encoder = getattr(model, "media_encoder_name", None)  # a media encoder feeds the embedding
+    if encoder is not None:
+        setattr(stage, encoder, getattr(model, encoder) if first else None)
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
     stage.norm = model.norm if last else None
     stage.output = model.output if last else None

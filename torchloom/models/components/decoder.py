@@ -382,22 +382,27 @@ class Decoder(nn.Module):
         positions_BT: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
         cache: ModelCache | None = None,
+        *,
+        embeds_BTD: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states h_BTD (after the final norm), before the output head.
 
         positions_BT defaults to 0..T-1 in every row; pass positions that restart at each
         document together with doc_ids_BT for packed rows. ``cache`` (generation) gives each
         block its layer's generation state; positions are then the tokens' places in their
-        sequence.
+        sequence. ``embeds_BTD``: the first block's input when the caller made it (a
+        multimodal model's embeddings with the image tokens at their placeholders).
         """
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
-        h_BTD = self.embed(tokens_BT) if self.embed_tokens is not None else tokens_BT
+        h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD
         h_BTD = self.run_blocks(h_BTD, inputs, cache)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 
     def embed(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        """The blocks' input for ``tokens_BT``: their embeddings (normed, if the config says)."""
-        assert self.embed_tokens is not None, "this pipeline stage has no embedding"
+        """The first block's input: the token embeddings (normed, if the config says), or the
+        hidden state itself on a pipeline stage without ``embed_tokens``."""
+        if self.embed_tokens is None:
+            return tokens_BT
         h_BTD = self.embed_tokens(tokens_BT)
         return h_BTD if self.embed_norm is None else self.embed_norm(h_BTD)
 
@@ -444,11 +449,15 @@ class Decoder(nn.Module):
         cache: ModelCache | None = None,
         objective: Objective | None = None,
         targets: dict[str, torch.Tensor] | None = None,
+        embeds_BTD: torch.Tensor | None = None,
     ) -> Any:
         """Logits [B, T, vocab] (the hidden state on a pipeline stage without the head). With
         ``objective``, what it computes from the final hidden states, this model and the
-        batch fields ``targets`` (a loss; train/loss.py). ``cache``: see forward_hidden."""
-        h_BTD = self.forward_hidden(tokens_BT, positions_BT, doc_ids_BT, cache)
+        batch fields ``targets`` (a loss; train/loss.py). ``cache``, ``embeds_BTD``: see
+        forward_hidden."""
+        h_BTD = self.forward_hidden(
+            tokens_BT, positions_BT, doc_ids_BT, cache, embeds_BTD=embeds_BTD
+        )
         if not self.has_head:
             return h_BTD
         if objective is not None:

@@ -1,5 +1,6 @@
-"""Media in the decoder: image tokens scattered into the text embedding at fixed shapes, and
-``MultimodalDecoder``, the generic decoder with a vision encoder in front of it.
+"""Media in the decoder: image tokens scattered into the text embedding at fixed shapes
+(``MediaEmbedding``, a mixin for any decoder model holding a ``MediaEncoder``), and
+``MultimodalDecoder``, the generic decoder with Qwen3-VL's vision encoder in front of it.
 
 A row's media are ``pixel_values [B, N, L, P]`` and ``image_grid_thw [B, N, 3]`` (see
 models/components/vision.py). The k-th placeholder token (``image_token_id``) of row b takes
@@ -10,7 +11,7 @@ depends on the data (torch.compile and CUDA graphs see one graph).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -24,11 +25,6 @@ from torchloom.models.components.vision import VisionEncoder
 
 MEDIA_KEYS = ("pixel_values", "image_grid_thw")
 """The keys of a multimodal batch's ``media`` dict."""
-
-
-def merged_counts(image_grid_thw_BN3: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
-    """Merged tokens of every image slot, [B, N] (0 for an absent slot)."""
-    return image_grid_thw_BN3.prod(-1) // spatial_merge_size**2
 
 
 def placeholder_sources(
@@ -57,13 +53,14 @@ def check_media(
     tokens_BT: torch.Tensor,
     media: dict[str, torch.Tensor],
     image_token_id: int,
-    spatial_merge_size: int,
+    encoder: MediaEncoder,
 ) -> None:
     """ConfigError (one line) unless every row's placeholder count equals its images' merged
-    token count and every image fits its slot as whole merge windows. Reads the tensors on the
-    host: call it where they are there (the data layer), not in a compiled step."""
+    token count (``encoder.merged_counts``) and every image fits its slot as whole merge
+    windows. Reads the tensors on the host: call it where they are there (the data layer), not
+    in a compiled step."""
     pixel_values, grid_BN3 = media["pixel_values"], media["image_grid_thw"].cpu()
-    L, m = pixel_values.shape[2], spatial_merge_size
+    L, m = pixel_values.shape[2], encoder.merge_size
     if L % (m * m):
         raise ConfigError(
             f"pixel_values has {L} patches per image slot, not a multiple of {m * m}."
@@ -76,7 +73,7 @@ def check_media(
                     f"as whole {m}x{m} merge windows."
                 )
     placeholders = (tokens_BT == image_token_id).sum(1).cpu().tolist()
-    features = merged_counts(grid_BN3, m).sum(1).tolist()
+    features = encoder.merged_counts(grid_BN3).sum(1).tolist()
     for row, (have, need) in enumerate(zip(placeholders, features, strict=True)):
         if have != need:
             raise ConfigError(
@@ -85,7 +82,80 @@ def check_media(
             )
 
 
-class MultimodalDecoder(Decoder):
+class MediaEncoder(Protocol):
+    """What ``MediaEmbedding`` needs of an encoder (VisionEncoder: Qwen3-VL's ViT; MoonViT)."""
+
+    merge_size: int
+    """Side of the square window of patches that becomes one merged token."""
+
+    def __call__(
+        self, pixel_values_BNLP: torch.Tensor, image_grid_thw_BN3: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Merged tokens [B, N, Q, D] of every slot (each slot's first merged_counts valid),
+        and the DeepStack tokens (one [B, N, Q, D] per layer; none for most encoders)."""
+        ...
+
+    def merged_counts(self, image_grid_thw_BN3: torch.Tensor) -> torch.Tensor:
+        """Valid merged tokens of every slot, [B, N]: the placeholders each image takes."""
+        ...
+
+    def flops(self, image_grid_thw: torch.Tensor) -> int:
+        """Training FLOPs of encoding these images."""
+        ...
+
+    def init_weights(self, init: ParamInit) -> None: ...
+
+
+class MediaEmbedding:
+    """Mixin for a decoder model (a ``Decoder`` subclass, listed after this class) that reads
+    images: the encoder is the module attribute named ``media_encoder_name`` (so checkpoints
+    keep the family's names: ``visual`` for Qwen3-VL, ``vision_tower`` for Kimi K2.5), the
+    config gives ``image_token_id``. A pipeline stage without ``embed_tokens`` sets the encoder
+    to None; how positions and DeepStack tokens are used is the model's own business."""
+
+    media_encoder_name: ClassVar[str] = "visual"
+    config: Any
+    embed_tokens: nn.Embedding | None
+
+    @property
+    def media_encoder(self) -> MediaEncoder | None:
+        return getattr(self, self.media_encoder_name, None)
+
+    def media_or_none(self, media: dict[str, torch.Tensor] | None) -> dict | None:
+        """``media`` when there are some and this model (stage) encodes them, else None."""
+        return media if media and self.media_encoder is not None else None
+
+    def embed_media(
+        self, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, media: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The embeddings with the image tokens at the placeholders, and the DeepStack
+        additions (zero away from the placeholders), one [B, T, D] per deepstack layer."""
+        encoder, image_token_id = self.media_encoder, self.config.image_token_id
+        grid_BN3 = media["image_grid_thw"]
+        if tokens_BT.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_media(tokens_BT, media, image_token_id, encoder)
+        merged_BNQD, deepstack_BNQD = encoder(media["pixel_values"], grid_BN3)
+        is_image_BT, source_BT = placeholder_sources(
+            tokens_BT, encoder.merged_counts(grid_BN3), merged_BNQD.shape[2], image_token_id
+        )
+        is_image_BT1 = is_image_BT[..., None]
+        images_BTD = gather_tokens(merged_BNQD, source_BT).to(h_BTD.dtype)
+        h_BTD = torch.where(is_image_BT1, images_BTD, h_BTD)
+        deepstack = [
+            torch.where(is_image_BT1, gather_tokens(d, source_BT).to(h_BTD.dtype), 0.0)
+            for d in deepstack_BNQD
+        ]
+        return h_BTD, deepstack
+
+    def media_flops(self, media: dict[str, torch.Tensor] | None) -> int:
+        """Training FLOPs of the encoder on this batch's images (its ``flops``);
+        flops_per_token stays the text model's."""
+        if self.media_or_none(media) is None:
+            return 0
+        return self.media_encoder.flops(media["image_grid_thw"])
+
+
+class MultimodalDecoder(MediaEmbedding, Decoder):
     """The generic decoder with a vision encoder (``visual``) in front: the placeholders'
     embeddings are replaced by the image tokens, and the encoder's DeepStack tokens are added
     to the hidden states at the placeholders after the first ``len(deepstack)`` layers.
@@ -115,42 +185,18 @@ class MultimodalDecoder(Decoder):
     ) -> torch.Tensor:
         """Final hidden states. positions: ``[B, T, 3]`` M-RoPE positions (data/mrope.py), or
         ``[B, T]`` for text; left out with media, they are computed here on the host."""
-        media = media if media and self.visual is not None else None
+        media = self.media_or_none(media)
         if media is not None and positions_BT is None:
             positions_BT = self.mrope_positions(tokens_BT, media["image_grid_thw"])
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
-        h_BTD, deepstack = tokens_BT, []  # a later pipeline stage: the hidden state
+        h_BTD, deepstack = self.embed(tokens_BT), []  # a later pipeline stage: the hidden state
         if self.embed_tokens is not None:
-            h_BTD = self.embed_tokens(tokens_BT)
             if media is not None:
                 h_BTD, deepstack = self.embed_media(tokens_BT, h_BTD, media)
             h_BTD = self.residual_entry(h_BTD)
             deepstack = [self.residual_entry(d_BTD) for d_BTD in deepstack]
         h_BTD = self.run_blocks(h_BTD, inputs, cache, deepstack)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
-
-    def embed_media(
-        self, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, media: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The embeddings with the image tokens at the placeholders, and the DeepStack
-        additions (zero away from the placeholders), one [B, T, D] per deepstack layer."""
-        cfg = self.config
-        grid_BN3 = media["image_grid_thw"]
-        if tokens_BT.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_media(tokens_BT, media, cfg.image_token_id, cfg.vision.spatial_merge_size)
-        merged_BNQD, deepstack_BNQD = self.visual(media["pixel_values"], grid_BN3)
-        counts_BN = merged_counts(grid_BN3, cfg.vision.spatial_merge_size)
-        is_image_BT, source_BT = placeholder_sources(
-            tokens_BT, counts_BN, merged_BNQD.shape[2], cfg.image_token_id
-        )
-        is_image_BT1 = is_image_BT[..., None]
-        images_BTD = gather_tokens(merged_BNQD, source_BT).to(h_BTD.dtype)
-        h_BTD = torch.where(is_image_BT1, images_BTD, h_BTD)
-        deepstack = [
-            torch.where(is_image_BT1, gather_tokens(d, source_BT).to(h_BTD.dtype), 0.0)
-            for d in deepstack_BNQD
-        ]
-        return h_BTD, deepstack
 
     def run_blocks(
         self,
@@ -197,18 +243,11 @@ class MultimodalDecoder(Decoder):
         ]  # fmt: skip
         return torch.stack(rows).to(tokens_BT.device)
 
-    def media_flops(self, media: dict[str, torch.Tensor] | None) -> int:
-        """Training FLOPs of the vision encoder on this batch's images (VisionEncoder.flops);
-        flops_per_token stays the text model's."""
-        if not media or self.visual is None:
-            return 0
-        return self.visual.flops(media["image_grid_thw"])
-
     @torch.no_grad()
     def init_weights(self, init: ParamInit | int = 0) -> None:
         """The encoder's weights (VisionEncoder.init_weights), then the decoder's."""
         if isinstance(init, int):
             init = ParamInit(self, init)
-        if self.visual is not None:
-            self.visual.init_weights(init)
+        if self.media_encoder is not None:
+            self.media_encoder.init_weights(init)
         super().init_weights(init)

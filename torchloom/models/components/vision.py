@@ -267,6 +267,15 @@ class VisionEncoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 
+    @property
+    def merge_size(self) -> int:
+        """Side of the window of patches the merger joins into one token."""
+        return self.cfg.spatial_merge_size
+
+    def merged_counts(self, image_grid_thw_BN3: torch.Tensor) -> torch.Tensor:
+        """Merged tokens of every image slot, [B, N]: t * h * w / m^2 (0 for an absent slot)."""
+        return image_grid_thw_BN3.prod(-1) // self.merge_size**2
+
     def flops(self, image_grid_thw: torch.Tensor) -> int:
         """Training FLOPs (forward + backward) of encoding the images of ``image_grid_thw``
         (``[..., 3]``, zero rows skipped): 6 per matmul weight per patch (patch embedding,

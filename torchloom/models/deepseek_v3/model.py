@@ -148,6 +148,7 @@ class DeepSeekV3(Decoder):
         cache: ModelCache | None = None,
         objective: Objective | None = None,
         targets: dict[str, torch.Tensor] | None = None,
+        embeds_BTD: torch.Tensor | None = None,
     ) -> Any:
         """As ``Decoder.forward``; a training forward with an objective and labels also
         computes the MTP loss, which the objective collects with the layers' other terms."""
@@ -156,10 +157,11 @@ class DeepSeekV3(Decoder):
                 or cache is not None or not self.has_head):  # fmt: skip
             return super().forward(
                 tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
-                targets=targets,
+                targets=targets, embeds_BTD=embeds_BTD,
             )  # fmt: skip
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT)
-        h_BTD = self.run_blocks(self.embed_tokens(tokens_BT), inputs)
+        h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD
+        h_BTD = self.run_blocks(h_BTD, inputs)
         self.mtp(self, h_BTD, tokens_BT, labels_BT, doc_ids_BT, inputs)
         return objective(self.norm(h_BTD), self, targets or {})
 
