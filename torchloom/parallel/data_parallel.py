@@ -84,9 +84,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again right at the start of backward.
             shard(block, mesh, default_reshard=i < len(blocks) - 1)
-        visual = getattr(model, "visual", None)
-        if visual is not None:  # a vision encoder: one unit, used once at the start
-            shard(visual, mesh, default_reshard=True, shard_placement_fn=_beside_strided)
+        encoder = getattr(model, "media_encoder", None)
+        if encoder is not None:  # a media encoder: one unit, used once at the start
+            shard(encoder, mesh, default_reshard=True, shard_placement_fn=_beside_strided)
         if model.output is not None:  # untied: the embedding is used only at the start
             if model.embed_tokens is not None:
                 shard(model.embed_tokens, mesh, default_reshard=True)

@@ -245,8 +245,10 @@ class Pipeline:
         embed = next((s.embed_tokens for s in self.stages if s.embed_tokens is not None), None)
         shell = stage_model(self.stages[0], [], first=False, last=False)
         shell.embed_tokens = embed
-        if hasattr(shell, "visual"):
-            shell.visual = next((s.visual for s in self.stages if s.visual is not None), None)
+        encoder = getattr(shell, "media_encoder_name", None)
+        if encoder is not None:  # the first stage's media encoder
+            held = (getattr(s, encoder) for s in self.stages if getattr(s, encoder) is not None)
+            setattr(shell, encoder, next(held, None))
         shell.layers = nn.ModuleDict({str(i): block for i, block in layers})
         has_head = [s for s in self.stages if s.output is not None]
         shell.norm = has_head[0].norm if has_head else None
@@ -401,8 +403,8 @@ def layers_per_stage(model_config: DecoderConfig, config: ParallelConfig) -> lis
 def check_deepstack_on_first_stage(model: Decoder, first_stage_layers: int) -> None:
     """The vision encoder sits on the first stage, and its DeepStack tokens are added after the
     first decoder layers: those layers must be there too (the tokens do not travel)."""
-    visual = getattr(model, "visual", None)
-    deepstack = 0 if visual is None else len(visual.cfg.deepstack_layers)
+    encoder = getattr(model, "media_encoder", None)
+    deepstack = len(getattr(getattr(encoder, "cfg", None), "deepstack_layers", ()))
     if deepstack > first_stage_layers:
         raise ConfigError(
             f"The first pipeline stage holds {first_stage_layers} layer(s) but the vision "

@@ -120,7 +120,7 @@ def check_layout(model: nn.Module, dims: ParallelDims) -> None:
             "supported yet; set --model.overrides '{\"mtp_layers\": 0}' or "
             f"--parallel.{axis} 1."
         )
-    if cp > 1 and getattr(model, "visual", None) is not None:
+    if cp > 1 and getattr(model, "media_encoder", None) is not None:
         raise ConfigError(
             f"--parallel.cp {cp} cannot split a model with a vision encoder yet: an image's "
             "tokens are scattered into the embedding across the whole sequence, which cp cuts "
