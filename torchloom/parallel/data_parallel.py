@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchloom.models.components.multimodal import media_encoder_names
 from torchloom.parallel.config import ParallelConfig
 from torchloom.parallel.expert_parallel import moe_layers
 from torchloom.parallel.mesh import MoEMeshes, ParallelDims
@@ -84,9 +85,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again right at the start of backward.
             shard(block, mesh, default_reshard=i < len(blocks) - 1)
-        encoder = getattr(model, "media_encoder", None)
-        if encoder is not None:  # a media encoder: one unit, used once at the start
-            shard(encoder, mesh, default_reshard=True, shard_placement_fn=_beside_strided)
+        for name in media_encoder_names(model):  # each media encoder: a unit, used once
+            encoder = getattr(model, name)
+            if encoder is not None:
+                shard(encoder, mesh, default_reshard=True, shard_placement_fn=_beside_strided)
         if model.output is not None:  # untied: the embedding is used only at the start
             if model.embed_tokens is not None:
                 shard(model.embed_tokens, mesh, default_reshard=True)

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import IGNORE_INDEX
 from torchloom.models.components.decoder import Decoder, DecoderConfig, Objective
+from torchloom.models.components.multimodal import media_encoder_names
 from torchloom.parallel.config import (
     SPLIT_BACKWARD,
     ParallelConfig,
@@ -95,8 +96,7 @@ def stage_model(model: Decoder, layer_ids: list[int], first: bool, last: bool) -
         stage = type(model)(model.config)
     stage.rope = model.rope
     stage.embed_tokens = model.embed_tokens if first else None
-    encoder = getattr(model, "media_encoder_name", None)  # a media encoder feeds the embedding
-    if encoder is not None:
+    for encoder in media_encoder_names(model):  # media encoders feed the embedding
         setattr(stage, encoder, getattr(model, encoder) if first else None)
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
     stage.norm = model.norm if last else None
@@ -245,8 +245,7 @@ class Pipeline:
         embed = next((s.embed_tokens for s in self.stages if s.embed_tokens is not None), None)
         shell = stage_model(self.stages[0], [], first=False, last=False)
         shell.embed_tokens = embed
-        encoder = getattr(shell, "media_encoder_name", None)
-        if encoder is not None:  # the first stage's media encoder
+        for encoder in media_encoder_names(shell):  # the first stage's media encoders
             held = (getattr(s, encoder) for s in self.stages if getattr(s, encoder) is not None)
             setattr(shell, encoder, next(held, None))
         shell.layers = nn.ModuleDict({str(i): block for i, block in layers})

@@ -4,6 +4,8 @@ patch, then RMSNorm) and runs depthwise causal-conv blocks; after the last stage
 the text width. At 24 kHz the default pyramid (16 * 6 * 5 * 4 = 1920 samples) gives one token
 per 80 ms.
 
+It is the ``AudioEncoder`` of models/components/multimodal.py.
+
 Fixed shapes: ``audio_values`` ``[B, A, S, 1]`` (A clip slots per row, S samples, a multiple of
 samples_per_token; mono as the feature extractor emits it) and ``audio_lengths`` ``[B, A]``
 (0 = absent). Samples past a clip's length are zeroed (the feature extractor's padding value),
@@ -164,7 +166,7 @@ class MuseAudioEncoder(nn.Module):
             elif isinstance(module, MuseRMSNorm) and module.weight is not None:
                 init.ones_(module.weight)
 
-    def media_flops(self, audio_lengths: torch.Tensor) -> int:
+    def flops(self, audio_lengths: torch.Tensor) -> int:
         """Training FLOPs (6 per weight each step uses, the depthwise taps included) of the valid
         clips in ``audio_lengths``: each stage counted on the steps a clip's samples reach."""
         cfg = self.config

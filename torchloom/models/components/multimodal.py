@@ -1,12 +1,15 @@
-"""Media in the decoder: image tokens scattered into the text embedding at fixed shapes
-(``MediaEmbedding``, a mixin for any decoder model holding a ``MediaEncoder``), and
-``MultimodalDecoder``, the generic decoder with Qwen3-VL's vision encoder in front of it.
+"""Media in the decoder: image (and audio) tokens scattered into the text embedding at fixed
+shapes (``MediaEmbedding``, a mixin for any decoder model holding a ``MediaEncoder`` and,
+optionally, an ``AudioEncoder``), and ``MultimodalDecoder``, the generic decoder with Qwen3-VL's
+vision encoder in front of it.
 
-A row's media are ``pixel_values [B, N, L, P]`` and ``image_grid_thw [B, N, 3]`` (see
-models/components/vision.py). The k-th placeholder token (``image_token_id``) of row b takes
-the k-th valid merged token of row b: images in slot order, an image's tokens in the
-processor's order. The gather index comes from cumulative sums and a sorted search, so no shape
-depends on the data (torch.compile and CUDA graphs see one graph).
+A row's images are ``pixel_values [B, N, L, P]`` and ``image_grid_thw [B, N, 3]`` (see
+models/components/vision.py); its audio clips ``audio_values [B, A, S, 1]`` and
+``audio_lengths [B, A]`` (see models/components/audio.py). The k-th placeholder token
+(``image_token_id``) of row b takes the k-th valid merged token of row b: images in slot order,
+an image's tokens in the processor's order; audio likewise (``audio_token_id``, clips in slot
+order). The gather index comes from cumulative sums and a sorted search, so no shape depends on
+the data (torch.compile and CUDA graphs see one graph).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.vision import VisionEncoder
 
 MEDIA_KEYS = ("pixel_values", "image_grid_thw")
-"""The keys of a multimodal batch's ``media`` dict."""
+"""The image keys of a multimodal batch's ``media`` dict."""
+AUDIO_KEYS = ("audio_values", "audio_lengths")
+"""The audio keys of a ``media`` dict (models with an audio encoder)."""
 
 
 def placeholder_sources(
@@ -54,11 +59,34 @@ def check_media(
     media: dict[str, torch.Tensor],
     image_token_id: int,
     encoder: MediaEncoder,
+    audio: tuple[int, AudioEncoder] | None = None,
 ) -> None:
     """ConfigError (one line) unless every row's placeholder count equals its images' merged
     token count (``encoder.merged_counts``) and every image fits its slot as whole merge
-    windows. Reads the tensors on the host: call it where they are there (the data layer), not
-    in a compiled step."""
+    windows; with ``audio`` (its placeholder id and encoder), the same for the audio
+    placeholders and the clips' tokens (``audio_output_lengths``). Reads the tensors on the
+    host: call it where they are there (the data layer), not in a compiled step."""
+    if "pixel_values" in media:
+        _check_images(media, encoder)
+        grid_BN3 = media["image_grid_thw"].cpu()
+        counts = encoder.merged_counts(grid_BN3)
+        _check_counts(tokens_BT, image_token_id, counts, "image", "images", "merged",
+                      "image_grid_thw", grid_BN3)  # fmt: skip
+    else:
+        _check_counts(tokens_BT, image_token_id, None, "image", "images", "merged")
+    if audio is None:
+        return
+    audio_token_id, audio_encoder = audio
+    if "audio_values" in media:
+        lengths_BA = media["audio_lengths"].cpu()
+        counts = audio_encoder.audio_output_lengths(lengths_BA)
+        _check_counts(tokens_BT, audio_token_id, counts, "audio", "clips", "audio",
+                      "audio_lengths", lengths_BA)  # fmt: skip
+    else:
+        _check_counts(tokens_BT, audio_token_id, None, "audio", "clips", "audio")
+
+
+def _check_images(media: dict[str, torch.Tensor], encoder: MediaEncoder) -> None:
     pixel_values, grid_BN3 = media["pixel_values"], media["image_grid_thw"].cpu()
     L, m = pixel_values.shape[2], encoder.merge_size
     if L % (m * m):
@@ -72,13 +100,29 @@ def check_media(
                     f"row {row} image slot {slot}: grid {t}x{h}x{w} does not fit {L} patches "
                     f"as whole {m}x{m} merge windows."
                 )
-    placeholders = (tokens_BT == image_token_id).sum(1).cpu().tolist()
-    features = encoder.merged_counts(grid_BN3).sum(1).tolist()
+
+
+def _check_counts(
+    tokens_BT: torch.Tensor,
+    token_id: int,
+    counts_BN: torch.Tensor | None,
+    kind: str,
+    items: str,
+    tokens: str,
+    key: str = "",
+    inputs: torch.Tensor | None = None,
+) -> None:
+    """ConfigError naming the first row whose ``kind`` placeholders differ in number from the
+    tokens its ``items`` give (``counts_BN``; None: the batch has none of them), with the row's
+    ``inputs`` (the media key ``key``) shown."""
+    placeholders = (tokens_BT == token_id).sum(1).cpu().tolist()
+    features = [0] * len(placeholders) if counts_BN is None else counts_BN.sum(1).tolist()
     for row, (have, need) in enumerate(zip(placeholders, features, strict=True)):
         if have != need:
+            shown = f" ({key} {inputs[row].tolist()})" if inputs is not None else ""
             raise ConfigError(
-                f"row {row} has {have} image placeholder tokens but its images give {need} "
-                f"merged tokens (image_grid_thw {grid_BN3[row].tolist()})."
+                f"row {row} has {have} {kind} placeholder tokens but its {items} give {need} "
+                f"{tokens} tokens{shown}."
             )
 
 
@@ -106,20 +150,54 @@ class MediaEncoder(Protocol):
     def init_weights(self, init: ParamInit) -> None: ...
 
 
+class AudioEncoder(Protocol):
+    """What ``MediaEmbedding`` needs of an audio encoder (MuseAudioEncoder)."""
+
+    def __call__(
+        self, audio_values_BAS1: torch.Tensor, audio_lengths_BA: torch.Tensor
+    ) -> torch.Tensor:
+        """Tokens [B, A, S', D] of every clip slot (each slot's first audio_output_lengths valid)."""
+        ...
+
+    def audio_output_lengths(self, audio_lengths_BA: torch.Tensor) -> torch.Tensor:
+        """Valid tokens of every clip slot, [B, A]: the placeholders each clip takes."""
+        ...
+
+    def flops(self, audio_lengths: torch.Tensor) -> int:
+        """Training FLOPs of encoding these clips."""
+        ...
+
+    def init_weights(self, init: ParamInit) -> None: ...
+
+
 class MediaEmbedding:
     """Mixin for a decoder model (a ``Decoder`` subclass, listed after this class) that reads
     images: the encoder is the module attribute named ``media_encoder_name`` (so checkpoints
     keep the family's names: ``visual`` for Qwen3-VL, ``vision_tower`` for Kimi K2.5), the
-    config gives ``image_token_id``. A pipeline stage without ``embed_tokens`` sets the encoder
-    to None; how positions and DeepStack tokens are used is the model's own business."""
+    config gives ``image_token_id``. A model that also hears audio names its ``AudioEncoder``
+    in ``audio_encoder_name``, and its config gives ``audio_token_id``. A pipeline stage without
+    ``embed_tokens`` sets the encoders to None; how positions and DeepStack tokens are used is
+    the model's own business."""
 
     media_encoder_name: ClassVar[str] = "visual"
+    audio_encoder_name: ClassVar[str | None] = None
     config: Any
     embed_tokens: nn.Embedding | None
+
+    @classmethod
+    def media_encoder_names(cls) -> tuple[str, ...]:
+        """The attributes holding this model's encoders (the image one first)."""
+        return (cls.media_encoder_name,) + (
+            (cls.audio_encoder_name,) if cls.audio_encoder_name else ()
+        )
 
     @property
     def media_encoder(self) -> MediaEncoder | None:
         return getattr(self, self.media_encoder_name, None)
+
+    @property
+    def audio_encoder(self) -> AudioEncoder | None:
+        return getattr(self, self.audio_encoder_name, None) if self.audio_encoder_name else None
 
     def media_or_none(self, media: dict[str, torch.Tensor] | None) -> dict | None:
         """``media`` when there are some and this model (stage) encodes them, else None."""
@@ -128,31 +206,55 @@ class MediaEmbedding:
     def embed_media(
         self, tokens_BT: torch.Tensor, h_BTD: torch.Tensor, media: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The embeddings with the image tokens at the placeholders, and the DeepStack
-        additions (zero away from the placeholders), one [B, T, D] per deepstack layer."""
+        """The embeddings with the image (and audio) tokens at their placeholders, and the
+        DeepStack additions (zero away from the placeholders), one [B, T, D] per deepstack
+        layer. The placeholders' own embeddings are replaced, whatever norm made them."""
         encoder, image_token_id = self.media_encoder, self.config.image_token_id
-        grid_BN3 = media["image_grid_thw"]
+        audio = self.audio_encoder
         if tokens_BT.device.type == "cpu" and not torch.compiler.is_compiling():
-            check_media(tokens_BT, media, image_token_id, encoder)
-        merged_BNQD, deepstack_BNQD = encoder(media["pixel_values"], grid_BN3)
-        is_image_BT, source_BT = placeholder_sources(
-            tokens_BT, encoder.merged_counts(grid_BN3), merged_BNQD.shape[2], image_token_id
-        )
-        is_image_BT1 = is_image_BT[..., None]
-        images_BTD = gather_tokens(merged_BNQD, source_BT).to(h_BTD.dtype)
-        h_BTD = torch.where(is_image_BT1, images_BTD, h_BTD)
-        deepstack = [
-            torch.where(is_image_BT1, gather_tokens(d, source_BT).to(h_BTD.dtype), 0.0)
-            for d in deepstack_BNQD
-        ]
+            heard = None if audio is None else (self.config.audio_token_id, audio)
+            check_media(tokens_BT, media, image_token_id, encoder, heard)
+        deepstack: list[torch.Tensor] = []
+        if "pixel_values" in media:
+            grid_BN3 = media["image_grid_thw"]
+            merged_BNQD, deepstack_BNQD = encoder(media["pixel_values"], grid_BN3)
+            is_image_BT, source_BT = placeholder_sources(
+                tokens_BT, encoder.merged_counts(grid_BN3), merged_BNQD.shape[2], image_token_id
+            )
+            is_image_BT1 = is_image_BT[..., None]
+            images_BTD = gather_tokens(merged_BNQD, source_BT).to(h_BTD.dtype)
+            h_BTD = torch.where(is_image_BT1, images_BTD, h_BTD)
+            deepstack = [
+                torch.where(is_image_BT1, gather_tokens(d, source_BT).to(h_BTD.dtype), 0.0)
+                for d in deepstack_BNQD
+            ]
+        if audio is not None and "audio_values" in media:
+            lengths_BA = media["audio_lengths"]
+            clips_BASD = audio(media["audio_values"], lengths_BA)
+            is_audio_BT, source_BT = placeholder_sources(
+                tokens_BT, audio.audio_output_lengths(lengths_BA), clips_BASD.shape[2],
+                self.config.audio_token_id,
+            )  # fmt: skip
+            sounds_BTD = gather_tokens(clips_BASD, source_BT).to(h_BTD.dtype)
+            h_BTD = torch.where(is_audio_BT[..., None], sounds_BTD, h_BTD)
         return h_BTD, deepstack
 
     def media_flops(self, media: dict[str, torch.Tensor] | None) -> int:
-        """Training FLOPs of the encoder on this batch's images (its ``flops``);
+        """Training FLOPs of the encoders on this batch's images and clips (their ``flops``);
         flops_per_token stays the text model's."""
         if self.media_or_none(media) is None:
             return 0
-        return self.media_encoder.flops(media["image_grid_thw"])
+        total = 0
+        if "image_grid_thw" in media:
+            total += self.media_encoder.flops(media["image_grid_thw"])
+        if self.audio_encoder is not None and "audio_lengths" in media:
+            total += self.audio_encoder.flops(media["audio_lengths"])
+        return total
+
+
+def media_encoder_names(model: nn.Module) -> tuple[str, ...]:
+    """The attributes holding a model's media encoders (a MediaEmbedding's); none for text."""
+    return model.media_encoder_names() if isinstance(model, MediaEmbedding) else ()
 
 
 class MultimodalDecoder(MediaEmbedding, Decoder):

@@ -8,7 +8,8 @@ patches fill the first t*h*w slots in the image processor's raster order (frame,
 The encoder runs on ``[B*N, L, P]`` with attention masks built from the grid, so the shapes never
 depend on the images, padding never changes a valid output and an absent slot gives zeros.
 Merged tokens come out in the processor's placeholder order: image k's first
-``image_output_lengths`` slots are the features of its <|patch|> tokens. Shape letters: I = B*N
+``merged_counts`` slots are the features of its <|patch|> tokens. The encoder follows the
+``MediaEncoder`` protocol (models/components/multimodal.py; no DeepStack tokens). Shape letters: I = B*N
 image slots, L patch slots, M = L / merge_size^2 merged tokens, d a head's width.
 """
 
@@ -151,7 +152,8 @@ class VisionAdapter(nn.Module):
 
 
 class MuseVisionEncoder(nn.Module):
-    """pixel_values [B, N, L, P] + image_grid_thw [B, N, 3] -> features [B, N, L / m^2, text_dim]."""
+    """pixel_values [B, N, L, P] + image_grid_thw [B, N, 3] -> (features [B, N, L / m^2,
+    text_dim], no DeepStack tokens): a ``MediaEncoder``."""
 
     def __init__(self, cfg: MuseVisionConfig) -> None:
         super().__init__()
@@ -163,7 +165,13 @@ class MuseVisionEncoder(nn.Module):
         self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.adapter = VisionAdapter(cfg)
 
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    @property
+    def merge_size(self) -> int:
+        return self.config.merge_size
+
+    def forward(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         cfg = self.config
         B, N, L, P = pixel_values.shape
         if cfg.patch_dim != P or L % cfg.merge_size**2:
@@ -184,11 +192,11 @@ class MuseVisionEncoder(nn.Module):
         merged_IMK = _pixel_shuffle(self.norm_post(x_ILD), grid_I3, cfg.merge_size)
         out_IMD = self.adapter(merged_IMK)
         slot_M = torch.arange(out_IMD.shape[1], device=out_IMD.device)
-        valid_IM = slot_M < self.image_output_lengths(grid_I3)[:, None]
+        valid_IM = slot_M < self.merged_counts(grid_I3)[:, None]
         out_IMD = torch.where(valid_IM[..., None], out_IMD, 0.0)
-        return out_IMD.view(B, N, -1, out_IMD.shape[-1])
+        return out_IMD.view(B, N, -1, out_IMD.shape[-1]), []
 
-    def image_output_lengths(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    def merged_counts(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Tokens each image gives the text (t*h*w / merge_size^2; 0 for an absent slot)."""
         return image_grid_thw.prod(-1) // self.config.merge_size**2
 
@@ -229,7 +237,7 @@ class MuseVisionEncoder(nn.Module):
                 init.ones_(module.weight)
                 init.zeros_(module.bias)
 
-    def media_flops(self, image_grid_thw: torch.Tensor) -> int:
+    def flops(self, image_grid_thw: torch.Tensor) -> int:
         """Training FLOPs (6 per weight a patch or merged token uses; attention 12 * dim per
         query-key pair) of the valid images in ``image_grid_thw`` [..., 3]; padding not counted."""
         cfg = self.config
