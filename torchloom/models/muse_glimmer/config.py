@@ -1,4 +1,7 @@
-"""The text decoder of Muse Glimmer (``MuseGlimmerConfig``), which Muse Spark's extends.
+"""Muse Glimmer's architecture (``MuseGlimmerConfig``): its text decoder, which Muse Spark's
+extends, and its vision encoder (``vision``, models/components/muse_vision.py), whose image
+tokens replace the ``image_token_id`` placeholders (<|patch|>, t*h*w/4 per image, between
+<|image_start|> and <|image_end|>). The model is models/muse_glimmer/model.py.
 
 Every layer is 'muse_attention' (registered here): grouped-query attention whose queries and
 keys pass one weightless RMSNorm, the queries then scaled by ``qk_scale`` (on top of
@@ -12,7 +15,7 @@ weight w; the logits are soft-capped: cap * tanh(logits * logit_scale / cap).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from torch import nn
@@ -25,10 +28,16 @@ from torchloom.models.components.decoder import (
     LayerSpec,
     _residual_std,
 )
+from torchloom.models.components.muse_vision import MuseVisionConfig
 from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm, ZeroCenteredRMSNorm
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+DEBUG_VISION = MuseVisionConfig(
+    patch_size=4, dim=32, num_layers=2, num_heads=2, ffn_dim=64, pos_grid=4, adapter_dim=64,
+    text_dim=64,
+)  # fmt: skip
+"""The debug flavors' ViT (and the default): 2 layers, 4 x 4-patch windows, text width 64."""
 
 
 def default_layer_types(layers: int) -> tuple[str, ...]:
@@ -70,6 +79,18 @@ class MuseGlimmerConfig(DecoderConfig):
     """The logits are multiplied by this before the soft-cap (output_multiplier)."""
     logit_cap: float = 20.0
     """Soft-cap of the logits: cap * tanh(logits * logit_scale / cap)."""
+    vision: MuseVisionConfig = field(default_factory=lambda: DEBUG_VISION)
+    """The vision encoder and its adapter (override fields as 'vision.num_layers', ...); its
+    ``text_dim`` and ``text_norm_eps`` are the decoder's ``dim`` and ``norm_eps``."""
+    image_token_id: int = 4093
+    """The placeholder an image's merged tokens replace (<|patch|>)."""
+    video_token_id: int = 4094
+    """The video placeholder (videos are not read yet; kept for export)."""
+
+    def build(self):  # -> MuseGlimmer (a lazy import: the model module imports this one)
+        from torchloom.models.muse_glimmer.model import MuseGlimmer
+
+        return MuseGlimmer(self)
 
     @property
     def attention_out_norm(self) -> bool:
@@ -140,6 +161,19 @@ class MuseGlimmerConfig(DecoderConfig):
             )
         super().validate()
         self.rope.validate()
+        self.vision.validate()
+        if (self.vision.text_dim, self.vision.text_norm_eps) != (self.dim, self.norm_eps):
+            raise ConfigError(
+                f"model vision.text_dim {self.vision.text_dim} and vision.text_norm_eps "
+                f"{self.vision.text_norm_eps} must equal dim {self.dim} and norm_eps "
+                f"{self.norm_eps}: the adapter writes the decoder's normed embeddings."
+            )
+        for name in ("image_token_id", "video_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ConfigError(
+                    f"model {name} {getattr(self, name)} is not a token id "
+                    f"(vocab_size {self.vocab_size})."
+                )
 
 
 def _muse_attention(cfg: Any, layer: int) -> nn.Module:
@@ -159,16 +193,27 @@ MIXERS["muse_attention"] = _muse_attention
 
 # -- flavors --------------------------------------------------------------------------------
 
+
+def with_text_width(cfg: MuseGlimmerConfig) -> MuseGlimmerConfig:
+    """``cfg`` with its encoders writing its text width and embedding-norm epsilon."""
+    audio = getattr(cfg, "audio", None)
+    kw = {"text_dim": cfg.dim, "text_norm_eps": cfg.norm_eps}
+    more = {} if audio is None else {"audio": replace(audio, **kw)}
+    return replace(cfg, vision=replace(cfg.vision, **kw), **more)
+
+
 MUSE_GLIMMER_FLAVORS: dict[str, MuseGlimmerConfig] = {
-    # 4 layers: sliding (window 16), sliding, sliding, full without RoPE.
+    # 4 layers: sliding (window 16), sliding, sliding, full without RoPE; a 2-layer ViT over
+    # 4-pixel patches (4 x 4-patch windows).
     "debug": MuseGlimmerConfig(
         vocab_size=4096, dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
         ffn_dim=128, sliding_window=16, max_seq_len=512,
     ),
-    # meta-models/Muse-Glimmer-30B: transformers' MuseGlimmerTextConfig defaults (its RoPE
-    # theta there is the library default, 10000).
-    "30B": MuseGlimmerConfig(
+    # meta-models/Muse-Glimmer-30B: transformers' MuseGlimmer(Text/Vision)Config defaults (its
+    # RoPE theta there is the library default, 10000).
+    "30B": with_text_width(MuseGlimmerConfig(
         vocab_size=202048, dim=6656, num_layers=52, num_heads=32, num_kv_heads=2, head_dim=128,
-        ffn_dim=19968, max_seq_len=131072,
-    ),
+        ffn_dim=19968, max_seq_len=131072, vision=MuseVisionConfig(), image_token_id=200092,
+        video_token_id=200091,
+    )),
 }  # fmt: skip

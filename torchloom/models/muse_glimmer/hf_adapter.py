@@ -1,19 +1,15 @@
 """Muse Glimmer <-> transformers' MuseGlimmerForConditionalGeneration (model_type
-"muse_glimmer"), text decoder only; Muse Spark's adapter (models/muse_spark/) extends it.
+"muse_glimmer"); Muse Spark's adapter (models/muse_spark/) extends it.
 
-The checkpoints are multimodal: the language model is ``text_config`` and
-``model.language_model.*`` (+ ``lm_head``). Text only, for now: the vision (and, for Spark,
-audio) parts, ``vision_config`` / ``audio_config``, the projector's keys and the tensors under
-``model.vision_tower``, ``model.vision_adapter``, ``model.vision_projection`` and
-``model.audio_tower``, are skipped on import. The next step, the multimodal families on the
-MultimodalDecoder core, loads them with the encoders of models/components/muse_vision.py and
-audio.py. Export writes the language model with a config.json without vision_config (so
-transformers would build its default vision tower, freshly initialized).
-
-Every other text_config key is mapped, checked against the one value we support, or refused by
-name. Tensor names are transformers' under torchloom's block slots: input_layernorm ->
-attention_norm, post_attention_layernorm -> attention_post_norm, pre_feedforward_layernorm ->
-mlp_norm, post_feedforward_layernorm -> mlp_post_norm, self_attn -> attention.
+The language model is ``text_config`` and ``model.language_model.*`` (+ ``lm_head``); the
+vision encoder is ``vision_config`` with the projector's top-level keys and the placeholder ids
+(models/muse_glimmer/encoders_hf.py), its tensors ``model.vision_tower.*``,
+``model.vision_adapter.*`` and ``model.vision_projection.*``, our ``vision_tower.*``
+(muse_vision_hf_name). Every key is mapped, checked against the one value we support, or
+refused by name. Text tensor names are transformers' under torchloom's block slots:
+input_layernorm -> attention_norm, post_attention_layernorm -> attention_post_norm,
+pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm -> mlp_post_norm,
+self_attn -> attention.
 """
 
 from __future__ import annotations
@@ -21,17 +17,18 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torchloom.config.errors import ConfigError
+from torchloom.models.components.muse_vision import muse_vision_hf_name
 from torchloom.models.hf_adapter import _METADATA_KEYS, HFAdapter, RowSlice, rope_from_hf
 from torchloom.models.muse_glimmer.config import MuseGlimmerConfig, default_layer_types
+from torchloom.models.muse_glimmer.encoders_hf import (
+    PROJECTOR_KEYS,
+    vision_config_from_hf,
+    vision_config_to_hf,
+)
 
 _LM = "model.language_model."
-_SKIPPED_TENSORS = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.",
-                    "model.audio_tower.")  # fmt: skip
-# Top-level keys of the multimodal config.json that only its encoders read (module docstring).
-_ENCODER_KEYS = frozenset({
-    "vision_config", "audio_config", "image_token_id", "video_token_id", "audio_token_id",
-    "out_hidden_size", "projector_hidden_size", "projector_hidden_act",
-})  # fmt: skip
+_VISION = "vision_tower."
+_HF_VISION = ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")
 # text_config key -> our field, for the sizes and plain numbers.
 _TEXT_FIELDS = {
     "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "num_layers",
@@ -71,6 +68,11 @@ class MuseGlimmerHFAdapter(HFAdapter):
     }  # fmt: skip
     """text_config options and the values we support (the first is written on export)."""
     block_to_hf: ClassVar[dict[str, str]] = _BLOCK_TO_HF
+    hf_encoder_prefixes: ClassVar[tuple[str, ...]] = _HF_VISION
+    token_ids: ClassVar[dict[str, int]] = {"image_token_id": 200092, "video_token_id": 200091}
+    """The placeholder ids (top-level keys, our fields' names) and transformers' defaults."""
+    encoder_keys: ClassVar[frozenset[str]] = frozenset({"vision_config", *PROJECTOR_KEYS})
+    """Top-level keys the encoders read (besides token_ids)."""
 
     # -- config ---------------------------------------------------------------------------
 
@@ -104,6 +106,7 @@ class MuseGlimmerHFAdapter(HFAdapter):
                 )
             rope_layers = tuple(bool(t) for t in thetas)
         default_rope = tuple(t == "sliding_attention" for t in layer_types)
+        text_width = {"hidden_size": fields["dim"], "rms_norm_eps": fields["norm_eps"]}
         cfg = self.config_cls(
             **fields,
             rope=rope,
@@ -111,6 +114,8 @@ class MuseGlimmerHFAdapter(HFAdapter):
             rope_layers=() if rope_layers == default_rope else rope_layers,
             tie_embeddings=bool(get("tie_word_embeddings")),
             **self._family_fields(get),
+            **self._encoder_fields(hf, text_width),
+            **{key: hf.get(key, default) for key, default in self.token_ids.items()},
         )
         cfg.validate()
         return cfg
@@ -118,6 +123,13 @@ class MuseGlimmerHFAdapter(HFAdapter):
     def _family_fields(self, get: Any) -> dict[str, Any]:
         """Fields a subclass reads from text_config besides Glimmer's."""
         return {}
+
+    def _encoder_fields(self, hf: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+        """The encoders' configs (``text``: the language model's hidden_size, rms_norm_eps)."""
+        return {"vision": vision_config_from_hf(hf, self.model_type + "_vision", text)}
+
+    def _encoders_to_hf(self, cfg: Any) -> dict[str, Any]:
+        return vision_config_to_hf(cfg.vision, self.model_type + "_vision")
 
     def _check_top(self, hf: dict[str, Any]) -> None:
         if hf.get("model_type") != self.model_type:
@@ -131,8 +143,9 @@ class MuseGlimmerHFAdapter(HFAdapter):
         if not isinstance(hf.get("text_config"), dict):
             raise ConfigError(f"a {self.model_type!r} config.json needs a text_config.")
         for key in hf:
-            if key not in _ENCODER_KEYS | _METADATA_KEYS | {"model_type", "architectures",
-                                                             "text_config", "tie_word_embeddings"}:  # fmt: skip
+            known = self.encoder_keys | set(self.token_ids) | _METADATA_KEYS
+            if key not in known | {"model_type", "architectures", "text_config",
+                                   "tie_word_embeddings"}:  # fmt: skip
                 raise ConfigError(
                     f"unknown option {key}={hf[key]!r}. torchloom does not know what it changes "
                     f"in a {self.model_type} model, so it refuses rather than ignores it."
@@ -171,8 +184,8 @@ class MuseGlimmerHFAdapter(HFAdapter):
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
     ) -> dict[str, Any]:
-        """A multimodal config.json holding ``cfg`` as text_config (no vision_config: module
-        docstring)."""
+        """A multimodal config.json: ``cfg``'s text_config, its encoders' configs and the
+        placeholder ids."""
         if not isinstance(cfg, self.config_cls):
             raise ConfigError(f"a {type(cfg).__name__} cannot be exported as {self.model_type}.")
         text = {ours_key: getattr(cfg, ours) for ours_key, ours in _TEXT_FIELDS.items()}
@@ -195,6 +208,8 @@ class MuseGlimmerHFAdapter(HFAdapter):
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "text_config": text,
+            **self._encoders_to_hf(cfg),
+            **{key: getattr(cfg, key) for key in self.token_ids},
         }
         if dtype is not None:
             hf["dtype"] = dtype
@@ -209,6 +224,8 @@ class MuseGlimmerHFAdapter(HFAdapter):
         return self.to_hf_name(name)
 
     def to_hf_name(self, name: str) -> str:
+        if name.startswith(_VISION):
+            return muse_vision_hf_name(name.removeprefix(_VISION))
         if name.startswith("output."):
             return "lm_head." + name.removeprefix("output.")
         parts = name.split(".")
@@ -222,8 +239,10 @@ class MuseGlimmerHFAdapter(HFAdapter):
         return name
 
     def from_hf_name(self, hf_name: str) -> str | None:
-        if hf_name.startswith(_SKIPPED_TENSORS) or hf_name.endswith("rotary_emb.inv_freq"):
-            return None  # the encoders: not read yet (module docstring)
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        if hf_name.startswith(self.hf_encoder_prefixes):
+            return hf_name  # an encoder tensor our names did not claim: a model mismatch
         if hf_name.startswith("lm_head."):
             return "output." + hf_name.removeprefix("lm_head.")
         if not hf_name.startswith(_LM):

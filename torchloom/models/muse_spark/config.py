@@ -10,7 +10,10 @@ with
   ``latent_dim`` channels: a (1 + w) RMSNorm after the down-projection, each expert's output
   scaled then normed, no shared experts; sigmoid routing in fp32 on the logits times
   ``logit_scale``, the correction bias for the choice only, the top-k weights renormalized;
-- layers that ``mlp_layer_types`` names 'dense' keep a SwiGLU of ffn_dim.
+- layers that ``mlp_layer_types`` names 'dense' keep a SwiGLU of ffn_dim;
+- Glimmer's vision encoder, and an audio encoder (``audio``, models/components/audio.py) whose
+  tokens replace the ``audio_token_id`` placeholders (<|audio|>, ceil(samples / 1920) per clip,
+  between <|soft_audio_start|> and <|soft_audio_end|>).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from typing import Any, Literal
 from torch import nn
 
 from torchloom.config.errors import ConfigError
+from torchloom.models.components.audio import MuseAudioConfig
 from torchloom.models.components.decoder import FFNS, LayerSpec, _residual_std
 from torchloom.models.components.latent_moe import LatentMoE
 from torchloom.models.components.moe import MoEConfig
+from torchloom.models.components.muse_vision import MuseVisionConfig
 from torchloom.models.components.norms import (
     ScaleThenNormRMSNorm,
     WeightlessRMSNorm,
@@ -31,10 +36,16 @@ from torchloom.models.components.norms import (
 )
 from torchloom.models.components.residual_gate import ResidualGate
 from torchloom.models.components.rope import RopeConfig
-from torchloom.models.muse_glimmer.config import MuseGlimmerConfig
+from torchloom.models.muse_glimmer.config import MuseGlimmerConfig, with_text_width
 
 MLP_LAYER_TYPES = {"sparse": "latent_moe", "dense": "swiglu"}
 """Hugging Face's mlp_layer_types -> torchloom's feed-forward kinds."""
+
+
+DEBUG_AUDIO = MuseAudioConfig(
+    patch_sizes=(4, 4), hidden_sizes=(16, 32), depths=(1, 1), text_dim=64
+)  # fmt: skip
+"""The debug flavor's audio encoder (and the default): 2 stages, 16 samples per token."""
 
 
 def _spark_moe() -> MoEConfig:
@@ -62,6 +73,16 @@ class MuseSparkConfig(MuseGlimmerConfig):
     """Routing and experts of the MoE layers (sigmoid scores, choice bias, renormalized)."""
     mlp_layer_types: tuple[str, ...] = ()
     """Each layer's 'sparse' (MoE) or 'dense' (SwiGLU) feed-forward (empty: all sparse)."""
+    audio: MuseAudioConfig = field(default_factory=lambda: DEBUG_AUDIO)
+    """The audio encoder (override fields as 'audio.depths', ...); its ``text_dim`` and
+    ``text_norm_eps`` are the decoder's ``dim`` and ``norm_eps``."""
+    audio_token_id: int = 4095
+    """The placeholder a clip's tokens replace (<|audio|>)."""
+
+    def build(self):  # -> MuseSpark (a lazy import: the model module imports this one)
+        from torchloom.models.muse_glimmer.model import MuseSpark
+
+        return MuseSpark(self)
 
     @property
     def attention_out_norm(self) -> bool:
@@ -106,6 +127,18 @@ class MuseSparkConfig(MuseGlimmerConfig):
             )
         super().validate()
         moe.validate()
+        self.audio.validate()
+        if (self.audio.text_dim, self.audio.text_norm_eps) != (self.dim, self.norm_eps):
+            raise ConfigError(
+                f"model audio.text_dim {self.audio.text_dim} and audio.text_norm_eps "
+                f"{self.audio.text_norm_eps} must equal dim {self.dim} and norm_eps "
+                f"{self.norm_eps}: the audio encoder writes the decoder's normed embeddings."
+            )
+        if not 0 <= self.audio_token_id < self.vocab_size:
+            raise ConfigError(
+                f"model audio_token_id {self.audio_token_id} is not a token id "
+                f"(vocab_size {self.vocab_size})."
+            )
 
 
 def _latent_moe(cfg: Any, layer: int) -> nn.Module:
@@ -131,13 +164,16 @@ MUSE_SPARK_FLAVORS: dict[str, MuseSparkConfig] = {
         ffn_dim=128, sliding_window=16, max_seq_len=512, latent_dim=48,
         mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
     ),
-    # meta-models/Muse-Spark-Open-816B-A42B: transformers' MuseSparkTextConfig defaults.
-    "816B-A42B": MuseSparkConfig(
+    # meta-models/Muse-Spark-Open-816B-A42B: transformers' MuseSpark(Text/Vision/Audio)Config
+    # defaults.
+    "816B-A42B": with_text_width(MuseSparkConfig(
         vocab_size=202048, dim=8192, num_layers=62, num_heads=128, num_kv_heads=16,
         head_dim=64, ffn_dim=16384, max_seq_len=1048576, latent_dim=4096,
         moe=MoEConfig(
             num_experts=256, top_k=8, expert_dim=4096, score_func="sigmoid",
             normalize_top_k=True, expert_bias=True,
         ),
-    ),
+        vision=MuseVisionConfig(), audio=MuseAudioConfig(), image_token_id=200092,
+        video_token_id=200091, audio_token_id=200038,
+    )),
 }  # fmt: skip

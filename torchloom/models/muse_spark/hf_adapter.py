@@ -1,6 +1,7 @@
-"""Muse Spark <-> transformers' MuseSparkForConditionalGeneration (model_type "muse_spark"),
-text decoder only: Muse Glimmer's adapter (see its docstring for what is skipped and why) with
-the residual gates, the MoE layers and their keys.
+"""Muse Spark <-> transformers' MuseSparkForConditionalGeneration (model_type "muse_spark"):
+Muse Glimmer's adapter with the residual gates, the MoE layers and their keys, and the audio
+encoder: ``audio_config`` and ``audio_token_id``, its tensors ``model.audio_tower.*`` our
+``audio_tower.*`` (muse_audio_hf_name).
 
 Inside an MoE layer transformers names the router ``gate`` (its correction bias
 ``e_score_correction_bias``), the projections ``pre_expert_proj`` / ``post_expert_proj``, the
@@ -18,9 +19,15 @@ from typing import Any
 import torch
 
 from torchloom.config.errors import ConfigError
+from torchloom.models.components.audio import muse_audio_hf_name
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.hf_adapter import RowSlice
-from torchloom.models.muse_glimmer.hf_adapter import _BLOCK_TO_HF, MuseGlimmerHFAdapter
+from torchloom.models.muse_glimmer.encoders_hf import audio_config_from_hf, audio_config_to_hf
+from torchloom.models.muse_glimmer.hf_adapter import (
+    _BLOCK_TO_HF,
+    _HF_VISION,
+    MuseGlimmerHFAdapter,
+)
 from torchloom.models.muse_spark.config import MLP_LAYER_TYPES, MuseSparkConfig
 
 _IN_MOE = {
@@ -34,6 +41,7 @@ _IN_MOE = {
 _IN_MOE_FROM_HF = {hf: ours for ours, hf in _IN_MOE.items()}
 _LAYER_PATH = re.compile(r"(layers\.\d+\.)(.+)")
 _GATE_UP = re.compile(r"(layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj)")
+_AUDIO = "audio_tower."
 
 
 class MuseSparkHFAdapter(MuseGlimmerHFAdapter):
@@ -61,6 +69,9 @@ class MuseSparkHFAdapter(MuseGlimmerHFAdapter):
         "routed_scaling_factor", "moe_hidden_size", "mlp_layer_types",
         "residual_gate_temperature",
     })  # fmt: skip
+    token_ids = MuseGlimmerHFAdapter.token_ids | {"audio_token_id": 200038}
+    encoder_keys = MuseGlimmerHFAdapter.encoder_keys | {"audio_config"}
+    hf_encoder_prefixes = (*_HF_VISION, "model.audio_tower.")
     block_to_hf = _BLOCK_TO_HF | {
         "attention_residual": "post_attention_residual_gate",
         "mlp_residual": "post_feedforward_residual_gate",
@@ -93,13 +104,11 @@ class MuseSparkHFAdapter(MuseGlimmerHFAdapter):
             "residual_gate_temperature": float(get("residual_gate_temperature")),
         }
 
-    def config_to_hf(self, cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Glimmer's, plus the one audio_config key transformers checks against the text model
-        (the audio encoder's output width is the text width); the rest of the audio encoder
-        stays transformers' default, as the vision encoder does (no weights are exported)."""
-        return super().config_to_hf(cfg, *args, **kwargs) | {
-            "audio_config": {"out_hidden_size": cfg.dim}
-        }
+    def _encoder_fields(self, hf: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+        return super()._encoder_fields(hf, text) | {"audio": audio_config_from_hf(hf, text)}
+
+    def _encoders_to_hf(self, cfg: Any) -> dict[str, Any]:
+        return super()._encoders_to_hf(cfg) | {"audio_config": audio_config_to_hf(cfg.audio)}
 
     def _family_to_hf(self, cfg: Any) -> dict[str, Any]:
         moe = cfg.moe
@@ -142,6 +151,11 @@ class MuseSparkHFAdapter(MuseGlimmerHFAdapter):
                 del parts[hf_name]
         if parts:
             raise ValueError(f"{sorted(parts)} lack their gate or up projections")
+
+    def to_hf_name(self, name: str) -> str:
+        if name.startswith(_AUDIO):
+            return muse_audio_hf_name(name.removeprefix(_AUDIO))
+        return super().to_hf_name(name)
 
     def _in_layer_to_hf(self, name: str) -> str:
         if _GATE_UP.fullmatch(name):
