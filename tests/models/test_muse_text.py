@@ -30,10 +30,12 @@ SPARK_TEXT = TEXT | dict(
     mlp_layer_types=["sparse", "dense", "sparse", "sparse"], routed_scaling_factor=1.5,
 )  # fmt: skip
 VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+IDS = dict(image_token_id=250, video_token_id=251)  # within the vocabulary, not in TOKENS
 HF = {
     "muse_glimmer": lambda: transformers.MuseGlimmerForConditionalGeneration(
         transformers.MuseGlimmerConfig(
-            text_config=TEXT, vision_config=VISION, out_hidden_size=128, projector_hidden_size=32
+            text_config=TEXT, vision_config=VISION, out_hidden_size=128, projector_hidden_size=32,
+            **IDS,
         )
     ),
     "muse_spark": lambda: transformers.MuseSparkForConditionalGeneration(
@@ -41,6 +43,7 @@ HF = {
             text_config=SPARK_TEXT, vision_config=VISION, out_hidden_size=128,
             projector_hidden_size=32,
             audio_config=dict(hidden_sizes=(8, 8, 8, 8), depths=(1, 1, 1, 1), out_hidden_size=64),
+            audio_token_id=252, **IDS,
         )
     ),
 }  # fmt: skip
@@ -79,7 +82,7 @@ def load_ours(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-TOKENS = torch.randint(0, 256, (2, 3 * WINDOW + 3), generator=torch.Generator().manual_seed(1))
+TOKENS = torch.randint(0, 250, (2, 3 * WINDOW + 3), generator=torch.Generator().manual_seed(1))
 
 
 def test_logits_match_transformers(checkpoint) -> None:
@@ -139,22 +142,27 @@ def test_unknown_text_options_are_refused_by_name(checkpoint) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "flavor", "hf_config"),
+    ("family", "flavor", "hf_class", "hf_config"),
     [
-        ("muse_glimmer", "30B", transformers.MuseGlimmerTextConfig),
-        ("muse_spark", "816B-A42B", transformers.MuseSparkTextConfig),
+        ("muse_glimmer", "30B", "MuseGlimmerForConditionalGeneration", "MuseGlimmerConfig"),
+        ("muse_spark", "816B-A42B", "MuseSparkForConditionalGeneration", "MuseSparkConfig"),
     ],
 )
-def test_published_shapes_count_transformers_parameters(family, flavor, hf_config) -> None:
-    """The flavors are transformers' config defaults; counted on the meta device."""
+def test_published_shapes_count_transformers_parameters(family, flavor, hf_class, hf_config):
+    """The flavors are transformers' config defaults, encoders included; counted on the meta
+    device."""
+    cfg = get_model_spec(family).flavors[flavor]
     with torch.device("meta"):
-        text = transformers.AutoModel.from_config(hf_config())
-    expected = (
-        sum(p.numel() for p in text.parameters()) + text.config.vocab_size * text.config.hidden_size
-    )
-    ours = get_model_spec(family).flavors[flavor].num_params()
+        hf_cfg = getattr(transformers, hf_config)(
+            **({"audio_config": {"out_hidden_size": cfg.dim}} if family == "muse_spark" else {})
+        )
+        model = getattr(transformers, hf_class)(hf_cfg)
+    expected = sum(p.numel() for p in model.parameters())
+    ours = cfg.num_params()
     print(f"{family} {flavor}: {ours:,} parameters")
     assert ours == expected
+    adapter = get_model_spec(family).hf_adapter
+    assert adapter.config_from_hf(hf_cfg.to_dict()) == cfg  # the published config reads as it
 
 
 @pytest.mark.parametrize("family", FAMILIES)
