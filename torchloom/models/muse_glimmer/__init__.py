@@ -1,6 +1,6 @@
 """Muse Glimmer family (registered as 'muse_glimmer'): the dense text decoder of Muse Glimmer
-(sliding-window + NoPE full gated attention, sandwich norms, soft-capped logits); the vision
-encoder (models/components/muse_vision.py) joins it with the multimodal core."""
+(sliding-window + NoPE full gated attention, sandwich norms, soft-capped logits) reading images
+through the Muse vision encoder (models/components/muse_vision.py; model.py)."""
 
 from typing import Any
 
@@ -32,8 +32,8 @@ register_model(
         flavors=MUSE_GLIMMER_FLAVORS,
         hf_adapter=MuseGlimmerHFAdapter(),
         tp_plan=muse_tp_plan,
-        description="Muse Glimmer text decoder (sliding-window and NoPE gated attention, "
-        "sandwich norms, soft-capped logits)",
+        description="Muse Glimmer (sliding-window and NoPE gated attention, sandwich norms, "
+        "soft-capped logits) reading images",
     )
 )
 

@@ -1,6 +1,6 @@
 """Muse Spark family (registered as 'muse_spark'): Muse Glimmer's text decoder with per-head
-output norms, learned residual gates and latent-width mixtures of experts; the audio and vision
-encoders (models/components/audio.py, muse_vision.py) join it with the multimodal core."""
+output norms, learned residual gates and latent-width mixtures of experts, reading images and
+audio (models/components/muse_vision.py, audio.py; models/muse_glimmer/model.py)."""
 
 from torchloom.models.muse_glimmer import muse_tp_plan
 from torchloom.models.muse_spark.config import MUSE_SPARK_FLAVORS, MuseSparkConfig
@@ -14,7 +14,8 @@ register_model(
         flavors=MUSE_SPARK_FLAVORS,
         hf_adapter=MuseSparkHFAdapter(),
         tp_plan=muse_tp_plan,
-        description="Muse Spark text decoder (Glimmer's with residual gates and latent-width MoE)",
+        description="Muse Spark (Glimmer's with residual gates and latent-width MoE) reading "
+        "images and audio",
     )
 )
 
