@@ -138,12 +138,12 @@ BAD_CASES = {
     "truncated": ([sample(["cut.png"])], "cannot be decoded"),
     "too large": ([sample(["img/4.png"])], "above the limit of 10000"),
     "audio": ([{"messages": [{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]},
-                             {"role": "assistant", "content": "hi"}]}], "audio parts are reserved"),
+                             {"role": "assistant", "content": "hi"}]}], "has no audio encoder"),
     "no path": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]},
                                {"role": "assistant", "content": "hi"}]}], "needs a 'path'"),
     "bad type": ([{"messages": [{"role": "user", "content": [{"type": "imag", "path": "x"}]},
                                 {"role": "assistant", "content": "hi"}]}], "Did you mean 'image'"),
-    "forged token": ([sample([], question="look <|image_pad|>")], "only an image part"),
+    "forged token": ([sample([], question="look <|image_pad|>")], "only a media part"),
     "assistant image": ([{"messages": [{"role": "user", "content": "hi"},
                                        {"role": "assistant",
                                         "content": [{"type": "image", "path": "img/0.png"}]}]}],
@@ -225,7 +225,7 @@ def test_packing_keeps_images_with_their_text(vl_tokenizer: Tokenizer, image_fol
             first, last = samples.image_offsets[s : s + 2]
             alone = mrope_positions(batch.tokens[r, column : column + length],
                                   torch.from_numpy(samples.image_grids[first:last]),
-                                  media.image_token_id, media.vision_start_token_id, MERGE)  # fmt: skip
+                                  media.image_token_id, media.image_start_token_id, MERGE)  # fmt: skip
             assert torch.equal(batch.positions[r, column : column + length], alone)
             column += length
     assert packed == 24 and rows.text.num_dropped == 0

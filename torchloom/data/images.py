@@ -37,8 +37,6 @@ class ImageProcessing:
     """How images become patches. The defaults are Qwen3-VL's (its preprocessor_config.json);
     ``ImageProcessing.of(processor)`` gives each processor's."""
 
-    processor: Literal["qwen2vl", "kimi", "muse"] = "qwen2vl"
-    """Whose resize rule, normalization and patch order (MediaLayout.image_processor)."""
     patch_size: int = 16
     """Side of a square patch, in pixels."""
     temporal_patch_size: int = 2
@@ -60,6 +58,8 @@ class ImageProcessing:
     """kimi: at most this many patches along a side (its size.max_height)."""
     max_image_tokens: int = 4096
     """muse: at most this many merged tokens (merge^2 patches each) per image."""
+    processor: Literal["qwen2vl", "kimi", "muse"] = "qwen2vl"
+    """Whose resize rule, normalization and patch order (MediaLayout.image_processor)."""
 
     @classmethod
     def of(cls, processor: str, **overrides: int) -> ImageProcessing:
