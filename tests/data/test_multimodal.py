@@ -16,7 +16,6 @@ import torch
 from PIL import Image, ImageDraw
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.chat import CHATML_TEMPLATE, DEFAULT_TEMPLATE_NAME
 from torchloom.data.config import DataConfig
 from torchloom.data.images import ImageProcessing, image_patches
 from torchloom.data.loader import TrainLoader
@@ -31,29 +30,15 @@ from torchloom.data.packing import IGNORE_INDEX
 from torchloom.data.shapes_chat import generate_shapes_chat
 from torchloom.data.sources import SourceFile
 from torchloom.data.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
     MEDIA_SPECIAL_TOKENS,
     Tokenizer,
     builtin_tokenizer_path,
     load_tokenizer,
-    train_byte_level_bpe,
 )
-
-from .conftest import TINY_TEXTS
 
 # Qwen3-VL's patches (16 px, 2 frames, 2x2 merge, mean/std 0.5) with small pixel bounds.
 PROCESSING = ImageProcessing(min_pixels=32 * 32, max_pixels=32 * 32 * 16)
 MERGE = PROCESSING.merge_size
-
-
-@pytest.fixture(scope="module")
-def vl_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The tiny BPE with the media tokens appended, and ChatML."""
-    backend = train_byte_level_bpe(TINY_TEXTS, vocab_size=300)
-    backend.add_special_tokens(list(MEDIA_SPECIAL_TOKENS))
-    return Tokenizer(backend, EOS_TOKEN, BOS_TOKEN, pad_token=EOS_TOKEN,
-                     chat_templates={DEFAULT_TEMPLATE_NAME: CHATML_TEMPLATE})  # fmt: skip
 
 
 def drawn(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

@@ -56,6 +56,9 @@ class ImageProcessing:
     """kimi: at most this many patches; larger images are scaled down (never up)."""
     max_patches_per_side: int = 512
     """kimi: at most this many patches along a side (its size.max_height)."""
+    max_padded_patches: int = 0
+    """kimi: when set, an image whose grid, once padded, exceeds this many patches shrinks
+    further until it fits (Hugging Face's processor lets the padding exceed max_patches)."""
     max_image_tokens: int = 4096
     """muse: at most this many merged tokens (merge^2 patches each) per image."""
     processor: Literal["qwen2vl", "kimi", "muse"] = "qwen2vl"
@@ -227,9 +230,8 @@ def kimi_resize(
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((h, w) resized, (h, w) padded)`` under Kimi K2.5's rule: scale down (never up) to at
     most ``max_patches`` patches and ``max_patches_per_side`` per side, truncating, then pad the
-    bottom and right to multiples of patch x merge. Where the padding would take the grid over
-    ``max_patches`` (Hugging Face allows that), the image shrinks a little more, so it fits its
-    patch slots."""
+    bottom and right to multiples of patch x merge. With ``max_padded_patches``, the budget
+    shrinks one patch at a time until the padded grid fits that many patch slots."""
     p, factor = processing.patch_size, processing.factor
     side = processing.max_patches_per_side * p
     budget = processing.max_patches
@@ -239,7 +241,8 @@ def kimi_resize(
         new_h = min(max(1, int(height * scale)), side)
         new_w = min(max(1, int(width * scale)), side)
         pad_h, pad_w = -(-new_h // factor) * factor, -(-new_w // factor) * factor
-        if pad_h * pad_w <= processing.max_patches * p * p or budget <= 1:
+        limit = processing.max_padded_patches
+        if not limit or pad_h * pad_w <= limit * p * p or budget <= 1:
             return (new_h, new_w), (pad_h, pad_w)
         budget -= 1
 

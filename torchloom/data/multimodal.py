@@ -106,7 +106,8 @@ def _raster_processing(cfg: DataConfig, kind: str) -> ImageProcessing:
             f"{base.merge_size} merge window; raise it to at least {window}."
         )
     if kind == "kimi":
-        return replace(base, max_patches=min(base.max_patches, cfg.max_image_patches))
+        patches = min(base.max_patches, cfg.max_image_patches)
+        return replace(base, max_patches=patches, max_padded_patches=cfg.max_image_patches)
     tokens = min(base.max_image_tokens, cfg.max_image_patches // window)
     return replace(base, max_image_tokens=tokens)
 

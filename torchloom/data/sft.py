@@ -151,8 +151,9 @@ def pack_best_fit(
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (space left, bin index), sorted
     held: list[list[int]] = []  # counts per bin
-    no_counts = np.zeros((len(sizes), 0), np.int64)
-    counts_NK = (no_counts if counts is None else counts.reshape(len(sizes), -1)).tolist()
+    if counts is None:
+        counts = np.zeros((len(sizes), 0), np.int64)
+    counts_NK = (counts if counts.ndim == 2 else counts[:, None]).tolist()
     for item in np.argsort(-sizes, kind="stable").tolist():
         size, count = int(sizes[item]), counts_NK[item]
         at = bisect_left(free, (size, -1))
