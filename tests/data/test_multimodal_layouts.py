@@ -21,7 +21,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.data.audio import AudioProcessing, audio_features, load_wav, write_wav
 from torchloom.data.config import DataConfig
 from torchloom.data.images import ImageProcessing, image_patches, kimi_resize
-from torchloom.data.media_layout import MEDIA_LAYOUTS, media_layout
+from torchloom.data.media_layout import MEDIA_LAYOUTS, builtin_media_ids, media_layout
 from torchloom.data.multimodal import PackedMultimodal, load_multimodal_splits
 from torchloom.data.multimodal_format import MediaTokens, iter_samples
 from torchloom.data.sources import SourceFile
@@ -303,6 +303,9 @@ def test_every_layout_builds_loaders_on_builtin_ids(
     [batch] = train.next_step()
     media = MediaTokens.from_tokenizer(tokenizer, media_layout(layout).with_builtin_tokens())
     assert media.image_token_id == tokenizer.backend.token_to_id("<|image_pad|>") >= 4096
+    ids = builtin_media_ids(media_layout(layout), 4096)  # what a debug recipe gives its model
+    assert ids == {role: getattr(media, role) for role in ids}
+    assert len(ids) == (6 if audio else 3)
     assert batch.media["pixel_values"].shape == (2, 4, 64, patch_values)
     assert batch.positions.shape == (2, 128)
     assert ("audio_values" in batch.media) == audio

@@ -14,7 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from torchloom.config.errors import ConfigError, did_you_mean
-from torchloom.data.tokenizer import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
+from torchloom.data.tokenizer import (
+    IMAGE_TOKEN,
+    MEDIA_SPECIAL_TOKENS,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+)
 
 # builtin:stdlib_bpe_vl's reserved audio tokens (data/tokenizer.py MEDIA_SPECIAL_TOKENS).
 BUILTIN_AUDIO_START, BUILTIN_AUDIO_END, BUILTIN_AUDIO_TOKEN = (
@@ -116,3 +121,22 @@ def media_layout(name: str) -> MediaLayout:
             f"layouts are {', '.join(MEDIA_LAYOUTS)} (the model family that reads the data)."
         )
     return MEDIA_LAYOUTS[name]
+
+
+def builtin_media_ids(layout: MediaLayout, vocab_size: int) -> dict[str, int]:
+    """The ids builtin:stdlib_bpe_vl of ``vocab_size`` gives ``layout``'s tokens (spelled with
+    its own, ``with_builtin_tokens``), by role: what a debug recipe sets in its model's
+    placeholder id fields without loading the tokenizer. The media tokens follow the text ids,
+    so a model needs a vocabulary of at least vocab_size + 7."""
+    builtin = layout.with_builtin_tokens()
+    roles = {"image_token_id": builtin.image_token,
+             "image_start_token_id": builtin.image_start_token,
+             "image_end_token_id": builtin.image_end_token,
+             "audio_token_id": builtin.audio_token,
+             "audio_start_token_id": builtin.audio_start_token,
+             "audio_end_token_id": builtin.audio_end_token}  # fmt: skip
+    return {
+        role: vocab_size + MEDIA_SPECIAL_TOKENS.index(token)
+        for role, token in roles.items()
+        if token
+    }
