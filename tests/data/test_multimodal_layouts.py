@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import wave
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
@@ -313,3 +314,33 @@ def test_every_layout_builds_loaders_on_builtin_ids(
         assert batch.media["audio_values"].shape == (2, 2, 13 * 1920, 1)  # 1 s: 12.5 tokens
         clips = int((batch.media["audio_lengths"] > 0).sum())
         assert int((batch.tokens == media.audio_token_id).sum()) == 2 * clips  # 0.1 s: 2 tokens
+
+
+def test_builtin_tones_chat(
+    builtin_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchloom.data import build_dataloaders, tones_chat
+
+    (tmp_path / "builtin").mkdir()
+    shutil.copy(builtin_tokenizer_path(builtin_cache, 4096), builtin_tokenizer_path(tmp_path, 4096))
+    monkeypatch.setattr(tones_chat, "SPLITS", {"train": ("tones_chat:train", 12)})
+    path = tones_chat.ensure_tones_chat(tmp_path)
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        clips = [path.parent / p["path"] for p in record["messages"][0]["content"][:2]]
+        waves = [load_wav(clip, "here")[0] for clip in clips]
+        question, answer = record["messages"][0]["content"][2]["text"], record["messages"][1]
+        crossings = [int((np.diff(np.sign(w)) > 0).sum()) * RATE / len(w) for w in waves]
+        measure = crossings if "higher" in question else [len(w) for w in waves]
+        first = "first" if measure[0] > measure[1] else "second"
+        assert answer["content"] == f"The {first} tone is {question.split()[-1][:-1]}.", record
+        assert all(abs(np.abs(w).max() - 12000 / 32767) < 1e-4 for w in waves)
+    cfg = DataConfig(format="multimodal", sources=["builtin:tones_chat"],
+                     tokenizer="builtin:stdlib_bpe_vl", cache_dir=str(tmp_path),
+                     val_fraction=0.0, media_layout="muse_spark", max_audio_seconds=0.6)  # fmt: skip
+    _, train, _ = build_dataloaders(cfg, seq_len=256, global_batch_size=2, micro_batch_size=2)
+    [batch] = train.next_step()
+    assert batch.media["audio_values"].shape == (2, 2, 8 * 1920, 1)  # 0.6 s: 7.5 tokens
+    assert (batch.media["audio_lengths"] > 0).sum() >= 2
+    with pytest.raises(ConfigError, match="qwen3_vl has no audio encoder"):
+        build_dataloaders(replace(cfg, media_layout="qwen3_vl"), 256, 2, 2)

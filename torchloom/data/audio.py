@@ -15,6 +15,7 @@ from __future__ import annotations
 import wave
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -85,10 +86,10 @@ def audio_features(samples: np.ndarray, processing: AudioProcessing) -> np.ndarr
     return values
 
 
-def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:
+def write_wav(file: Path | BinaryIO, samples: np.ndarray, rate: int) -> None:
     """Write mono float samples in [-1, 1] as 16-bit PCM (builtin data and tests)."""
     pcm = np.clip(np.round(samples * 32767), -32768, 32767).astype("<i2")
-    with wave.open(str(path), "wb") as writer:
+    with wave.open(str(file) if isinstance(file, Path) else file, "wb") as writer:
         writer.setnchannels(1)
         writer.setsampwidth(2)
         writer.setframerate(rate)

@@ -14,6 +14,8 @@ BUILTIN_WORD_PROBLEMS_CHAT = "builtin:word_problems_chat"
 BUILTIN_WORD_PROBLEMS_CHAT_MIXED = "builtin:word_problems_chat_mixed"
 BUILTIN_SHAPES_CHAT = "builtin:shapes_chat"
 BUILTIN_SHAPES_CHAT_TEST = "builtin:shapes_chat_test"
+BUILTIN_TONES_CHAT = "builtin:tones_chat"
+BUILTIN_TONES_CHAT_TEST = "builtin:tones_chat_test"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
 BUILTIN_VL_TOKENIZER = "builtin:stdlib_bpe_vl"
 """The builtin tokenizer plus vision (and reserved video/audio) tokens appended after its ids."""
@@ -26,7 +28,9 @@ BUILTIN_FORMATS = {BUILTIN_CORPUS: "text", BUILTIN_WORD_PROBLEMS: "text",
                    BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat",
                    BUILTIN_WORD_PROBLEMS_CHAT_MIXED: "chat",
                    BUILTIN_SHAPES_CHAT: "multimodal",
-                   BUILTIN_SHAPES_CHAT_TEST: "multimodal"}  # fmt: skip
+                   BUILTIN_SHAPES_CHAT_TEST: "multimodal",
+                   BUILTIN_TONES_CHAT: "multimodal",
+                   BUILTIN_TONES_CHAT_TEST: "multimodal"}  # fmt: skip
 
 
 @dataclass
@@ -50,7 +54,9 @@ class DataConfig:
     its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
     giving only the answer), .jsonl files or directories of them. Multimodal:
     builtin:shapes_chat (questions about drawn shapes; builtin:shapes_chat_test is its
-    held-out split), multimodal chat .jsonl files or directories of them."""
+    held-out split), builtin:tones_chat (which of two tones is higher or longer, for
+    --data.media_layout muse_spark; builtin:tones_chat_test held out), multimodal chat .jsonl
+    files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""
