@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from torchloom.data.chat import CHATML_TEMPLATE, DEFAULT_TEMPLATE_NAME
 from torchloom.data.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    MEDIA_SPECIAL_TOKENS,
     Tokenizer,
     ensure_builtin_tokenizer,
     load_tokenizer,
@@ -26,6 +30,15 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tiny_tokenizer") / "tokenizer.json"
     path.write_text(train_byte_level_bpe(TINY_TEXTS, vocab_size=300).to_str())
     return Tokenizer.from_file(path)
+
+
+@pytest.fixture(scope="session")
+def vl_tokenizer() -> Tokenizer:
+    """The tiny BPE with the media tokens appended, and ChatML."""
+    backend = train_byte_level_bpe(TINY_TEXTS, vocab_size=300)
+    backend.add_special_tokens(list(MEDIA_SPECIAL_TOKENS))
+    return Tokenizer(backend, EOS_TOKEN, BOS_TOKEN, pad_token=EOS_TOKEN,
+                     chat_templates={DEFAULT_TEMPLATE_NAME: CHATML_TEMPLATE})  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ import torch
 from PIL import Image, ImageDraw
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.chat import CHATML_TEMPLATE, DEFAULT_TEMPLATE_NAME
 from torchloom.data.config import DataConfig
 from torchloom.data.images import ImageProcessing, image_patches
 from torchloom.data.loader import TrainLoader
@@ -31,29 +30,15 @@ from torchloom.data.packing import IGNORE_INDEX
 from torchloom.data.shapes_chat import generate_shapes_chat
 from torchloom.data.sources import SourceFile
 from torchloom.data.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
     MEDIA_SPECIAL_TOKENS,
     Tokenizer,
     builtin_tokenizer_path,
     load_tokenizer,
-    train_byte_level_bpe,
 )
-
-from .conftest import TINY_TEXTS
 
 # Qwen3-VL's patches (16 px, 2 frames, 2x2 merge, mean/std 0.5) with small pixel bounds.
 PROCESSING = ImageProcessing(min_pixels=32 * 32, max_pixels=32 * 32 * 16)
 MERGE = PROCESSING.merge_size
-
-
-@pytest.fixture(scope="module")
-def vl_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The tiny BPE with the media tokens appended, and ChatML."""
-    backend = train_byte_level_bpe(TINY_TEXTS, vocab_size=300)
-    backend.add_special_tokens(list(MEDIA_SPECIAL_TOKENS))
-    return Tokenizer(backend, EOS_TOKEN, BOS_TOKEN, pad_token=EOS_TOKEN,
-                     chat_templates={DEFAULT_TEMPLATE_NAME: CHATML_TEMPLATE})  # fmt: skip
 
 
 def drawn(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -138,12 +123,12 @@ BAD_CASES = {
     "truncated": ([sample(["cut.png"])], "cannot be decoded"),
     "too large": ([sample(["img/4.png"])], "above the limit of 10000"),
     "audio": ([{"messages": [{"role": "user", "content": [{"type": "audio", "path": "a.wav"}]},
-                             {"role": "assistant", "content": "hi"}]}], "audio parts are reserved"),
+                             {"role": "assistant", "content": "hi"}]}], "has no audio encoder"),
     "no path": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]},
                                {"role": "assistant", "content": "hi"}]}], "needs a 'path'"),
     "bad type": ([{"messages": [{"role": "user", "content": [{"type": "imag", "path": "x"}]},
                                 {"role": "assistant", "content": "hi"}]}], "Did you mean 'image'"),
-    "forged token": ([sample([], question="look <|image_pad|>")], "only an image part"),
+    "forged token": ([sample([], question="look <|image_pad|>")], "only a media part"),
     "assistant image": ([{"messages": [{"role": "user", "content": "hi"},
                                        {"role": "assistant",
                                         "content": [{"type": "image", "path": "img/0.png"}]}]}],
@@ -225,7 +210,7 @@ def test_packing_keeps_images_with_their_text(vl_tokenizer: Tokenizer, image_fol
             first, last = samples.image_offsets[s : s + 2]
             alone = mrope_positions(batch.tokens[r, column : column + length],
                                   torch.from_numpy(samples.image_grids[first:last]),
-                                  media.image_token_id, media.vision_start_token_id, MERGE)  # fmt: skip
+                                  media.image_token_id, media.image_start_token_id, MERGE)  # fmt: skip
             assert torch.equal(batch.positions[r, column : column + length], alone)
             column += length
     assert packed == 24 and rows.text.num_dropped == 0

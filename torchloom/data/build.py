@@ -13,7 +13,9 @@ from torchloom.data.loader import RowSource, TrainLoader, ValLoader
 from torchloom.data.multimodal import (
     PackedMultimodal,
     load_multimodal_splits,
+    resolve_audio_processing,
     resolve_image_processing,
+    resolve_media_layout,
 )
 from torchloom.data.multimodal_format import MediaTokens
 from torchloom.data.packing import TokenWindows
@@ -110,15 +112,17 @@ def _chat_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Row
 def _multimodal_rows(
     cfg: DataConfig, tokenizer: Tokenizer, seq_len: int
 ) -> tuple[RowSource, RowSource]:
-    """Multimodal SFT: the train and validation samples packed whole with their images."""
+    """Multimodal SFT: the train and validation samples packed whole with their media."""
     files = resolve_chat_sources(cfg.sources, resolve_cache_dir(cfg.cache_dir), multimodal=True)
-    media = MediaTokens.from_tokenizer(tokenizer)
-    processing = resolve_image_processing(cfg, tokenizer)
-    splits = load_multimodal_splits(files, tokenizer, media, processing, cfg.val_fraction)
+    layout = resolve_media_layout(cfg)
+    media = MediaTokens.from_tokenizer(tokenizer, layout)
+    processing = resolve_image_processing(cfg, tokenizer, layout)
+    audio = resolve_audio_processing(cfg, layout)
+    splits = load_multimodal_splits(files, tokenizer, media, processing, cfg.val_fraction, audio)
     pad_id = tokenizer.eos_id if tokenizer.pad_id is None else tokenizer.pad_id
     train, val = (
         PackedMultimodal(samples, seq_len, pad_id, media, processing, cfg.max_images_per_row,
-                         cfg.max_image_patches, split)
+                         cfg.max_image_patches, split, audio, cfg.max_audios_per_row)
         for samples, split in zip(splits, ("training", "validation"))
     )  # fmt: skip
     return train, val

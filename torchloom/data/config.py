@@ -14,6 +14,8 @@ BUILTIN_WORD_PROBLEMS_CHAT = "builtin:word_problems_chat"
 BUILTIN_WORD_PROBLEMS_CHAT_MIXED = "builtin:word_problems_chat_mixed"
 BUILTIN_SHAPES_CHAT = "builtin:shapes_chat"
 BUILTIN_SHAPES_CHAT_TEST = "builtin:shapes_chat_test"
+BUILTIN_TONES_CHAT = "builtin:tones_chat"
+BUILTIN_TONES_CHAT_TEST = "builtin:tones_chat_test"
 BUILTIN_TOKENIZER = "builtin:stdlib_bpe"
 BUILTIN_VL_TOKENIZER = "builtin:stdlib_bpe_vl"
 """The builtin tokenizer plus vision (and reserved video/audio) tokens appended after its ids."""
@@ -26,7 +28,9 @@ BUILTIN_FORMATS = {BUILTIN_CORPUS: "text", BUILTIN_WORD_PROBLEMS: "text",
                    BUILTIN_CHAT: "chat", BUILTIN_WORD_PROBLEMS_CHAT: "chat",
                    BUILTIN_WORD_PROBLEMS_CHAT_MIXED: "chat",
                    BUILTIN_SHAPES_CHAT: "multimodal",
-                   BUILTIN_SHAPES_CHAT_TEST: "multimodal"}  # fmt: skip
+                   BUILTIN_SHAPES_CHAT_TEST: "multimodal",
+                   BUILTIN_TONES_CHAT: "multimodal",
+                   BUILTIN_TONES_CHAT_TEST: "multimodal"}  # fmt: skip
 
 
 @dataclass
@@ -50,7 +54,9 @@ class DataConfig:
     its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
     giving only the answer), .jsonl files or directories of them. Multimodal:
     builtin:shapes_chat (questions about drawn shapes; builtin:shapes_chat_test is its
-    held-out split), multimodal chat .jsonl files or directories of them."""
+    held-out split), builtin:tones_chat (which of two tones is higher or longer, for
+    --data.media_layout muse_spark; builtin:tones_chat_test held out), multimodal chat .jsonl
+    files or directories of them."""
 
     text_field: str = "text"
     """Field of each JSONL line that holds the document text."""
@@ -72,6 +78,16 @@ class DataConfig:
     """Vocabulary size of the builtin tokenizer, special tokens included (ignored otherwise;
     builtin:stdlib_bpe_vl appends its 7 media tokens above it)."""
 
+    media_layout: Literal["qwen3_vl", "kimi_k25", "muse_glimmer", "muse_spark"] = "qwen3_vl"
+    """Multimodal: how media are written for the model family that reads them (the recipe sets
+    it to match its model): qwen3_vl (Qwen-VL patches in merge windows, <|vision_start|> +
+    <|image_pad|> x n + <|vision_end|>, M-RoPE positions), kimi_k25 (MoonViT raster patches,
+    <|media_begin|>image<|media_content|> + <|media_pad|> x n + <|media_end|>), muse_glimmer
+    (Muse raster patches, <|image_start|> + <|patch|> x n + <|image_end|>), muse_spark (Muse's
+    images and 24 kHz audio, <|soft_audio_start|> + <|audio|> x n + <|soft_audio_end|>); the
+    last three with plain positions. With builtin:stdlib_bpe_vl every layout is spelled with
+    its tokens (docs/multimodal.md)."""
+
     max_images_per_row: int = 4
     """Multimodal: image slots per packed row (N of media pixel_values [B, N, L, P]); a row
     holds at most this many images, and a sample with more is refused."""
@@ -89,6 +105,14 @@ class DataConfig:
 
     image_decode_limit: int = 100_000_000
     """Multimodal: an image file of more pixels (width x height) is refused before decoding."""
+
+    max_audios_per_row: int = 2
+    """Multimodal, layouts with audio (muse_spark): audio clip slots per packed row (A of
+    media audio_values [B, A, S, 1]); a sample with more clips is refused."""
+
+    max_audio_seconds: float = 30.0
+    """Multimodal, layouts with audio: longer clips are refused; a clip slot holds this many
+    seconds of samples, rounded up to whole audio tokens (S)."""
 
     document_mask: bool = True
     """Packed sequences never attend across documents, and positions restart at each document.
@@ -171,6 +195,11 @@ class DataConfig:
         for name in ("max_images_per_row", "max_image_patches", "image_decode_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--data.{name}={getattr(self, name)} must be at least 1.")
+        if self.max_audios_per_row < 0 or self.max_audio_seconds <= 0:
+            raise ConfigError(
+                f"--data.max_audios_per_row={self.max_audios_per_row} must be >= 0 and "
+                f"--data.max_audio_seconds={self.max_audio_seconds} above 0."
+            )
         low, high = self.image_min_pixels, self.image_max_pixels
         if low < 0 or high < 0 or (low and high and low > high):
             raise ConfigError(

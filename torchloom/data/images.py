@@ -1,5 +1,7 @@
 """Images for vision-language models: load and check a file, then resize, normalize and cut it
-into the patches a Qwen2-VL / Qwen3-VL vision encoder reads, in Hugging Face's order.
+into the patches a vision encoder reads, in Hugging Face's order. Three processors:
+``qwen2vl`` (Qwen2-VL / Qwen3-VL, below), ``kimi`` (Kimi K2.5's MoonViT) and ``muse`` (Muse
+Glimmer / Spark), the last two at the end of this file.
 
 The steps follow transformers' PIL image processor for Qwen2-VL (``Qwen2VLImageProcessorPil``),
 which Qwen3-VL uses with patch 16 and mean/std 0.5: convert to RGB (transparency composited on
@@ -17,8 +19,11 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from torchloom.config.errors import ConfigError
@@ -29,7 +34,8 @@ MAX_ASPECT_RATIO = 200
 
 @dataclass(frozen=True)
 class ImageProcessing:
-    """How images become patches. The defaults are Qwen3-VL's (its preprocessor_config.json)."""
+    """How images become patches. The defaults are Qwen3-VL's (its preprocessor_config.json);
+    ``ImageProcessing.of(processor)`` gives each processor's."""
 
     patch_size: int = 16
     """Side of a square patch, in pixels."""
@@ -46,6 +52,28 @@ class ImageProcessing:
     decode_limit: int = 100_000_000
     """A file whose width x height exceeds this is refused before decoding it."""
     rescale_factor: float = field(default=1 / 255, repr=False)
+    max_patches: int = 16384
+    """kimi: at most this many patches; larger images are scaled down (never up)."""
+    max_patches_per_side: int = 512
+    """kimi: at most this many patches along a side (its size.max_height)."""
+    max_padded_patches: int = 0
+    """kimi: when set, an image whose grid, once padded, exceeds this many patches shrinks
+    further until it fits (Hugging Face's processor lets the padding exceed max_patches)."""
+    max_image_tokens: int = 4096
+    """muse: at most this many merged tokens (merge^2 patches each) per image."""
+    processor: Literal["qwen2vl", "kimi", "muse"] = "qwen2vl"
+    """Whose resize rule, normalization and patch order (MediaLayout.image_processor)."""
+
+    @classmethod
+    def of(cls, processor: str, **overrides: int) -> ImageProcessing:
+        """The Hugging Face defaults of ``processor`` (qwen2vl, kimi or muse)."""
+        defaults = {
+            "qwen2vl": {},
+            # Kimi's patches hold one frame: 3 x 14 x 14 values.
+            "kimi": {"patch_size": 14, "temporal_patch_size": 1},
+            "muse": {"patch_size": 14},
+        }[processor]
+        return cls(processor=processor, **{**defaults, **overrides})  # type: ignore[arg-type]
 
     @property
     def factor(self) -> int:
@@ -114,7 +142,12 @@ def smart_resize(height: int, width: int, processing: ImageProcessing) -> tuple[
 
 def image_grid(width: int, height: int, processing: ImageProcessing) -> tuple[int, int, int]:
     """The (t, h, w) patch grid of a still image of ``width x height`` pixels."""
-    new_h, new_w = smart_resize(height, width, processing)
+    if processing.processor == "kimi":
+        _, (new_h, new_w) = kimi_resize(height, width, processing)
+    elif processing.processor == "muse":
+        new_h, new_w = muse_resize(height, width, processing)
+    else:
+        new_h, new_w = smart_resize(height, width, processing)
     return 1, new_h // processing.patch_size, new_w // processing.patch_size
 
 
@@ -166,6 +199,8 @@ def image_patches(
     image: Image.Image, processing: ImageProcessing
 ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """``(patches [t*h*w, P] float32, (t, h, w))`` of a still image, in Hugging Face's order."""
+    if processing.processor != "qwen2vl":
+        return _raster_patches(image, processing)
     rgb = to_rgb(image)
     new_h, new_w = smart_resize(rgb.height, rgb.width, processing)
     resized_HWC = np.asarray(rgb.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
@@ -182,3 +217,84 @@ def image_patches(
     frames_shape = (*patches.shape[:5], frames, p, p)
     patches = np.broadcast_to(patches[:, :, :, :, :, None], frames_shape)
     return patches.reshape(grid_h * grid_w, processing.patch_dim), (1, grid_h, grid_w)
+
+
+# Kimi's and Muse's processors run on torchvision tensors: their resize is torch's antialiased
+# interpolation of the uint8 image (torchvision calls F.interpolate on uint8 on the CPU), and
+# normalization is (x - mean * 255) / (std * 255) in float32. Both lay patches out in raster
+# order of the image (rows of patches), not in merge windows.
+
+
+def kimi_resize(
+    height: int, width: int, processing: ImageProcessing
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((h, w) resized, (h, w) padded)`` under Kimi K2.5's rule: scale down (never up) to at
+    most ``max_patches`` patches and ``max_patches_per_side`` per side, truncating, then pad the
+    bottom and right to multiples of patch x merge. With ``max_padded_patches``, the budget
+    shrinks one patch at a time until the padded grid fits that many patch slots."""
+    p, factor = processing.patch_size, processing.factor
+    side = processing.max_patches_per_side * p
+    budget = processing.max_patches
+    while True:
+        patches = max(1, height // p) * max(1, width // p)
+        scale = min(1.0, math.sqrt(budget / patches), side / height, side / width)
+        new_h = min(max(1, int(height * scale)), side)
+        new_w = min(max(1, int(width * scale)), side)
+        pad_h, pad_w = -(-new_h // factor) * factor, -(-new_w // factor) * factor
+        limit = processing.max_padded_patches
+        if not limit or pad_h * pad_w <= limit * p * p or budget <= 1:
+            return (new_h, new_w), (pad_h, pad_w)
+        budget -= 1
+
+
+def muse_resize(height: int, width: int, processing: ImageProcessing) -> tuple[int, int]:
+    """The (h, w) Muse's processor resizes to: the grid of merge windows nearest the image's
+    aspect ratio with at most ``max_image_tokens`` windows (up or down, floor or ceil of the
+    ideal grid on each side, whichever ratio is closest; the first in floor-first order on a
+    tie)."""
+    factor, limit = processing.factor, processing.max_image_tokens
+    ideal_h, ideal_w = height / factor, width / factor
+    if ideal_h * ideal_w > limit:
+        ratio = ideal_w / ideal_h
+        ideal_h = math.sqrt(limit / ratio)
+        ideal_w = ideal_h * ratio
+    candidates = [
+        (h, w)
+        for h in dict.fromkeys((math.floor(ideal_h), math.ceil(ideal_h)))
+        for w in dict.fromkeys((math.floor(ideal_w), math.ceil(ideal_w)))
+        if h >= 1 and w >= 1 and h * w <= limit
+    ] or [(max(1, round(ideal_h)), max(1, round(ideal_w)))]
+    grid_h, grid_w = min(candidates, key=lambda g: abs(g[0] / g[1] - height / width))
+    return grid_h * factor, grid_w * factor
+
+
+def _raster_patches(
+    image: Image.Image, processing: ImageProcessing
+) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Kimi's or Muse's patches: ``[h*w, P]`` in raster order, each patch (channel, y, x) for
+    Kimi, (frame, channel, y, x) with the frame repeated for Muse."""
+    pixels_CHW = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1).contiguous()
+    height, width = pixels_CHW.shape[1:]
+    if processing.processor == "kimi":
+        size, padded = kimi_resize(height, width, processing)
+        mode = "bicubic"
+    else:
+        size = padded = muse_resize(height, width, processing)
+        mode = "lanczos"
+    if size != (height, width):
+        pixels_CHW = F.interpolate(
+            pixels_CHW[None], size=size, mode=mode, align_corners=False, antialias=True
+        )[0]
+    pixels_CHW = F.pad(pixels_CHW, (0, padded[1] - size[1], 0, padded[0] - size[0]))
+    scale = 1.0 / processing.rescale_factor
+    mean = (torch.tensor(processing.image_mean) * scale)[:, None, None]
+    std = (torch.tensor(processing.image_std) * scale)[:, None, None]
+    normalized_CHW = (pixels_CHW.to(torch.float32) - mean) / std
+    p = processing.patch_size
+    grid_h, grid_w = padded[0] // p, padded[1] // p
+    patches = normalized_CHW.reshape(3, grid_h, p, grid_w, p).permute(1, 3, 0, 2, 4)
+    if processing.processor == "muse":
+        frames = processing.temporal_patch_size
+        patches = patches[:, :, None].expand(grid_h, grid_w, frames, 3, p, p)
+    flat = patches.reshape(grid_h * grid_w, processing.patch_dim)
+    return flat.numpy(), (1, grid_h, grid_w)

@@ -136,36 +136,45 @@ def _tokenize_to_cache(
 
 
 def pack_best_fit(
-    sizes: np.ndarray, capacity: int, counts: np.ndarray | None = None, max_count: int = 0
+    sizes: np.ndarray,
+    capacity: int,
+    counts: np.ndarray | None = None,
+    max_counts: tuple[int, ...] = (),
 ) -> list[list[int]]:
     """Bins of item indices, each holding at most ``capacity``: best-fit decreasing.
 
     Items go largest first, each into the fullest bin it still fits, which wastes little space
     and depends only on the sizes, so every run (and every rank) packs identically. With
-    ``counts`` (say, images per item), a bin also holds at most ``max_count`` of them: an item
-    goes into the fullest bin with room for both.
+    ``counts`` ``[items, K]`` (say, images and audio clips per item), a bin also holds at most
+    ``max_counts[k]`` of kind k: an item goes into the fullest bin with room for all.
     """
     bins: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (space left, bin index), sorted
-    held: list[int] = []  # counts per bin
+    held: list[list[int]] = []  # counts per bin
+    if counts is None:
+        counts = np.zeros((len(sizes), 0), np.int64)
+    counts_NK = (counts if counts.ndim == 2 else counts[:, None]).tolist()
     for item in np.argsort(-sizes, kind="stable").tolist():
-        size = int(sizes[item])
-        count = 0 if counts is None else int(counts[item])
+        size, count = int(sizes[item]), counts_NK[item]
         at = bisect_left(free, (size, -1))
-        while count and at < len(free) and held[free[at][1]] + count > max_count:
+        while any(count) and at < len(free) and not _room(held[free[at][1]], count, max_counts):
             at += 1
         if at == len(free):
             bins.append([item])
-            held.append(count)
+            held.append(list(count))
             space, index = capacity - size, len(bins) - 1
         else:
             space, index = free.pop(at)
             bins[index].append(item)
-            held[index] += count
+            held[index] = [h + c for h, c in zip(held[index], count)]
             space -= size
         if space > 0:
             insort(free, (space, index))
     return bins
+
+
+def _room(held: list[int], count: list[int], limits: tuple[int, ...]) -> bool:
+    return all(h + c <= m for h, c, m in zip(held, count, limits, strict=True))
 
 
 class PackedConversations:
@@ -175,8 +184,8 @@ class PackedConversations:
     ``ids[1:]`` kept only where the label is an assistant token. No conversation is ever split
     across rows; doc ids count the conversations of a row (0, 1, ...) and positions restart at
     each, so packed conversations never see each other. The rest of a row is padding, with its
-    own doc id and ignored labels. With ``images`` (per conversation), a row holds at most
-    ``max_images_per_row`` of them.
+    own doc id and ignored labels. With ``media_counts`` ``[conversations, K]`` (images and
+    audio clips of each), a row holds at most ``max_media_per_row[k]`` of kind k.
     """
 
     def __init__(
@@ -186,8 +195,8 @@ class PackedConversations:
         pad_id: int,
         overlong: Literal["drop", "truncate"] = "drop",
         split: str = "training",
-        images: np.ndarray | None = None,
-        max_images_per_row: int = 0,
+        media_counts: np.ndarray | None = None,
+        max_media_per_row: tuple[int, ...] = (),
     ) -> None:
         self.conversations = conversations
         self.seq_len = seq_len
@@ -208,10 +217,10 @@ class PackedConversations:
         self.num_dropped = int((~usable_N).sum())
         """Conversations left out: too long (unless truncating) or without assistant tokens."""
         self.num_truncated = int((usable_N & is_long_N).sum())
-        self._report(lengths_N, is_long_N, usable_N, truncate, split, images is None)
+        self._report(lengths_N, is_long_N, usable_N, truncate, split, media_counts is None)
         usable = np.flatnonzero(usable_N)
-        counts = None if images is None else images[usable]
-        bins = pack_best_fit(self.kept_lengths[usable] - 1, seq_len, counts, max_images_per_row)
+        counts = None if media_counts is None else media_counts[usable]
+        bins = pack_best_fit(self.kept_lengths[usable] - 1, seq_len, counts, max_media_per_row)
         self.row_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
         self.row_offsets[1:] = np.cumsum([len(b) for b in bins])
         self.row_conversations = np.array([usable[i] for b in bins for i in b], dtype=np.int64)

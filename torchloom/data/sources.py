@@ -14,12 +14,15 @@ from torchloom.data.config import (
     BUILTIN_CORPUS,
     BUILTIN_SHAPES_CHAT,
     BUILTIN_SHAPES_CHAT_TEST,
+    BUILTIN_TONES_CHAT,
+    BUILTIN_TONES_CHAT_TEST,
     BUILTIN_WORD_PROBLEMS,
     BUILTIN_WORD_PROBLEMS_CHAT,
     BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
 from torchloom.data.shapes_chat import ensure_shapes_chat, ensure_shapes_chat_test
+from torchloom.data.tones_chat import ensure_tones_chat, ensure_tones_chat_test
 from torchloom.data.word_problems import (
     ensure_word_problem_chat,
     ensure_word_problem_chat_mixed,
@@ -36,7 +39,9 @@ BUILTIN_CHATS = {BUILTIN_CHAT: ensure_builtin_chat,
                  BUILTIN_WORD_PROBLEMS_CHAT: ensure_word_problem_chat,
                  BUILTIN_WORD_PROBLEMS_CHAT_MIXED: ensure_word_problem_chat_mixed}  # fmt: skip
 BUILTIN_MULTIMODAL = {BUILTIN_SHAPES_CHAT: ensure_shapes_chat,
-                      BUILTIN_SHAPES_CHAT_TEST: ensure_shapes_chat_test}  # fmt: skip
+                      BUILTIN_SHAPES_CHAT_TEST: ensure_shapes_chat_test,
+                      BUILTIN_TONES_CHAT: ensure_tones_chat,
+                      BUILTIN_TONES_CHAT_TEST: ensure_tones_chat_test}  # fmt: skip
 
 
 @dataclass(frozen=True)
