@@ -84,6 +84,16 @@ def check_media(
             )
 
 
+def media_flops(config: DecoderConfig, media: dict[str, torch.Tensor] | None) -> int:
+    """Training FLOPs of the vision encoder of ``config`` on ``media``'s images (0 for text or
+    a model without one): VisionConfig.flops, from the config and the grids only, so it holds
+    however the model is sharded or split. A decoder's flops_per_token counts the text."""
+    vision = getattr(config, "vision", None)
+    if not media or vision is None:
+        return 0
+    return vision.flops(media["image_grid_thw"], config.dim)
+
+
 class MultimodalDecoder(Decoder):
     """The generic decoder with a vision encoder (``visual``) in front: the placeholders'
     embeddings are replaced by the image tokens, and the encoder's DeepStack tokens are added
@@ -190,11 +200,9 @@ class MultimodalDecoder(Decoder):
         return torch.stack(rows).to(tokens_BT.device)
 
     def media_flops(self, media: dict[str, torch.Tensor] | None) -> int:
-        """Training FLOPs of the vision encoder on this batch's images (VisionEncoder.flops);
+        """Training FLOPs of the vision encoder on this batch's images (``media_flops``);
         flops_per_token stays the text model's."""
-        if not media or self.visual is None:
-            return 0
-        return self.visual.flops(media["image_grid_thw"])
+        return media_flops(self.config, media) if self.visual is not None else 0
 
     @torch.no_grad()
     def init_weights(self, init: ParamInit | int = 0) -> None:
