@@ -4,6 +4,8 @@ model computes from the images), in the gathered and the static (CUDA-graph-shap
 alone, batched with a text request and admitted while another request decodes; requests
 whose images do not fit their prompt fail alone."""
 
+import json
+
 import pytest
 import torch
 
@@ -110,3 +112,48 @@ def test_a_text_model_refuses_images() -> None:
         [Request([1, 2, 3], GREEDY, media=media)]
     )
     assert completion.error == "this model reads no images"
+
+
+def test_cli_generates_with_images(tmp_path, capsys) -> None:
+    """`torchloom generate --image` and a prompts file of chats with image parts (paths
+    relative to the file) on a saved qwen3_vl model with the builtin VL tokenizer: the same
+    greedy tokens for the same picture and question."""
+    from PIL import Image
+
+    from torchloom.checkpoint.model_io import save_model
+    from torchloom.cli import main
+    from torchloom.data.build import build_tokenizer
+    from torchloom.data.config import DataConfig
+    from torchloom.recipes.vision import builtin_vl_token_overrides
+
+    config = resolve_model_config(ModelConfig(
+        name="qwen3_vl", flavor="debug", overrides={**builtin_vl_token_overrides(), "vision.patch_size": 16}
+    ))  # fmt: skip
+    model = build_model(config)
+    model.init_weights(0)
+    tokenizer = build_tokenizer(DataConfig(format="multimodal", tokenizer="builtin:stdlib_bpe_vl",
+                                           sources=["builtin:shapes_chat"]))  # fmt: skip
+    save_model(model, "qwen3_vl", config, tmp_path / "model", tokenizer=tokenizer)
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (24, 40), (200, 30, 30)).save(tmp_path / "img" / "red.png")
+    line = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "path": "img/red.png"},
+                    {"type": "text", "text": "What colour?"},
+                ],
+            }
+        ]
+    }
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(line) + "\n")
+    common = ["generate", "--checkpoint", str(tmp_path / "model"), "--chat", "--greedy",
+              "--max-new-tokens", "5", "--device", "cpu"]  # fmt: skip
+    assert main([*common, "--prompts-file", str(tmp_path / "prompts.jsonl"),
+                 "--output", str(tmp_path / "a.jsonl")]) == 0  # fmt: skip
+    assert main([*common, "--prompt", "What colour?", "--image", str(tmp_path / "img" / "red.png"),
+                 "--output", str(tmp_path / "b.jsonl")]) == 0  # fmt: skip
+    a, b = (json.loads((tmp_path / f"{n}.jsonl").read_text()) for n in "ab")
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) >= 1
+    assert a["prompt_ids"].count(config.image_token_id) >= 1
