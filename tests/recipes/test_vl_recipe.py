@@ -18,6 +18,7 @@ from torchloom.train.builders import build_model_config, check_media_fits
 from torchloom.train.trainer import Trainer
 
 
+@pytest.mark.slow  # 12 steps: about a minute on an idle CPU, three under load
 def test_qwen3_vl_debug_learns_the_picture_chats(tmp_path: Path) -> None:
     _, job = resolve_job([
         "--recipe", "qwen3_vl_debug", "--training.steps", "12", "--training.global_batch_size",
