@@ -359,8 +359,13 @@ _GENERATE_USAGE = """usage: torchloom generate (--from-hf HF_DIR | --checkpoint 
   --checkpoint DIR        a torchloom model folder (<output_dir>/model) or a training
                           checkpoint step (<output_dir>/checkpoints/step-N)
   --prompt TEXT           a prompt (repeatable)
+  --image PATH            an image shown before the --prompt text, in one user message
+                          (repeatable, in order; needs --chat and one --prompt and a
+                          vision-language model)
   --prompts-file F.jsonl  one object per line: {"prompt": "text"}, {"prompt_ids": [1, 2]} or,
-                          with --chat, {"messages": [{"role": "user", "content": "..."}]}
+                          with --chat, {"messages": [{"role": "user", "content": "..."}]};
+                          a content may be a list of parts, {"type": "text", "text": ...} and
+                          {"type": "image", "path": ...} (relative to the file)
   --chat                  apply the model's chat template (each text is one user message) and
                           open the assistant's reply; stop at the template's end-of-turn token
                           (e.g. <|im_end|>) as well as eos: for models tuned on chats (SFT)
@@ -445,13 +450,15 @@ def cmd_generate(argv: list[str]) -> int:
     if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
         print(_GENERATE_USAGE)
         return 0
-    prompts = []
+    prompts, images = [], []
     while (prompt := _pop_option(argv, "--prompt")) is not None:
         prompts.append(prompt)
+    while (image := _pop_option(argv, "--image")) is not None:
+        images.append(image)
     options = {name: _pop_option(argv, f"--{name}") for name in _GENERATE_OPTIONS}
     flags = {name: _pop_flag(argv, f"--{name}") for name in _GENERATE_FLAGS}
     if argv:
-        known = [f"--{n}" for n in (*_GENERATE_OPTIONS, "prompt", *_GENERATE_FLAGS)]
+        known = [f"--{n}" for n in (*_GENERATE_OPTIONS, "prompt", "image", *_GENERATE_FLAGS)]
         raise ConfigError(
             f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
             "Run `torchloom generate --help`."
@@ -464,6 +471,7 @@ def cmd_generate(argv: list[str]) -> int:
     from torchloom.generate.engine import SamplingParams
     from torchloom.generate.run import (
         check_output,
+        encode_image_prompts,
         encode_prompts,
         generate_records,
         load_model_and_tokenizer,
@@ -490,7 +498,7 @@ def cmd_generate(argv: list[str]) -> int:
             "still replay from CUDA graphs)."
         )
     # Everything the user typed is checked before the model loads and before anything is written.
-    items = read_prompts(prompts, options["prompts-file"], chat)
+    items = read_prompts(prompts, options["prompts-file"], chat, images)
     check_output(options["output"], options["prompts-file"])
     rank0 = True
     if tp > 1:
@@ -510,9 +518,13 @@ def cmd_generate(argv: list[str]) -> int:
             options["from-hf"], options["checkpoint"], device, options["dtype"],
             batch_invariant, tp,
         )  # fmt: skip
-        prompt_ids = encode_prompts(items, tokenizer, chat)
+        media = None
+        if any(item.has_images for item in items):
+            prompt_ids, media = map(list, zip(*encode_image_prompts(items, tokenizer, model)))
+        else:
+            prompt_ids = encode_prompts(items, tokenizer, chat)
         records = generate_records(
-            model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat
+            model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat, media
         )
         if tp > 1:
             destroy()  # every rank together

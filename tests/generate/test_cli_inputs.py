@@ -148,7 +148,8 @@ BAD_CHATS = {
     "role typo": ([{"role": "usr", "content": "Hi"}],
                   "message 0 has role 'usr'; roles are .* Did you mean 'user'"),
     "content int": ([{"role": "user", "content": 5}],
-                    'message 0 must be an object with "role" and "content" strings'),
+                    'message 0 must be an object with a "role" string and a "content" string or '
+                    "list of parts"),
     "empty": ([], '"messages" must be a non-empty list'),
     "not a list": ("Hi", '"messages" must be a non-empty list .* got "Hi"'),
 }  # fmt: skip

@@ -46,3 +46,35 @@ def test_records_survive_non_utf8_bytes_left_by_a_crash(tmp_path, capsys):
         f"warning: skipping line 2 of {path}: not a metrics record (a write cut short by a kill "
         "or a full disk)\n"
     )
+
+
+def test_step_record_counts_the_vision_encoder_per_image_grid(tmp_path):
+    """Two images of known grids through qwen3_vl's debug encoder, counted by hand: 6 FLOPs per
+    weight per patch (patch embedding 96x32, per block qkv 32x96, proj 32x32, MLP 32x64 twice),
+    attention 12 * dim * frame patches per block, and 6 per merger weight per merged token
+    (the merger and two DeepStack mergers, each 128x128 + 128x64)."""
+    from torchloom.models import resolve_model_config
+    from torchloom.models.components.multimodal import media_flops
+    from torchloom.models.config import ModelConfig
+
+    config = resolve_model_config(ModelConfig(name="qwen3_vl", flavor="debug"))
+    grids = torch.tensor([[[1, 4, 4], [1, 2, 6]], [[0, 0, 0], [0, 0, 0]]])  # one row empty
+    per_patch = 96 * 32 + 2 * (32 * 96 + 32 * 32 + 2 * 32 * 64)
+    per_merged = 3 * (128 * 128 + 128 * 64)
+    by_hand = sum(
+        t * h * w * (6 * per_patch + 2 * 12 * 32 * h * w) + t * h * w // 4 * 6 * per_merged
+        for t, h, w in [(1, 4, 4), (1, 2, 6)]
+    )
+    assert by_hand == 3833856 + 2838528
+    flops = media_flops(config, {"image_grid_thw": grids})
+    assert flops == by_hand, f"counted {flops}, by hand {by_hand}"
+    logger = MetricsLogger(tmp_path, MetricsConfig(tensorboard=False, peak_tflops=1.0), 10,
+                           torch.device("cpu"), flops_per_token=1e6, enabled=False)  # fmt: skip
+    record = logger.step_record(1, 2.0, 1.0, 1e-3, tokens=1000, step_seconds=1e-3,
+                                data_seconds=0.0, num_devices=2, media_flops=flops)  # fmt: skip
+    text_tflops = 1000 * 1e6 / 1e-3 / 2 / 1e12
+    assert record["media_tflops"] == pytest.approx(by_hand / 1e-3 / 2 / 1e12)
+    assert record["tflops"] == pytest.approx(text_tflops + by_hand / 1e-3 / 2 / 1e12)
+    assert record["mfu"] == pytest.approx(100 * record["tflops"])
+    text_only = logger.step_record(1, 2.0, 1.0, 1e-3, 1000, 1e-3, 0.0, num_devices=2)
+    assert "media_tflops" not in text_only and text_only["tflops"] == pytest.approx(text_tflops)

@@ -182,6 +182,18 @@ def parse_sample(
     return MultimodalSample(Conversation(where, rendered), images, audios)
 
 
+def parse_prompt(
+    messages: list[Any], where: str, folder: Path, media: MediaTokens, processing: ImageProcessing
+) -> MultimodalSample:
+    """A generation prompt's messages (parts as in a sample, images relative to ``folder``),
+    rendered as ``parse_sample`` renders a sample's; no assistant reply is needed."""
+    # parse_sample checks a training sample, which needs an assistant message: an empty one
+    # stands in and is dropped.
+    reply = {"role": "assistant", "content": ""}
+    sample = parse_sample({MESSAGES_FIELD: [*messages, reply]}, where, folder, media, processing)
+    return MultimodalSample(Conversation(where, sample.conversation.messages[:-1]), sample.images)
+
+
 def _num_tokens(grid: tuple[int, int, int], processing: ImageProcessing) -> int:
     t, h, w = grid
     return t * h * w // processing.merge_size**2

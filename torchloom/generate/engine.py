@@ -31,10 +31,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchloom.config.errors import ConfigError
+from torchloom.data.mrope import mrope_positions
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.models.components.moe import experts_reading_the_host
+from torchloom.models.components.multimodal import MEDIA_KEYS, check_media
 
 MIXED_PREFILL_TOKENS = 64
 """A prefill whose rows are at most this many tokens also advances the active requests (each
@@ -81,6 +84,12 @@ class Request:
     completion, and only the tokens past them are prefilled, from its slot. Where that slot is
     no longer kept (released, evicted for room, or never kept) the whole prompt is prefilled,
     which gives the same result."""
+    media: dict[str, torch.Tensor] | None = None
+    """The prompt's images for a vision-language model: ``pixel_values [N, L, P]`` and
+    ``image_grid_thw [N, 3]`` (one slot per image, in the order of their placeholders; the
+    layout of a data batch's row, data/multimodal.py). A request with media is prefilled
+    whole (not from a kept slot) and shares its prefill only with requests given the same
+    media object."""
 
 
 @dataclass
@@ -301,12 +310,39 @@ class Generator:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
                 f"{self.config.vocab_size})"
             )
+        if (problem := self._media_problem(request)) is not None:
+            return problem
         if len(prompt) + params.max_new_tokens > self.max_len:
             return (
                 f"the prompt's {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
                 f"exceed the context of {self.max_len} tokens; shorten the prompt or lower "
                 "max_new_tokens"
             )
+        return None
+
+    def _media_problem(self, request: Request) -> str | None:
+        """Why the request's images (or their absence) do not fit the model or its prompt."""
+        media, cfg = request.media, self.config
+        if getattr(self.model, "visual", None) is None:
+            return None if media is None else "this model reads no images"
+        if media is None:
+            placeholders = request.prompt_ids.count(cfg.image_token_id)
+            return None if not placeholders else (
+                f"the prompt holds {placeholders} image placeholder tokens but no images"
+            )  # fmt: skip
+        if set(media) != set(MEDIA_KEYS):
+            return f"media must hold {' and '.join(MEDIA_KEYS)}; got {', '.join(media)}"
+        if media["pixel_values"].shape[-1] != cfg.vision.patch_dim:
+            return (f"pixel_values hold patches of {media['pixel_values'].shape[-1]} values; "
+                    f"the model's vision encoder reads {cfg.vision.patch_dim}")  # fmt: skip
+        tokens_1T, merge = torch.tensor([request.prompt_ids]), cfg.vision.spatial_merge_size
+        try:
+            check_media(tokens_1T, {k: v[None].cpu() for k, v in media.items()},
+                        cfg.image_token_id, merge)  # fmt: skip
+            mrope_positions(tokens_1T[0], media["image_grid_thw"], cfg.image_token_id,
+                            cfg.vision_start_token_id, merge)  # fmt: skip
+        except (ConfigError, ValueError) as err:
+            return f"the prompt does not match its images: {err}"
         return None
 
     def _admit(self) -> dict[int, _Active]:
@@ -318,6 +354,9 @@ class Generator:
         waiting, self._waiting = self._waiting, deque()
         for request_id, request in waiting:
             kept = self._kept.pop(request.continues, None)  # type: ignore[arg-type]
+            if kept is not None and request.media is not None:  # prefilled whole, images too
+                heapq.heappush(self._free, kept.slot)
+                kept = None
             if kept is not None and not _extends(request.prompt_ids, kept.tokens):
                 heapq.heappush(self._free, kept.slot)
                 error = (f"request {request_id} continues request {request.continues}, but its "
@@ -370,9 +409,10 @@ class Generator:
         for slot, state in admitted.items():
             # A continuation's row is its own: its slot already holds the rest of its context.
             owner = slot if state.start else -1
-            groups.setdefault((owner, tuple(state.request.prompt_ids)), []).append(slot)
+            media = id(state.request.media) if state.request.media is not None else None
+            groups.setdefault((owner, tuple(state.request.prompt_ids), media), []).append(slot)
         rows = [(slots[0], admitted[slots[0]].start, list(prompt[admitted[slots[0]].start :]))
-                for (_, prompt), slots in zip(groups, groups.values(), strict=True)]  # fmt: skip
+                for (_, prompt, _), slots in zip(groups, groups.values(), strict=True)]  # fmt: skip
         self.prefill_tokens += sum(len(new) for _, _, new in rows)
         longest = max(len(new) for _, _, new in rows)
         decoding = self._active if longest <= MIXED_PREFILL_TOKENS else {}
@@ -388,9 +428,13 @@ class Generator:
         slot_ids_B = torch.tensor([slot for slot, _, _ in rows], device=self.device)
         lengths_B = torch.tensor([len(new) for _, _, new in rows], device=self.device)
         cache = self.cache.bind(slot_ids_B, positions_BT, lengths_B)
-        logits_BTV = self.model(tokens_BT, positions_BT, cache=cache)
+        # Images go with the rows that prefill a prompt (a decoding row's are in its slot).
+        media = _media_rows([admitted[slot].request.media if slot in admitted else None
+                             for slot, _, _ in rows])  # fmt: skip
+        extra = {"media": _to(media, self.device)} if media else {}
+        logits_BTV = self.model(tokens_BT, positions_BT, cache=cache, **extra)
         logits_BV = logits_BTV[torch.arange(len(rows), device=self.device), lengths_B - 1]
-        for (_, prompt), (first, *others) in zip(groups, groups.values()):
+        for (_, prompt, _), (first, *others) in zip(groups, groups.values()):
             if others:
                 self.cache.copy_slot(first, others, len(prompt))
         row_of = {slot: row for row, slots in enumerate(groups.values()) for slot in slots}
@@ -477,6 +521,28 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _media_rows(media: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+    """The rows' media as one batch, ``pixel_values [B, N, L, P]`` and ``image_grid_thw [B, N,
+    3]`` (N and L the largest of the rows'; zeros pad), or None when no row has images."""
+    given = [m for m in media if m is not None]
+    if not given:
+        return None
+    N = max(m["image_grid_thw"].shape[0] for m in given)
+    L, P = max(m["pixel_values"].shape[1] for m in given), given[0]["pixel_values"].shape[2]
+    pixels_BNLP = torch.zeros(len(media), N, L, P, dtype=given[0]["pixel_values"].dtype)
+    grids_BN3 = torch.zeros(len(media), N, 3, dtype=torch.int64)
+    for row, m in enumerate(media):
+        if m is not None:
+            n, length = m["pixel_values"].shape[:2]
+            pixels_BNLP[row, :n, :length] = m["pixel_values"]
+            grids_BN3[row, :n] = m["image_grid_thw"]
+    return {"pixel_values": pixels_BNLP, "image_grid_thw": grids_BN3}
+
+
+def _to(media: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) for key, value in media.items()}
 
 
 def _extends(prompt: list[int], tokens: list[int]) -> bool:

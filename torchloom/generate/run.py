@@ -17,6 +17,9 @@ from torchloom.config.paths import check_can_create
 from torchloom.data.cache import atomic_write_text
 from torchloom.data.chat import Message
 from torchloom.data.conversations import ROLES
+from torchloom.data.images import ImageProcessing, image_patches, load_image
+from torchloom.data.multimodal import PREPROCESSOR_CONFIG
+from torchloom.data.multimodal_format import MediaTokens, parse_prompt
 from torchloom.data.sources import MESSAGES_FIELD, iter_jsonl_records
 from torchloom.generate.engine import Generator, Request, SamplingParams
 
@@ -100,22 +103,43 @@ class Prompt:
     text: str | None = None
     ids: list[int] | None = None
     messages: list[Message] | None = None
+    folder: Path | None = None
+    """Where the messages' image paths are relative to (the prompts file's folder)."""
+
+    @property
+    def has_images(self) -> bool:
+        return any(not isinstance(m["content"], str) for m in self.messages or [])
 
 
 _PROMPT_KEYS = ("prompt", "prompt_ids", MESSAGES_FIELD)
 _EXAMPLE = '{"prompt": "text"} or {"prompt_ids": [1, 2]}'
 
 
-def read_prompts(prompts: list[str], prompts_file: str | None, chat: bool = False) -> list[Prompt]:
+def read_prompts(
+    prompts: list[str], prompts_file: str | None, chat: bool = False, images: list[str] = ()
+) -> list[Prompt]:
     """Every prompt, checked before any model is loaded: the ``--prompt`` texts, then the lines
-    of ``--prompts-file`` (``{"messages": [...]}`` lines only with ``chat``)."""
+    of ``--prompts-file`` (``{"messages": [...]}`` lines only with ``chat``; their content may be
+    a list of text and image parts, paths relative to the file). ``images`` (``--image``, with
+    ``chat`` and one ``--prompt``) come before that prompt's text in one user message."""
+    if images and (len(prompts) != 1 or not chat):
+        raise ConfigError(
+            "--image goes with exactly one --prompt TEXT and --chat (the images and the text "
+            "form one user message); for more, use --prompts-file with image parts."
+        )
     items = [Prompt(f"--prompt #{i}", text=text) for i, text in enumerate(prompts, 1)]
+    if images:
+        parts = [{"type": "image", "path": str(Path(p).absolute())} for p in images]
+        content = [*parts, {"type": "text", "text": prompts[0]}]
+        items = [Prompt("--prompt #1", messages=[{"role": "user", "content": content}],
+                        folder=Path.cwd())]  # fmt: skip
     if prompts_file:
         path = Path(prompts_file)
         if not path.is_file():
             raise ConfigError(f"--prompts-file {prompts_file} does not exist or is not a file.")
         records = iter_jsonl_records(path, _EXAMPLE)
-        items += [_parse_prompt(record, where, chat) for where, record in records]
+        items += [replace(_parse_prompt(record, where, chat), folder=path.parent)
+                  for where, record in records]  # fmt: skip
     if not items:
         raise ConfigError("No prompts: pass --prompt TEXT (repeatable) or --prompts-file F.jsonl.")
     return items
@@ -172,11 +196,11 @@ def _messages(value: object, where: str) -> list[Message]:
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
+            and isinstance(message.get("content"), str | list)
         ):
             raise ConfigError(
-                f'{where}: message {i} must be an object with "role" and "content" strings; '
-                f"got {_shown(message)}."
+                f'{where}: message {i} must be an object with a "role" string and a "content" '
+                f"string or list of parts; got {_shown(message)}."
             )
         if message["role"] not in ROLES:
             raise ConfigError(
@@ -210,6 +234,36 @@ def encode_prompts(items: list[Prompt], tokenizer: Any, chat: bool = False) -> l
     return [_encode(item, tokenizer, chat) for item in items]
 
 
+def encode_image_prompts(
+    items: list[Prompt], tokenizer: Any, model: nn.Module
+) -> list[tuple[list[int], dict[str, torch.Tensor] | None]]:
+    """(ids, media) of every prompt: ``encode_prompts``' ids, and for chats with image parts
+    their images as patches the model's vision encoder reads (``image_processing``)."""
+    if not any(item.has_images for item in items):
+        return [(ids, None) for ids in encode_prompts(items, tokenizer, chat=True)]
+    if getattr(model, "visual", None) is None:
+        where = next(item.where for item in items if item.has_images)
+        raise ConfigError(f"{where}: the prompt holds images but this model reads no images.")
+    processing = image_processing(model.config, tokenizer)
+    return [
+        image_prompt(item.messages, item.where, item.folder or Path.cwd(), tokenizer, processing)
+        if item.has_images
+        else (_encode(item, tokenizer, chat=True), None)
+        for item in items
+    ]
+
+
+def image_processing(config: Any, tokenizer: Any) -> ImageProcessing:
+    """How ``generate`` turns images into patches: the tokenizer folder's
+    preprocessor_config.json (a Hugging Face VL folder's), else Qwen3-VL's pixel bounds with the
+    model's patch, frame and merge sizes."""
+    folder = tokenizer.path if tokenizer.path.is_dir() else tokenizer.path.parent
+    if (folder / PREPROCESSOR_CONFIG).is_file():
+        return ImageProcessing.from_preprocessor_config(folder / PREPROCESSOR_CONFIG)
+    vision = config.vision
+    return ImageProcessing(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+
+
 def _encode(item: Prompt, tokenizer: Any, chat: bool) -> list[int]:
     if item.ids is not None:
         return item.ids
@@ -219,6 +273,25 @@ def _encode(item: Prompt, tokenizer: Any, chat: bool) -> list[int]:
         return tokenizer.encode_prompt(item.text, chat)
     except ConfigError as err:  # the template refused this conversation
         raise ConfigError(f"{item.where}: {err}") from None
+
+
+def image_prompt(
+    messages: list[Any], where: str, folder: Path, tokenizer: Any, processing: ImageProcessing
+) -> tuple[list[int], dict[str, torch.Tensor] | None]:
+    """(prompt ids, Request media) of chat ``messages`` whose content may hold image parts (the
+    multimodal JSONL's, paths relative to ``folder``), with the assistant's reply opened."""
+    sample = parse_prompt(messages, where, folder, MediaTokens.from_tokenizer(tokenizer),
+                          processing)  # fmt: skip
+    ids = tokenizer.encode_chat_prompt(sample.conversation.messages)
+    if not sample.images:
+        return ids, None
+    patches = [image_patches(load_image(i.path, where, processing), processing)[0]
+               for i in sample.images]  # fmt: skip
+    pixels_NLP = torch.zeros(len(patches), max(len(p) for p in patches), processing.patch_dim)
+    for n, image in enumerate(patches):
+        pixels_NLP[n, : len(image)] = torch.from_numpy(image)
+    grids_N3 = torch.tensor([image.grid for image in sample.images])
+    return ids, {"pixel_values": pixels_NLP, "image_grid_thw": grids_N3}
 
 
 def check_output(output: str | None, prompts_file: str | None) -> None:
@@ -246,15 +319,17 @@ def generate_records(
     verbose: bool = True,
     compile: bool = False,
     chat: bool = False,
+    media: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every prompt (request i gets seed + i when a seed is given) and return one record
-    each. Requests stop at ``params.stop_ids``, else at the tokenizer's eos (and, after
+    """Run every prompt (request i gets seed + i when a seed is given; ``media[i]`` its
+    images) and return one record each. Requests stop at ``params.stop_ids``, else at the tokenizer's eos (and, after
     ``chat`` prompts, the template's end-of-turn token)."""
     stop = params.stop_ids or (tokenizer.stop_ids(chat) if tokenizer is not None else ())
     requests = [
         Request(
             ids,
             replace(params, stop_ids=stop, seed=None if params.seed is None else params.seed + i),
+            media=None if media is None else media[i],
         )
         for i, ids in enumerate(prompt_ids)
     ]

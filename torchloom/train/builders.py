@@ -24,6 +24,9 @@ from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf
 from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
 from torchloom.config.errors import ConfigError
 from torchloom.data import build_dataloaders
+from torchloom.data.config import DataConfig
+from torchloom.data.multimodal import resolve_image_processing
+from torchloom.data.multimodal_format import MediaTokens
 from torchloom.kernels.delta_rule import fla_runs
 from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import (
@@ -197,6 +200,33 @@ def check_seq_len(config: DecoderConfig, seq_len: int) -> None:
             f"--training.seq_len {seq_len} exceeds the model's max_seq_len "
             f"{config.max_seq_len}; lower seq_len or set "
             f"--model.overrides '{{\"max_seq_len\": {seq_len}}}'."
+        )
+
+
+def check_media_fits(config: DecoderConfig, tokenizer: Any, data: DataConfig) -> None:
+    """ConfigError (one line) when multimodal data meets a model without a vision encoder, or
+    a vision model whose placeholder ids or patch shape differ from the data's. A vision model
+    may still train on text (its encoder then gets no gradient)."""
+    vision = getattr(config, "vision", None)
+    if data.format != "multimodal":
+        return
+    if vision is None:
+        raise ConfigError(
+            f"--data.format multimodal needs a model with a vision encoder; "
+            f"{type(config).__name__} has none (use a vision-language family such as qwen3_vl)."
+        )
+    MediaTokens.from_tokenizer(tokenizer).check_model_ids(
+        config.image_token_id, config.vision_start_token_id
+    )
+    processing = resolve_image_processing(data, tokenizer)
+    data_shape = (processing.patch_size, processing.temporal_patch_size, processing.merge_size)
+    model_shape = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    if data_shape != model_shape:
+        raise ConfigError(
+            "The images become patches of (side, frames, merge) = "
+            f"{data_shape} but the model's vision encoder reads {model_shape}; set "
+            "--model.overrides '{\"vision.patch_size\": ...}' to match, or use the model's "
+            "own tokenizer folder (its preprocessor_config.json)."
         )
 
 

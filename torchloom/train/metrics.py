@@ -136,10 +136,15 @@ class MetricsLogger:
         step_seconds: float,
         data_seconds: float,
         num_devices: int = 1,
+        media_flops: float = 0.0,
     ) -> dict[str, Any]:
-        """The metrics of one optimizer step; tps/tflops/mfu are per device."""
+        """The metrics of one optimizer step; tps/tflops/mfu are per device. ``media_flops``:
+        the step's media encoders' FLOPs summed over every rank's micro-batches (the vision
+        encoder's, per image grid), added to the text's ``flops_per_token * tokens``."""
         tps = tokens / step_seconds / num_devices
-        tflops = tps * self.flops_per_token / 1e12
+        media_tflops = media_flops / step_seconds / num_devices / 1e12
+        tflops = tps * self.flops_per_token / 1e12 + media_tflops
+        media = {"media_tflops": media_tflops} if media_flops else {}
         return {
             "step": step,
             "loss": loss,
@@ -148,6 +153,7 @@ class MetricsLogger:
             "tps": tps,
             "tflops": tflops,
             "mfu": (100.0 * tflops / self.peak_tflops) if self.peak_tflops else None,
+            **media,
             "mem_gib": peak_memory_gib(self.device),
             "data_wait_s": data_seconds,
             "step_s": step_seconds,

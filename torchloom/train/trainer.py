@@ -18,9 +18,15 @@ from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data.packing import Batch
 from torchloom.models import DecoderConfig
-from torchloom.parallel import build_parallel_dims, init_distributed
+from torchloom.models.components.multimodal import media_flops
+from torchloom.parallel import build_parallel_dims, init_distributed, sum_over_data_ranks
 from torchloom.parallel.state import full_state_items
-from torchloom.train.builders import TrainBuilders, autocast_dtype, check_seq_len
+from torchloom.train.builders import (
+    TrainBuilders,
+    autocast_dtype,
+    check_media_fits,
+    check_seq_len,
+)
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
 from torchloom.train.expert_balance import expert_balance
 from torchloom.train.job import JobConfig
@@ -130,6 +136,7 @@ class Trainer:
                 "tokenizer that matches the model."
             )
         check_seq_len(config, self.job.training.seq_len)
+        check_media_fits(config, self.tokenizer, self.job.data)
 
     def _local(self, batch: Batch) -> Batch:
         return rank_batch(batch, self.dims, self.device)
@@ -177,7 +184,9 @@ class Trainer:
             while self.step < t.steps:
                 profiler.step_begins(self.step + 1)
                 start = time.perf_counter()
-                batches = [self._local(b) for b in self.train_loader.next_step()]
+                loaded = self.train_loader.next_step()
+                media = self._media_flops(loaded)  # from the host's grids: no device sync
+                batches = [self._local(b) for b in loaded]
                 data_seconds = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 loss, grad_norm, step_metrics = self.train_step(batches)
@@ -193,7 +202,7 @@ class Trainer:
                     seconds = time.perf_counter() - start
                     record = metrics.step_record(
                         self.step, last_loss, grad_norm.item(), lr, tokens_per_step, seconds,
-                        data_seconds, num_devices=self.dims.world_size,
+                        data_seconds, num_devices=self.dims.world_size, media_flops=media.item(),
                     )  # fmt: skip
                     metrics.log(record | {k: v.item() for k, v in step_metrics.items()})
                 else:
@@ -208,6 +217,15 @@ class Trainer:
         finally:
             metrics.close()
         return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
+
+    def _media_flops(self, batches: list[Batch]) -> torch.Tensor:
+        """The media encoders' FLOPs on this step's images (and clips), summed over the data
+        ranks (from the config and the grids: no model pass, whatever the layout)."""
+        if getattr(self.model_config, "vision", None) is None:  # the same on every rank
+            return torch.zeros((), dtype=torch.float64)
+        local = sum(media_flops(self.model_config, b.media) for b in batches)
+        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        return sum_over_data_ranks(total, self.dims)
 
     def _banner(self, metrics: MetricsLogger) -> str:
         job, t = self.job, self.job.training

@@ -133,6 +133,12 @@ class ModelCache:
         self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True, live_B=live_B)
         return self
 
+    @property
+    def binding(self) -> Binding:
+        """The rows of the forward bound last (``bind`` / ``bind_leading``)."""
+        assert self._binding is not None, "bind() first"
+        return self._binding
+
     def copy_slot(self, src_slot: int, dst_slots: list[int], length: int) -> None:
         """Every layer's state of ``src_slot`` after ``length`` tokens, copied to ``dst_slots``
         (which then continue that sequence on their own)."""

@@ -14,6 +14,7 @@ the data (torch.compile and CUDA graphs see one graph).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -257,6 +258,40 @@ def media_encoder_names(model: nn.Module) -> tuple[str, ...]:
     return model.media_encoder_names() if isinstance(model, MediaEmbedding) else ()
 
 
+def media_flops(config: DecoderConfig, media: dict[str, torch.Tensor] | None) -> int:
+    """Training FLOPs of the media encoders of ``config``'s model on ``media`` (0 for text or
+    a model without encoders): the model's own ``media_flops`` on a meta-device build of it
+    (made once per config), so it depends on the config and the grids (and clip lengths) only
+    and holds however the real model is sharded or split. flops_per_token counts the text."""
+    if not media:
+        return 0
+    model = _meta_model(config)
+    return model.media_flops(media) if isinstance(model, MediaEmbedding) else 0
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(config: DecoderConfig) -> nn.Module:
+    with torch.device("meta"):
+        return config.build()
+
+
+class MultimodalCache(ModelCache):
+    """ModelCache plus each slot's M-RoPE offset (``rope_delta_S``): past a prompt's images, a
+    token's rotary position is its cache position + the offset on all three axes (Qwen-VL's
+    rope_deltas: the prompt's largest M-RoPE position + 1 - its length; 0 for text), while the
+    layers' states stay indexed by cache position. The model sets it when a row starts its
+    sequence and reads it in every later forward, so decode steps (CUDA graphs included) need
+    no host work and the engine stays generic."""
+
+    def __init__(self, cache: ModelCache) -> None:
+        super().__init__(cache.states, cache.slots, cache.max_len, cache.device)
+        self.rope_delta_S = torch.zeros(cache.slots, dtype=torch.int64, device=cache.device)
+
+    def copy_slot(self, src_slot: int, dst_slots: list[int], length: int) -> None:
+        super().copy_slot(src_slot, dst_slots, length)
+        self.rope_delta_S[dst_slots] = self.rope_delta_S[src_slot].clone()
+
+
 class MultimodalDecoder(MediaEmbedding, Decoder):
     """The generic decoder with a vision encoder (``visual``) in front: the placeholders'
     embeddings are replaced by the image tokens, and the encoder's DeepStack tokens are added
@@ -286,9 +321,13 @@ class MultimodalDecoder(MediaEmbedding, Decoder):
         media: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states. positions: ``[B, T, 3]`` M-RoPE positions (data/mrope.py), or
-        ``[B, T]`` for text; left out with media, they are computed here on the host."""
+        ``[B, T]`` for text; left out with media, they are computed here on the host. With a
+        generation ``cache`` they are the tokens' cache positions ``[B, T]``, and the rotary
+        positions come from ``generation_positions``."""
         media = self.media_or_none(media)
-        if media is not None and positions_BT is None:
+        if isinstance(cache, MultimodalCache):
+            positions_BT = self.generation_positions(tokens_BT, cache, media)
+        elif media is not None and positions_BT is None:
             positions_BT = self.mrope_positions(tokens_BT, media["image_grid_thw"])
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
         h_BTD, deepstack = self.embed(tokens_BT), []  # a later pipeline stage: the hidden state
@@ -344,6 +383,47 @@ class MultimodalDecoder(MediaEmbedding, Decoder):
             for tokens, grid in zip(tokens_BT.cpu(), grid_BN3.cpu(), strict=True)
         ]  # fmt: skip
         return torch.stack(rows).to(tokens_BT.device)
+
+    def generation_positions(
+        self, tokens_BT: torch.Tensor, cache: MultimodalCache, media: dict[str, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """[B, T, 3] rotary positions of a forward bound to ``cache``: each token's cache
+        position + its slot's offset on all three axes, except that the tokens of a row that
+        starts its sequence take their M-RoPE positions (``start_sequences``)."""
+        binding = cache.binding
+        prompts = {} if binding.leading else self.start_sequences(tokens_BT, cache, media)
+        rotary_BT = binding.positions_BT + cache.rope_delta_S[binding.slot_ids_B][:, None]
+        rotary_BT3 = rotary_BT[..., None].repeat(1, 1, 3)
+        for row, prompt_L3 in prompts.items():
+            rotary_BT3[row, : len(prompt_L3)] = prompt_L3
+        return rotary_BT3
+
+    def start_sequences(
+        self, tokens_BT: torch.Tensor, cache: MultimodalCache, media: dict[str, torch.Tensor] | None
+    ) -> dict[int, torch.Tensor]:
+        """For each row of the bound forward at cache position 0 (a prefill: the host may be
+        read), set its slot's offset: 0 without images, else its largest M-RoPE position + 1 -
+        its length. Returns the M-RoPE positions [length, 3] of the rows with images."""
+        binding = cache.binding
+        prompts: dict[int, torch.Tensor] = {}
+        for row in (binding.positions_BT[:, 0] == 0).nonzero().flatten().tolist():
+            slot = binding.slot_ids_B[row]
+            grid_1N3 = None if media is None else media["image_grid_thw"][row : row + 1]
+            if grid_1N3 is None or not bool(grid_1N3.any()):
+                cache.rope_delta_S[slot] = 0
+                continue
+            length = tokens_BT.shape[1]
+            if binding.lengths_B is not None:
+                length = int(binding.lengths_B[row])
+            prompts[row] = self.mrope_positions(tokens_BT[row : row + 1, :length], grid_1N3)[0]
+            cache.rope_delta_S[slot] = prompts[row].max() + 1 - length
+        return prompts
+
+    def new_cache(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> MultimodalCache:
+        """The decoder's cache with each slot's M-RoPE offset (MultimodalCache)."""
+        return MultimodalCache(super().new_cache(slots, max_len, device, dtype))
 
     @torch.no_grad()
     def init_weights(self, init: ParamInit | int = 0) -> None:

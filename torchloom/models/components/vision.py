@@ -65,6 +65,25 @@ class VisionConfig:
         """Numbers per flattened patch: in_channels * temporal_patch_size * patch_size^2."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
+    def flops(self, image_grid_thw: torch.Tensor, out_dim: int) -> int:
+        """Training FLOPs (forward + backward) of encoding the images of ``image_grid_thw``
+        (``[..., 3]``, zero rows skipped) for a decoder of width ``out_dim``: 6 per matmul
+        weight per patch (patch embedding, blocks), each block's attention over the patches of
+        the patch's frame (QK^T and AV: 4 * dim * frame_patches, times 3), and 6 per merger
+        weight per merged token (the merger and every DeepStack merger). Arithmetic on the
+        config only, so it holds for a sharded or pipeline-split model."""
+        block = 3 * self.dim * self.dim + self.dim * self.dim + 2 * self.dim * self.ffn_dim
+        per_patch = self.patch_dim * self.dim + self.depth * block
+        joined = self.dim * self.spatial_merge_size**2
+        per_token = (1 + len(self.deepstack_layers)) * (joined * joined + joined * out_dim)
+        total = 0
+        for t, h, w in torch.as_tensor(image_grid_thw).reshape(-1, 3).tolist():
+            patches = t * h * w
+            attention = self.depth * 12 * self.dim * h * w
+            total += patches * (6 * per_patch + attention)
+            total += patches // self.spatial_merge_size**2 * 6 * per_token
+        return total
+
     def validate(self) -> None:
         """Raise ConfigError naming the first impossible setting."""
         for name in ("depth", "dim", "ffn_dim", "num_heads", "in_channels", "patch_size",
@@ -277,26 +296,8 @@ class VisionEncoder(nn.Module):
         return image_grid_thw_BN3.prod(-1) // self.merge_size**2
 
     def flops(self, image_grid_thw: torch.Tensor) -> int:
-        """Training FLOPs (forward + backward) of encoding the images of ``image_grid_thw``
-        (``[..., 3]``, zero rows skipped): 6 per matmul weight per patch (patch embedding,
-        blocks), each block's attention over the patches of the patch's frame (QK^T and AV:
-        4 * dim * frame_patches, times 3), and 6 per merger weight per merged token (the merger
-        and every DeepStack merger)."""
-        cfg = self.cfg
-        block = self.blocks[0]
-        linears = (block.attn.qkv, block.attn.proj, block.mlp.linear_fc1, block.mlp.linear_fc2)
-        per_patch = self.patch_embed.proj.weight.numel() + cfg.depth * sum(
-            m.weight.numel() for m in linears
-        )
-        mergers = [self.merger, *self.deepstack_merger_list]
-        per_token = sum(m.linear_fc1.weight.numel() + m.linear_fc2.weight.numel() for m in mergers)
-        total = 0
-        for t, h, w in torch.as_tensor(image_grid_thw).reshape(-1, 3).tolist():
-            patches = t * h * w
-            attention = cfg.depth * 12 * cfg.dim * h * w
-            total += patches * (6 * per_patch + attention)
-            total += patches // cfg.spatial_merge_size**2 * 6 * per_token
-        return total
+        """Training FLOPs of encoding these images (VisionConfig.flops)."""
+        return self.cfg.flops(image_grid_thw, self.merger.linear_fc2.out_features)
 
     @torch.no_grad()
     def init_weights(self, init: ParamInit) -> None:

@@ -1,0 +1,77 @@
+"""Vision-language recipes: SFT of a tiny Qwen3-VL on the builtin picture chats, small enough
+for a CPU."""
+
+from __future__ import annotations
+
+from torchloom.config import register_recipe
+from torchloom.data.config import BUILTIN_SHAPES_CHAT, DataConfig
+from torchloom.data.tokenizer import (
+    IMAGE_TOKEN,
+    MEDIA_SPECIAL_TOKENS,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+)
+from torchloom.models.config import ModelConfig
+from torchloom.train.config import TrainingConfig
+from torchloom.train.job import JobConfig, OutputConfig
+from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+
+TEXT_VOCAB = 4096
+"""The builtin tokenizer's text vocabulary; builtin:stdlib_bpe_vl appends its media tokens."""
+
+
+def builtin_vl_token_overrides(text_vocab: int = TEXT_VOCAB) -> dict[str, int]:
+    """A Qwen3-VL config's vocabulary and vision token ids as builtin:stdlib_bpe_vl gives them
+    (its media tokens follow the text ids in MEDIA_SPECIAL_TOKENS' order)."""
+    ids = {token: text_vocab + i for i, token in enumerate(MEDIA_SPECIAL_TOKENS)}
+    return {
+        "vocab_size": text_vocab + len(MEDIA_SPECIAL_TOKENS),
+        "image_token_id": ids[IMAGE_TOKEN],
+        "vision_start_token_id": ids[VISION_START_TOKEN],
+        "vision_end_token_id": ids[VISION_END_TOKEN],
+        "video_token_id": ids["<|video_pad|>"],
+    }
+
+
+@register_recipe("qwen3_vl_debug")
+def qwen3_vl_debug() -> JobConfig:
+    """qwen3_vl's debug flavor (3 decoder layers, a 2-block ViT with DeepStack) fine-tuned on
+    builtin:shapes_chat (colour, count and shape questions about drawn pictures), images of
+    at most 64 patches of 16 pixels: a few minutes on a CPU."""
+    return JobConfig(
+        model=ModelConfig(
+            name="qwen3_vl",
+            flavor="debug",
+            # The data's patches are Qwen3-VL's 16-pixel ones (the flavor's ViT reads 4).
+            overrides={**builtin_vl_token_overrides(), "vision.patch_size": 16},
+        ),
+        data=DataConfig(
+            format="multimodal",
+            sources=[BUILTIN_SHAPES_CHAT],
+            tokenizer="builtin:stdlib_bpe_vl",
+            vocab_size=TEXT_VOCAB,
+            max_images_per_row=4,
+            max_image_patches=64,
+            image_min_pixels=64 * 64,
+        ),
+        training=TrainingConfig(
+            steps=200,
+            seq_len=256,
+            global_batch_size=8,
+            val_interval=50,
+            val_sequences=16,
+            sample_tokens=0,
+        ),
+        optimizer=OptimizerConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=10, decay="cosine"),
+        output=OutputConfig(dir="outputs/qwen3_vl_debug"),
+    )
+
+
+@register_recipe("qwen3_vl_moe_debug")
+def qwen3_vl_moe_debug() -> JobConfig:
+    """qwen3_vl_debug with the debug_moe decoder (8 experts, top-2, in every layer)."""
+    job = qwen3_vl_debug()
+    job.model.flavor = "debug_moe"
+    job.output.dir = "outputs/qwen3_vl_moe_debug"
+    return job
