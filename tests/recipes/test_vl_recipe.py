@@ -49,7 +49,7 @@ def test_models_that_cannot_read_the_data_are_refused(vl_job) -> None:
     job, tokenizer = vl_job
     config = build_model_config(job)
     text_model = resolve_model_config(ModelConfig(name="qwen3", flavor="debug"))
-    with pytest.raises(ConfigError, match="needs a model with a vision encoder"):
+    with pytest.raises(ConfigError, match="needs a model with a media encoder"):
         check_media_fits(text_model, tokenizer, job.data)
     flavor_ids = resolve_model_config(
         ModelConfig(name="qwen3_vl", flavor="debug", overrides={"vocab_size": 4103})
@@ -57,6 +57,9 @@ def test_models_that_cannot_read_the_data_are_refused(vl_job) -> None:
     with pytest.raises(ConfigError, match="image_token_id=4093"):
         check_media_fits(flavor_ids, tokenizer, job.data)
     small_patches = replace(config, vision=replace(config.vision, patch_size=4))
-    with pytest.raises(ConfigError, match="vision encoder reads"):
+    with pytest.raises(ConfigError, match="encoder reads"):
         check_media_fits(small_patches, tokenizer, job.data)
+    kimi = resolve_model_config(ModelConfig(name="kimi_k25", flavor="debug"))
+    with pytest.raises(ConfigError, match="set --data.media_layout kimi_k25"):
+        check_media_fits(kimi, tokenizer, job.data)  # data rendered for qwen3_vl
     check_media_fits(config, tokenizer, replace(job.data, format="chat"))  # text on a VL model

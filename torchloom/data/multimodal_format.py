@@ -191,7 +191,9 @@ def parse_prompt(
     # stands in and is dropped.
     reply = {"role": "assistant", "content": ""}
     sample = parse_sample({MESSAGES_FIELD: [*messages, reply]}, where, folder, media, processing)
-    return MultimodalSample(Conversation(where, sample.conversation.messages[:-1]), sample.images)
+    return MultimodalSample(
+        Conversation(where, sample.conversation.messages[:-1]), sample.images, sample.audios
+    )
 
 
 def _num_tokens(grid: tuple[int, int, int], processing: ImageProcessing) -> int:

@@ -37,7 +37,7 @@ from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.models.components.moe import experts_reading_the_host
-from torchloom.models.components.multimodal import MEDIA_KEYS, check_media
+from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
 
 MIXED_PREFILL_TOKENS = 64
 """A prefill whose rows are at most this many tokens also advances the active requests (each
@@ -323,7 +323,8 @@ class Generator:
     def _media_problem(self, request: Request) -> str | None:
         """Why the request's images (or their absence) do not fit the model or its prompt."""
         media, cfg = request.media, self.config
-        if getattr(self.model, "visual", None) is None:
+        encoder = getattr(self.model, "media_encoder", None)
+        if encoder is None:
             return None if media is None else "this model reads no images"
         if media is None:
             placeholders = request.prompt_ids.count(cfg.image_token_id)
@@ -332,15 +333,17 @@ class Generator:
             )  # fmt: skip
         if set(media) != set(MEDIA_KEYS):
             return f"media must hold {' and '.join(MEDIA_KEYS)}; got {', '.join(media)}"
-        if media["pixel_values"].shape[-1] != cfg.vision.patch_dim:
+        patch_dim = getattr(cfg.vision, "patch_dim", None)
+        if patch_dim is not None and media["pixel_values"].shape[-1] != patch_dim:
             return (f"pixel_values hold patches of {media['pixel_values'].shape[-1]} values; "
-                    f"the model's vision encoder reads {cfg.vision.patch_dim}")  # fmt: skip
-        tokens_1T, merge = torch.tensor([request.prompt_ids]), cfg.vision.spatial_merge_size
+                    f"the model's vision encoder reads {patch_dim}")  # fmt: skip
+        tokens_1T = torch.tensor([request.prompt_ids])
         try:
             check_media(tokens_1T, {k: v[None].cpu() for k, v in media.items()},
-                        cfg.image_token_id, merge)  # fmt: skip
-            mrope_positions(tokens_1T[0], media["image_grid_thw"], cfg.image_token_id,
-                            cfg.vision_start_token_id, merge)  # fmt: skip
+                        cfg.image_token_id, encoder)  # fmt: skip
+            if isinstance(self.model, MultimodalDecoder):  # M-RoPE: the prompt's positions
+                mrope_positions(tokens_1T[0], media["image_grid_thw"], cfg.image_token_id,
+                                cfg.vision_start_token_id, encoder.merge_size)  # fmt: skip
         except (ConfigError, ValueError) as err:
             return f"the prompt does not match its images: {err}"
         return None

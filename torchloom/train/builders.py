@@ -25,7 +25,7 @@ from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
 from torchloom.config.errors import ConfigError
 from torchloom.data import build_dataloaders
 from torchloom.data.config import DataConfig
-from torchloom.data.multimodal import resolve_image_processing
+from torchloom.data.multimodal import resolve_image_processing, resolve_media_layout
 from torchloom.data.multimodal_format import MediaTokens
 from torchloom.kernels.delta_rule import fla_runs
 from torchloom.kernels.float8 import check_float8_device
@@ -204,29 +204,40 @@ def check_seq_len(config: DecoderConfig, seq_len: int) -> None:
 
 
 def check_media_fits(config: DecoderConfig, tokenizer: Any, data: DataConfig) -> None:
-    """ConfigError (one line) when multimodal data meets a model without a vision encoder, or
-    a vision model whose placeholder ids or patch shape differ from the data's. A vision model
-    may still train on text (its encoder then gets no gradient)."""
-    vision = getattr(config, "vision", None)
+    """ConfigError (one line) when multimodal data meets a model without a media encoder, data
+    rendered for another family (--data.media_layout), or a model whose placeholder ids or
+    patch size differ from the data's. A vision model may still train on text (its encoder then
+    gets no gradient)."""
     if data.format != "multimodal":
         return
-    if vision is None:
+    family = getattr(config, "media_layout", None)
+    if family is None:
         raise ConfigError(
-            f"--data.format multimodal needs a model with a vision encoder; "
-            f"{type(config).__name__} has none (use a vision-language family such as qwen3_vl)."
+            f"--data.format multimodal needs a model with a media encoder; "
+            f"{type(config).__name__} has none (use a family such as qwen3_vl or kimi_k25)."
         )
-    MediaTokens.from_tokenizer(tokenizer).check_model_ids(
-        config.image_token_id, config.vision_start_token_id
-    )
-    processing = resolve_image_processing(data, tokenizer)
-    data_shape = (processing.patch_size, processing.temporal_patch_size, processing.merge_size)
-    model_shape = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
-    if data_shape != model_shape:
+    if data.media_layout != family:
         raise ConfigError(
-            "The images become patches of (side, frames, merge) = "
-            f"{data_shape} but the model's vision encoder reads {model_shape}; set "
-            "--model.overrides '{\"vision.patch_size\": ...}' to match, or use the model's "
-            "own tokenizer folder (its preprocessor_config.json)."
+            f"--data.media_layout {data.media_layout} renders media for {data.media_layout} "
+            f"models, but this model reads the {family} layout; set --data.media_layout {family}."
+        )
+    layout = resolve_media_layout(data)
+    tokens = MediaTokens.from_tokenizer(tokenizer, layout)
+    start_id = getattr(config, "vision_start_token_id", tokens.image_start_token_id)
+    tokens.check_model_ids(config.image_token_id, start_id)
+    processing = resolve_image_processing(data, tokenizer, layout)
+    vision = config.vision
+    model_patch = getattr(vision, "patch_size", processing.patch_size)
+    model_merge = getattr(vision, "spatial_merge_size", None) or getattr(
+        vision, "merge_size", getattr(vision, "merge", processing.merge_size)
+    )
+    if (processing.patch_size, processing.merge_size) != (model_patch, model_merge):
+        raise ConfigError(
+            "The images become patches of (side, merge) = "
+            f"{(processing.patch_size, processing.merge_size)} but the model's encoder reads "
+            f'{(model_patch, model_merge)}; set --model.overrides \'{{"vision.patch_size": '
+            "...}' to match, or use the model's own tokenizer folder (its "
+            "preprocessor_config.json)."
         )
 
 

@@ -10,6 +10,7 @@ the merged, projected image tokens replace. Positions are the text model's plain
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moonvit import MoonViTConfig
@@ -20,6 +21,9 @@ from torchloom.models.deepseek_v3.config import DEEPSEEK_V3_FLAVORS, DeepSeekV3C
 class KimiK25Config(DeepSeekV3Config):
     """A Kimi K2.5 architecture: the DeepSeek-V3 decoder's fields plus the vision encoder and
     the placeholder ids."""
+
+    media_layout: ClassVar[str] = "kimi_k25"
+    """The --data.media_layout whose rendering of media this model reads."""
 
     vision: MoonViTConfig = field(default_factory=lambda: MoonViTConfig(text_dim=64))
     """MoonViT and its projector (override fields as 'vision.num_layers', ...); its

@@ -16,7 +16,7 @@ weight w; the logits are soft-capped: cap * tanh(logits * logit_scale / cap).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import nn
 
@@ -51,6 +51,9 @@ def default_layer_types(layers: int) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class MuseGlimmerConfig(DecoderConfig):
     """Architecture of Muse Glimmer's text decoder (module docstring)."""
+
+    media_layout: ClassVar[str] = "muse_glimmer"
+    """The --data.media_layout whose rendering of media this model reads."""
 
     norm_eps: float = 1e-5
     """Epsilon of the pre-norms, the q/k and embedding norms and the final norm."""

@@ -19,7 +19,7 @@ with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import nn
 
@@ -58,6 +58,9 @@ def _spark_moe() -> MoEConfig:
 @dataclass(frozen=True)
 class MuseSparkConfig(MuseGlimmerConfig):
     """Architecture of Muse Spark's text decoder (module docstring)."""
+
+    media_layout: ClassVar[str] = "muse_spark"
+    """The --data.media_layout whose rendering of media this model reads."""
 
     rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=500_000.0))
     """Rotary embedding of the layers with RoPE."""

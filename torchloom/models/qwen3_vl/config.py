@@ -8,6 +8,7 @@ Flavors: ``debug`` and ``debug_moe`` (tiny, for CPU runs) and the published 2B, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
@@ -21,6 +22,9 @@ from torchloom.models.components.vision import VisionConfig
 class Qwen3VLConfig(MoETransformerConfig):
     """A Qwen3-VL architecture. The decoder is dense when first_dense_layers == num_layers (its
     ``moe`` then unused), Qwen3-VL-MoE's otherwise."""
+
+    media_layout: ClassVar[str] = "qwen3_vl"
+    """The --data.media_layout whose rendering of media this model reads."""
 
     vision: VisionConfig = field(default_factory=VisionConfig)
     """The vision encoder (override fields as 'vision.depth', ...)."""
