@@ -1,6 +1,6 @@
-"""The qwen3_vl_debug recipe: a short run's assistant-token loss falls on builtin:shapes_chat
-and its step records count the vision encoder; jobs whose model cannot read the data are
-refused in one line."""
+"""The qwen3_vl_debug and kimi_k25_debug recipes: a short run's assistant-token loss falls on
+builtin:shapes_chat and its step records count the vision encoder; jobs whose model cannot read
+the data are refused in one line."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from torchloom.train.trainer import Trainer
 
 
 @pytest.mark.slow  # 12 steps: about a minute on an idle CPU, three under load
-def test_qwen3_vl_debug_learns_the_picture_chats(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", ["qwen3_vl_debug", "kimi_k25_debug"])
+def test_vl_debug_recipes_learn_the_picture_chats(recipe: str, tmp_path: Path) -> None:
     _, job = resolve_job([
-        "--recipe", "qwen3_vl_debug", "--training.steps", "12", "--training.global_batch_size",
+        "--recipe", recipe, "--training.steps", "12", "--training.global_batch_size",
         "4", "--training.val_interval", "0", "--training.val_sequences", "4",
         "--metrics.tensorboard", "false", "--checkpoint.save_final_model", "false",
         "--output.dir", str(tmp_path / "run"),
@@ -43,6 +44,8 @@ def vl_job():
 def test_the_recipe_model_fits_its_data(vl_job) -> None:
     job, tokenizer = vl_job
     check_media_fits(build_model_config(job), tokenizer, job.data)
+    _, kimi = resolve_job(["--recipe", "kimi_k25_debug"])
+    check_media_fits(build_model_config(kimi), build_tokenizer(kimi.data), kimi.data)
 
 
 def test_models_that_cannot_read_the_data_are_refused(vl_job) -> None:

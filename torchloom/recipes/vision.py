@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torchloom.config import register_recipe
 from torchloom.data.config import BUILTIN_SHAPES_CHAT, DataConfig
+from torchloom.data.media_layout import builtin_media_ids, media_layout
 from torchloom.data.tokenizer import (
     IMAGE_TOKEN,
     MEDIA_SPECIAL_TOKENS,
@@ -74,4 +75,28 @@ def qwen3_vl_moe_debug() -> JobConfig:
     job = qwen3_vl_debug()
     job.model.flavor = "debug_moe"
     job.output.dir = "outputs/qwen3_vl_moe_debug"
+    return job
+
+
+@register_recipe("kimi_k25_debug")
+def kimi_k25_debug() -> JobConfig:
+    """kimi_k25's debug flavor (deepseek_v3's debug decoder, a 2-layer MoonViT) fine-tuned on
+    builtin:shapes_chat with Kimi K2.5's media layout (raster-order 14-pixel patches, plain 1-D
+    positions), spelled with builtin:stdlib_bpe_vl's tokens: a few minutes on a CPU."""
+    job = qwen3_vl_debug()
+    ids = builtin_media_ids(media_layout("kimi_k25"), TEXT_VOCAB)
+    job.model = ModelConfig(
+        name="kimi_k25",
+        flavor="debug",
+        overrides={
+            "vocab_size": TEXT_VOCAB + len(MEDIA_SPECIAL_TOKENS),
+            "image_token_id": ids["image_token_id"],
+            "vision_start_token_id": ids["image_start_token_id"],
+            "vision_end_token_id": ids["image_end_token_id"],
+            "vision.patch_size": 14,  # the data's Kimi patches
+        },
+    )
+    job.data.media_layout = "kimi_k25"
+    job.data.image_min_pixels = 0  # Kimi's processor sizes images by max_image_patches
+    job.output.dir = "outputs/kimi_k25_debug"
     return job
