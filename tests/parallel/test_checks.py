@@ -35,8 +35,11 @@ def test_plan_covers_qk_norms_and_the_tied_head():
     qwen3 = debug_model("qwen3")
     plan = decoder_tp_plan(qwen3, 2, loss_parallel=False)
     assert "layers.0.attention.q_norm" in plan and "output" not in plan
-    assert "" in plan  # gathers the tied head's vocabulary-sharded logits at the root
-    assert "" not in decoder_tp_plan(qwen3, 2, loss_parallel=True)
+    # The tied head's vocabulary-sharded logits are gathered by Decoder.logits itself (an
+    # objective computes them inside the forward, past a hook on the model's output).
+    assert "" not in plan and qwen3.gather_tied_logits
+    decoder_tp_plan(qwen3, 2, loss_parallel=True)
+    assert not qwen3.gather_tied_logits
 
 
 def test_sequence_parallel_needs_seq_len_divisible_by_tp():

@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels import batch_invariant
@@ -375,6 +376,10 @@ class Decoder(nn.Module):
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._aux_modules: list[nn.Module] | None = None  # found at the first call
+        # Tensor parallelism without loss_parallel on a tied head (decoder_plan): the head's
+        # matmul gives vocabulary-sharded logits, which logits() gathers into whole rows (a
+        # hook on the model's output would miss the logits an objective computes inside it).
+        self.gather_tied_logits = False
 
     def forward_hidden(
         self,
@@ -500,6 +505,8 @@ class Decoder(nn.Module):
             logits_BTV = batch_invariant.linear(h_BTD, self.head_weight())
         else:
             logits_BTV = F.linear(h_BTD, self.head_weight())
+            if self.gather_tied_logits and isinstance(logits_BTV, DTensor):
+                logits_BTV = logits_BTV.full_tensor()  # tp without loss_parallel: whole rows
         if self.softcap is None:
             return logits_BTV
         scale, cap = self.softcap

@@ -101,10 +101,9 @@ def decoder_tp_plan(
         # makes that matmul produce vocabulary-sharded logits with no further communication.
         if model.norm is not None:
             plan["norm"] = _SequenceParallelToReplicated()
-        if not loss_parallel:
-            plan[""] = PrepareModuleOutput(
-                output_layouts=vocab_sharded, desired_output_layouts=replicated
-            )
+        # Without loss_parallel the logits must be whole rows: Decoder.logits gathers them
+        # (the objective computes them inside the model's forward, past any output hook).
+        model.gather_tied_logits = not loss_parallel
     return plan
 
 
