@@ -28,6 +28,7 @@ from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.decoder_plan import decoder_tp_plan
 from torchloom.parallel import (
     ParallelConfig,
+    as_local,
     build_parallel_dims,
     destroy,
     global_label_count,
@@ -143,10 +144,12 @@ def parallel_run(model: nn.Module, layout: dict, batches: list) -> list[dict]:
     for batch in batches:
         local = {key: value[rows] for key, value in batch.items()}
         count = global_label_count((local["labels"] != IGNORE_INDEX).sum(), dims)
-        logits = model(local["tokens"], local["positions"], local["doc_ids"])
-        with loss_context(dims):
-            loss = cross_entropy_sum(logits, local["labels"]) / count
+        with loss_context(dims):  # the trainer's path: the objective runs inside the forward
+            out = model(local["tokens"], local["positions"], local["doc_ids"],
+                        objective=CrossEntropy(), targets={"labels": local["labels"]})  # fmt: skip
+            loss = out.loss / count
             loss.backward()
+        loss = as_local(loss.detach())
         norm = clip_gradients(optimizer, model.parameters(), MAX_NORM)  # as the Trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
