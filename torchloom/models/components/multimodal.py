@@ -200,6 +200,39 @@ class MediaEmbedding:
     def audio_encoder(self) -> AudioEncoder | None:
         return getattr(self, self.audio_encoder_name, None) if self.audio_encoder_name else None
 
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        *,
+        cache: ModelCache | None = None,
+        objective: Any = None,
+        targets: dict[str, torch.Tensor] | None = None,
+        media: dict[str, torch.Tensor] | None = None,
+    ) -> Any:
+        """The decoder model's forward, its first block reading the media tokens at the
+        placeholders (1-D positions, no DeepStack: MultimodalDecoder has its own)."""
+        embeds_BTD = None
+        media = self.media_or_none(media)
+        if media is not None and self.embed_tokens is not None:
+            embeds_BTD, _ = self.embed_media(tokens_BT, self.embed(tokens_BT), media)
+        return super().forward(  # type: ignore[misc]
+            tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
+            targets=targets, embeds_BTD=embeds_BTD,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def init_weights(self, init: ParamInit | int = 0) -> None:
+        """Every media encoder's own init, then the decoder's."""
+        if isinstance(init, int):
+            init = ParamInit(self, init)  # type: ignore[arg-type]
+        for name in self.media_encoder_names():
+            encoder = getattr(self, name)
+            if encoder is not None:
+                encoder.init_weights(init)
+        super().init_weights(init)  # type: ignore[misc]
+
     def media_or_none(self, media: dict[str, torch.Tensor] | None) -> dict | None:
         """``media`` when there are some and this model (stage) encodes them, else None."""
         return media if media and self.media_encoder is not None else None
@@ -424,12 +457,3 @@ class MultimodalDecoder(MediaEmbedding, Decoder):
     ) -> MultimodalCache:
         """The decoder's cache with each slot's M-RoPE offset (MultimodalCache)."""
         return MultimodalCache(super().new_cache(slots, max_len, device, dtype))
-
-    @torch.no_grad()
-    def init_weights(self, init: ParamInit | int = 0) -> None:
-        """The encoder's weights (VisionEncoder.init_weights), then the decoder's."""
-        if isinstance(init, int):
-            init = ParamInit(self, init)
-        if self.media_encoder is not None:
-            self.media_encoder.init_weights(init)
-        super().init_weights(init)

@@ -9,16 +9,12 @@ and there are no DeepStack tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from torchloom.models.components.audio import MuseAudioEncoder
-from torchloom.models.components.cache import ModelCache
-from torchloom.models.components.decoder import Decoder, Objective
+from torchloom.models.components.decoder import Decoder
 from torchloom.models.components.multimodal import MediaEmbedding
 from torchloom.models.components.muse_vision import MuseVisionEncoder
-from torchloom.models.components.param_init import ParamInit
 
 if TYPE_CHECKING:  # the configs build these models: the models need their types only
     from torchloom.models.muse_glimmer.config import MuseGlimmerConfig
@@ -34,38 +30,6 @@ class MuseGlimmer(MediaEmbedding, Decoder):
     def __init__(self, cfg: MuseGlimmerConfig) -> None:
         super().__init__(cfg)
         self.vision_tower: MuseVisionEncoder | None = MuseVisionEncoder(cfg.vision)
-
-    def forward(
-        self,
-        tokens_BT: torch.Tensor,
-        positions_BT: torch.Tensor | None = None,
-        doc_ids_BT: torch.Tensor | None = None,
-        *,
-        cache: ModelCache | None = None,
-        objective: Objective | None = None,
-        targets: dict[str, torch.Tensor] | None = None,
-        media: dict[str, torch.Tensor] | None = None,
-    ) -> Any:
-        """Decoder.forward, its first block reading the media tokens at the placeholders."""
-        embeds_BTD = None
-        media = self.media_or_none(media)
-        if media is not None and self.embed_tokens is not None:
-            embeds_BTD, _ = self.embed_media(tokens_BT, self.embed(tokens_BT), media)
-        return super().forward(
-            tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
-            targets=targets, embeds_BTD=embeds_BTD,
-        )  # fmt: skip
-
-    @torch.no_grad()
-    def init_weights(self, init: ParamInit | int = 0) -> None:
-        """The encoders' init (biases zero, norms one), then the decoder's."""
-        if isinstance(init, int):
-            init = ParamInit(self, init)
-        for name in self.media_encoder_names():
-            encoder = getattr(self, name)
-            if encoder is not None:
-                encoder.init_weights(init)
-        super().init_weights(init)
 
 
 class MuseSpark(MuseGlimmer):
