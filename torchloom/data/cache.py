@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -10,6 +12,8 @@ from typing import IO
 
 from torchloom.config.errors import ConfigError
 from torchloom.config.paths import check_can_create
+
+log = logging.getLogger(__name__)
 
 
 def resolve_cache_dir(cache_dir: str = "") -> Path:
@@ -50,3 +54,14 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """``atomic_write`` for UTF-8 text."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def ensure_generated_jsonl(path: Path, generate: Callable[[], list[dict]]) -> Path:
+    """``path``, a JSONL of generated samples made on first use: ``generate()`` writes the
+    samples' media files beside it and returns their records. The JSONL is written last, so its
+    existence means every media file is there."""
+    if not path.exists():
+        records = generate()
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+        log.info("Generated %s: %d samples", path, len(records))
+    return path

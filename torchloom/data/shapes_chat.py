@@ -11,17 +11,13 @@ same pictures.
 
 from __future__ import annotations
 
-import json
-import logging
 import random
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
 
-from torchloom.data.cache import atomic_write, atomic_write_text
-
-log = logging.getLogger(__name__)
+from torchloom.data.cache import atomic_write, ensure_generated_jsonl
 
 # Bump when the pictures, questions or sizes change, so old cached sets are not reused.
 SHAPES_CHAT_VERSION = 1
@@ -46,15 +42,12 @@ def shapes_chat_path(cache_dir: Path, split: str) -> Path:
 
 
 def ensure_shapes_chat(cache_dir: Path, split: str = "train") -> Path:
-    """Path of ``split``'s JSONL, drawing the set on first use (the JSONL is written last, so
-    its existence means every picture is there)."""
+    """Path of ``split``'s JSONL, drawing the set on first use."""
     path = shapes_chat_path(cache_dir, split)
-    if not path.exists():
-        seed, count = SPLITS[split]
-        samples = generate_shapes_chat(path.parent, split, count, seed)
-        atomic_write_text(path, "".join(json.dumps(s) + "\n" for s in samples))
-        log.info("Generated %s: %d samples", path, count)
-    return path
+    seed, count = SPLITS[split]
+    return ensure_generated_jsonl(
+        path, lambda: generate_shapes_chat(path.parent, split, count, seed)
+    )
 
 
 def ensure_shapes_chat_test(cache_dir: Path) -> Path:

@@ -9,8 +9,6 @@ machine writes the same files. ``builtin:tones_chat_test`` is the held-out split
 
 from __future__ import annotations
 
-import json
-import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -18,9 +16,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.data.audio import write_wav
-from torchloom.data.cache import atomic_write, atomic_write_text
-
-log = logging.getLogger(__name__)
+from torchloom.data.cache import atomic_write, ensure_generated_jsonl
 
 # Bump when the tones, questions or lengths change, so old cached sets are not reused.
 TONES_CHAT_VERSION = 1
@@ -42,15 +38,12 @@ def tones_chat_path(cache_dir: Path, split: str) -> Path:
 
 
 def ensure_tones_chat(cache_dir: Path, split: str = "train") -> Path:
-    """Path of ``split``'s JSONL, writing the set on first use (the JSONL last, so its
-    existence means every clip is there)."""
+    """Path of ``split``'s JSONL, writing the set on first use."""
     path = tones_chat_path(cache_dir, split)
-    if not path.exists():
-        seed, count = SPLITS[split]
-        samples = generate_tones_chat(path.parent, split, count, seed)
-        atomic_write_text(path, "".join(json.dumps(s) + "\n" for s in samples))
-        log.info("Generated %s: %d samples", path, count)
-    return path
+    seed, count = SPLITS[split]
+    return ensure_generated_jsonl(
+        path, lambda: generate_tones_chat(path.parent, split, count, seed)
+    )
 
 
 def ensure_tones_chat_test(cache_dir: Path) -> Path:
