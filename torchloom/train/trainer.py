@@ -185,7 +185,8 @@ class Trainer:
                 profiler.step_begins(self.step + 1)
                 start = time.perf_counter()
                 loaded = self.train_loader.next_step()
-                media = self._media_flops(loaded)  # from the host's grids: no device sync
+                logged = metrics.should_log(self.step + 1)
+                media = self._media_flops(loaded) if logged else None  # from the host's grids
                 batches = [self._local(b) for b in loaded]
                 data_seconds = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
@@ -198,7 +199,7 @@ class Trainer:
                     metrics.print(f"wrote {path}")
                 profiler.written.clear()
                 first_loss = last_loss if math.isnan(first_loss) else first_loss
-                if metrics.should_log(self.step):
+                if logged:
                     seconds = time.perf_counter() - start
                     record = metrics.step_record(
                         self.step, last_loss, grad_norm.item(), lr, tokens_per_step, seconds,
