@@ -338,6 +338,19 @@ def _expert_names(index: str, proj: str, experts: int) -> list[str]:
     return [f"model.layers.{index}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
 
+def refuse_unknown_keys(values: dict[str, Any], known: Iterable[str], where: str) -> None:
+    """ConfigError naming the first key of ``values`` (a config.json section, described by
+    ``where``, e.g. "a kimi_k25 vision_config") that is neither in ``known`` nor metadata:
+    torchloom does not know what it changes, so it refuses it rather than ignoring it."""
+    accepted = _METADATA_KEYS.union(known)
+    for key, value in values.items():
+        if key not in accepted:
+            raise ConfigError(
+                f"unknown option {key}={value!r} in {where}. torchloom does not know what it "
+                "changes, so it refuses rather than ignores it."
+            )
+
+
 def rope_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     """RopeConfig from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
     # transformers 5 prefers rope_scaling when both are present; so do we.

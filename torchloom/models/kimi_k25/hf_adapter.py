@@ -23,7 +23,12 @@ import torch
 import torchloom.models.kimi_k25.moonvit_hf as moonvit_hf
 from torchloom.config.errors import ConfigError
 from torchloom.models.deepseek_v3.hf_adapter import DeepSeekV3HFAdapter
-from torchloom.models.hf_adapter import _METADATA_KEYS, FusedExperts, HFAdapter, RowSlice
+from torchloom.models.hf_adapter import (
+    FusedExperts,
+    HFAdapter,
+    RowSlice,
+    refuse_unknown_keys,
+)
 from torchloom.models.kimi_k25.config import KimiK25Config
 
 _VISION = "vision_tower."
@@ -66,12 +71,7 @@ class KimiK25HFAdapter(HFAdapter):
                 f"architectures {hf['architectures']} is not supported; torchloom reads "
                 f"{self.architecture} checkpoints."
             )
-        for key, value in hf.items():
-            if key not in _TOP_KEYS | _METADATA_KEYS:
-                raise ConfigError(
-                    f"unknown option {key}={value!r} in a kimi_k25 config. torchloom does not "
-                    "know what it changes, so it refuses rather than ignores it."
-                )
+        refuse_unknown_keys(hf, _TOP_KEYS, "a kimi_k25 config")
         if not isinstance(hf.get("text_config"), dict):
             raise ConfigError("a 'kimi_k25' config.json needs a text_config.")
         text = {k: v for k, v in hf["text_config"].items() if k != "architectures"}

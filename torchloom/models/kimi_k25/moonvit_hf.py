@@ -16,7 +16,7 @@ from typing import Any
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moonvit import MoonViTConfig
-from torchloom.models.hf_adapter import _METADATA_KEYS
+from torchloom.models.hf_adapter import refuse_unknown_keys
 
 _TOWER, _PROJECTOR = "model.vision_tower.", "model.mm_projector."
 # Ours -> transformers', outside the blocks.
@@ -98,12 +98,7 @@ def config_from_hf(hf: dict[str, Any]) -> MoonViTConfig:
     vision_config key it does not know."""
     vision = hf.get("vision_config") or {}
     text = hf.get("text_config") or {}
-    for key, value in vision.items():
-        if key not in _VISION_KEYS | _METADATA_KEYS:
-            raise ConfigError(
-                f"unknown option {key}={value!r} in a kimi_k25 vision_config. torchloom does not "
-                "know what it changes in MoonViT, so it refuses rather than ignores it."
-            )
+    refuse_unknown_keys(vision, _VISION_KEYS, "a kimi_k25 vision_config")
     if vision.get("model_type", "kimi_k25_vision") != "kimi_k25_vision":
         raise ConfigError(f"vision_config model_type {vision['model_type']!r} is not MoonViT's.")
 

@@ -13,7 +13,7 @@ from typing import Any
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.audio import MuseAudioConfig, muse_audio_config_from_hf
 from torchloom.models.components.muse_vision import MuseVisionConfig, muse_vision_config_from_hf
-from torchloom.models.hf_adapter import _METADATA_KEYS
+from torchloom.models.hf_adapter import _METADATA_KEYS, refuse_unknown_keys
 
 PROJECTOR_KEYS = ("out_hidden_size", "projector_hidden_size", "projector_hidden_act")
 """Top-level keys of the vision adapter."""
@@ -103,9 +103,4 @@ def _refuse_unknown(
 ) -> None:
     if values.get("model_type", model_type) != model_type:
         raise ConfigError(f"{section} model_type is {values['model_type']!r}, not {model_type!r}.")
-    for key, value in values.items():
-        if key not in known and key not in _SUB_CONFIG_KEYS:
-            raise ConfigError(
-                f"unknown {section} option {key}={value!r}. torchloom does not know what it "
-                "changes in the Muse encoders, so it refuses rather than ignores it."
-            )
+    refuse_unknown_keys(values, [*known, *_SUB_CONFIG_KEYS], f"a Muse {section}")

@@ -18,7 +18,13 @@ from typing import Any, ClassVar
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.muse_vision import muse_vision_hf_name
-from torchloom.models.hf_adapter import _METADATA_KEYS, HFAdapter, RowSlice, rope_from_hf
+from torchloom.models.hf_adapter import (
+    _METADATA_KEYS,
+    HFAdapter,
+    RowSlice,
+    refuse_unknown_keys,
+    rope_from_hf,
+)
 from torchloom.models.muse_glimmer.config import MuseGlimmerConfig, default_layer_types
 from torchloom.models.muse_glimmer.encoders_hf import (
     PROJECTOR_KEYS,
@@ -142,14 +148,9 @@ class MuseGlimmerHFAdapter(HFAdapter):
             )
         if not isinstance(hf.get("text_config"), dict):
             raise ConfigError(f"a {self.model_type!r} config.json needs a text_config.")
-        for key in hf:
-            known = self.encoder_keys | set(self.token_ids) | _METADATA_KEYS
-            if key not in known | {"model_type", "architectures", "text_config",
-                                   "tie_word_embeddings"}:  # fmt: skip
-                raise ConfigError(
-                    f"unknown option {key}={hf[key]!r}. torchloom does not know what it changes "
-                    f"in a {self.model_type} model, so it refuses rather than ignores it."
-                )
+        known = {*self.encoder_keys, *self.token_ids, "model_type", "architectures",
+                 "text_config", "tie_word_embeddings"}  # fmt: skip
+        refuse_unknown_keys(hf, known, f"a {self.model_type} config")
         if "tie_word_embeddings" in hf and hf["tie_word_embeddings"] != hf["text_config"].get(
             "tie_word_embeddings", False
         ):

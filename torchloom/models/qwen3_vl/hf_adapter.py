@@ -20,7 +20,12 @@ import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.vision import VisionConfig
-from torchloom.models.hf_adapter import _METADATA_KEYS, FusedExperts, HFAdapter, RowSlice
+from torchloom.models.hf_adapter import (
+    FusedExperts,
+    HFAdapter,
+    RowSlice,
+    refuse_unknown_keys,
+)
 from torchloom.models.qwen3.hf_adapter import Qwen3HFAdapter
 from torchloom.models.qwen3_moe.hf_adapter import Qwen3MoeHFAdapter
 from torchloom.models.qwen3_vl.config import Qwen3VLConfig
@@ -88,7 +93,7 @@ class Qwen3VLHFAdapter(HFAdapter):
                 f"architectures {hf['architectures']} is not supported; torchloom reads "
                 f"{architecture} checkpoints for model_type {model_type!r}."
             )
-        _refuse_unknown(hf, _TOP_KEYS, model_type)
+        refuse_unknown_keys(hf, _TOP_KEYS | {"use_cache"}, f"a {model_type} config")
         if not isinstance(hf.get("text_config"), dict):
             raise ConfigError(f"a {model_type!r} config.json needs a text_config.")
         moe = model_type == "qwen3_vl_moe"
@@ -210,15 +215,6 @@ _TOKEN_DEFAULTS = {"image_token_id": 151655, "vision_start_token_id": 151652,
 """transformers' defaults of the special token ids (the released checkpoints' ids)."""
 
 
-def _refuse_unknown(hf: dict[str, Any], known: frozenset[str], where: str) -> None:
-    for key, value in hf.items():
-        if key not in known | _METADATA_KEYS | {"use_cache"}:
-            raise ConfigError(
-                f"unknown option {key}={value!r} in a {where} config. torchloom does not know "
-                "what it changes, so it refuses rather than ignores it."
-            )
-
-
 def _text_config(
     text: dict[str, Any], model_type: str, moe: bool
 ) -> tuple[dict[str, Any], tuple[int, int, int]]:
@@ -241,7 +237,7 @@ def _text_config(
 
 def _vision_from_hf(hf: dict[str, Any], text_dim: int) -> VisionConfig:
     known = frozenset(_VISION_DEFAULTS) | {"model_type", "initializer_range"}
-    _refuse_unknown(hf, known, "vision_config")
+    refuse_unknown_keys(hf, known | {"use_cache"}, "a Qwen3-VL vision_config")
     if hf.get("model_type", "qwen3_vl_vision") not in _VISION_TYPES:
         raise ConfigError(f"vision_config model_type {hf['model_type']!r} is not Qwen3-VL's.")
 
