@@ -11,7 +11,9 @@
 # On the lent H200: PYTHONPATH=. and the device's python3; one call of at most 10 minutes.
 # DEADLINE (seconds from the start, default 570) stops the RL runs in time for the call's
 # limit; RL_ARGS are added to every RL run's command line; EXTRA runs beside everything (a
-# command, e.g. the GPU tests), its output in extra.log.
+# command, e.g. the GPU tests), its output in extra.log; BEFORE runs beside the base model's
+# training only and is waited for before the RL runs start, so they are timed alone (its output
+# in before.log).
 set -uo pipefail
 OUT=${1:?usage: rl_learns.sh OUT [SEEDS...]}
 shift
@@ -25,6 +27,11 @@ say() { echo "[$(( $(date +%s) - began )) s] $*" | tee -a "$W/steps.log"; }
 pack() { tar czf "$OUT/rl_learns.tgz" -C "$W" . ; }
 trap pack EXIT
 [ -n "${EXTRA:-}" ] && { bash -c "$EXTRA" > "$W/extra.log" 2>&1; say "extra: $(tail -1 "$W/extra.log")"; } &
+before_pid=
+if [ -n "${BEFORE:-}" ]; then
+  { bash -c "$BEFORE" > "$W/before.log" 2>&1; say "before: $(tail -1 "$W/before.log")"; } &
+  before_pid=$!
+fi
 
 for recipe in wp_base wp_sft; do
   if [ ! -e "outputs/$recipe/hf" ]; then
@@ -35,6 +42,7 @@ for recipe in wp_base wp_sft; do
   fi
 done
 
+[ -n "$before_pid" ] && wait "$before_pid"
 left=$(( ${DEADLINE:-570} - ($(date +%s) - began) ))
 runs=()
 for seed in $SEEDS; do runs+=("seed$seed:$seed:0"); done
