@@ -60,13 +60,21 @@ def add_stats(total: dict[str, float], more: dict[str, float]) -> dict[str, floa
     return {k: total.get(k, 0) + more.get(k, 0) for k in {*total, *more}}
 
 
+REFILL_MARGIN = 1.5
+"""A refill round generates this many times the groups the rate kept so far says are missing:
+sized exactly, a round falls short about half the time (the kept count is binomial) and the
+batch then needs another round or stays short; the surplus groups cost little, decoded in the
+same batch."""
+
+
 def collect(
     generate: Callable[[list[int]], RolloutBatch], first: list[int], more: Iterator[int],
     cfg: RLConfig,
 ) -> RolloutBatch:  # fmt: skip
     """The groups ``first`` generated; with ``cfg.filter_zero_variance``, only those whose
     rewards differ, refilled from the groups ``more`` yields (each round sized by the rate
-    kept so far) until there are ``len(first)`` or ``cfg.max_refill_rounds`` rounds were run.
+    kept so far, with REFILL_MARGIN to spare) until there are ``len(first)`` or
+    ``cfg.max_refill_rounds`` rounds were run.
     ``stats`` counts every rollout generated; ``reward_*`` of the first round alone is the
     policy's unbiased reward."""
     batch = generate(first)
@@ -81,7 +89,7 @@ def collect(
     while len(kept) < want and rounds < cfg.max_refill_rounds:
         rounds += 1
         rate = max(len(kept) / generated, 0.125)
-        count = min(math.ceil((want - len(kept)) / rate), 4 * want)
+        count = min(math.ceil(REFILL_MARGIN * (want - len(kept)) / rate), 4 * want)
         extra = generate([next(more) for _ in range(count)])
         generated += count
         batch.seconds += extra.seconds
