@@ -44,7 +44,7 @@ def reference(model, prompt: list[int], media: dict | None, steps: int) -> list[
     batch = None if media is None else {k: v[None] for k, v in media.items()}
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(torch.tensor([tokens], device=model.tok_embeddings.weight.device),
+            logits = model(torch.tensor([tokens], device=next(model.parameters()).device),
                            media=batch)  # fmt: skip
             tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt) :]
