@@ -121,16 +121,21 @@ class AttentionMask:
     ) -> torch.Tensor:
         """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcasting tensors of
         positions, and of document ids when both are given), topk picks aside."""
-        seen = torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool,
-                          device=q_pos.device)  # fmt: skip
+        rules = []
         if self.causal:
-            seen = seen & (k_pos <= q_pos)
+            rules.append(k_pos <= q_pos)
         if self.window is not None:
-            seen = seen & (q_pos - k_pos < self.window)
+            rules.append(q_pos - k_pos < self.window)
         if self.chunk is not None:
-            seen = seen & (q_pos // self.chunk == k_pos // self.chunk)
+            rules.append(q_pos // self.chunk == k_pos // self.chunk)
         if self.document and q_doc is not None and k_doc is not None:
-            seen = seen & (q_doc == k_doc)
+            rules.append(q_doc == k_doc)
+        if not rules:  # bidirectional over one document: every key
+            shape = torch.broadcast_shapes(q_pos.shape, k_pos.shape)
+            return torch.ones(shape, dtype=torch.bool, device=q_pos.device)
+        seen = rules[0]
+        for rule in rules[1:]:
+            seen = seen & rule
         return seen
 
     def dense(
