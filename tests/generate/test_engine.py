@@ -13,8 +13,8 @@ from torchloom.checkpoint.model_io import save_model
 from torchloom.cli import main
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams, score
 from torchloom.generate.graphs import DecodeGraphs, buckets
-from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.attention import Attention
 
 
