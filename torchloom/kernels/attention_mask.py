@@ -80,7 +80,7 @@ class AttentionMask:
     def __post_init__(self) -> None:
         for name in ("window", "chunk", "compress", "topk"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(
                     f"AttentionMask.{name} must be a positive int or None; got {value!r}"
                 )
