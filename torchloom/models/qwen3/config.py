@@ -44,7 +44,7 @@ class Qwen3Config(TransformerConfig):
         if sliding and (self.sliding_window is None or self.sliding_window < 1):
             raise ConfigError(
                 f"model layer_types has sliding_attention layers but sliding_window is "
-                f"{self.sliding_window}; set --model.sliding_window to a positive number of keys."
+                f"{self.sliding_window}; set it to a positive number of keys (model.overrides)."
             )
 
 
