@@ -228,10 +228,11 @@ def test_heads_are_read_from_weight_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask", [CAUSAL, *MASKS[:2]], ids=lambda m: m.describe())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_compiled_flex_matches_sdpa_with_gradients_on_gpu(
-    dtype: torch.dtype, with_docs: bool
+    dtype: torch.dtype, with_docs: bool, mask: AttentionMask
 ) -> None:
     B, H, K, T_, d = 2, 8, 2, 200, 64  # T not a multiple of the 128-token block
     generator = torch.Generator("cuda").manual_seed(0)
@@ -243,11 +244,11 @@ def test_compiled_flex_matches_sdpa_with_gradients_on_gpu(
     results = []
     for backend in ("sdpa", "flex"):
         inputs = [t.clone().requires_grad_() for t in qkv]
-        out = ATTENTION_BACKENDS[backend](*inputs, doc_ids if with_docs else None)
+        out = ATTENTION_BACKENDS[backend](*inputs, doc_ids if with_docs else None, mask)
         out.float().square().sum().backward()
         results.append([out, *(t.grad for t in inputs)])
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     for name, sdpa, flex in zip(("out", "dq", "dk", "dv"), *results):
         diff = (sdpa.float() - flex.float()).abs().max().item()
-        print(f"{dtype} docs={with_docs} {name}: max abs diff flex vs sdpa {diff:.2e}")
+        print(f"{mask.describe()} {dtype} docs={with_docs} {name}: flex vs sdpa {diff:.2e}")
         assert diff < tol * max(1.0, sdpa.abs().max().item()), f"{name}: max abs diff {diff}"
