@@ -88,7 +88,8 @@ class AttentionMask:
     @property
     def plain(self) -> bool:
         """Causal (and same-document) over tokens: what every kernel computes."""
-        return self == AttentionMask(causal=self.causal, document=self.document) and self.causal
+        extras = (self.window, self.chunk, self.compress, self.topk)
+        return self.causal and not self.sink and all(value is None for value in extras)
 
     def describe(self) -> str:
         parts = ["causal" if self.causal else "bidirectional"]

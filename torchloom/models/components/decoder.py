@@ -306,7 +306,8 @@ class LayerInputs(NamedTuple):
     cos_BTd: torch.Tensor | None
     sin_BTd: torch.Tensor | None
     documents: Any
-    """doc_ids_BT, or what the attention kernel builds from them once (flex's BlockMask)."""
+    """doc_ids_BT, or what the attention kernel builds from them once (flex's BlockMasks,
+    one per distinct layer mask)."""
 
 
 class Block(nn.Module):
