@@ -12,6 +12,8 @@ from torchloom.config.errors import ConfigError
 from torchloom.kernels import attention_mask
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
+from torchloom.models.components.cache import KVState
+from torchloom.models.components.mla import MultiHeadLatentAttention
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -158,14 +160,24 @@ def test_sdpa_and_flex_honour_window_and_chunk(mask: AttentionMask, with_docs: b
 
 
 def test_masks_are_refused_where_they_cannot_be_honoured() -> None:
-    """The batch-invariant kernel computes plain masks only; sinks, compressed and top-k keys
-    belong to layers of their own: each refusal is one line naming the mask."""
+    """The batch-invariant kernels (attention and decode) and MLA compute plain masks only, a
+    KV cache causal ones; sinks, compressed and top-k keys belong to layers of their own: each
+    refusal is one line naming the mask."""
     with pytest.raises(ValueError, match="batch_invariant.*window 4.*batch_invariant false"):
         Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, backend="batch_invariant",
                   mask=AttentionMask(window=4))  # fmt: skip
     for mask in (AttentionMask(sink=True), AttentionMask(compress=4), AttentionMask(topk=8)):
         with pytest.raises(ConfigError, match=re.escape(mask.describe())):
             Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=mask)
+    window, cpu = AttentionMask(window=4), torch.device("cpu")
+    with pytest.raises(
+        ValueError, match=r"batch-invariant decode kernel .*\(causal \+ document \+ window 4\)"
+    ):
+        KVState(2, KV_HEADS, 8, HEAD_DIM, cpu, torch.float32, batch_invariant=True, mask=window)
+    with pytest.raises(ValueError, match="KV cache decodes causal attention only"):
+        KVState(2, KV_HEADS, 8, HEAD_DIM, cpu, torch.float32, mask=AttentionMask(causal=False))
+    with pytest.raises(ValueError, match=r"multi-head latent attention .*window 4"):
+        MultiHeadLatentAttention(DIM, HEADS, None, 16, 8, 8, 8, 0.25, mask=window)
 
 
 def test_flops_read_the_window_and_chunk() -> None:
