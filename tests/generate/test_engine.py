@@ -13,6 +13,7 @@ from torchloom.checkpoint.model_io import save_model
 from torchloom.cli import main
 from torchloom.generate.engine import Completion, Generator, Request, SamplingParams, score
 from torchloom.generate.graphs import DecodeGraphs, buckets
+from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.attention import Attention
 
@@ -60,6 +61,42 @@ def test_logprobs_equal_a_full_forward_under_continuous_batching(family, decode)
         worst = max(worst, max(abs(a - b) for a, b in zip(reference, completion.logprobs)))
     print(f"{family}: max |generator logprob - full forward logprob| = {worst:.1e}")
     assert worst < 1e-5
+
+
+def sliding_qwen3(chunk: int | None = None):
+    """The qwen3 debug model with a sliding layer (window 4) then a full one; with ``chunk``,
+    its full layer attends in chunks instead (a mask set on the built layer)."""
+    from dataclasses import replace
+
+    base = resolve_model_config(ModelConfig(name="qwen3", flavor="debug"))
+    config = replace(base, layer_types=("sliding_attention", "full_attention"), sliding_window=4)
+    model = build_model(config)
+    model.init_weights(0)
+    if chunk is not None:
+        model.layers["1"].attention.mask = AttentionMask(chunk=chunk)
+    return model.eval()
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["window", "window+chunk"])
+def test_sliding_and_chunked_layers_decode_as_full_forwards(chunk):
+    """Prompts longer than the window, prefilled then decoded through the KV cache: every
+    logprob equals the full forward's, so the cache hides the keys each layer's mask hides."""
+    model = sliding_qwen3(chunk)
+    requests = [Request(p, SamplingParams(max_new_tokens=6, seed=i))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    completions = Generator(model, max_batch=3, max_len=64).generate(requests)
+    worst = 0.0
+    for request, completion in zip(requests, completions):
+        reference = full_forward_logprobs(model, request.prompt_ids, completion.tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(reference, completion.logprobs)))
+    print(f"sliding qwen3 chunk={chunk}: max |generator - full forward| logprob = {worst:.1e}")
+    assert worst < 1e-5
+    # The masks matter: the same weights with full attention give other logprobs.
+    for layer in model.layers.values():
+        layer.attention.mask = AttentionMask()
+    request, completion = requests[2], completions[2]  # an 11-token prompt
+    full = full_forward_logprobs(model, request.prompt_ids, completion.tokens)
+    assert max(abs(a - b) for a, b in zip(full, completion.logprobs)) > 1e-3
 
 
 def test_greedy_matches_repeated_full_forward_and_batch_does_not_matter():

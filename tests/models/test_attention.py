@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from torchloom.config.errors import ConfigError
 from torchloom.kernels import attention_mask
-from torchloom.models.components.attention import (
-    ATTENTION_BACKENDS,
-    Attention,
-    causal_document_mask,
-)
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
+from torchloom.models.components.attention import ATTENTION_BACKENDS, Attention
+from torchloom.models.components.cache import KVState
+from torchloom.models.components.mla import MultiHeadLatentAttention
 from torchloom.models.components.rope import RopeConfig, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -54,7 +55,9 @@ def _explicit_attention(
 def test_gqa_equals_explicit_repeat_kv(with_docs: bool) -> None:
     attn = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM)
     x, cos, sin, doc_ids = _inputs()
-    mask_BTT = causal_document_mask(doc_ids)[:, 0] if with_docs else torch.ones(T, T).tril().bool()
+    mask_BTT = (
+        CAUSAL.dense(T, x.device, doc_ids)[:, 0] if with_docs else torch.ones(T, T).tril().bool()
+    )
     got = attn(x, cos, sin, doc_ids if with_docs else None)
     assert got.shape == (2, T, DIM)
     expected = _explicit_attention(attn, x, cos, sin, mask_BTT.expand(2, T, T))
@@ -62,7 +65,7 @@ def test_gqa_equals_explicit_repeat_kv(with_docs: bool) -> None:
 
 
 def test_document_mask_is_causal_and_per_document() -> None:
-    mask = causal_document_mask(torch.tensor([[0, 0, 1, 1, 1]]))[0, 0]
+    mask = CAUSAL.dense(5, torch.device("cpu"), torch.tensor([[0, 0, 1, 1, 1]]))[0, 0]
     expected = torch.tensor(
         [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
     ).bool()
@@ -134,6 +137,58 @@ def test_backends_agree_with_a_float64_reference(backend: str, with_docs: bool) 
     assert worst < 1e-5, f"{backend} docs={with_docs}: max abs diff vs float64 {diffs}"
 
 
+MASKS = [AttentionMask(window=3), AttentionMask(chunk=5), AttentionMask(window=4, chunk=8)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.describe())
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_sdpa_and_flex_honour_window_and_chunk(mask: AttentionMask, with_docs: bool) -> None:
+    """An Attention layer with a window or chunk equals the explicit per-head attention under
+    that mask, on sdpa and on flex (forward only: flex has no CPU backward)."""
+    x, cos, sin, doc_ids = _inputs()
+    docs = doc_ids if with_docs else None
+    visible_BTT = mask.dense(T, x.device, docs)[:, 0].expand(2, T, T)
+    sdpa = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=mask)
+    flex = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=mask, backend="flex")
+    flex.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        expected = _explicit_attention(sdpa, x, cos, sin, visible_BTT)
+        for name, layer in (("sdpa", sdpa), ("flex", flex)):
+            diff = (layer(x, cos, sin, docs) - expected).abs().max().item()
+            print(f"{name} {mask.describe()} docs={with_docs}: max abs diff {diff:.1e}")
+            assert diff < 1e-5, (name, diff)
+
+
+def test_masks_are_refused_where_they_cannot_be_honoured() -> None:
+    """The batch-invariant kernels (attention and decode) and MLA compute plain masks only, a
+    KV cache causal ones; sinks, compressed and top-k keys belong to layers of their own: each
+    refusal is one line naming the mask."""
+    with pytest.raises(ValueError, match="batch_invariant.*window 4.*batch_invariant false"):
+        Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, backend="batch_invariant",
+                  mask=AttentionMask(window=4))  # fmt: skip
+    for mask in (AttentionMask(sink=True), AttentionMask(compress=4), AttentionMask(topk=8)):
+        with pytest.raises(ConfigError, match=re.escape(mask.describe())):
+            Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=mask)
+    window, cpu = AttentionMask(window=4), torch.device("cpu")
+    with pytest.raises(
+        ValueError, match=r"batch-invariant decode kernel .*\(causal \+ document \+ window 4\)"
+    ):
+        KVState(2, KV_HEADS, 8, HEAD_DIM, cpu, torch.float32, batch_invariant=True, mask=window)
+    with pytest.raises(ValueError, match="KV cache decodes causal attention only"):
+        KVState(2, KV_HEADS, 8, HEAD_DIM, cpu, torch.float32, mask=AttentionMask(causal=False))
+    with pytest.raises(ValueError, match=r"multi-head latent attention .*window 4"):
+        MultiHeadLatentAttention(DIM, HEADS, None, 16, 8, 8, 8, 0.25, mask=window)
+
+
+def test_flops_read_the_window_and_chunk() -> None:
+    full = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM).flops_per_token(64)
+    window = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=AttentionMask(window=8))
+    chunk = Attention(DIM, HEADS, KV_HEADS, HEAD_DIM, mask=AttentionMask(chunk=8))
+    attention_part = 6 * HEADS * HEAD_DIM
+    assert full - window.flops_per_token(64) == attention_part * (64 - 16)
+    assert full - chunk.flops_per_token(64) == attention_part * (64 - 8)
+
+
 def test_causal_positions_and_starts_mark_each_document_start() -> None:
     """The batch-invariant kernel's view of packed rows: key span start = its document's first
     index, computed here by walking each row."""
@@ -185,10 +240,11 @@ def test_heads_are_read_from_weight_shapes() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask", [CAUSAL, *MASKS[:2]], ids=lambda m: m.describe())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_compiled_flex_matches_sdpa_with_gradients_on_gpu(
-    dtype: torch.dtype, with_docs: bool
+    dtype: torch.dtype, with_docs: bool, mask: AttentionMask
 ) -> None:
     B, H, K, T_, d = 2, 8, 2, 200, 64  # T not a multiple of the 128-token block
     generator = torch.Generator("cuda").manual_seed(0)
@@ -200,11 +256,11 @@ def test_compiled_flex_matches_sdpa_with_gradients_on_gpu(
     results = []
     for backend in ("sdpa", "flex"):
         inputs = [t.clone().requires_grad_() for t in qkv]
-        out = ATTENTION_BACKENDS[backend](*inputs, doc_ids if with_docs else None)
+        out = ATTENTION_BACKENDS[backend](*inputs, doc_ids if with_docs else None, mask)
         out.float().square().sum().backward()
         results.append([out, *(t.grad for t in inputs)])
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     for name, sdpa, flex in zip(("out", "dq", "dk", "dv"), *results):
         diff = (sdpa.float() - flex.float()).abs().max().item()
-        print(f"{dtype} docs={with_docs} {name}: max abs diff flex vs sdpa {diff:.2e}")
+        print(f"{mask.describe()} {dtype} docs={with_docs} {name}: flex vs sdpa {diff:.2e}")
         assert diff < tol * max(1.0, sdpa.abs().max().item()), f"{name}: max abs diff {diff}"

@@ -82,3 +82,16 @@ def test_bad_slots_and_names() -> None:
         resolve_model_config(ModelConfig(name="qwen3", flavor="0.6b"))
     with pytest.raises(ConfigError, match=r"Unknown model 'qwen'"):
         resolve_model_config(ModelConfig(name="qwen"))
+
+
+def test_tuple_fields_take_lists() -> None:
+    """qwen3's layer_types (tuple[str, ...]) from a JSON list; each element type-checked."""
+    layers = ["sliding_attention", "full_attention"]
+    cfg = resolve_model_config(
+        ModelConfig(name="qwen3", overrides={"layer_types": layers, "sliding_window": 8})
+    )
+    assert cfg.layer_types == tuple(layers) and cfg.sliding_window == 8
+    with pytest.raises(ConfigError, match=r"'layer_types\[1\]' must be str, got int 3"):
+        resolve_model_config(ModelConfig(name="qwen3", overrides={"layer_types": ["x", 3]}))
+    with pytest.raises(ConfigError, match="has sliding_attention layers but sliding_window"):
+        resolve_model_config(ModelConfig(name="qwen3", overrides={"layer_types": layers}))

@@ -80,9 +80,10 @@ def test_config_written_by_transformers_is_read() -> None:
 
 
 REFUSED = {
-    "sliding window": ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
-    "layer types": ({"layer_types": ["full_attention", "sliding_attention"]},
-                    "layer_types ['sliding_attention'] are not supported"),
+    "window off": ({"layer_types": ["full_attention", "sliding_attention"]},
+                   "sliding_attention layers but use_sliding_window is not true"),
+    "layer types": ({"layer_types": ["full_attention", "chunked_attention"]},
+                    "layer_types ['chunked_attention'] are not supported"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=True is not supported"),
     "model_type": ({"model_type": "qwen3_moe"}, "model_type is 'qwen3_moe', not 'qwen3'"),
     "unknown": ({"num_experts": 8}, "unknown option num_experts=8"),
@@ -102,3 +103,58 @@ def test_export_refuses_an_architecture_transformers_cannot_hold() -> None:
 
     with pytest.raises(ConfigError, match="qk_norm=False.*Qwen3ForCausalLM"):
         ADAPTER.config_to_hf(replace(QWEN3_FLAVORS["debug"], qk_norm=False))
+
+
+# Gemma-style interleaving: a sliding-window layer, then a full one; the window (4) is shorter
+# than the sequences (24 tokens), so the sliding layer's mask matters.
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+           "sliding_window": 4, **QWEN_TINY}  # fmt: skip
+
+
+@torch.no_grad()
+def test_sliding_window_layers_match_transformers(hf_checkpoint, logits_parity, tmp_path) -> None:
+    """layer_types + sliding_window are read into per-layer masks; the logits equal
+    transformers' (whose eager mask slides on the sliding layer), and export -> reload keeps
+    the config, the keys transformers reads and the logits."""
+    from dataclasses import replace
+
+    from torchloom.checkpoint.hf import save_hf
+    from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
+
+    path, reference = hf_checkpoint("qwen3", **SLIDING)
+    model = torchloom.from_hf(path)
+    assert model.config.layer_types == ("sliding_attention", "full_attention")
+    assert model.layers["0"].attention.mask == AttentionMask(window=4)
+    assert model.layers["1"].attention.mask == CAUSAL
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = reference(tokens).logits
+    logits_parity("qwen3 sliding window 4 + full", model(tokens), theirs)
+    # The reference really slides: the same weights with full attention everywhere differ.
+    full = Decoder(replace(model.config, layer_types=(), sliding_window=None))
+    full.load_state_dict(model.state_dict())
+    differs = ((full(tokens) - theirs).abs().max() / theirs.abs().max()).item()
+    print(f"full attention everywhere vs transformers: relative {differs:.1e}")
+    assert differs > 1e-3
+
+    save_hf(tmp_path / "out", "qwen3", model.config, model.state_dict().items())
+    reloaded = torchloom.from_hf(tmp_path / "out")
+    assert reloaded.config == model.config
+    assert torch.equal(reloaded(tokens), model(tokens))
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert exported.layer_types == SLIDING["layer_types"] and exported.sliding_window == 4
+
+
+def test_sliding_layers_from_max_window_layers() -> None:
+    """Without layer_types, transformers slides the layers from max_window_layers on, and only
+    with use_sliding_window; sliding layers elsewhere than qwen3 are refused, not dropped."""
+    from torchloom.models.qwen3_moe import Qwen3MoeHFAdapter
+
+    hf = ADAPTER.config_to_hf(QWEN3_FLAVORS["debug"])
+    window = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}
+    cfg = ADAPTER.config_from_hf(hf | window)
+    assert cfg.layer_types == ("full_attention", "sliding_attention") and cfg.sliding_window == 8
+    assert ADAPTER.config_from_hf(hf | window | {"use_sliding_window": False}).layer_types == ()
+    moe = Qwen3MoeHFAdapter()
+    moe_hf = hf | {"model_type": "qwen3_moe", "architectures": [moe.architecture]}
+    with pytest.raises(ConfigError, match="use_sliding_window=True is not supported"):
+        moe.config_from_hf(moe_hf | {"layer_types": ["sliding_attention"] * 2, **window})

@@ -18,6 +18,7 @@ from torchloom.models import (
     resolve_model_config,
 )
 from torchloom.models.llama3 import LLAMA3_FLAVORS
+from torchloom.models.qwen3 import Qwen3Config
 
 
 def test_families_are_registered() -> None:
@@ -27,7 +28,7 @@ def test_families_are_registered() -> None:
         "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl",
     ]  # fmt: skip
     spec = get_model_spec("qwen3")
-    assert spec.config_cls is TransformerConfig and "0.6B" in spec.flavors and spec.description
+    assert spec.config_cls is Qwen3Config and "0.6B" in spec.flavors and spec.description
 
 
 def test_unknown_names_suggest_near_matches() -> None:

@@ -14,6 +14,7 @@ import copy
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,8 @@ from worker import (
 )
 
 from torchloom.data.packing import Batch
+from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.parallel import (
     ParallelConfig,
     ParallelDims,
@@ -57,7 +60,21 @@ LAYOUTS: dict[str, dict] = {
     "cp_fsdp": {"cp": 2, "dp_shard": 2},
     "cp_tp": {"cp": 2, "tp": 2, "dp_shard": 1, "loss_parallel": False},
     "cp_replicate": {"cp": 2, "dp_replicate": 2, "dp_shard": 1},
+    "cp_masks": {"cp": 2, "dp_shard": 1},  # MASKED only: the gathered keys keep each layer's mask
 }
+MASKED = "qwen3 window+chunk"
+
+
+def build_masked() -> nn.Module:
+    """qwen3 debug with a sliding layer (window 5) and a chunked one (chunk 8): both cross the
+    cp shards' boundaries (rows of 16 tokens in four 4-token chunks)."""
+    debug = resolve_model_config(ModelConfig(name="qwen3", flavor="debug"))
+    model = build_model(
+        replace(debug, layer_types=("sliding_attention", "full_attention"), sliding_window=5)
+    )
+    model.layers["1"].attention.mask = AttentionMask(chunk=8)
+    model.init_weights(0)
+    return model
 
 
 def local_batch(batch: dict, dims: ParallelDims) -> Batch:
@@ -115,9 +132,9 @@ def main(names: list[str]) -> None:
     rank0 = dist.get_rank() == 0
     references: dict[str, list] = {}
     for name in names:
-        for family in FAMILIES:
+        for family in (MASKED,) if name == "cp_masks" else FAMILIES:
             start = time.perf_counter()
-            model = build(family)
+            model = build_masked() if family == MASKED else build(family)
             untouched = copy.deepcopy(model)
             batches = make_batches(model.config.vocab_size)
             if family not in references:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.parallel.launcher import run_worker
-from tests.parallel.test_layouts import check
+from tests.parallel.test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL, check
 from torchloom.config.errors import ConfigError
 from torchloom.data.packing import Batch
 from torchloom.parallel.context_parallel import (
@@ -69,7 +69,7 @@ def check_cp(results: list[dict], layout: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, "cp")
+    return launch(2, "cp", "cp_masks")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,20 @@ def four_ranks():
 @pytest.mark.distributed
 def test_cp_matches_single_process(two_ranks):
     check_cp(two_ranks, "cp")
+
+
+@pytest.mark.distributed
+def test_cp_honours_window_and_chunk_masks(two_ranks):
+    """A sliding-window layer and a chunked one under cp 2: the gathered keys are masked on
+    global indices, so logits, losses, gradient norms and updated weights match one process."""
+    (r,) = [r for r in two_ranks if r["layout"] == "cp_masks"]
+    print(
+        f"cp_masks {r['family']}: max |logit diff| {r['logits_diff']:.1e}, |loss diff| "
+        f"{r['loss_diff']:.1e}, |param diff| {r['param_diff']:.1e}"
+    )
+    assert not r["missing"], r["missing"]
+    assert r["logits_diff"] <= LOGITS_TOL and r["loss_diff"] <= LOSS_TOL, r
+    assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]) and r["param_diff"] <= PARAM_TOL, r
 
 
 @pytest.mark.distributed

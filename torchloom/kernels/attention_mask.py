@@ -80,7 +80,7 @@ class AttentionMask:
     def __post_init__(self) -> None:
         for name in ("window", "chunk", "compress", "topk"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(
                     f"AttentionMask.{name} must be a positive int or None; got {value!r}"
                 )
@@ -88,7 +88,8 @@ class AttentionMask:
     @property
     def plain(self) -> bool:
         """Causal (and same-document) over tokens: what every kernel computes."""
-        return self == AttentionMask(causal=self.causal, document=self.document) and self.causal
+        extras = (self.window, self.chunk, self.compress, self.topk)
+        return self.causal and not self.sink and all(value is None for value in extras)
 
     def describe(self) -> str:
         parts = ["causal" if self.causal else "bidirectional"]
@@ -121,16 +122,21 @@ class AttentionMask:
     ) -> torch.Tensor:
         """Whether a query at ``q_pos`` sees a key at ``k_pos`` (broadcasting tensors of
         positions, and of document ids when both are given), topk picks aside."""
-        seen = torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool,
-                          device=q_pos.device)  # fmt: skip
+        rules = []
         if self.causal:
-            seen = seen & (k_pos <= q_pos)
+            rules.append(k_pos <= q_pos)
         if self.window is not None:
-            seen = seen & (q_pos - k_pos < self.window)
+            rules.append(q_pos - k_pos < self.window)
         if self.chunk is not None:
-            seen = seen & (q_pos // self.chunk == k_pos // self.chunk)
+            rules.append(q_pos // self.chunk == k_pos // self.chunk)
         if self.document and q_doc is not None and k_doc is not None:
-            seen = seen & (q_doc == k_doc)
+            rules.append(q_doc == k_doc)
+        if not rules:  # bidirectional over one document: every key
+            shape = torch.broadcast_shapes(q_pos.shape, k_pos.shape)
+            return torch.ones(shape, dtype=torch.bool, device=q_pos.device)
+        seen = rules[0]
+        for rule in rules[1:]:
+            seen = seen & rule
         return seen
 
     def dense(

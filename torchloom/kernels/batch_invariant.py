@@ -44,6 +44,9 @@ from torchloom.kernels.rmsnorm import rms_norm_fused
 from torchloom.kernels.swiglu import swiglu_fused
 from torchloom.kernels.triton_support import use_triton
 
+MASK_FIX = "run this model with --model.batch_invariant false (its kernels are plain causal)."
+"""The fix a batch-invariant site names when it refuses a mask it cannot honour."""
+
 # A multiple of every unrolled vector step of ATen's CPU loops (2 x 64 bytes of bf16 on
 # AVX-512 is 64 elements; 256 leaves room for wider vectors).
 _VECTOR_SPAN = 256

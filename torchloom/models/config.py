@@ -171,6 +171,10 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
             return None
         (expected,) = [a for a in args if a is not type(None)]
         return _check_type(key, value, expected)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list
+        if isinstance(value, list | tuple):
+            return tuple(_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+        raise ConfigError(f"model.overrides '{key}' must be a list, got {value!r}.")
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):

@@ -7,8 +7,9 @@ field (tokens, labels, positions, doc ids, extras) is sharded alike; positions a
 so RoPE and the document mask need no change.
 
 Attention. Each rank projects q/k/v for its own tokens, all-gathers K and V (and doc ids) over
-the cp group, and attends with its local queries to all T keys under the mask
-"key index <= query index (global indices) and same document". The all-gather's backward sums
+the cp group, and attends with its local queries to all T keys under the layer's
+``AttentionMask`` read on global indices (causal and same document by default; a sliding
+window or chunk is the same rule on the same indices, so it holds as it does without cp). The all-gather's backward sums
 the ranks' gradients of each K/V shard (a reduce-scatter). K/V memory per rank is O(T), like
 Llama 3's all-gather CP; a ring (send/recv) variant would bring it to O(T / cp).
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.attention import Attention, AttentionBackend
 
 
@@ -119,6 +121,7 @@ class ContextParallelAttention:
         k_BKtd: torch.Tensor,
         v_BKtd: torch.Tensor,
         doc_ids_Bt: torch.Tensor | None,
+        mask: AttentionMask = CAUSAL,
     ) -> torch.Tensor:
         local_len, device = q_BHtd.shape[2], q_BHtd.device
         # One collective for K and V together; t is local, T = cp * t is the full row.
@@ -128,8 +131,8 @@ class ContextParallelAttention:
         k_index_T = torch.cat(
             [global_token_index(r, self.size, local_len) for r in range(self.size)]
         ).to(device)
-        mask_BtT = (k_index_T[None, :] <= q_index_t[:, None]).unsqueeze(0)
-        if doc_ids_Bt is not None:
+        mask_BtT = mask.visible(q_index_t[:, None], k_index_T[None, :]).unsqueeze(0)
+        if doc_ids_Bt is not None and mask.document:
             doc_ids_BT = gather_sequence(doc_ids_Bt, 1, self.group)
             mask_BtT = mask_BtT & (doc_ids_Bt[:, :, None] == doc_ids_BT[:, None, :])
         # Masked kernels take no enable_gqa (see sdpa_attention): repeat the kv heads.
@@ -143,13 +146,9 @@ class ContextParallelAttention:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Make every Attention module of ``model`` attend across the cp group (in place). The
-    model must then be fed ``shard_sequence``'s shards; nothing else in it changes."""
+    model must then be fed ``shard_sequence``'s shards; nothing else in it changes. Each layer
+    keeps its mask (the backend is called with it)."""
     backend: AttentionBackend = ContextParallelAttention(cp_mesh)
     for module in model.modules():
         if isinstance(module, Attention):
-            if module.window is not None:
-                raise ConfigError(
-                    "context parallelism has no sliding-window attention yet (its all-gather "
-                    "kernel masks causally only); set --parallel.cp 1."
-                )
             module.attend = backend

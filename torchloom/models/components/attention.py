@@ -1,17 +1,17 @@
 """Grouped-query self-attention (Ainslie et al. 2023) with pluggable kernels.
 
-A backend is a plain function ``(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT | None) -> out_BHTd``:
-causal attention with softmax scale 1/sqrt(head_dim), where K (kv heads) divides H (query
-heads) and query head h reads kv head h // (H / K). With ``doc_ids_BT`` a token also attends
-only to tokens of its own document (packed rows). Register new kernels in ATTENTION_BACKENDS.
-The flex backend also takes, in place of ``doc_ids_BT``, the BlockMask ``flex_block_mask``
-built from it: the model builds that once per forward for all its layers.
+A backend is a plain function ``(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT | None, mask) -> out_BHTd``:
+attention under ``mask`` (an ``AttentionMask``, kernels/attention_mask.py: causal, and with
+``doc_ids_BT`` same-document, by default) with softmax scale 1/sqrt(head_dim), where K (kv
+heads) divides H (query heads) and query head h reads kv head h // (H / K). Register new
+kernels in ATTENTION_BACKENDS. The flex backend also takes, in place of ``doc_ids_BT``, the
+``FlexBlockMasks`` the model builds once per forward: one BlockMask per distinct layer mask.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -29,35 +29,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.cache import KVState
 from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm
 from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS
 
-AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
-]
-
-
-def causal_document_mask(doc_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, 1, T, T]: query t may see key s iff s <= t and both are in the same document."""
-    return causal_mask(doc_ids_BT.shape[1], doc_ids_BT.device, doc_ids_BT)
-
-
-def causal_mask(
-    T: int, device: torch.device, doc_ids_BT: torch.Tensor | None, window: int | None = None
-) -> torch.Tensor:
-    """Boolean [B or 1, 1, T, T]: query t may see key s iff s <= t, both are in the same
-    document (with doc_ids_BT) and, with ``window``, t - s < window (sliding-window attention:
-    the query and the window - 1 keys before it)."""
-    index_T = torch.arange(T, device=device)
-    visible_TT = index_T[None, :] <= index_T[:, None]
-    if window is not None:
-        visible_TT &= index_T[:, None] - index_T[None, :] < window
-    if doc_ids_BT is None:
-        return visible_TT[None, None]
-    same_doc_BTT = doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
-    return (visible_TT & same_doc_BTT).unsqueeze(1)
+AttentionBackend = Callable[..., torch.Tensor]
+"""``(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT, mask=CAUSAL) -> out_BHTd`` (module docstring)."""
 
 
 def sdpa_attention(
@@ -65,21 +44,22 @@ def sdpa_attention(
     k_BKTd: torch.Tensor,
     v_BKTd: torch.Tensor,
     doc_ids_BT: torch.Tensor | None,
-    window: int | None = None,
+    mask: AttentionMask = CAUSAL,
 ) -> torch.Tensor:
-    """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels). With
-    ``window``, each query sees only itself and the window - 1 keys before it."""
-    if doc_ids_BT is None and window is None:
+    """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels), with
+    ``mask``'s dense form unless it is plain causal attention over one document."""
+    if doc_ids_BT is None and mask.plain:
         return F.scaled_dot_product_attention(
             q_BHTd, k_BKTd, v_BKTd, is_causal=True, enable_gqa=True
         )
     # The kernels that take a mask do not support enable_gqa (only flash and math do), so the
     # kv heads are repeated to keep the memory-efficient kernel eligible.
     group = q_BHTd.shape[1] // k_BKTd.shape[1]
-    k_BHTd = k_BKTd.repeat_interleave(group, dim=1)
-    v_BHTd = v_BKTd.repeat_interleave(group, dim=1)
-    mask_B1TT = causal_mask(q_BHTd.shape[2], q_BHTd.device, doc_ids_BT, window)
-    return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_B1TT)
+    k_BHSd = k_BKTd.repeat_interleave(group, dim=1)
+    v_BHSd = v_BKTd.repeat_interleave(group, dim=1)
+    T, S = q_BHTd.shape[2], k_BKTd.shape[2]
+    mask_B1TS = mask.dense(T, q_BHTd.device, doc_ids_BT, S)
+    return F.scaled_dot_product_attention(q_BHTd, k_BHSd, v_BHSd, attn_mask=mask_B1TS)
 
 
 @functools.cache
@@ -97,65 +77,94 @@ def _flex_kernel(device: torch.device) -> Callable[..., torch.Tensor]:
 
 
 def flex_block_mask(
-    doc_ids_BT: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+    mask: AttentionMask,
+    doc_ids_BT: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
 ) -> BlockMask:
-    """FlexAttention block mask for causal (and, with doc_ids, same-document) attention."""
-    if doc_ids_BT is None:
+    """FlexAttention block mask of ``mask`` (with doc_ids, per row)."""
+    rows = None if doc_ids_BT is None or not mask.document else doc_ids_BT.shape[0]
+    return create_block_mask(mask.mask_mod(doc_ids_BT), rows, None, q_len, kv_len, device=device)
 
-        def causal(
-            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-        ) -> torch.Tensor:
-            return q_idx >= kv_idx
 
-        return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+class FlexBlockMasks:
+    """What flex layers take in place of ``doc_ids_BT`` in one forward: a BlockMask per
+    distinct layer mask (interleaved sliding and global layers: two), built up front, since
+    building one is a pass over the T x T mask, as costly as a layer's attention."""
 
-    def causal_same_doc(
-        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
-        return (q_idx >= kv_idx) & (doc_ids_BT[b, q_idx] == doc_ids_BT[b, kv_idx])
+    def __init__(
+        self,
+        masks: Iterable[AttentionMask],
+        doc_ids_BT: torch.Tensor | None,
+        T: int,
+        device: torch.device,
+    ) -> None:
+        self.doc_ids_BT, self.T, self.device = doc_ids_BT, T, device
+        self.built = {mask: flex_block_mask(mask, doc_ids_BT, T, T, device) for mask in masks}
 
-    return create_block_mask(
-        causal_same_doc, doc_ids_BT.shape[0], None, q_len, kv_len, device=device
-    )
+    def get(self, mask: AttentionMask) -> BlockMask:
+        if mask not in self.built:  # a layer the model did not announce: build its own
+            self.built[mask] = flex_block_mask(mask, self.doc_ids_BT, self.T, self.T, self.device)
+        return self.built[mask]
 
 
 def flex_attention_backend(
     q_BHTd: torch.Tensor,
     k_BKTd: torch.Tensor,
     v_BKTd: torch.Tensor,
-    doc_ids_BT: torch.Tensor | BlockMask | None,
+    doc_ids_BT: torch.Tensor | FlexBlockMasks | None,
+    mask: AttentionMask = CAUSAL,
 ) -> torch.Tensor:
-    """torch.nn.attention.flex_attention with a causal(+document) block mask: the one given,
-    or one built here from ``doc_ids_BT``."""
-    if isinstance(doc_ids_BT, BlockMask):
-        block_mask = doc_ids_BT
+    """torch.nn.attention.flex_attention under ``mask``'s block mask: the model's, or one built
+    here from ``doc_ids_BT``."""
+    if isinstance(doc_ids_BT, FlexBlockMasks):
+        block_mask = doc_ids_BT.get(mask)
     else:
         T, S = q_BHTd.shape[2], k_BKTd.shape[2]
-        block_mask = flex_block_mask(doc_ids_BT, T, S, q_BHTd.device)
+        block_mask = flex_block_mask(mask, doc_ids_BT, T, S, q_BHTd.device)
     attend = _flex_kernel(q_BHTd.device)
     return attend(q_BHTd, k_BKTd, v_BKTd, block_mask=block_mask, enable_gqa=True)
 
 
+def batch_invariant_attention(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+    mask: AttentionMask = CAUSAL,
+) -> torch.Tensor:
+    """The batch-invariant kernel (kernels/batch_invariant.py): plain masks only."""
+    mask.require_plain("attn_backend 'batch_invariant'", batch_invariant.MASK_FIX)
+    return batch_invariant.causal_attention(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
+
+
 def shared_attention_input(
-    attend: Callable[..., torch.Tensor] | None,
+    mixers: Iterable[nn.Module],
     doc_ids_BT: torch.Tensor | None,
     T: int,
     device: torch.device,
-) -> torch.Tensor | BlockMask | None:
-    """What every layer attending with ``attend`` takes in place of ``doc_ids_BT``, built once
-    per forward: FlexAttention's block mask (building it is a pass over the T x T mask, as
-    costly as a layer's attention); the document ids themselves for every other kernel."""
-    if attend is flex_attention_backend:
-        return flex_block_mask(doc_ids_BT, T, T, device)
+) -> torch.Tensor | FlexBlockMasks | None:
+    """What every layer takes in place of ``doc_ids_BT``, built once per forward from the
+    token mixers ``mixers``: with flex layers, their ``FlexBlockMasks`` (one BlockMask per
+    distinct mask); the document ids themselves for every other kernel."""
+    flex_masks = {
+        getattr(mixer, "mask", CAUSAL)
+        for mixer in mixers
+        if getattr(mixer, "attend", None) is flex_attention_backend
+    }
+    if flex_masks:
+        return FlexBlockMasks(sorted(flex_masks, key=repr), doc_ids_BT, T, device)
     return doc_ids_BT
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": sdpa_attention,
     "flex": flex_attention_backend,
-    "batch_invariant": batch_invariant.causal_attention,
+    "batch_invariant": batch_invariant_attention,
 }
-"""Named attention kernels (the ``attn_backend`` slot); all compute the same function."""
+"""Named attention kernels (the ``attn_backend`` slot); each computes the same function for
+the masks it honours and refuses, in one line, those it does not."""
 
 
 class LayerCache(Protocol):
@@ -179,9 +188,13 @@ class Attention(nn.Module):
     Muse's attention (Glimmer, Spark) adds, each off by default: ``gate_proj``, the output gate
     from a projection of its own (sigmoid(gate_proj(x)) per channel) instead of from q_proj;
     ``q_scale``, a constant the normed queries are multiplied by (on top of 1/sqrt(head_dim));
-    ``rotary=False``, no RoPE (NoPE layers); ``window``, sliding-window attention (each query
-    sees itself and the window - 1 keys before it; the 'sdpa' backend's mask); ``out_norm``, a
-    weightless RMSNorm over each head's output before the gate.
+    ``rotary=False``, no RoPE (NoPE layers); ``out_norm``, a weightless RMSNorm over each
+    head's output before the gate.
+
+    ``mask`` says which keys each query sees (default causal, same-document); sliding-window
+    and chunked layers (Gemma, Qwen3's ``layer_types``, Muse) pass theirs, and the backend, the
+    generation cache and context parallelism each honour it or refuse it in one line. Sinks,
+    compressed and top-k keys are layers of their own, not this one's.
 
     Head counts are read from the projection shapes at run time (``view(B, T, -1, head_dim)``),
     so a tensor-parallel plan that shards q/k/v column-wise and o row-wise just works.
@@ -206,17 +219,19 @@ class Attention(nn.Module):
         gate_proj: bool = False,
         q_scale: float = 1.0,
         rotary: bool = True,
-        window: int | None = None,
+        mask: AttentionMask = CAUSAL,
         out_norm: bool = False,
     ) -> None:
         """``init_std``: q/k/v; ``out_std``: o, the residual branch's output (default
         init_std). ``make_norm(dim)`` builds the q/k norms (default: norm_impl's RMSNorm)."""
         super().__init__()
-        if window is not None and backend != "sdpa":
+        if mask.sink or mask.compress is not None or mask.topk is not None:
             raise ConfigError(
-                f"sliding-window attention runs on attn_backend 'sdpa' only (its window lives "
-                f"in that backend's mask), not {backend!r}; set --model.attn_backend sdpa."
+                f"Attention computes token-to-token attention, not this layer's mask "
+                f"({mask.describe()}): sinks, compressed and top-k keys need their own layer."
             )
+        if backend == "batch_invariant":
+            mask.require_plain("attn_backend 'batch_invariant'", batch_invariant.MASK_FIX)
         if output_gate and gate_proj:
             raise ValueError("output_gate (from q_proj) and gate_proj are two ways to one gate")
         self.head_dim = head_dim
@@ -234,11 +249,9 @@ class Attention(nn.Module):
         self.k_norm = make_norm(head_dim) if qk_norm else None
         self.gate_proj = nn.Linear(dim, num_heads * head_dim, bias=False) if gate_proj else None
         self.out_norm = WeightlessRMSNorm(norm_eps) if out_norm else None
-        self.q_scale, self.rotary, self.window = q_scale, rotary, window
+        self.q_scale, self.rotary, self.mask = q_scale, rotary, mask
         self.backend = backend  # new_state: the batch-invariant kernel decodes its own way
         self.attend = ATTENTION_BACKENDS[backend]
-        if window is not None:
-            self.attend = functools.partial(sdpa_attention, window=window)
         self.rotate = ROPE_IMPLS[rope_impl]
 
     def forward(
@@ -272,7 +285,7 @@ class Attention(nn.Module):
         if cache is not None:
             out_BHTd = cache.attend(q_BHTd, k_BKTd, v_BKTd)
         else:
-            out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT)
+            out_BHTd = self.attend(q_BHTd, k_BKTd, v_BKTd, doc_ids_BT, self.mask)
         out_BTHd = out_BHTd.transpose(1, 2)
         if self.out_norm is not None:
             out_BTHd = self.out_norm(out_BTHd)
@@ -303,9 +316,7 @@ class Attention(nn.Module):
         kernel when that is this layer's backend."""
         kv_heads = local_tensor(self.k_proj.weight).shape[0] // self.head_dim
         invariant = self.backend == "batch_invariant"
-        return KVState(
-            slots, kv_heads, max_len, self.head_dim, device, dtype, invariant, self.window
-        )
+        return KVState(slots, kv_heads, max_len, self.head_dim, device, dtype, invariant, self.mask)
 
     def init_weights(self, init: ParamInit) -> None:
         """Normal weights truncated at 3 std; q/k norms at one."""
@@ -323,8 +334,13 @@ class Attention(nn.Module):
         times 3 for forward and backward: 6 * heads * head_dim * seq_len."""
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj)
         weights = sum(p.weight.numel() for p in projections if p is not None)
-        # A sliding window attends to at most ``window`` keys (causal halving aside).
-        keys = seq_len if self.window is None else min(seq_len, 2 * self.window)
+        # ``keys`` is twice the mean a query sees: a window's queries see up to ``window``, a
+        # chunk's half of ``chunk`` on average.
+        keys = seq_len
+        if self.mask.window is not None:
+            keys = min(keys, 2 * self.mask.window)
+        if self.mask.chunk is not None:
+            keys = min(keys, self.mask.chunk)
         return 6 * weights + 6 * self.o_proj.weight.shape[1] * keys
 
     def check_tp(self, tp: int) -> None:

@@ -61,6 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
+from torchloom.kernels.batch_invariant import MASK_FIX
 from torchloom.kernels.delta_rule import delta_rule, delta_rule_step
 
 
@@ -152,9 +154,9 @@ class ModelCache:
 
 
 class KVState:
-    """Keys and values of one attention layer: [slots, kv_heads, max_len, head_dim] each. With
-    ``window`` (sliding-window attention) a query sees only the window - 1 positions before its
-    own (every position is still stored: slots stay indexed by position)."""
+    """Keys and values of one attention layer: [slots, kv_heads, max_len, head_dim] each. A
+    query sees the cached positions its layer's ``mask`` shows it (sliding window, chunk; every
+    position is still stored: slots stay indexed by position)."""
 
     def __init__(
         self,
@@ -165,14 +167,19 @@ class KVState:
         device: torch.device,
         dtype: torch.dtype,
         batch_invariant: bool = False,
-        window: int | None = None,
+        mask: AttentionMask = CAUSAL,
     ) -> None:
-        if batch_invariant and window is not None:
-            raise ValueError("the batch-invariant decode kernel has no sliding window")
+        if batch_invariant:
+            mask.require_plain("the batch-invariant decode kernel", MASK_FIX)
+        if not mask.causal:
+            raise ValueError(
+                f"a KV cache decodes causal attention only, not this layer's mask "
+                f"({mask.describe()}); generate with a causal model."
+            )
         shape = (slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.batch_invariant, self.window = batch_invariant, window
+        self.batch_invariant, self.mask = batch_invariant, mask
 
     def bound(self, binding: Binding) -> _BoundKV:
         return _BoundKV(self, binding)
@@ -206,23 +213,17 @@ class _BoundKV:
             values_BKLd = state.v[bound.slot_ids_B, :, : bound.length]
         if state.batch_invariant:
             return batch_invariant.attention(q_BHTd, keys_BKLd, values_BKLd, pos_BT)
-        window = state.window
-        if window is None:
-            hidden_B11TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))
-        else:
-            hidden_B11TL = bound.memo(f"hidden_keys_{window}", lambda: _hidden_keys(bound, window))
+        mask = state.mask
+        hidden_B11TL = bound.memo(f"hidden_keys {mask}", lambda: _hidden_keys(bound, mask))
         return grouped_attention(q_BHTd, keys_BKLd, values_BKLd, hidden_B11TL)
 
 
-def _hidden_keys(bound: Binding, window: int | None = None) -> torch.Tensor:
-    """[B, 1, 1, T, L]: which key indices each query may not see (those past its position and,
-    with ``window``, those window or more positions before it)."""
+def _hidden_keys(bound: Binding, mask: AttentionMask = CAUSAL) -> torch.Tensor:
+    """[B, 1, 1, T, L]: which key indices (= positions) each query may not see under ``mask``
+    (those past its position; with a window or chunk, also those outside it)."""
     index_L = torch.arange(bound.length, device=bound.positions_BT.device)
-    pos_BT1 = bound.positions_BT[:, :, None]
-    hidden_BTL = index_L[None, None, :] > pos_BT1
-    if window is not None:
-        hidden_BTL |= index_L[None, None, :] <= pos_BT1 - window
-    return hidden_BTL[:, None, None]
+    seen_BTL = mask.visible(bound.positions_BT[:, :, None], index_L[None, None, :])
+    return ~seen_BTL[:, None, None]
 
 
 def grouped_attention(
@@ -306,7 +307,7 @@ class _BoundLatent:
         q_BHTx = torch.cat([q_latent_BHTc, q_rope_BHTr], dim=-1)
         scores_BHTL = (q_BHTx.flatten(1, 2) @ cached_BLx.transpose(1, 2)).float()
         scores_BHTL = scores_BHTL.view(B, H, T, -1) * softmax_scale
-        hidden_B1TL = bound.memo("hidden_keys", lambda: _hidden_keys(bound))[:, 0]
+        hidden_B1TL = bound.memo(f"hidden_keys {CAUSAL}", lambda: _hidden_keys(bound))[:, 0]
         probs_BHTL = scores_BHTL.masked_fill(hidden_B1TL, float("-inf")).softmax(-1)
         out_latent_BHTc = (probs_BHTL.to(dtype).flatten(1, 2) @ cached_BLx[..., :c]).view(
             B, H, T, c

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.kernels.float8 import FLOAT8_RECIPES
 from torchloom.models.components.attention import (
     ATTENTION_BACKENDS,
@@ -119,6 +120,12 @@ class DecoderConfig:
         stream`` (Muse Spark's learned gate); None (the default): residual + branch."""
         return None
 
+    def attention_mask(self, layer: int) -> AttentionMask:
+        """Which keys layer ``layer``'s queries see (kernels/attention_mask.py); the default:
+        causal, same-document. Interleaved sliding/global layers (Gemma, Qwen3's layer_types,
+        Muse) return a window per layer."""
+        return CAUSAL
+
     def make_embedding_norm(self) -> nn.Module | None:
         """A norm on the token embeddings before the first block (Muse); None: none."""
         return None
@@ -211,6 +218,7 @@ def _attention(cfg: Any, layer: int) -> nn.Module:
         cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, qk_norm=cfg.qk_norm,
         norm_eps=cfg.norm_eps, backend=cfg.attn_backend, norm_impl=cfg.norm_impl,
         rope_impl=cfg.rope_impl, init_std=cfg.init_std, out_std=_residual_std(cfg),
+        mask=cfg.attention_mask(layer),
     )  # fmt: skip
 
 
@@ -220,7 +228,7 @@ def _mla(cfg: Any, layer: int) -> nn.Module:
         cfg.qk_rope_head_dim, cfg.v_head_dim, mla_softmax_scale(cfg.qk_head_dim, cfg.rope),
         rope_interleave=cfg.rope_interleave, norm_eps=cfg.latent_norm_eps,
         backend=cfg.attn_backend, norm_impl=cfg.norm_impl, rope_impl=cfg.rope_impl,
-        init_std=cfg.init_std, out_std=_residual_std(cfg),
+        init_std=cfg.init_std, out_std=_residual_std(cfg), mask=cfg.attention_mask(layer),
     )  # fmt: skip
 
 
@@ -238,6 +246,7 @@ def _gated_attention(cfg: Any, layer: int) -> nn.Module:
         norm_eps=cfg.norm_eps, backend=cfg.attn_backend, norm_impl=cfg.norm_impl,
         rope_impl=cfg.rope_impl, init_std=cfg.init_std, out_std=_residual_std(cfg),
         output_gate=True, rotary_dim=cfg.rotary_dim, make_norm=cfg.make_norm,
+        mask=cfg.attention_mask(layer),
     )  # fmt: skip
 
 
@@ -297,7 +306,8 @@ class LayerInputs(NamedTuple):
     cos_BTd: torch.Tensor | None
     sin_BTd: torch.Tensor | None
     documents: Any
-    """doc_ids_BT, or what the attention kernel builds from them once (flex's BlockMask)."""
+    """doc_ids_BT, or what the attention kernel builds from them once (flex's BlockMasks,
+    one per distinct layer mask)."""
 
 
 class Block(nn.Module):
@@ -426,13 +436,10 @@ class Decoder(nn.Module):
         cos_BTd = sin_BTd = None
         if self.rope is not None:
             cos_BTd, sin_BTd = self.rope(positions_BT)
-        documents = doc_ids_BT  # what the layers' attention takes: ids, or a mask built from them
-        if cache is None:  # the layers' kernel (context parallelism may have replaced it)
-            attend = next(
-                (getattr(b.attention, "attend", None) for b in self.layers.values()
-                 if hasattr(b.attention, "attend")), None,
-            )  # fmt: skip
-            documents = shared_attention_input(attend, doc_ids_BT, T, tokens_BT.device)
+        documents = doc_ids_BT  # what the layers' attention takes: ids, or masks built from them
+        if cache is None:  # the layers' kernels (context parallelism may have replaced them)
+            mixers = [block.attention for block in self.layers.values()]
+            documents = shared_attention_input(mixers, doc_ids_BT, T, tokens_BT.device)
         return LayerInputs(cos_BTd, sin_BTd, documents)
 
     def run_blocks(

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.attention import ATTENTION_BACKENDS
 from torchloom.models.components.cache import Binding, LatentState
 from torchloom.models.components.head_parallel import ReplicatedModule
@@ -102,8 +103,15 @@ class MultiHeadLatentAttention(nn.Module):
         rope_impl: str = "torch",
         init_std: float = 0.02,
         out_std: float | None = None,
+        mask: AttentionMask = CAUSAL,
     ) -> None:
+        """``mask``: which keys each query sees, as ``Attention``'s; the absorbed decode and
+        the batch-invariant kernel compute plain causal attention only and refuse the rest."""
         super().__init__()
+        if not mask.plain:
+            # Training could run a windowed mask through the backend, but generation's latent
+            # cache masks causally: refuse here rather than decode a different model.
+            mask.require_plain("multi-head latent attention", "give MLA layers the CAUSAL mask.")
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -131,7 +139,7 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(num_heads * v_head_dim, dim, bias=False)
         self.rope_key_heads = RopeKeyHeads()
-        self.backend = backend
+        self.backend, self.mask = backend, mask
         self.attend = ATTENTION_BACKENDS[backend]
         self.rotate = ROPE_IMPLS[rope_impl]
 
@@ -210,7 +218,7 @@ class MultiHeadLatentAttention(nn.Module):
         v_BHLx = (F.pad(v_BLHv, (0, pad)) if pad > 0 else v_BLHv).transpose(1, 2)
         q_BHTe, k_BHLe = q_BTHe.transpose(1, 2), k_BLHe.transpose(1, 2)
         if positions_BT is None:
-            out_BHTx = self.attend(q_BHTe, k_BHLe, v_BHLx, doc_ids_BT)
+            out_BHTx = self.attend(q_BHTe, k_BHLe, v_BHLx, doc_ids_BT, self.mask)
         else:
             out_BHTx = batch_invariant.attention(q_BHTe, k_BHLe, v_BHLx, positions_BT)
         return out_BHTx[..., : self.v_dim] if pad > 0 else out_BHTx

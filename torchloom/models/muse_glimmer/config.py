@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 from torch import nn
 
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.attention import Attention
 from torchloom.models.components.decoder import (
     MIXERS,
@@ -99,6 +100,12 @@ class MuseGlimmerConfig(DecoderConfig):
     def attention_out_norm(self) -> bool:
         """Whether each head's output is normed before the gate (Spark: yes)."""
         return False
+
+    def attention_mask(self, layer: int) -> AttentionMask:
+        """A sliding window on the 'sliding_attention' layers; causal on the full ones."""
+        if self.resolved_layer_types()[layer] == "sliding_attention":
+            return AttentionMask(window=self.sliding_window)
+        return CAUSAL
 
     def resolved_layer_types(self) -> tuple[str, ...]:
         return self.layer_types or default_layer_types(self.num_layers)
@@ -180,14 +187,13 @@ class MuseGlimmerConfig(DecoderConfig):
 
 
 def _muse_attention(cfg: Any, layer: int) -> nn.Module:
-    sliding = cfg.resolved_layer_types()[layer] == "sliding_attention"
     return Attention(
         cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm=True,
         norm_eps=cfg.norm_eps, backend=cfg.attn_backend, rope_impl=cfg.rope_impl,
         init_std=cfg.init_std, out_std=_residual_std(cfg),
         make_norm=lambda dim: WeightlessRMSNorm(cfg.norm_eps), gate_proj=True,
         q_scale=cfg.qk_scale, rotary=cfg.resolved_rope_layers()[layer],
-        window=cfg.sliding_window if sliding else None, out_norm=cfg.attention_out_norm,
+        mask=cfg.attention_mask(layer), out_norm=cfg.attention_out_norm,
     )  # fmt: skip
 
 

@@ -1,7 +1,6 @@
 """Qwen3 dense family (registered as 'qwen3')."""
 
-from torchloom.models.components.transformer import TransformerConfig
-from torchloom.models.qwen3.config import QWEN3_FLAVORS
+from torchloom.models.qwen3.config import QWEN3_FLAVORS, Qwen3Config
 from torchloom.models.qwen3.hf_adapter import Qwen3HFAdapter
 from torchloom.models.qwen3.parallelize import tp_plan
 from torchloom.models.registry import ModelSpec, register_model
@@ -9,7 +8,7 @@ from torchloom.models.registry import ModelSpec, register_model
 register_model(
     ModelSpec(
         name="qwen3",
-        config_cls=TransformerConfig,
+        config_cls=Qwen3Config,
         flavors=QWEN3_FLAVORS,
         hf_adapter=Qwen3HFAdapter(),
         tp_plan=tp_plan,
@@ -17,4 +16,4 @@ register_model(
     )
 )
 
-__all__ = ["QWEN3_FLAVORS", "Qwen3HFAdapter"]
+__all__ = ["QWEN3_FLAVORS", "Qwen3Config", "Qwen3HFAdapter"]

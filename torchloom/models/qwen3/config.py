@@ -1,9 +1,52 @@
-"""Qwen3 dense flavors: debug and the published 0.6B ... 32B shapes."""
+"""Qwen3 dense: its config (a dense decoder whose layers may interleave sliding-window and full
+attention, Hugging Face's ``layer_types``) and the debug and published 0.6B ... 32B flavors."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from torchloom.config.errors import ConfigError
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.rope import RopeConfig
 from torchloom.models.components.transformer import TransformerConfig
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Qwen3Config(TransformerConfig):
+    """A Qwen3 dense decoder. Gemma-style interleaving is a config change: ``layer_types``
+    names each layer's attention, and the sliding ones see ``sliding_window`` keys."""
+
+    layer_types: tuple[str, ...] = ()
+    """Each layer's 'full_attention' or 'sliding_attention' (empty: every layer full)."""
+    sliding_window: int | None = None
+    """Keys a 'sliding_attention' layer's query sees: itself and the window - 1 before it."""
+
+    def attention_mask(self, layer: int) -> AttentionMask:
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return AttentionMask(window=self.sliding_window)
+        return CAUSAL
+
+    def validate(self) -> None:
+        super().validate()
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"model layer_types names {len(self.layer_types)} layers, but num_layers is "
+                f"{self.num_layers}: name every layer (or none: all full attention)."
+            )
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ConfigError(
+                f"model layer_types {unknown} are not attention kinds qwen3 knows; use "
+                f"{' or '.join(LAYER_TYPES)}."
+            )
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(
+                f"model layer_types has sliding_attention layers but sliding_window is "
+                f"{self.sliding_window}; set it to a positive number of keys (model.overrides)."
+            )
+
 
 _ROPE = RopeConfig(theta=1000000.0)
 _VOCAB = 151936
@@ -12,9 +55,9 @@ _CONTEXT = 40960
 
 def _qwen3(
     dim: int, num_layers: int, num_heads: int, ffn_dim: int, tie_embeddings: bool
-) -> TransformerConfig:
+) -> Qwen3Config:
     """A released Qwen3 dense shape; they all share vocab, context, 8 kv heads of 128."""
-    return TransformerConfig(
+    return Qwen3Config(
         vocab_size=_VOCAB,
         dim=dim,
         num_layers=num_layers,
@@ -30,8 +73,8 @@ def _qwen3(
     )
 
 
-QWEN3_FLAVORS: dict[str, TransformerConfig] = {
-    "debug": TransformerConfig(
+QWEN3_FLAVORS: dict[str, Qwen3Config] = {
+    "debug": Qwen3Config(
         vocab_size=4096,
         dim=64,
         num_layers=2,

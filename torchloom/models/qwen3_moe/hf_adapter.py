@@ -32,6 +32,8 @@ class Qwen3MoeHFAdapter(Qwen3HFAdapter):
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
     }
+    family_options = {"use_sliding_window": (False,)}
+    sliding_layers = False  # MoETransformerConfig has one mask: causal
     # Read by config_from_hf below.
     ignored_keys = Qwen3HFAdapter.ignored_keys | {
         "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts_per_tok",

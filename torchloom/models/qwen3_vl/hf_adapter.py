@@ -39,6 +39,7 @@ class _DenseText(Qwen3HFAdapter):
     defaults = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 128000,
                 "tie_word_embeddings": False}  # fmt: skip
     family_options = {}
+    sliding_layers = False
 
 
 class _MoeText(Qwen3MoeHFAdapter):
