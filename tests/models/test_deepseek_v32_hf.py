@@ -25,13 +25,15 @@ from torchloom.models.deepseek_v32 import (
 )
 
 ADAPTER = DeepSeekV32HFAdapter()
-# 1 dense + 2 MoE layers of 8 experts in 2 groups; a 4-head indexer picking 8 keys.
+# 1 dense + 2 MoE layers of 8 experts in 2 groups; a 16-head indexer picking 8 keys (with
+# fewer heads, some keys score exactly 0, every head's ReLU closed, and ties at the top-k
+# boundary, which transformers' torch.topk and our stable sort break differently).
 V32_TINY = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
     n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-    index_topk=8, index_n_heads=4, index_head_dim=16,
+    index_topk=8, index_n_heads=16, index_head_dim=16,
 )  # fmt: skip
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707,
@@ -96,7 +98,9 @@ def test_training_step_matches_transformers(hf_training_step) -> None:
 
 
 def _random_model(randomize, **changes) -> DeepSeekV32:
-    model = build_model(replace(DEEPSEEK_V32_FLAVORS["debug"], vocab_size=512, **changes))
+    """The debug flavor with random weights and 16 indexer heads (see V32_TINY)."""
+    cfg = replace(DEEPSEEK_V32_FLAVORS["debug"], vocab_size=512, index_num_heads=16)
+    model = build_model(replace(cfg, **changes))
     randomize(model)
     return model.eval()
 

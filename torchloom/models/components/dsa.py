@@ -16,8 +16,10 @@ under the same names), per query token t and key token s:
 DeepSeek's own kernels rotate q and k by a Hadamard transform and score in fp8; the rotation
 is orthonormal, so q . k is unchanged, and it only serves the fp8 quantization. Like
 transformers we score without either: in fp32 (q and k cast up), so the picks follow the
-unrotated scores exactly. Ties at the top-k boundary go the way ``torch.topk`` breaks them,
-as in transformers.
+unrotated scores exactly. Exact ties at the top-k boundary go to the earlier key (a stable
+sort), so a query's picks do not depend on what else shares its row (packed documents);
+transformers' ``torch.topk`` breaks them in an unspecified order. Trained indexers rarely tie;
+fresh ones often do, at 0 (every head's ReLU closed).
 
 The attention here is the CPU reference form: SDPA over every key with the boolean mask
 ``AttentionMask(topk=...).dense(...)`` (causal, same document, picked). With fewer visible
@@ -104,8 +106,10 @@ class LightningIndexer(nn.Module):
     def picks(self, index_BTS: torch.Tensor) -> torch.Tensor:
         """[B, T, min(topk, S)] key indices of each query's highest scores; -1 for a pick that
         is not a visible key (a query that sees fewer keys than topk)."""
-        top = index_BTS.topk(min(self.mask.topk, index_BTS.shape[-1]), dim=-1)
-        return torch.where(top.values == float("-inf"), -1, top.indices)
+        k = min(self.mask.topk, index_BTS.shape[-1])
+        top = index_BTS.sort(dim=-1, descending=True, stable=True)
+        values_BTk, picks_BTk = top.values[..., :k], top.indices[..., :k]
+        return torch.where(values_BTk == float("-inf"), -1, picks_BTk)
 
     def init_weights(self, init: ParamInit) -> None:
         for proj in (self.wq_b, self.wk, self.weights_proj):
