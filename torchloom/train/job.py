@@ -82,7 +82,10 @@ class JobConfig:
             )
         # The norm slot as the transforms leave it (triton_kernels sets it too).
         slot = TransformerConfig(norm_impl=self.model.norm_impl)
-        norm_impl = apply_transforms(slot, self.model.transforms).norm_impl
+        try:
+            norm_impl = apply_transforms(slot, self.model.transforms).norm_impl
+        except ConfigError:  # a family's own transform (dsa_warmup): checked on the real config
+            norm_impl = self.model.norm_impl
         if norm_impl == "triton" and p.tp > 1:
             raise ConfigError(
                 "The Triton RMSNorm (norm_impl triton, also set by the triton_kernels transform) "
