@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's sparse attention and its indexer training: the two stages (warm-up trains the
 indexers alone and its KL falls; sparse training detaches the indexer's input), packed
-documents (picks stay in their document), and the refusals (generation, tensor parallelism,
-other attention backends, warm-up with a moving routing bias)."""
+documents (picks stay in their document), prefill then decode with the indexer's key cache,
+and the refusals (tensor parallelism, other attention backends, warm-up with a moving routing
+bias)."""
 
 from __future__ import annotations
 
@@ -127,10 +128,57 @@ def test_picks_are_visible_keys_and_short_rows_pick_all() -> None:
         assert len(chosen) == min(t + 1, 16)
 
 
+@torch.no_grad()
+def test_prefill_then_decode_equals_the_full_forward(randomize) -> None:
+    """Two prompts (20 and 27 tokens) prefilled together into slots 2 and 0, then decoded one
+    token at a time past index_topk (16): every step's logits are the full forward's."""
+    model = _model(randomize=randomize).eval()
+    full = _batch(48, seed=3)
+    expected = model(full)
+    cache = model.new_cache(3, 64, torch.device("cpu"), torch.float32)
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([20, 27])
+    positions = torch.arange(27).expand(2, 27)
+    logits = model(full[:, :27], positions, cache=cache.bind(slots, positions, lengths))
+    worst = 0.0
+    for row, n in enumerate(lengths.tolist()):
+        worst = max(worst, (logits[row, :n] - expected[row, :n]).abs().max().item())
+    for step in range(20):
+        positions = (lengths + step)[:, None]
+        tokens = full.gather(1, positions)
+        logits = model(tokens, positions, cache=cache.bind(slots, positions))
+        for row in range(2):
+            diff = (logits[row, 0] - expected[row, positions[row, 0]]).abs().max().item()
+            worst = max(worst, diff)
+    print(f"  prefill + decode vs full forward: max abs logit diff {worst:.2e}")
+    assert worst < 1e-4 * expected.abs().max().item()
+
+
+def test_generator_logprobs_equal_a_full_forward(randomize) -> None:
+    """The generator under continuous batching (6 requests, 3 slots) on the decode path the
+    GPU replays from CUDA graphs (leading slots, dummy rows at the last index), here eagerly,
+    with 4 picks per query: its log-probabilities are a full forward's. (The gathered path:
+    test_prefill_then_decode_equals_the_full_forward and the generate command's test.)"""
+    from tests.generate.test_engine import PROMPTS, full_forward_logprobs
+    from torchloom.generate.engine import Generator, Request, SamplingParams, score
+    from torchloom.generate.graphs import DecodeGraphs
+
+    cfg = replace(TINY, vocab_size=512, index_topk=4, index_num_heads=16)
+    model = _model(cfg, randomize).eval()
+    requests = [Request(p, SamplingParams(max_new_tokens=4 + 2 * i, seed=i))
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    generator = Generator(model, max_batch=3, max_len=64)
+    generator.graphs = DecodeGraphs(model, generator.cache, score, capture=False)
+    worst = 0.0
+    for request, completion in zip(requests, generator.generate(requests)):
+        assert len(completion.tokens) == request.params.max_new_tokens
+        reference = full_forward_logprobs(model, request.prompt_ids, completion.tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(reference, completion.logprobs)))
+    print(f"  max |generator logprob - full forward logprob| = {worst:.1e}")
+    assert worst < 1e-4
+
+
 def test_refusals_are_one_line() -> None:
     model = _model()
-    with pytest.raises(ConfigError, match="generation is not supported yet"):
-        model.new_cache(1, 16, torch.device("cpu"), torch.float32)
     with pytest.raises(ConfigError, match="tensor parallelism is not supported yet"):
         model.layers["0"].attention.check_tp(2)
     with pytest.raises(ConfigError, match="attends with SDPA"):

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 <-> transformers' DeepseekV32ForCausalLM: logits of random checkpoints on
 sequences longer than index_topk (the indexer really selects), a training step's gradients,
-exports transformers loads (indexer tensors included), `torchloom convert` both ways, the
-config mapping and its refusals."""
+`torchloom generate` against transformers' greedy decoding, exports transformers loads (indexer
+tensors included), `torchloom convert` both ways, the config mapping and its refusals."""
 
 from __future__ import annotations
 
@@ -95,6 +95,15 @@ def test_training_step_matches_transformers(hf_training_step) -> None:
         ours_indexer = model.layers[str(layer)].attention.indexer
         assert all(p.grad is None for p in ours_indexer.parameters())
         assert all(p.grad is None for p in theirs[layer].self_attn.indexer.parameters())
+
+
+def test_generate_command_matches_transformers_greedy(
+    hf_checkpoint, generate_matches_greedy
+) -> None:
+    """`torchloom generate` (latent and indexer-key cache) on prompts of different lengths
+    decoded together past index_topk gives transformers' greedy continuations."""
+    path, reference = hf_checkpoint("deepseek_v32", **V32_TINY)
+    generate_matches_greedy(path, reference, max_new_tokens=12)
 
 
 def _random_model(randomize, **changes) -> DeepSeekV32:

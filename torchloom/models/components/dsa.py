@@ -21,6 +21,10 @@ sort), so a query's picks do not depend on what else shares its row (packed docu
 transformers' ``torch.topk`` breaks them in an unspecified order. Trained indexers rarely tie;
 fresh ones often do, at 0 (every head's ReLU closed).
 
+Generation keeps each layer's MLA latents and the indexer's keys per slot
+(``SparseLatentState``); a decoding query scores the cached keys up to its position, picks,
+and attends to the picked cached latents up-projected as in the full forward.
+
 The attention here is the CPU reference form: SDPA over every key with the boolean mask
 ``AttentionMask(topk=...).dense(...)`` (causal, same document, picked). With fewer visible
 keys than ``index_topk`` a query picks all of them, so short sequences attend densely.
@@ -46,7 +50,7 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
-from torchloom.models.components.cache import LatentState
+from torchloom.models.components.cache import Binding, LatentState
 from torchloom.models.components.mla import MultiHeadLatentAttention
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import ROPE_IMPLS
@@ -87,16 +91,34 @@ class LightningIndexer(nn.Module):
         sin_BTd: torch.Tensor,
         doc_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        T = x_BTD.shape[1]
+        visible_BTS = self.mask.dense(T, x_BTD.device, doc_ids_BT)[:, 0]
+        k_BSd = self.keys(x_BTD, cos_BTd, sin_BTd)
+        return self.scores(x_BTD, q_latent_BTq, cos_BTd, sin_BTd, k_BSd, visible_BTS)
+
+    def keys(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor):
+        """[B, T, index_head_dim]: each token's one indexer key, normed and rotated (what
+        generation caches)."""
+        return self._rotated(self.k_norm(self.wk(x_BTD))[:, :, None], cos_BTd, sin_BTd)[:, :, 0]
+
+    def scores(
+        self,
+        x_BTD: torch.Tensor,
+        q_latent_BTq: torch.Tensor,
+        cos_BTd: torch.Tensor,
+        sin_BTd: torch.Tensor,
+        k_BSd: torch.Tensor,
+        visible_BTS: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, T, S] index scores of the queries of ``x_BTD`` over the keys ``k_BSd`` (fp32),
+        -inf where not ``visible_BTS``."""
         B, T, _ = x_BTD.shape
         q_BTHd = self.wq_b(q_latent_BTq).view(B, T, self.num_heads, self.head_dim)
-        k_BT1d = self.k_norm(self.wk(x_BTD))[:, :, None]
         q_BTHd = self._rotated(q_BTHd, cos_BTd, sin_BTd)
-        k_BTd = self._rotated(k_BT1d, cos_BTd, sin_BTd)[:, :, 0]
         scale = self.head_dim**-0.5
-        scores_BTHS = torch.einsum("bthd,bsd->bths", q_BTHd.float(), k_BTd.float()) * scale
+        scores_BTHS = torch.einsum("bthd,bsd->bths", q_BTHd.float(), k_BSd.float()) * scale
         weights_BTH = self.weights_proj(x_BTD).float() * self.num_heads**-0.5
         index_BTS = torch.einsum("bth,bths->bts", weights_BTH, F.relu(scores_BTHS))
-        visible_BTS = self.mask.dense(T, x_BTD.device, doc_ids_BT)[:, 0]
         return index_BTS.masked_fill(~visible_BTS, float("-inf"))
 
     def _rotated(self, x_BTHd: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor):
@@ -157,12 +179,13 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         doc_ids_BT: torch.Tensor | None = None,
         cache: Any = None,
     ) -> torch.Tensor:
-        if cache is not None:
-            raise NotImplementedError("generation with DeepSeek sparse attention: not yet")
         B, T, _ = x_BTD.shape
         q_latent_BTq, q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r = self.project(
             x_BTD, cos_BTd, sin_BTd
         )
+        if cache is not None:
+            return self._decode(x_BTD, cos_BTd, sin_BTd, cache, q_latent_BTq, q_nope_BTHn,
+                                q_rope_BTHr, latent_BTc, k_rope_BT1r)  # fmt: skip
         learn = self.indexer_train != "off" and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(learn):  # the picks are discrete: no gradient without KL
             index_BTS = self.indexer(
@@ -183,6 +206,42 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             self._loss = self.indexer_loss_coef * self._kl(
                 q_BHTe.detach(), k_BHSe.detach(), visible_B1TS, index_BTS
             )
+        return self.o_proj(out_BHTv.transpose(1, 2).reshape(B, T, -1))
+
+    @torch.no_grad()
+    def _decode(
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTd: torch.Tensor,
+        sin_BTd: torch.Tensor,
+        cache: BoundSparseLatent,
+        q_latent_BTq: torch.Tensor,
+        q_nope_BTHn: torch.Tensor,
+        q_rope_BTHr: torch.Tensor,
+        latent_BTc: torch.Tensor,
+        k_rope_BT1r: torch.Tensor,
+    ) -> torch.Tensor:
+        """Generation: this call's latents and indexer keys are stored in ``cache``; each query
+        picks among the cached keys up to its position and attends to those, the cached
+        latents up-projected as the full forward does (key index = position)."""
+        B, T, _ = x_BTD.shape
+        positions_BT = cache.binding.positions_BT
+        k_BLd = cache.stored_index_keys(self.indexer.keys(x_BTD, cos_BTd, sin_BTd))
+        L = k_BLd.shape[1]
+        visible_BTL = torch.arange(L, device=x_BTD.device) <= positions_BT[:, :, None]
+        index_BTL = self.indexer.scores(x_BTD, q_latent_BTq, cos_BTd, sin_BTd, k_BLd, visible_BTL)
+        picks_BTk = self.indexer.picks(index_BTL)
+        picked_BTL = torch.zeros(B, T, L + 1, dtype=torch.bool, device=x_BTD.device)
+        picked_BTL = picked_BTL.scatter_(-1, torch.where(picks_BTk < 0, L, picks_BTk), True)
+        cached_BLx = cache.latent.stored(latent_BTc, k_rope_BT1r[:, :, 0]).to(latent_BTc.dtype)
+        latent_BLc, k_rope_BLr = cached_BLx.split([self.kv_lora_rank, self.rope_dim], -1)
+        q_BHTe, k_BHLe, v_BHLv = self._heads(
+            q_nope_BTHn, q_rope_BTHr, latent_BLc, k_rope_BLr[:, :, None]
+        )
+        out_BHTv = F.scaled_dot_product_attention(
+            q_BHTe, k_BHLe, v_BHLv, attn_mask=(visible_BTL & picked_BTL[..., :L])[:, None],
+            scale=self.softmax_scale,
+        )  # fmt: skip
         return self.o_proj(out_BHTv.transpose(1, 2).reshape(B, T, -1))
 
     def _heads(
@@ -228,11 +287,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
-    ) -> LatentState:
-        raise ConfigError(
-            "generation is not supported yet for DeepSeek sparse attention (deepseek_v32): its "
-            "indexer's key cache is not implemented; score with a full forward instead."
-        )
+    ) -> SparseLatentState:
+        """MLA's latent state, and the indexer's key of every position."""
+        latent = super().new_state(slots, max_len, device, dtype)
+        return SparseLatentState(latent, slots, max_len, self.indexer.head_dim, device, dtype)
 
     def init_weights(self, init: ParamInit) -> None:
         super().init_weights(init)
@@ -255,3 +313,44 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             "tensor parallelism is not supported yet for DeepSeek sparse attention (the "
             "indexer's KL target sums over all heads); set --parallel.tp 1."
         )
+
+
+class SparseLatentState:
+    """One DSA layer's generation state: MLA's ``LatentState`` and the indexer's keys
+    [slots, max_len, index_head_dim], both indexed by position."""
+
+    def __init__(
+        self,
+        latent: LatentState,
+        slots: int,
+        max_len: int,
+        index_head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.latent = latent
+        self.index_keys = torch.zeros(slots, max_len, index_head_dim, device=device, dtype=dtype)
+
+    def bound(self, binding: Binding) -> BoundSparseLatent:
+        return BoundSparseLatent(self, binding)
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        self.latent.copy_slot(src_slot, dst_slots_S, length)
+        self.index_keys[dst_slots_S, :length] = self.index_keys[src_slot, :length].clone()
+
+
+class BoundSparseLatent:
+    """A DSA layer's state bound to one forward (what its forward receives as ``cache``)."""
+
+    def __init__(self, state: SparseLatentState, binding: Binding) -> None:
+        self.state, self.binding = state, binding
+        self.latent = state.latent.bound(binding)
+
+    def stored_index_keys(self, k_BTd: torch.Tensor) -> torch.Tensor:
+        """Store this step's indexer keys; return every cached one of the batch's rows
+        [B, L, index_head_dim] (key index = position)."""
+        bound, keys = self.binding, self.state.index_keys
+        keys[bound.slot_ids_B[:, None], bound.positions_BT] = k_BTd.to(keys.dtype)
+        if bound.leading:
+            return keys[: bound.positions_BT.shape[0]]
+        return keys[bound.slot_ids_B, : bound.length]
