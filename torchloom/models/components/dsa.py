@@ -202,11 +202,18 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         out_BHTv = F.scaled_dot_product_attention(
             q_BHTe, k_BHSe, v_BHSv, attn_mask=visible_B1TS, scale=self.softmax_scale
         )
-        if learn:
-            self._loss = self.indexer_loss_coef * self._kl(
-                q_BHTe.detach(), k_BHSe.detach(), visible_B1TS, index_BTS
-            )
-        return self.o_proj(out_BHTv.transpose(1, 2).reshape(B, T, -1))
+        out_BTD = self.o_proj(out_BHTv.transpose(1, 2).reshape(B, T, -1))
+        if not learn:
+            return out_BTD
+        self._loss = self.indexer_loss_coef * self._kl(
+            q_BHTe.detach(), k_BHSe.detach(), visible_B1TS, index_BTS
+        )
+        if not out_BTD.requires_grad:
+            # The warm-up: nothing but the KL needs this layer's backward. FSDP gathers a
+            # block's weights for its backward when the block's output gets a gradient; a
+            # zero term tying the output to the KL makes it get one (the values are unchanged).
+            out_BTD = out_BTD + 0.0 * self._loss
+        return out_BTD
 
     @torch.no_grad()
     def _decode(
