@@ -216,3 +216,23 @@ def test_indexer_names_map_both_ways() -> None:
         assert ADAPTER.from_hf_name(theirs) == ours
     mtp = "mtp.layers.3.block.attention.indexer.wk.weight"
     assert ADAPTER.to_hf_name(mtp) == "model.layers.3.self_attn.indexer.wk.weight"
+
+
+def test_initial_load_hf_warms_up_the_indexers(hf_checkpoint, tmp_path) -> None:
+    """--checkpoint.initial_load_hf of a DeepSeek-V3.2 folder with the dsa_warmup transform:
+    two steps change the indexers' tensors only, and the export holds them all."""
+    from torchloom.cli import resolve_job
+    from torchloom.train.trainer import Trainer
+
+    path, _ = hf_checkpoint("deepseek_v32", **(V32_TINY | {"vocab_size": 4096}))
+    args = ["--recipe", "deepseek_v32_debug", "--checkpoint.initial_load_hf", str(path),
+            "--model.transforms", '["dsa_warmup"]', "--training.steps", "2",
+            "--training.seq_len", "64", "--training.sample_tokens", "0",
+            "--training.val_sequences", "8", "--metrics.tensorboard", "false",
+            "--checkpoint.export_hf", "true", "--output.dir", str(tmp_path / "run")]  # fmt: skip
+    _, job = resolve_job(args)
+    assert Trainer(job).train().steps == 2
+    original, exported = dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "run" / "hf"))
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor) == (".indexer." not in name), name
