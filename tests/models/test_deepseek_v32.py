@@ -196,3 +196,15 @@ def test_flops_count_the_picked_keys_only() -> None:
     grow = (attention.flops_per_token(8192) - long) / (long - short)
     indexer = attention.indexer.flops_per_token
     assert grow == pytest.approx((indexer(8192) - indexer(4096)) / (long - short), rel=0.2)
+
+
+def test_published_flavor_is_deepseek_v3_plus_the_indexers() -> None:
+    """671B: DeepSeek-V3's parameters plus, in each of the 61 layers and the MTP depth, an
+    indexer of 64 heads x 128 (wq_b from the 1536-wide query latent, wk, k_norm with its bias,
+    weights_proj): 0.87B."""
+    from torchloom.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
+
+    v32, v3 = DEEPSEEK_V32_FLAVORS["671B"], DEEPSEEK_V3_FLAVORS["671B"]
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert v32.num_params() - v3.num_params() == 62 * indexer
+    print(f"671B: {v32.num_params() / 1e9:.2f}B (indexers {62 * indexer / 1e9:.2f}B)")

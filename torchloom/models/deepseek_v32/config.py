@@ -78,7 +78,8 @@ class DeepSeekV32Config(DeepSeekV3Config):
         if self.attn_backend != "sdpa":
             raise ConfigError(
                 f"deepseek_v32 attends with SDPA under its top-k mask; attn_backend "
-                f"{self.attn_backend!r} cannot take that mask. Set --model.attn_backend sdpa."
+                f"{self.attn_backend!r} (batch-invariant mode sets one too) cannot take that "
+                "mask. Keep --model.attn_backend sdpa and --model.batch_invariant false."
             )
         if self.indexer_train == "warmup" and self.moe.bias_update_rate:
             raise ConfigError(
