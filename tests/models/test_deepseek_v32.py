@@ -1,8 +1,7 @@
 """DeepSeek-V3.2's sparse attention and its indexer training: the two stages (warm-up trains the
 indexers alone and its KL falls; sparse training detaches the indexer's input), packed
 documents (picks stay in their document), prefill then decode with the indexer's key cache,
-and the refusals (tensor parallelism, other attention backends, warm-up with a moving routing
-bias)."""
+and the refusals (other attention backends, warm-up with a moving routing bias)."""
 
 from __future__ import annotations
 
@@ -179,8 +178,8 @@ def test_generator_logprobs_equal_a_full_forward(randomize) -> None:
 
 def test_refusals_are_one_line() -> None:
     model = _model()
-    with pytest.raises(ConfigError, match="tensor parallelism is not supported yet"):
-        model.layers["0"].attention.check_tp(2)
+    with pytest.raises(ConfigError, match="does not divide the model's num_heads"):
+        model.layers["0"].attention.check_tp(3)
     with pytest.raises(ConfigError, match="attends with SDPA"):
         replace(TINY, attn_backend="flex").validate()
     with pytest.raises(ConfigError, match="bias_update_rate 0.001 would still move"):

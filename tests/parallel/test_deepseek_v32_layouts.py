@@ -1,7 +1,8 @@
 """deepseek_v32 (DeepSeek sparse attention, the indexers trained by their KL loss) under
 torchrun (gloo, CPU): FSDP x expert parallelism gives the single-process losses, indexer KL and
 exported model, in the sparse stage and in the warm-up (every parameter but the indexers'
-frozen); so does pipeline parallelism (without MTP, which it refuses). Micro-batches of 4 sequences everywhere (the single process accumulates two, each
+frozen), and tensor parallelism (heads split, the indexer replicated); so does pipeline
+parallelism (without MTP, which it refuses). Micro-batches of 4 sequences everywhere (the single process accumulates two, each
 data rank runs one), as in test_expert_parallel_trainer.py."""
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ EP = ["--parallel.dp_shard", "2", "--parallel.ep", "2"]
 LAYOUTS = {  # name: (the job's flags, the parallel run's own, the exported weights' tolerance)
     "sparse, dp_shard 2 x ep 2": ([], EP, 2e-5),
     "warmup, dp_shard 2 x ep 2": (WARMUP, EP, 2e-5),
+    # Heads split, the indexer replicated, the KL target summed over the ranks' heads.
+    "sparse, tp 2": ([], ["--parallel.tp", "2"], 2e-5),
+    "warmup, tp 2": (WARMUP, ["--parallel.tp", "2"], 2e-5),
     # The pipeline's gradients round differently (1e-7 after the first step); a later step's
     # pick near a tie can then flip, which Adam carries into 1e-3 weight differences (measured
     # 9.5e-4 after 3 steps; 3e-5 with index_topk 64, where nothing is selected).

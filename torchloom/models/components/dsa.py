@@ -47,10 +47,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models.components.cache import Binding, LatentState
+from torchloom.models.components.head_parallel import ReplicatedModule
 from torchloom.models.components.mla import MultiHeadLatentAttention
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import ROPE_IMPLS
@@ -146,6 +150,26 @@ class LightningIndexer(nn.Module):
         return 6 * weights + 3 * self.num_heads * self.head_dim * seq_len
 
 
+class HeadSum(nn.Module):
+    """Sum over the heads (dim 1). A module of its own so a tensor-parallel plan can add the
+    other ranks' heads (``_SumOverRanks``)."""
+
+    def forward(self, x_BH__: torch.Tensor) -> torch.Tensor:
+        return x_BH__.sum(1)
+
+
+class _SumOverRanks(ParallelStyle):
+    """The module's output, a partial sum on each tp rank, summed over the ranks (forward
+    only: the KL target it makes takes no gradient)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def all_reduce(_: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Replicate()]).to_local()
+
+        return distribute_module(module, device_mesh, output_fn=all_reduce)
+
+
 class SparseLatentAttention(MultiHeadLatentAttention):
     """MLA whose queries attend to the keys a ``LightningIndexer`` picks (DeepSeek-V3.2). Takes
     MLA's arguments, plus the indexer's sizes, ``index_topk`` and ``indexer_train``."""
@@ -169,6 +193,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             rope_impl=kwargs.get("rope_impl", "torch"), init_std=self.init_std,
         )  # fmt: skip
         self.indexer_train, self.indexer_loss_coef = indexer_train, indexer_loss_coef
+        self.head_sum = HeadSum()
         self._loss: torch.Tensor | None = None
 
     def forward(
@@ -279,7 +304,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         with torch.no_grad():
             logits_BHTS = (q_BHTe.float() @ k_BHSe.float().transpose(-1, -2)) * self.softmax_scale
             probs_BHTS = logits_BHTS.masked_fill(~visible_B1TS, float("-inf")).softmax(-1)
-            target_BTS = probs_BHTS.sum(1)
+            target_BTS = self.head_sum(probs_BHTS)  # every head's, also under tp
             target_BTS = target_BTS / target_BTS.sum(-1, keepdim=True)
         visible_BTS = visible_B1TS[:, 0]
         log_q_BTS = index_BTS.masked_fill(~visible_BTS, float("-inf")).log_softmax(-1)
@@ -315,11 +340,15 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         projections = super().flops_per_token(seq_len) - per_key * seq_len // 2
         return projections + int(per_key * mean_keys) + self.indexer.flops_per_token(seq_len)
 
-    def check_tp(self, tp: int) -> None:
-        raise ConfigError(
-            "tensor parallelism is not supported yet for DeepSeek sparse attention (the "
-            "indexer's KL target sums over all heads); set --parallel.tp 1."
-        )
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """MLA's (heads split), with the indexer replicated (every rank scores and picks alike
+        from the whole query latent and input; the KL reaches its weights whole on every
+        rank) and the KL target's sum over heads added up over the ranks."""
+        replicated = ReplicatedModule()
+        plan = super().tp_plan(sequence_parallel)
+        for part in ("wq_b", "wk", "k_norm", "weights_proj"):
+            plan[f"indexer.{part}"] = replicated
+        return plan | {"head_sum": _SumOverRanks()}
 
 
 class SparseLatentState:
