@@ -38,6 +38,9 @@ are discrete). 'warmup': the main attention stays dense and the KL runs over eve
 (the model freezes everything but the indexers, models/deepseek_v32/model.py); 'sparse': the
 main attention uses the picks and the KL runs over the picked keys; 'off': no KL, the indexer
 runs without gradients (inference, or fine-tuning with the indexer fixed).
+
+Tensor parallelism (``tp_plan``) splits MLA's heads, replicates the indexer, and sums the KL
+target's heads over the ranks (``HeadSum``).
 """
 
 from __future__ import annotations
