@@ -100,6 +100,24 @@ def test_sparse_training_detaches_the_indexer_input(randomize) -> None:
     assert kls[-1] < 0.7 * kls[0]
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_gives_the_same_gradients(mode, randomize) -> None:
+    """The KL leaves its block as module state, not as an output: recomputing the blocks in
+    the backward still gives every gradient, the indexers' included, bitwise."""
+    from torchloom.train.remat import RematConfig, apply_remat
+
+    grads = []
+    for remat in ("none", mode):
+        model = _model(randomize=randomize)
+        apply_remat(model.layers, RematConfig(mode=remat), compile_enabled=False)
+        lm, kl = _losses(model, _batch())
+        (lm + kl).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any(map(_indexer, grads[0]))
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+
+
 @torch.no_grad()
 def test_packed_documents_attend_within_their_own() -> None:
     """Two documents packed in one row give each document's logits alone: no pick crosses."""
