@@ -8,9 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from torchloom.cli import main
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+from torchloom.train.config import TrainingConfig
 
 COMMON = ["--recipe", "qwen3_moe_debug", "--metrics.tensorboard", "false",
           "--training.sample_tokens", "0", "--training.val_sequences", "8",
@@ -96,3 +99,30 @@ def test_kimi_linear_debug_trains_on_packed_documents(tmp_path) -> None:
     assert {"expert_load/1/cv", "expert_load/3/cv"} <= set(records[-1])
     with safe_open(out / "model" / "model.safetensors", "pt") as f:
         assert f.get_tensor("layers.1.mlp.router.expert_bias").abs().max() > 0
+
+
+def test_deepseek_v32_debug_loss_falls_and_logs_the_indexer_kl(tmp_path) -> None:
+    """deepseek_v32_debug (sparse attention over 32 picks of 64 tokens, the indexers trained by
+    their KL loss): the loss falls and aux_indexer_kl is logged; with the dsa_warmup transform
+    only the indexers change."""
+    out = tmp_path / "v32"
+    flags = [*COMMON[2:-2], "--recipe", "deepseek_v32_debug", "--training.steps", "6",
+             "--output.dir", str(out)]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]  # fmt: skip
+    print(f"deepseek_v32_debug loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, "
+          f"indexer KL {records[0]['aux_indexer_kl']:.2e} -> {records[-1]['aux_indexer_kl']:.2e}")  # fmt: skip
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert all(r["aux_indexer_kl"] > 0 for r in records)
+    warm = tmp_path / "warm"
+    flags = [*COMMON[2:-2], "--recipe", "deepseek_v32_debug", "--training.steps", "2",
+             "--model.transforms", '["dsa_warmup"]', "--output.dir", str(warm)]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    initial = build_model(resolve_model_config(
+        ModelConfig(name="deepseek_v32", flavor="debug", transforms=["dsa_warmup"])))  # fmt: skip
+    initial.init_weights(TrainingConfig().seed)
+    with safe_open(warm / "model" / "model.safetensors", "pt") as f:
+        for name, tensor in initial.state_dict().items():
+            moved = not torch.equal(f.get_tensor(name), tensor)
+            assert moved == (".indexer." in name), name

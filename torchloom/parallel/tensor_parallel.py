@@ -32,10 +32,13 @@ def apply_tensor_parallel(
     model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]
 ) -> None:
     """Distribute ``model`` in place over the 1-D ``mesh`` following ``plan``."""
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for path, style in plan.items():
         parallelize_module(model.get_submodule(path), mesh, style)
-    for param in model.parameters():
-        if isinstance(param, DTensor):
+    for name, param in model.named_parameters():
+        if name in frozen:  # torch's styles make new parameters, trainable: keep them frozen
+            param.requires_grad_(False)
+        elif isinstance(param, DTensor):
             param.register_post_accumulate_grad_hook(_match_param_placements)
 
 

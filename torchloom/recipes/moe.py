@@ -37,6 +37,18 @@ def deepseek_v3_debug() -> JobConfig:
     )
 
 
+@register_recipe("deepseek_v32_debug")
+def deepseek_v32_debug() -> JobConfig:
+    """deepseek_v32's debug flavor (deepseek_v3_debug with DeepSeek sparse attention: each
+    query attends to the 32 keys its lightning indexer picks out of up to 128, the indexer
+    trained by its KL loss, logged as aux_indexer_kl) on the built-in corpus: seconds on a CPU.
+    Add --model.transforms '["dsa_warmup"]' for the dense warm-up of the indexers alone."""
+    job = deepseek_v3_debug()
+    job.model = ModelConfig(name="deepseek_v32", flavor="debug")
+    job.output.dir = "outputs/deepseek_v32_debug"
+    return job
+
+
 @register_recipe("kimi_linear_debug")
 def kimi_linear_debug() -> JobConfig:
     """kimi_linear's debug flavor (3 Kimi Delta Attention layers and 1 NoPE MLA layer, 1 dense

@@ -154,20 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
         """With ``cache`` (generation), this call's latents are stored in it and the queries
         attend to every cached position up to their own."""
         B, T, _ = x_BTD.shape
-        if self.q_proj is not None:
-            q_BTq = self.q_proj(x_BTD)
-        else:
-            q_BTq = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
-        q_BTHe = q_BTq.view(B, T, -1, self.qk_head_dim)
-        q_nope_BTHn, q_rope_BTHr = q_BTHe.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent_BTc, k_rope_BTr = self.kv_a_proj_with_mqa(x_BTD).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )
-        latent_BTc = self.kv_a_layernorm(latent_BTc)
-        k_rope_BT1r = k_rope_BTr[:, :, None]
-        if cos_BTd is not None:  # no tables: NoPE (Kimi Linear), the parts stay as they are
-            q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
-            k_rope_BT1r = self.rotate(self._halves(k_rope_BT1r), cos_BTd, sin_BTd)
+        _, q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r = self.project(x_BTD, cos_BTd, sin_BTd)
         if cache is not None and self.backend == "batch_invariant":
             # No absorbed weights: every step up-projects the cached latents as the trainer's
             # forward does, and attends with the same kernel at the queries' positions.
@@ -187,6 +174,30 @@ class MultiHeadLatentAttention(nn.Module):
                 q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r, doc_ids_BT
             )
         return self.o_proj(out_BHTv.transpose(1, 2).reshape(B, T, -1))
+
+    def project(
+        self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor | None, sin_BTd: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the normed query latent, None with a full-rank q_proj; each head's query parts
+        without and with position; the normed latent; the rotated shared key part [B, T, 1, r])."""
+        B, T, _ = x_BTD.shape
+        q_latent_BTq = None
+        if self.q_proj is not None:
+            q_BTq = self.q_proj(x_BTD)
+        else:
+            q_latent_BTq = self.q_a_layernorm(self.q_a_proj(x_BTD))
+            q_BTq = self.q_b_proj(q_latent_BTq)
+        q_BTHe = q_BTq.view(B, T, -1, self.qk_head_dim)
+        q_nope_BTHn, q_rope_BTHr = q_BTHe.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent_BTc, k_rope_BTr = self.kv_a_proj_with_mqa(x_BTD).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        latent_BTc = self.kv_a_layernorm(latent_BTc)
+        k_rope_BT1r = k_rope_BTr[:, :, None]
+        if cos_BTd is not None:  # no tables: NoPE (Kimi Linear), the parts stay as they are
+            q_rope_BTHr = self.rotate(self._halves(q_rope_BTHr), cos_BTd, sin_BTd)
+            k_rope_BT1r = self.rotate(self._halves(k_rope_BT1r), cos_BTd, sin_BTd)
+        return q_latent_BTq, q_nope_BTHn, q_rope_BTHr, latent_BTc, k_rope_BT1r
 
     def _halves(self, x: torch.Tensor) -> torch.Tensor:
         return interleaved_to_halves(x) if self.rope_interleave else x
