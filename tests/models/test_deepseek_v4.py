@@ -1,0 +1,205 @@
+"""DeepSeek-V4 <-> transformers' DeepseekV4ForCausalLM: logits of random checkpoints for every
+attention kind (sliding window, compressed sparse with the indexer's picks, heavily compressed)
+with hash-routed and top-k MoE layers, exports transformers loads, DeepSeek's published tensor
+names, the published flavors' parameter counts, config refusals; and the components' own
+properties (Sinkhorn, visibility of compressed groups, hash routing)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import torchloom
+from torchloom.checkpoint.hf import save_hf
+from torchloom.config.errors import ConfigError
+from torchloom.models import build_model
+from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
+from torchloom.models.components.hyper_connections import sinkhorn
+from torchloom.models.components.moe import MoE, MoEConfig
+from torchloom.models.components.param_init import ParamInit
+from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
+
+ADAPTER = DeepSeekV4HFAdapter()
+VOCAB, EXPERTS, TOP_K = 512, 8, 2
+# Groups of 4 (CSA, the indexer picking 3) and 16 (HCA), a window of 16: with 70 tokens every
+# path acts (17 groups of 4 against 3 picks, 4 groups of 16, keys outside the window).
+V4_TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4,
+    head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25, n_routed_experts=EXPERTS,
+    num_experts_per_tok=TOP_K, o_groups=2, o_lora_rank=16, sliding_window=16,
+    compress_rates={CSA: 4, HCA: 16}, index_n_heads=2, index_head_dim=16, index_topk=3,
+    max_position_embeddings=256,
+)  # fmt: skip
+SCHEDULES = {
+    "sliding": [SLIDING, SLIDING],
+    "csa": [CSA, CSA],
+    "hca": [HCA, HCA],
+    "mixed": [SLIDING, CSA, HCA, CSA],
+}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+
+
+def hf_v4(tmp_path, kinds: list[str], seed: int = 0, **config) -> tuple:
+    """A random transformers DeepSeek-V4 (the first layer hash-routed, the hash table random),
+    saved under tmp_path/hf: (folder, model in eval mode)."""
+    transformers.utils.logging.disable_progress_bar()
+    mlp_kinds = ["hash_moe"] + ["moe"] * (len(kinds) - 1)
+    hf_config = transformers.DeepseekV4Config(
+        **(V4_TINY | config), num_hidden_layers=len(kinds), layer_types=kinds,
+        mlp_layer_types=mlp_kinds, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.DeepseekV4ForCausalLM(hf_config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+            if name.endswith("tid2eid"):  # a real table: distinct experts per token
+                rows = [torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(VOCAB)]
+                buffer.copy_(torch.stack(rows))
+    path = tmp_path / "hf"
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+def tokens(length: int = 70) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@torch.no_grad()
+def test_from_hf_logits_match_transformers(schedule, tmp_path, logits_parity) -> None:
+    path, reference = hf_v4(tmp_path, SCHEDULES[schedule])
+    model = torchloom.from_hf(path)
+    assert isinstance(model, DeepSeekV4)
+    assert model.config.kinds() == tuple(SCHEDULES[schedule])
+    hash_table = model.layers["0"].mlp.router.tid2eid
+    assert torch.equal(hash_table, reference.model.layers[0].mlp.gate.tid2eid)
+    window = tokens()
+    logits_parity(f"deepseek_v4 {schedule}", model(window), reference(window).logits)
+
+
+@torch.no_grad()
+def test_compressed_layers_with_yarn_match_transformers(tmp_path, logits_parity) -> None:
+    """The compressed layers' YaRN RoPE (cos/sin unscaled, as the published checkpoints)."""
+    path, reference = hf_v4(tmp_path, [SLIDING, CSA, HCA], rope_parameters=YARN)
+    model = torchloom.from_hf(path)
+    assert model.config.compress_rope.scaling == "yarn" and model.config.rope.scaling == "none"
+    window = tokens()
+    logits_parity("deepseek_v4 yarn", model(window), reference(window).logits)
+
+
+@torch.no_grad()
+def test_indexer_picks_matter(tmp_path) -> None:
+    """The sparse path really acts: other picks (a perturbed indexer) change the logits."""
+    path, _ = hf_v4(tmp_path, [CSA])
+    model = torchloom.from_hf(path)
+    window = tokens()
+    before = model(window)
+    model.layers["0"].attention.indexer.kv_proj.weight.add_(0.5)
+    diff = (model(window) - before).abs().max().item()
+    print(f"logit change from a perturbed indexer: {diff:.2e}")
+    assert diff > 1e-3
+
+
+@torch.no_grad()
+def test_export_loads_in_transformers(tmp_path, logits_parity) -> None:
+    cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], vocab_size=VOCAB)
+    model = build_model(cfg)
+    model.init_weights(0)
+    generator = torch.Generator().manual_seed(2)
+    for param in model.parameters():  # every weight matters (sinks, biases, mixes)
+        param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    rows = [torch.randperm(8, generator=generator)[: cfg.moe.top_k] for _ in range(VOCAB)]
+    model.layers["0"].mlp.router.tid2eid.copy_(torch.stack(rows))
+    save_hf(tmp_path / "out", "deepseek_v4", cfg, model.state_dict().items())
+    reference = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
+    window = tokens(60)
+    logits_parity("deepseek_v4 export", model(window), reference(window).logits, rel=1e-5)
+    again = torchloom.from_hf(tmp_path / "out")
+    assert torch.equal(again(window), model(window))
+
+
+@torch.no_grad()
+def test_published_tensor_names_load(tmp_path, logits_parity) -> None:
+    """DeepSeek's published folders: no "model." prefix; embed, norm and hc_head_* at the top;
+    an MTP layer (skipped, as transformers skips it)."""
+    path, reference = hf_v4(tmp_path, [SLIDING, HCA])
+    tensors = load_file(path / "model.safetensors")
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+    published = {top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()}
+    published["mtp.0.hc_head_fn"] = torch.zeros(2)
+    (path / "model.safetensors").unlink()
+    save_file(published, path / "model.safetensors")
+    model = torchloom.from_hf(path)
+    window = tokens()
+    logits_parity("deepseek_v4 published names", model(window), reference(window).logits)
+
+
+def test_published_flavors_match_transformers_parameter_counts() -> None:
+    for name, billions in (("flash", 284), ("pro", 1573)):
+        cfg = DEEPSEEK_V4_FLAVORS[name]
+        hf = ADAPTER.config_to_hf(cfg)
+        with torch.device("meta"):
+            reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**hf))
+        theirs = sum(p.numel() for p in reference.parameters())
+        print(f"{name}: ours {cfg.num_params():,}, transformers {theirs:,}")
+        assert cfg.num_params() == theirs
+        assert round(theirs / 1e9) == billions
+        assert ADAPTER.config_from_hf(hf).kinds() == cfg.kinds()
+
+
+def test_config_refusals() -> None:
+    hf = ADAPTER.config_to_hf(DEEPSEEK_V4_FLAVORS["debug"])
+    with pytest.raises(ConfigError, match="unknown option use_magic=True"):
+        ADAPTER.config_from_hf(hf | {"use_magic": True})
+    with pytest.raises(ConfigError, match="scoring_func='softmax' is not supported"):
+        ADAPTER.config_from_hf(hf | {"scoring_func": "softmax"})
+    with pytest.raises(ConfigError, match="hash-routed layers must come first"):
+        ADAPTER.config_from_hf(hf | {"mlp_layer_types": ["moe", "hash_moe", "moe"]})
+    debug = DEEPSEEK_V4_FLAVORS["debug"]  # all but the bias update rate, a training setting
+    expected = replace(debug, moe=replace(debug.moe, bias_update_rate=0.0))
+    assert ADAPTER.config_from_hf(json.loads(json.dumps(hf))) == expected
+
+
+def test_generation_is_refused_in_one_line() -> None:
+    model = build_model(DEEPSEEK_V4_FLAVORS["debug"])
+    with pytest.raises(NotImplementedError, match="no generation cache"):
+        model.new_cache(1, 32, torch.device("cpu"), torch.float32)
+
+
+def test_sinkhorn_is_doubly_stochastic_in_fp32() -> None:
+    """Columns sum to one after the last (column) step; rows nearly, after 20 iterations."""
+    logits = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
+    comb = sinkhorn(logits, iterations=20, eps=1e-6)
+    assert comb.dtype == torch.float32 and (comb > 0).all()
+    for dim, tolerance in ((-2, 1e-5), (-1, 1e-3)):
+        err = (comb.sum(dim) - 1).abs().max().item()
+        print(f"sum over dim {dim}: max error {err:.1e}")
+        assert err < tolerance
+
+
+def test_hash_routing_uses_the_table() -> None:
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=8, num_shared_experts=1,
+                    score_func="sqrtsoftplus", normalize_top_k=True, hash_routing=True)  # fmt: skip
+    moe = MoE(16, cfg, vocab_size=10)
+    moe.init_weights(ParamInit(moe, 0))
+    table = moe.router.tid2eid
+    assert sorted(set(table.flatten().tolist())) == [0, 1, 2, 3]  # balanced default table
+    _, experts, _ = moe.router(torch.randn(3, 16), torch.tensor([7, 7, 2]))
+    assert torch.equal(experts, table[torch.tensor([7, 7, 2])])
+    with pytest.raises(ValueError, match="needs the token ids"):
+        moe(torch.randn(1, 3, 16))
