@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import torchloom
 from torchloom.checkpoint.hf import save_hf
+from torchloom.checkpoint.safetensors_io import iter_tensors
+from torchloom.cli import main
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
@@ -147,6 +149,19 @@ def test_published_tensor_names_load(tmp_path, logits_parity) -> None:
     model = torchloom.from_hf(path)
     window = tokens()
     logits_parity("deepseek_v4 published names", model(window), reference(window).logits)
+
+
+def test_convert_both_ways(tmp_path, capsys) -> None:
+    """`torchloom convert` from transformers' folder and back: every tensor (the int64 hash
+    table too) comes back bitwise under the same name."""
+    path, _ = hf_v4(tmp_path, [SLIDING, CSA, HCA])
+    for args in (["--from-hf", path, "--to", tmp_path / "tl"],
+                 ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
+        assert main(["convert", *map(str, args)]) == 0, capsys.readouterr().err
+    original, back = dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "back"))
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
 
 
 def test_published_flavors_match_transformers_parameter_counts() -> None:
