@@ -23,8 +23,8 @@ from torchloom.models.llama3 import LLAMA3_FLAVORS
 def test_families_are_registered() -> None:
     names = [spec.name for spec in list_models()]
     assert names == [
-        "deepseek_v3", "kimi_k25", "kimi_linear", "llama3", "muse_glimmer", "muse_spark", "qwen3",
-        "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl",
+        "deepseek_v3", "deepseek_v4", "kimi_k25", "kimi_linear", "llama3", "muse_glimmer",
+        "muse_spark", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl",
     ]  # fmt: skip
     spec = get_model_spec("qwen3")
     assert spec.config_cls is TransformerConfig and "0.6B" in spec.flavors and spec.description
