@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import torchloom
 from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.safetensors_io import iter_tensors
-from torchloom.cli import main
+from torchloom.cli import main, resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
@@ -26,6 +26,7 @@ from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
 from torchloom.train.loss import cross_entropy_sum
+from torchloom.train.trainer import Trainer
 
 ADAPTER = DeepSeekV4HFAdapter()
 VOCAB, EXPERTS, TOP_K = 512, 8, 2
@@ -67,7 +68,7 @@ def hf_v4(tmp_path, kinds: list[str], seed: int = 0, **config) -> tuple:
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
             if name.endswith("tid2eid"):  # a real table: distinct experts per token
-                rows = [torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(VOCAB)]
+                rows = [torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in buffer]
                 buffer.copy_(torch.stack(rows))
     path = tmp_path / "hf"
     model.save_pretrained(path)
@@ -223,8 +224,28 @@ def test_convert_both_ways(tmp_path, capsys) -> None:
         assert torch.equal(back[name], tensor), name
 
 
+def test_initial_load_hf_trains_from_its_loss(tmp_path) -> None:
+    """`--checkpoint.initial_load_hf` on a transformers DeepSeek-V4 folder: the first training
+    loss is transformers' on the same batch, and training runs."""
+    path, reference = hf_v4(tmp_path, [SLIDING, CSA, HCA], vocab_size=4100)
+    args = ["--recipe", "deepseek_v4_debug", "--checkpoint.initial_load_hf", str(path),
+            "--training.steps", "2", "--training.sample_tokens", "0", "--training.seq_len", "64",
+            "--training.val_sequences", "4", "--metrics.tensorboard", "false",
+            "--data.document_mask", "false", "--output.dir", str(tmp_path / "run")]  # fmt: skip
+    _, job = resolve_job(args)
+    trainer = Trainer(job)
+    state = trainer.train_loader.state_dict()
+    (batch,) = trainer.train_loader.next_step()
+    trainer.train_loader.load_state_dict(state)
+    result = trainer.train()
+    with torch.no_grad():
+        hf_loss = reference(input_ids=batch.tokens, labels=batch.labels, shift_labels=batch.labels)
+    print(f"first loss: trainer {result.first_loss:.6f}, transformers {hf_loss.loss.item():.6f}")
+    assert abs(result.first_loss - hf_loss.loss.item()) < 1e-5 and result.steps == 2
+
+
 def test_published_flavors_match_transformers_parameter_counts() -> None:
-    for name, billions in (("flash", 284), ("pro", 1573)):
+    for name, billions, active in (("flash", 284, 13), ("pro", 1573, 49)):
         cfg = DEEPSEEK_V4_FLAVORS[name]
         hf = ADAPTER.config_to_hf(cfg)
         with torch.device("meta"):
@@ -233,6 +254,7 @@ def test_published_flavors_match_transformers_parameter_counts() -> None:
         print(f"{name}: ours {cfg.num_params():,}, transformers {theirs:,}")
         assert cfg.num_params() == theirs
         assert round(theirs / 1e9) == billions
+        assert round(cfg.flops_per_token(0) / 6e9) == active  # the published 13B / 49B active
         assert ADAPTER.config_from_hf(hf).kinds() == cfg.kinds()
 
 
