@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.models.components.cache import Binding
 from torchloom.models.components.hyper_connections import unweighted_rms_norm
 from torchloom.models.components.norms import RMSNorm
 from torchloom.models.components.param_init import ParamInit
@@ -84,11 +85,20 @@ class GatedCompressor(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """[B, S, head_dim]: the S = T // ratio completed groups (a partial last group waits)."""
-        B, T, _ = x_BTD.shape
+        return self.pool(self.project(x_BTD))
+
+    def project(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """[B, T, 2 * width]: each token's kv and gate (what generation stores per position)."""
+        return torch.cat([self.kv_proj(x_BTD), self.gate_proj(x_BTD)], dim=-1)
+
+    def pool(self, projected_BTx: torch.Tensor) -> torch.Tensor:
+        """The completed groups of tokens 0..T-1 from their ``project`` outputs."""
+        B, T, _ = projected_BTx.shape
         r, d = self.ratio, self.head_dim
         S = T // r
-        kv_BSrw = self.kv_proj(x_BTD[:, : S * r]).view(B, S, r, -1)
-        gate_BSrw = self.gate_proj(x_BTD[:, : S * r]).view(B, S, r, -1) + self.position_bias
+        kv_BTw, gate_BTw = projected_BTx[:, : S * r].chunk(2, dim=-1)
+        kv_BSrw = kv_BTw.reshape(B, S, r, kv_BTw.shape[-1])
+        gate_BSrw = gate_BTw.reshape(B, S, r, kv_BTw.shape[-1]) + self.position_bias
         if self.overlap:
             kv = kv_BSrw.new_zeros(B, S, 2 * r, d)
             gate = gate_BSrw.new_full((B, S, 2 * r, d), float("-inf"))
@@ -122,15 +132,15 @@ class LightningIndexer(GatedCompressor):
         self.num_heads, self.topk = num_heads, topk
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(dim, num_heads, bias=False)
-        self.mask = AttentionMask(compress=ratio, topk=topk, document=False)
 
-    def forward(  # type: ignore[override]
-        self, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor, rope: RopeConfig, rope_dim: int,
-        positions_BT: torch.Tensor, visible_BTS: torch.Tensor,
+    def pick(
+        self, projected_BLx: torch.Tensor, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
+        rope: RopeConfig, rope_dim: int, positions_BT: torch.Tensor, visible_BTS: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """picks_BTk: the groups each query attends to; ``visible_BTS`` says which it may."""
+        """picks_BTk: the groups each query attends to, scored against index keys pooled from
+        ``projected_BLx`` (``project`` of tokens 0..L-1); ``visible_BTS`` says which it may."""
         B, T, _ = x_BTD.shape
-        keys_BSd = super().forward(x_BTD)
+        keys_BSd = self.pool(projected_BLx)
         S = keys_BSd.shape[1]
         key_pos_BS = (torch.arange(S, device=x_BTD.device) * self.ratio).expand(B, S)
         keys_BSd = rotate_tail(keys_BSd[:, None], *rope_tables(rope, rope_dim, key_pos_BS))[:, 0]
@@ -141,7 +151,10 @@ class LightningIndexer(GatedCompressor):
         weights_BTH = self.weights_proj(x_BTD).float() * self.num_heads**-0.5
         scores_BTS = (scores_BTHS * weights_BTH[..., None]).sum(dim=2)
         scores_BTS = scores_BTS.masked_fill(~visible_BTS, float("-inf"))
-        picks_BTk = scores_BTS.topk(min(self.topk, S), dim=-1).indices
+        # A stable sort, not topk: tied scores (relu zeroes every head) go to the earliest
+        # groups whatever S is, so a prefill, its decode steps and a longer forward agree.
+        order_BTS = scores_BTS.sort(dim=-1, descending=True, stable=True).indices
+        picks_BTk = order_BTS[..., : min(self.topk, S)]
         chosen_BTk = visible_BTS.gather(-1, picks_BTk)
         return torch.where(chosen_BTk, picks_BTk, -1)
 
@@ -151,9 +164,50 @@ class LightningIndexer(GatedCompressor):
         init.trunc_normal_(self.weights_proj.weight, self.init_std)
 
 
+class CompressedState:
+    """One DeepSeek-V4 layer's generation state: per slot and position, the rotated key and
+    the compressor's / indexer's projections of that token ([slots, max_len, width] each).
+    Indexed by position like a KV cache, so a decode step sees exactly the keys and groups the
+    full forward would: a group is pooled once its last token is stored (the compressor's
+    partial group and the indexer's overlap are the positions stored so far)."""
+
+    def __init__(self, slots: int, max_len: int, widths: list[int], device: torch.device,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        self.tensors = [torch.zeros(slots, max_len, w, device=device, dtype=dtype) for w in widths]
+
+    def bound(self, binding: Binding) -> BoundCompressedState:
+        return BoundCompressedState(self, binding)
+
+    def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
+        for tensor in self.tensors:  # the source cloned: it may overlap the target
+            tensor[dst_slots_S, :length] = tensor[src_slot, :length].clone()
+
+
+class BoundCompressedState:
+    """A CompressedState bound to one forward's rows (``binding``)."""
+
+    def __init__(self, state: CompressedState, binding: Binding) -> None:
+        self.state, self.binding = state, binding
+
+    def stored(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Store this call's [B, T, width] values at their rows' slots and positions; return
+        each row's values at positions 0..L-1 (L: past the furthest query)."""
+        bound = self.binding
+        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
+        out = []
+        for tensor, value_BTx in zip(self.state.tensors, values, strict=True):
+            tensor[rows_B1, pos_BT] = value_BTx.to(tensor.dtype)
+            if bound.leading:  # slots 0..B-1, every index
+                read = tensor[: pos_BT.shape[0]]
+            else:
+                read = tensor[bound.slot_ids_B, : bound.length]
+            out.append(read.to(value_BTx.dtype))
+        return out
+
+
 class CompressedSparseAttention(nn.Module):
     """One DeepSeek-V4 attention layer of ``kind`` (a key of ATTENTION_KINDS):
-    ``forward(x_BTD, positions_BT, doc_ids_BT=None) -> y_BTD``."""
+    ``forward(x_BTD, positions_BT, doc_ids_BT=None, cache=None) -> y_BTD``."""
 
     def __init__(
         self, kind: str, dim: int, num_heads: int, head_dim: int, rope_dim: int, q_lora_rank: int,
@@ -163,16 +217,9 @@ class CompressedSparseAttention(nn.Module):
     ) -> None:  # fmt: skip
         super().__init__()
         if kind not in ATTENTION_KINDS:
-            raise ValueError(
-                f"unknown DeepSeek-V4 attention kind {kind!r}; one of {ATTENTION_KINDS}"
-            )
-        self.kind, self.num_heads, self.head_dim, self.rope_dim = (
-            kind,
-            num_heads,
-            head_dim,
-            rope_dim,
-        )
-        self.o_groups, self.rope = o_groups, rope
+            raise ValueError(f"unknown DeepSeek-V4 attention kind {kind!r}; one of {ATTENTION_KINDS}")  # fmt: skip
+        self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
+        self.rope_dim, self.o_groups, self.rope = rope_dim, o_groups, rope
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
         self.norm_eps = norm_eps
         self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
@@ -181,9 +228,8 @@ class CompressedSparseAttention(nn.Module):
         self.kv_proj = nn.Linear(dim, head_dim, bias=False)
         self.kv_norm = RMSNorm(head_dim, norm_eps)
         # Grouped output projection: each of o_groups head groups to o_lora_rank, then mixed.
-        self.o_a_proj = nn.Linear(
-            num_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False
-        )
+        group_width = num_heads * head_dim // o_groups
+        self.o_a_proj = nn.Linear(group_width, o_groups * o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, dim, bias=False)
         self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
         self.window_mask = AttentionMask(window=window, sink=True)
@@ -191,23 +237,20 @@ class CompressedSparseAttention(nn.Module):
         self.indexer: LightningIndexer | None = None
         self.group_mask: AttentionMask | None = None
         if kind != SLIDING:
-            self.compressor = GatedCompressor(
-                dim, head_dim, compress, kind == CSA, norm_eps, init_std
-            )
+            self.compressor = GatedCompressor(dim, head_dim, compress, kind == CSA, norm_eps, init_std)  # fmt: skip
             sparse = index_topk if kind == CSA else None
-            self.group_mask = AttentionMask(
-                compress=compress, topk=sparse, document=False, sink=True
-            )
+            self.group_mask = AttentionMask(compress=compress, topk=sparse, document=False, sink=True)  # fmt: skip
         if kind == CSA:
             self.indexer = LightningIndexer(dim, q_lora_rank, index_heads, index_head_dim, compress,
                                             index_topk, norm_eps, init_std)  # fmt: skip
 
     def forward(
-        self,
-        x_BTD: torch.Tensor,
-        positions_BT: torch.Tensor,
-        doc_ids_BT: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, x_BTD: torch.Tensor, positions_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None,
+        cache: BoundCompressedState | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Without ``cache`` the keys are this call's tokens (key index = place in the row,
+        packed documents by ``doc_ids_BT``); with one (generation) they are the slot's tokens
+        0..L-1 (key index = position), this call's stored first."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         cos_BTF, sin_BTF = rope_tables(self.rope, self.rope_dim, positions_BT)
@@ -215,10 +258,21 @@ class CompressedSparseAttention(nn.Module):
         q_BHTd = self.q_b_proj(q_latent_BTQ).view(B, T, H, d).transpose(1, 2)
         q_BHTd = rotate_tail(unweighted_rms_norm(q_BHTd, self.norm_eps), cos_BTF, sin_BTF)
         kv_B1Td = self.kv_norm(self.kv_proj(x_BTD)).view(B, T, 1, d).transpose(1, 2)
-        keys_B1Ld = rotate_tail(kv_B1Td, cos_BTF, sin_BTF)
-        visible_BTL = self.window_mask.dense(T, x_BTD.device, doc_ids_BT)[:, 0].expand(B, T, T)
+        keys_BTd = rotate_tail(kv_B1Td, cos_BTF, sin_BTF)[:, 0]
+        projected = [m.project(x_BTD) for m in (self.compressor, self.indexer) if m is not None]
+        if cache is None:
+            query_index_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
+        else:  # the slot's keys and projections so far, this call's included
+            query_index_BT, doc_ids_BT = cache.binding.positions_BT, None
+            keys_BTd, *projected = cache.stored([keys_BTd, *projected])
+        key_index_L = torch.arange(keys_BTd.shape[1], device=x_BTD.device)
+        docs = () if doc_ids_BT is None else (doc_ids_BT[:, :, None], doc_ids_BT[:, None, :])
+        visible_BTL = self.window_mask.visible(query_index_BT[..., None], key_index_L, *docs)
+        keys_B1Ld = keys_BTd[:, None]
         if self.compressor is not None:
-            groups_B1Sd, seen_BTS = self._groups(x_BTD, q_latent_BTQ, positions_BT, doc_ids_BT)
+            groups_B1Sd, seen_BTS = self._groups(
+                projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT
+            )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
             visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
         out_BHTd = self._attend(q_BHTd, keys_B1Ld, visible_BTL)
@@ -229,31 +283,32 @@ class CompressedSparseAttention(nn.Module):
         return self.o_b_proj(mixed_BTGR.flatten(2))
 
     def _groups(
-        self, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor, positions_BT: torch.Tensor,
-        doc_ids_BT: torch.Tensor | None,
+        self, projected: list[torch.Tensor], x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
+        positions_BT: torch.Tensor, query_index_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The compressed keys [B, 1, S, d] (rotated at their groups' first positions) and which
-        of them each query sees [B, T, S]: completed groups, whole in its document, and (CSA)
-        among its indexer's picks."""
+        """The compressed keys [B, 1, S, d] pooled from the keys' ``projected`` tokens (rotated
+        at their groups' first positions), and which of them each query sees [B, T, S]:
+        completed groups (``group_mask``), whole in its document, and (CSA) its indexer's picks."""
         assert self.compressor is not None and self.group_mask is not None
         B, T, _ = x_BTD.shape
-        groups_BSd = self.compressor(x_BTD)
+        device = x_BTD.device
+        groups_BSd = self.compressor.pool(projected[0])
         S = groups_BSd.shape[1]
-        group_pos_BS = (torch.arange(S, device=x_BTD.device) * self.compressor.ratio).expand(B, S)
+        group_pos_BS = (torch.arange(S, device=device) * self.compressor.ratio).expand(B, S)
         groups_B1Sd = rotate_tail(groups_BSd[:, None], *rope_tables(self.rope, self.rope_dim, group_pos_BS))  # fmt: skip
-        seen_BTS = (
-            AttentionMask(compress=self.compressor.ratio, document=False)
-            .dense(T, x_BTD.device, S=S)[:, 0]
-            .expand(B, T, S)
-        )
+        key_pos_S = self.group_mask.key_positions(S, device)
+        seen_BTS = self.group_mask.visible(query_index_BT[..., None], key_pos_S)
         if doc_ids_BT is not None:
-            first_S, last_S = self.compressor.group_span(S, x_BTD.device)
+            first_S, last_S = self.compressor.group_span(S, device)
             doc_BT1 = doc_ids_BT[:, :, None]
             seen_BTS = seen_BTS & (doc_ids_BT[:, None, first_S] == doc_BT1)
             seen_BTS = seen_BTS & (doc_ids_BT[:, None, last_S] == doc_BT1)
         if self.indexer is not None and S:
-            picks_BTk = self.indexer(x_BTD, q_latent_BTQ, self.rope, self.rope_dim, positions_BT, seen_BTS)  # fmt: skip
-            seen_BTS = seen_BTS & self.group_mask.dense(T, x_BTD.device, S=S, picks_BTk=picks_BTk)[:, 0]  # fmt: skip
+            picks_BTk = self.indexer.pick(projected[1], x_BTD, q_latent_BTQ, self.rope,
+                                          self.rope_dim, positions_BT, seen_BTS)  # fmt: skip
+            picked_BTS = torch.zeros(B, T, S + 1, dtype=torch.bool, device=device)
+            picked_BTS.scatter_(-1, torch.where(picks_BTk < 0, S, picks_BTk), True)
+            seen_BTS = seen_BTS & picked_BTS[..., :S]
         return groups_B1Sd, seen_BTS
 
     def _attend(
@@ -270,11 +325,14 @@ class CompressedSparseAttention(nn.Module):
         probs_BHTL = logits_BHTL.softmax(dim=-1)[..., :-1].to(keys_B1Ld.dtype)
         return torch.matmul(probs_BHTL, keys_B1Ld)
 
-    def new_state(self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        raise NotImplementedError(
-            "deepseek_v4 has no generation cache yet (compressed groups and indexer state per "
-            "slot are not kept); generate with transformers or run full forwards."
-        )
+    def new_state(
+        self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> CompressedState:
+        """Per slot and position: the rotated key and (compressed kinds) the compressor's and
+        the indexer's projections; the completed groups are pooled from them at each step."""
+        widths = [self.head_dim]
+        widths += [2 * m.kv_proj.weight.shape[0] for m in (self.compressor, self.indexer) if m]
+        return CompressedState(slots, max_len, widths, device, dtype)
 
     def init_weights(self, init: ParamInit) -> None:
         """Projections truncated normal(0, init_std), o_b_proj at out_std, norms one, sinks zero."""

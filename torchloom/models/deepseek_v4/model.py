@@ -7,8 +7,10 @@ the same again around the MoE, which in the first ``hash_layers`` layers routes 
 The streams start as copies of the token embedding and ``hc_head`` collapses them before the
 final norm.
 
-Not built: multi-token prediction (the published checkpoints' ``mtp.*`` tensors are skipped on
-load, as transformers does) and a generation cache (``new_cache`` refuses).
+Generation runs the same blocks with a ``ModelCache`` whose layer states are
+``CompressedState`` (models/components/compressed_attention.py). Not built: multi-token
+prediction (the published checkpoints' ``mtp.*`` tensors are skipped on load, as transformers
+does).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 from torch import nn
 
 from torchloom.models.components.cache import ModelCache
-from torchloom.models.components.compressed_attention import CompressedSparseAttention
+from torchloom.models.components.compressed_attention import (
+    BoundCompressedState,
+    CompressedSparseAttention,
+)
 from torchloom.models.components.decoder import Decoder, LayerInputs, _residual_std
 from torchloom.models.components.hyper_connections import HyperConnection, HyperHead
 from torchloom.models.components.moe import MoE
@@ -55,10 +60,11 @@ class DeepSeekV4Block(nn.Module):
 
     def forward(
         self, streams_BTND: torch.Tensor, tokens_BT: torch.Tensor, positions_BT: torch.Tensor,
-        doc_ids_BT: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None, cache: BoundCompressedState | None = None,
     ) -> torch.Tensor:  # fmt: skip
         post, comb, x_BTD = self.attention_hc(streams_BTND)
-        branch_BTD = self.attention(self.attention_norm(x_BTD), positions_BT, doc_ids_BT)
+        x_BTD = self.attention_norm(x_BTD)
+        branch_BTD = self.attention(x_BTD, positions_BT, doc_ids_BT, cache=cache)
         streams_BTND = HyperConnection.join(streams_BTND, branch_BTD, post, comb)
         post, comb, x_BTD = self.mlp_hc(streams_BTND)
         branch_BTD = self.mlp(self.mlp_norm(x_BTD), tokens_BT)
@@ -99,16 +105,17 @@ class DeepSeekV4(Decoder):
         *,
         embeds_BTD: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [B, T, D] (after hc_head and the final norm)."""
-        if cache is not None:
-            raise NotImplementedError("deepseek_v4 has no generation cache yet")
+        """Final hidden states [B, T, D] (after hc_head and the final norm). With ``cache``
+        (generation) positions are the tokens' places in their sequences, as the cache's
+        binding says."""
         B, T = tokens_BT.shape[:2]
         if positions_BT is None:
             positions_BT = torch.arange(T, device=tokens_BT.device).expand(B, T)
         h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD
         streams_BTND = h_BTD[:, :, None].expand(-1, -1, self.config.hc_streams, -1).contiguous()
-        for block in self.layers.values():
-            streams_BTND = block(streams_BTND, tokens_BT, positions_BT, doc_ids_BT)
+        for name, block in self.layers.items():
+            layer_cache = None if cache is None else cache.layer(int(name))
+            streams_BTND = block(streams_BTND, tokens_BT, positions_BT, doc_ids_BT, layer_cache)
         h_BTD = self.hc_head(streams_BTND)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 
