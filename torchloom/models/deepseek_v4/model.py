@@ -78,6 +78,10 @@ class DeepSeekV4Block(nn.Module):
 class DeepSeekV4(Decoder):
     """Embedding -> N streams -> blocks -> hc_head -> final norm -> head."""
 
+    supports_pipeline = False
+    """Pipeline stages hand over one [B, T, D] hidden state; these blocks pass the [B, T, N, D]
+    streams (train/builders.check_layout refuses --parallel.pp)."""
+
     def __init__(self, cfg: DeepSeekV4Config) -> None:
         nn.Module.__init__(self)
         self.config = cfg
