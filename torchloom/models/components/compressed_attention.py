@@ -347,11 +347,18 @@ class CompressedSparseAttention(nn.Module):
                 module.init_weights(init)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """6 per weight a token uses, plus the scores and the weighted sum over the keys it sees
-        (window, completed groups; CSA: the picked groups) for every head."""
+        """Training FLOPs per token, averaged over a causal sequence of ``seq_len``: 6 per weight
+        it uses, 12 per head channel and key it sees (scores and weighted sum, forward and
+        backward: the window, the completed groups or, for CSA, the picked ones) and the
+        indexer's scores against every completed group (forward only: its top-k passes no
+        gradient)."""
         weights = sum(p.numel() for n, p in self.named_parameters() if n.endswith("weight"))
-        keys = min(self.window_mask.window or seq_len, seq_len)
+        half = seq_len / 2  # a causal query sees half the sequence on average
+        keys = min(self.window_mask.window or seq_len, half)
+        indexer = 0.0
         if self.compressor is not None:
-            groups = seq_len // self.compressor.ratio
-            keys += min(groups, self.indexer.topk) if self.indexer is not None else groups
-        return 6 * weights + 12 * self.num_heads * self.head_dim * keys // 2
+            groups = half / self.compressor.ratio
+            keys += groups if self.indexer is None else min(groups, self.indexer.topk)
+            if self.indexer is not None:
+                indexer = 2 * self.indexer.num_heads * self.indexer.head_dim * groups
+        return int(6 * weights + 12 * self.num_heads * self.head_dim * keys + indexer)
