@@ -46,7 +46,9 @@ _DEFAULTS: dict[str, Any] = {
     "index_head_dim": 128, "index_topk": 512, "rms_norm_eps": 1e-6, "num_hash_layers": 3,
     "tie_word_embeddings": False,
 }  # fmt: skip
-# Keys read below, or that cannot change the network (metadata, training-only settings).
+# Keys read below, or that cannot change the network: metadata, training-only settings, and
+# DeepSeek-V3-shaped keys older V4 files carry that transformers' DeepseekV4 never reads
+# (kv_lora_rank, qk_nope_head_dim, v_head_dim, first_k_dense_replace, n_group, ...).
 _KNOWN = set(_DEFAULTS) | {
     "model_type", "architectures", "layer_types", "mlp_layer_types", "compress_rates",
     "compress_ratios", "compress_rate_csa", "compress_rate_hca", "rope_parameters",
@@ -127,6 +129,16 @@ class DeepSeekV4HFAdapter(HFAdapter):
 
         def get(key: str) -> Any:
             return _DEFAULTS.get(key) if hf.get(key) is None else hf[key]
+
+        # transformers reads intermediate_size as moe_intermediate_size (an attribute alias).
+        width, alias = hf.get("moe_intermediate_size"), hf.get("intermediate_size")
+        if alias is not None and width is not None and alias != width:
+            raise ConfigError(
+                f"intermediate_size={alias} and moe_intermediate_size={width} disagree; "
+                "transformers reads both as the experts' width: keep one."
+            )
+        if width is None and alias is not None:
+            hf = hf | {"moe_intermediate_size": alias}
 
         layers, head_dim = get("num_hidden_layers"), get("head_dim")
         rope_dim = hf.get("qk_rope_head_dim") or round(head_dim * (hf.get("partial_rotary_factor") or 0.125))  # fmt: skip
