@@ -261,6 +261,33 @@ def test_published_flavors_match_transformers_parameter_counts() -> None:
         assert ADAPTER.config_from_hf(hf).kinds() == cfg.kinds()
 
 
+# deepseek-ai/DeepSeek-V4-Pro's config.json (as published, less its quantization_config).
+PRO_CONFIG = {
+    "architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "bos_token_id": 0,
+    "eos_token_id": 1, "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512,
+    "hidden_act": "silu", "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64,
+    "index_topk": 512, "initializer_range": 0.02, "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4", "moe_intermediate_size": 3072, "n_routed_experts": 384,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 6, "num_hidden_layers": 61, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 16, "o_lora_rank": 1024,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                     "original_max_position_embeddings": 65536, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128, "swiglu_limit": 10.0, "tie_word_embeddings": False,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 129280, "compress_rope_theta": 160000.0,
+}  # fmt: skip
+
+
+def test_published_pro_config_reads_as_the_pro_flavor() -> None:
+    assert ADAPTER.config_from_hf(PRO_CONFIG) == DEEPSEEK_V4_FLAVORS["pro"]
+    fp8 = PRO_CONFIG | {"quantization_config": {"quant_method": "fp8"}}
+    with pytest.raises(ConfigError, match="dequantize the checkpoint to bfloat16 first"):
+        ADAPTER.config_from_hf(fp8)
+
+
 def test_config_refusals() -> None:
     hf = ADAPTER.config_to_hf(DEEPSEEK_V4_FLAVORS["debug"])
     with pytest.raises(ConfigError, match="unknown option use_magic=True"):

@@ -120,6 +120,11 @@ class DeepSeekV4HFAdapter(HFAdapter):
         if hf.get("model_type") != self.model_type:
             raise ConfigError(f"model_type is {hf.get('model_type')!r}, not {self.model_type!r}.")
         refuse_unknown_keys(hf, _KNOWN, "a deepseek_v4 config.json")
+        if hf.get("quantization_config") is not None:
+            raise ConfigError(
+                "this folder holds quantized weights (quantization_config); torchloom loads "
+                "floating-point weights only: dequantize the checkpoint to bfloat16 first."
+            )
         for key, allowed in _FIXED.items():
             if hf.get(key) is not None and hf[key] not in allowed:
                 raise ConfigError(
