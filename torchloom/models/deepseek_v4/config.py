@@ -109,6 +109,11 @@ class DeepSeekV4Config(DecoderConfig):
                      "index_head_dim", "index_topk", "hc_streams", "hc_sinkhorn_iters"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}.")
+        if self.batch_invariant:
+            raise ConfigError(
+                "deepseek_v4 has no batch-invariant attention yet (its compressed and sparse "
+                "attention runs a dense PyTorch reference); set --model.batch_invariant false."
+            )
         if self.rope_dim % 2 or self.rope_dim > min(self.head_dim, self.index_head_dim):
             raise ConfigError(
                 f"model rope_dim ({self.rope_dim}) must be even and at most head_dim "
