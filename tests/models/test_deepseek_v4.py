@@ -305,11 +305,13 @@ def test_config_refusals() -> None:
     assert ADAPTER.config_from_hf(json.loads(json.dumps(hf))) == expected
 
 
+@pytest.mark.parametrize("leading", [False, True])
 @torch.no_grad()
-def test_prefill_then_decode_equals_the_full_forward() -> None:
-    """Two sequences in slots 2 and 0 of a cache whose slots hold another sequence's state:
-    a 37-token prefill then one token at a time gives the full forward's logits (the
-    compressor's partial groups, the indexer's overlap and picks, the window, every kind)."""
+def test_prefill_then_decode_equals_the_full_forward(leading: bool) -> None:
+    """Two sequences in slots 2 and 0 (``leading``: 0 and 1, decoded as the CUDA-graph path
+    binds them, every index read through the mask) of a cache whose slots hold another
+    sequence's state: a 37-token prefill then one token at a time gives the full forward's
+    logits (the compressor's partial groups, the indexer's overlap and picks, the window)."""
     model = build_model(DEEPSEEK_V4_FLAVORS["debug"])
     model.init_weights(0)
     generator = torch.Generator().manual_seed(3)
@@ -322,12 +324,13 @@ def test_prefill_then_decode_equals_the_full_forward() -> None:
     stale = torch.arange(60).expand(3, 60)  # another sequence's state in every slot first
     model(torch.randint(0, 4096, (3, 60), generator=generator), stale,
           cache=cache.bind(torch.arange(3), stale))  # fmt: skip
-    slots, prefill = torch.tensor([2, 0]), 37
+    slots, prefill = torch.tensor([0, 1] if leading else [2, 0]), 37
     positions = torch.arange(prefill).expand(2, prefill)
     steps = [model(window[:, :prefill], positions, cache=cache.bind(slots, positions))]
     for t in range(prefill, 60):
         positions = torch.full((2, 1), t)
-        steps.append(model(window[:, t : t + 1], positions, cache=cache.bind(slots, positions)))
+        bound = cache.bind_leading(positions) if leading else cache.bind(slots, positions)
+        steps.append(model(window[:, t : t + 1], positions, cache=bound))
     diff = (torch.cat(steps, dim=1) - full).abs().max().item()
     print(f"prefill + decode vs full forward: max abs logit diff {diff:.1e}")
     assert diff < 1e-5
