@@ -296,6 +296,8 @@ def test_config_refusals() -> None:
         ADAPTER.config_from_hf(hf | {"scoring_func": "softmax"})
     with pytest.raises(ConfigError, match="intermediate_size=99 and moe_intermediate_size=32"):
         ADAPTER.config_from_hf(hf | {"intermediate_size": 99})
+    with pytest.raises(ConfigError, match="architectures \\['DeepseekV4Model'\\] is not supported"):
+        ADAPTER.config_from_hf(hf | {"architectures": ["DeepseekV4Model"]})
     with pytest.raises(ConfigError, match="no batch-invariant attention yet"):
         replace(DEEPSEEK_V4_FLAVORS["debug"], batch_invariant=True).validate()
     with pytest.raises(ConfigError, match="hash-routed layers must come first"):

@@ -120,6 +120,11 @@ class DeepSeekV4HFAdapter(HFAdapter):
         if hf.get("model_type") != self.model_type:
             raise ConfigError(f"model_type is {hf.get('model_type')!r}, not {self.model_type!r}.")
         refuse_unknown_keys(hf, _KNOWN, "a deepseek_v4 config.json")
+        if hf.get("architectures") and list(hf["architectures"]) != [self.architecture]:
+            raise ConfigError(
+                f"architectures {hf['architectures']} is not supported; torchloom reads "
+                f"{self.architecture} checkpoints (the decoder with its language-model head)."
+            )
         if hf.get("quantization_config") is not None:
             raise ConfigError(
                 "this folder holds quantized weights (quantization_config); torchloom loads "
