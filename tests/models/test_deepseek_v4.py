@@ -140,6 +140,32 @@ def test_training_step_matches_transformers(tmp_path) -> None:
         torch.testing.assert_close(mine.grad, hf.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_indexer_loss_trains_the_indexer_only() -> None:
+    """With indexer_loss_weight the CSA layer reports ``indexer`` (a KL, >= 0) and its indexer
+    gets gradients; every other parameter's gradient is what it is without the loss."""
+    grads = {}
+    for weight in (0.0, 0.5):
+        cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], indexer_loss_weight=weight)
+        model = build_model(cfg).train()
+        model.init_weights(0)
+        window = tokens(65) % 4096
+        loss = cross_entropy_sum(model(window[:, :-1]), window[:, 1:]) / window[:, 1:].numel()
+        terms = model.auxiliary_losses()
+        assert ("indexer" in terms) == bool(weight)
+        if weight:
+            print(f"indexer loss {terms['indexer'].item():.4f}")
+            assert terms["indexer"].item() > 0
+            loss = loss + terms["indexer"]
+        loss.backward()
+        grads[weight] = {n: p.grad for n, p in model.named_parameters()}
+    indexer = "layers.1.attention.indexer."
+    assert grads[0.0][indexer + "q_b_proj.weight"] is None
+    assert grads[0.5][indexer + "q_b_proj.weight"].abs().max() > 0
+    for name, grad in grads[0.0].items():
+        if grad is not None:
+            torch.testing.assert_close(grads[0.5][name], grad, rtol=0, atol=0)
+
+
 @torch.no_grad()
 def test_packed_documents_do_not_see_each_other(tmp_path) -> None:
     """With document ids, a token's logits do not change when another document's tokens do:

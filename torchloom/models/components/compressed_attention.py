@@ -136,9 +136,10 @@ class LightningIndexer(GatedCompressor):
     def pick(
         self, projected_BLx: torch.Tensor, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
         rope: RopeConfig, rope_dim: int, positions_BT: torch.Tensor, visible_BTS: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """picks_BTk: the groups each query attends to, scored against index keys pooled from
-        ``projected_BLx`` (``project`` of tokens 0..L-1); ``visible_BTS`` says which it may."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(picks_BTk, scores_BTS): the groups each query attends to and every group's index
+        score, against index keys pooled from ``projected_BLx`` (``project`` of tokens
+        0..L-1); ``visible_BTS`` says which it may pick (the others score -inf)."""
         B, T, _ = x_BTD.shape
         keys_BSd = self.pool(projected_BLx)
         S = keys_BSd.shape[1]
@@ -156,12 +157,33 @@ class LightningIndexer(GatedCompressor):
         order_BTS = scores_BTS.sort(dim=-1, descending=True, stable=True).indices
         picks_BTk = order_BTS[..., : min(self.topk, S)]
         chosen_BTk = visible_BTS.gather(-1, picks_BTk)
-        return torch.where(chosen_BTk, picks_BTk, -1)
+        return torch.where(chosen_BTk, picks_BTk, -1), scores_BTS
 
     def init_weights(self, init: ParamInit) -> None:
         super().init_weights(init)
         init.trunc_normal_(self.q_b_proj.weight, self.init_std)
         init.trunc_normal_(self.weights_proj.weight, self.init_std)
+
+
+def indexer_loss(
+    probs_BHTS: torch.Tensor, index_scores_BTS: torch.Tensor, seen_BTS: torch.Tensor
+) -> torch.Tensor:
+    """The lightning indexer's training loss (DeepSeek-V3.2's): for each query, KL(p || q)
+    over the groups it attended to, p the attention's probabilities of those groups summed over
+    heads and normalised (detached: a target), q the softmax of the index scores over the same
+    groups; averaged over the queries that attended to any group."""
+    p_BTS = probs_BHTS.detach().float().sum(1) * seen_BTS
+    p_BTS = p_BTS / p_BTS.sum(-1, keepdim=True).clamp(min=1e-20)
+    log_q_BTS = index_scores_BTS.masked_fill(~seen_BTS, float("-inf")).log_softmax(-1)
+    terms_BTS = p_BTS * (p_BTS.clamp(min=1e-20).log() - log_q_BTS)
+    kl_BT = torch.where(seen_BTS, terms_BTS, 0.0).sum(-1)
+    queries_BT = seen_BTS.any(-1)
+    return (kl_BT * queries_BT).sum() / queries_BT.sum().clamp(min=1)
+
+
+def _first_pass() -> bool:
+    """False while the backward pass recomputes a checkpointed forward (report once)."""
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
 
 
 class CompressedState:
@@ -214,14 +236,17 @@ class CompressedSparseAttention(nn.Module):
         o_groups: int, o_lora_rank: int, window: int, compress: int, rope: RopeConfig,
         index_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0,
         norm_eps: float = 1e-6, init_std: float = 0.02, out_std: float | None = None,
+        indexer_loss_weight: float = 0.0,
     ) -> None:  # fmt: skip
+        """``indexer_loss_weight``: see ``indexer_loss``."""
         super().__init__()
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown DeepSeek-V4 attention kind {kind!r}; one of {ATTENTION_KINDS}")  # fmt: skip
         self.kind, self.num_heads, self.head_dim = kind, num_heads, head_dim
         self.rope_dim, self.o_groups, self.rope = rope_dim, o_groups, rope
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
-        self.norm_eps = norm_eps
+        self.norm_eps, self.indexer_loss_weight = norm_eps, indexer_loss_weight
+        self._auxiliary: dict[str, torch.Tensor] = {}
         self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
@@ -259,7 +284,11 @@ class CompressedSparseAttention(nn.Module):
         q_BHTd = rotate_tail(unweighted_rms_norm(q_BHTd, self.norm_eps), cos_BTF, sin_BTF)
         kv_B1Td = self.kv_norm(self.kv_proj(x_BTD)).view(B, T, 1, d).transpose(1, 2)
         keys_BTd = rotate_tail(kv_B1Td, cos_BTF, sin_BTF)[:, 0]
-        projected = [m.project(x_BTD) for m in (self.compressor, self.indexer) if m is not None]
+        # The indexer reads detached inputs: its top-k passes no gradient to the main model
+        # anyway, and its own loss (indexer_loss) must train it alone.
+        projected = [] if self.compressor is None else [self.compressor.project(x_BTD)]
+        if self.indexer is not None:
+            projected.append(self.indexer.project(x_BTD.detach()))
         if cache is None:
             query_index_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
         else:  # the slot's keys and projections so far, this call's included
@@ -269,13 +298,19 @@ class CompressedSparseAttention(nn.Module):
         docs = () if doc_ids_BT is None else (doc_ids_BT[:, :, None], doc_ids_BT[:, None, :])
         visible_BTL = self.window_mask.visible(query_index_BT[..., None], key_index_L, *docs)
         keys_B1Ld = keys_BTd[:, None]
+        index_scores_BTS = None
         if self.compressor is not None:
-            groups_B1Sd, seen_BTS = self._groups(
+            groups_B1Sd, seen_BTS, index_scores_BTS = self._groups(
                 projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT
             )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
             visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
-        out_BHTd = self._attend(q_BHTd, keys_B1Ld, visible_BTL)
+        out_BHTd, probs_BHTL = self._attend(q_BHTd, keys_B1Ld, visible_BTL)
+        if (index_scores_BTS is not None and self.indexer_loss_weight and self.training
+                and torch.is_grad_enabled() and _first_pass()):  # fmt: skip
+            S = index_scores_BTS.shape[-1]
+            loss = indexer_loss(probs_BHTL[..., -S:], index_scores_BTS, seen_BTS)
+            self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
         out_BHTd = rotate_tail(out_BHTd, cos_BTF, -sin_BTF)
         grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, self.o_groups, -1)
         weight_GRi = self.o_a_proj.weight.view(self.o_groups, -1, grouped_BTGi.shape[-1])
@@ -285,10 +320,11 @@ class CompressedSparseAttention(nn.Module):
     def _groups(
         self, projected: list[torch.Tensor], x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
         positions_BT: torch.Tensor, query_index_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """The compressed keys [B, 1, S, d] pooled from the keys' ``projected`` tokens (rotated
-        at their groups' first positions), and which of them each query sees [B, T, S]:
-        completed groups (``group_mask``), whole in its document, and (CSA) its indexer's picks."""
+        at their groups' first positions), which of them each query sees [B, T, S] (completed
+        groups (``group_mask``), whole in its document, and (CSA) its indexer's picks), and
+        (CSA) the index scores [B, T, S]."""
         assert self.compressor is not None and self.group_mask is not None
         B, T, _ = x_BTD.shape
         device = x_BTD.device
@@ -303,19 +339,27 @@ class CompressedSparseAttention(nn.Module):
             doc_BT1 = doc_ids_BT[:, :, None]
             seen_BTS = seen_BTS & (doc_ids_BT[:, None, first_S] == doc_BT1)
             seen_BTS = seen_BTS & (doc_ids_BT[:, None, last_S] == doc_BT1)
+        index_scores_BTS = None
         if self.indexer is not None and S:
-            picks_BTk = self.indexer.pick(projected[1], x_BTD, q_latent_BTQ, self.rope,
-                                          self.rope_dim, positions_BT, seen_BTS)  # fmt: skip
+            picks_BTk, index_scores_BTS = self.indexer.pick(
+                projected[1], x_BTD.detach(), q_latent_BTQ.detach(), self.rope, self.rope_dim,
+                positions_BT, seen_BTS,
+            )  # fmt: skip
             picked_BTS = torch.zeros(B, T, S + 1, dtype=torch.bool, device=device)
             picked_BTS.scatter_(-1, torch.where(picks_BTk < 0, S, picks_BTk), True)
             seen_BTS = seen_BTS & picked_BTS[..., :S]
-        return groups_B1Sd, seen_BTS
+        return groups_B1Sd, seen_BTS, index_scores_BTS
+
+    def pop_auxiliary_losses(self) -> dict[str, torch.Tensor]:
+        """The indexer loss of the last training forward (with indexer_loss_weight), once."""
+        terms, self._auxiliary = self._auxiliary, {}
+        return terms
 
     def _attend(
         self, q_BHTd: torch.Tensor, keys_B1Ld: torch.Tensor, visible_BTL: torch.Tensor
-    ) -> torch.Tensor:
-        """softmax over [visible keys | this head's sink] (the sink attends to nothing), keys
-        doubling as values."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, probabilities [B, H, T, L]): softmax over [visible keys | this head's
+        sink] (the sink attends to nothing), keys doubling as values."""
         B, H, T, _ = q_BHTd.shape
         logits_BHTL = torch.matmul(q_BHTd, keys_B1Ld.transpose(-1, -2)) * self.head_dim**-0.5
         logits_BHTL = logits_BHTL.masked_fill(~visible_BTL[:, None], float("-inf"))
@@ -323,7 +367,7 @@ class CompressedSparseAttention(nn.Module):
         logits_BHTL = torch.cat([logits_BHTL, sinks_BHT1], dim=-1)
         logits_BHTL = logits_BHTL - logits_BHTL.max(dim=-1, keepdim=True).values
         probs_BHTL = logits_BHTL.softmax(dim=-1)[..., :-1].to(keys_B1Ld.dtype)
-        return torch.matmul(probs_BHTL, keys_B1Ld)
+        return torch.matmul(probs_BHTL, keys_B1Ld), probs_BHTL
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype

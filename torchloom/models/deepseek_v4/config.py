@@ -55,6 +55,10 @@ class DeepSeekV4Config(DecoderConfig):
     attention_kinds: tuple[str, ...] = ()
     """One of sliding_attention, compressed_sparse_attention, heavily_compressed_attention per
     layer; empty: transformers' default schedule (two HCA layers, then HCA and CSA alternating)."""
+    indexer_loss_weight: float = 0.0
+    """Weight of the lightning indexers' training loss (KL from the attention's distribution
+    over the picked groups to the indexer's, DeepSeek-V3.2's; reported as ``aux_indexer``). The
+    indexer reads detached inputs, so only this loss trains it; 0: the indexers do not learn."""
     hash_layers: int = 3
     """The first hash_layers MoE layers choose experts by a fixed token -> experts table."""
     hc_streams: int = 4
@@ -109,6 +113,10 @@ class DeepSeekV4Config(DecoderConfig):
                      "index_head_dim", "index_topk", "hc_streams", "hc_sinkhorn_iters"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}.")
+        if self.indexer_loss_weight < 0:
+            raise ConfigError(
+                f"model indexer_loss_weight must be >= 0, got {self.indexer_loss_weight}."
+            )
         if self.batch_invariant:
             raise ConfigError(
                 "deepseek_v4 has no batch-invariant attention yet (its compressed and sparse "
