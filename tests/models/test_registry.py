@@ -24,7 +24,7 @@ from torchloom.models.qwen3 import Qwen3Config
 def test_families_are_registered() -> None:
     names = [spec.name for spec in list_models()]
     assert names == [
-        "deepseek_v3", "deepseek_v32", "kimi_k25", "kimi_linear", "llama3", "muse_glimmer",
+        "deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k25", "kimi_linear", "llama3", "muse_glimmer",
         "muse_spark", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl",
     ]  # fmt: skip
     spec = get_model_spec("qwen3")

@@ -126,3 +126,20 @@ def test_deepseek_v32_debug_loss_falls_and_logs_the_indexer_kl(tmp_path) -> None
         for name, tensor in initial.state_dict().items():
             moved = not torch.equal(f.get_tensor(name), tensor)
             assert moved == (".indexer." in name), name
+
+
+def test_deepseek_v4_debug_trains_on_packed_documents(tmp_path) -> None:
+    """deepseek_v4_debug (sliding, compressed sparse and heavily compressed attention over
+    hyper-connected streams; a hash-routed MoE layer, then sqrt-softplus routing with the choice
+    bias) on packed documents: the loss falls and the routed layers' bias moves."""
+    out = tmp_path / "v4"
+    flags = [*COMMON[2:-2], "--recipe", "deepseek_v4_debug", "--training.steps", "6",
+             "--output.dir", str(out)]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r]  # fmt: skip
+    print(f"deepseek_v4_debug loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
+    assert records[-1]["loss"] < records[0]["loss"]
+    with safe_open(out / "model" / "model.safetensors", "pt") as f:
+        assert f.get_tensor("layers.1.mlp.router.expert_bias").abs().max() > 0
+        assert f.get_tensor("layers.0.mlp.router.tid2eid").shape == (4096, 6)

@@ -125,7 +125,8 @@ class HFReader:
                 f"{did_you_mean(hf_name, sorted(used))}"
             )
         self._available = available
-        self._check_dtypes(Path(hf_dir), used & available)
+        integers = {n for n in used & available if adapter.loads_integer(n)}
+        self._check_dtypes(Path(hf_dir), used & available - integers)
 
     def _check_dtypes(self, hf_dir: Path, hf_names: set[str]) -> None:
         """ConfigError for the first of ``hf_names`` not stored in one of LOADABLE_DTYPES, before

@@ -5,6 +5,7 @@ Importing a family package registers it, so importing this package registers the
 
 from torchloom.models import (  # noqa: F401  (registers)
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     kimi_k25,
     kimi_linear,

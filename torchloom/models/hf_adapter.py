@@ -254,6 +254,11 @@ class HFAdapter:
             return _expert_names(*match.groups(), config.moe.num_experts)
         return self.to_hf_name(name)
 
+    def loads_integer(self, hf_name: str) -> bool:
+        """Whether the HF tensor ``hf_name`` is an integer table loaded as it is (DeepSeek-V4's
+        hash routing table); weights must be floating point."""
+        return False
+
     def held_name(self, hf_name: str, available: set[str]) -> str:
         """The name under which a folder holding the tensors ``available`` keeps the tensor
         ``hf_names`` calls ``hf_name``: itself, unless a family's writers disagree on a name

@@ -49,6 +49,21 @@ def deepseek_v32_debug() -> JobConfig:
     return job
 
 
+@register_recipe("deepseek_v4_debug")
+def deepseek_v4_debug() -> JobConfig:
+    """deepseek_v4's debug flavor (a sliding-window, a compressed sparse and a heavily compressed
+    attention layer over 4-wide hyper-connected streams; the first MoE layer hash-routed, the
+    others by sqrt-softplus scores with the balancing bias) on the built-in corpus: seconds on
+    a CPU."""
+    return JobConfig(
+        model=ModelConfig(name="deepseek_v4", flavor="debug"),
+        training=TrainingConfig(steps=50, seq_len=128, global_batch_size=8, val_sequences=16),
+        optimizer=OptimizerConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=5),
+        output=OutputConfig(dir="outputs/deepseek_v4_debug"),
+    )
+
+
 @register_recipe("kimi_linear_debug")
 def kimi_linear_debug() -> JobConfig:
     """kimi_linear's debug flavor (3 Kimi Delta Attention layers and 1 NoPE MLA layer, 1 dense

@@ -123,6 +123,12 @@ def check_layout(model: nn.Module, dims: ParallelDims) -> None:
             "supported yet; set --model.overrides '{\"mtp_layers\": 0}' or "
             f"--parallel.{axis} 1."
         )
+    if pp > 1 and not getattr(model, "supports_pipeline", True):
+        raise ConfigError(
+            f"--parallel.pp {pp} cannot split a {type(model).__name__} yet: its stages would "
+            "pass one hidden state, not the residual streams its blocks keep. Set "
+            "--parallel.pp 1."
+        )
     if cp > 1 and getattr(model, "media_encoder", None) is not None:
         raise ConfigError(
             f"--parallel.cp {cp} cannot split a model with a vision encoder yet: an image's "

@@ -97,6 +97,11 @@ class DecoderConfig:
         """One spec per layer index."""
         raise NotImplementedError(f"{type(self).__name__} must define layer_specs()")
 
+    def layer_kinds(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The mixer and feed-forward kinds this family's blocks can build (default: the shared
+        ``MIXERS`` and ``FFNS``; a family with blocks of its own names its kinds)."""
+        return MIXERS, FFNS
+
     def rotary(self) -> RotaryEmbedding | None:
         """The RoPE tables the model computes once per forward for its layers (None: none)."""
         return None
@@ -175,8 +180,9 @@ class DecoderConfig:
             raise ConfigError(
                 f"layer_specs() gives {len(specs)} layers for num_layers {self.num_layers}."
             )
+        mixers, ffns = self.layer_kinds()
         for index, spec in enumerate(specs):
-            for kind, registry, what in ((spec.mixer, MIXERS, "mixer"), (spec.ffn, FFNS, "ffn")):
+            for kind, registry, what in ((spec.mixer, mixers, "mixer"), (spec.ffn, ffns, "ffn")):
                 if kind not in registry:
                     raise ConfigError(
                         f"layer {index}: unknown {what} kind {kind!r}.{did_you_mean(kind, registry)}"

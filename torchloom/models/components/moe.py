@@ -3,7 +3,11 @@
 
 Routing (``Router``), as DeepSeek-V3 and Qwen3-MoE define it:
 
-- scores s = softmax(x W_r^T) or sigmoid(x W_r^T), in fp32;
+- scores s = softmax(x W_r^T), sigmoid(x W_r^T) or sqrt(softplus(x W_r^T)) (DeepSeek-V4), in
+  fp32;
+- hash routing (``hash_routing``, DeepSeek-V4's first layers): the experts are a fixed
+  token -> experts table (``tid2eid``, a buffer loaded from the checkpoint), not the scores'
+  top-k; the scores still weight them;
 - the experts are chosen by s + b, where b is a per-expert bias used for the choice only
   (auxiliary-loss-free balancing; ``expert_bias``), optionally limited to the ``top_groups``
   best of ``num_groups`` expert groups (a group scores the sum of its two best experts);
@@ -64,8 +68,15 @@ class MoEConfig:
     shared_expert_gate: bool = False
     """Scale the shared experts' output by sigmoid(x w_g), a learned per-token gate (Qwen2-MoE,
     Qwen3-Next); needs shared experts."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """How router logits become scores."""
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """How router logits become scores (sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4)."""
+    hash_routing: bool = False
+    """Choose each token's experts by a fixed table from its token id (``Router.tid2eid``
+    [vocab, top_k], a buffer a checkpoint provides; DeepSeek-V4's hash-routed first layers);
+    the MoE's forward then needs the token ids."""
+    swiglu_limit: float = 0.0
+    """Clamp the experts' (and shared experts') gate below this and up into [-limit, limit]
+    before the SwiGLU (DeepSeek-V4: 10); 0: no clamp."""
     num_groups: int = 1
     """Expert groups for group-limited routing (DeepSeek-V3's n_group; 1: no groups)."""
     top_groups: int = 1
@@ -130,10 +141,13 @@ class MoEConfig:
                 f"model moe.top_k ({self.top_k}) exceeds the experts of the top_groups "
                 f"({self.top_groups} x {per_group}); raise moe.top_groups."
             )
-        if self.score_func not in ("softmax", "sigmoid"):
+        if self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
             raise ConfigError(
-                f"model moe.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}."
+                "model moe.score_func must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got "
+                f"{self.score_func!r}."
             )
+        if self.swiglu_limit < 0:
+            raise ConfigError(f"model moe.swiglu_limit must be >= 0, got {self.swiglu_limit}.")
         if self.bias_update_rate < 0 or (self.bias_update_rate and not self.expert_bias):
             raise ConfigError(
                 "model moe.bias_update_rate must be >= 0 and needs moe.expert_bias true, got "
@@ -155,12 +169,14 @@ class MoEConfig:
 
 
 class Router(nn.Module):
-    """Top-k routing: ``forward(x_ND) -> (weights_NK fp32, experts_NK, scores_NE fp32)``.
-    ``logit_scale`` multiplies the router's logits before the scores (Muse Spark's)."""
+    """Top-k routing: ``forward(x_ND, tokens_N=None) -> (weights_NK fp32, experts_NK, scores_NE
+    fp32)``. ``logit_scale`` multiplies the router's logits before the scores (Muse Spark's).
+    With ``cfg.hash_routing`` the experts come from ``tid2eid[tokens_N]`` (``vocab_size`` rows)."""
 
     def __init__(
-        self, dim: int, cfg: MoEConfig, invariant: bool = False, logit_scale: float = 1.0
-    ) -> None:
+        self, dim: int, cfg: MoEConfig, invariant: bool = False, logit_scale: float = 1.0,
+        vocab_size: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.cfg, self.invariant, self.logit_scale = cfg, invariant, logit_scale
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
@@ -169,8 +185,17 @@ class Router(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         else:
             self.expert_bias = None
+        self.tid2eid: torch.Tensor | None
+        if cfg.hash_routing:
+            if vocab_size <= 0:
+                raise ValueError("hash routing needs the vocabulary size for its token table")
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, cfg.top_k, dtype=torch.int64))
+        else:
+            self.tid2eid = None
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x_ND: torch.Tensor, tokens_N: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         if self.invariant:  # every token's scores and choice computed alike, whatever the batch
             logits_NE = batch_invariant.linear(x_ND.float(), self.weight.float())
@@ -180,9 +205,15 @@ class Router(nn.Module):
             logits_NE = F.linear(x_ND.float(), self.weight.float())
             if self.logit_scale != 1.0:
                 logits_NE = logits_NE * self.logit_scale
-            scores_NE = (
-                logits_NE.softmax(-1) if cfg.score_func == "softmax" else logits_NE.sigmoid()
-            )
+            scores_NE = _scores(logits_NE, cfg.score_func)
+        if self.tid2eid is not None:
+            if tokens_N is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids: mlp(x, tokens_BT)")
+            experts_NK = self.tid2eid[tokens_N]
+            weights_NK = scores_NE.gather(-1, experts_NK)
+            if cfg.normalize_top_k:
+                weights_NK = weights_NK / (weights_NK.sum(-1, keepdim=True) + 1e-20)
+            return weights_NK * cfg.route_scale, experts_NK, scores_NE
         choice_NE = scores_NE if self.expert_bias is None else scores_NE + self.expert_bias.float()
         if cfg.num_groups > 1:
             choice_NE = _limit_to_groups(choice_NE, cfg.num_groups, cfg.top_groups)
@@ -193,10 +224,20 @@ class Router(nn.Module):
         return weights_NK * cfg.route_scale, experts_NK, scores_NE
 
 
+def _scores(logits_NE: torch.Tensor, score_func: str) -> torch.Tensor:
+    if score_func == "softmax":
+        return logits_NE.softmax(-1)
+    if score_func == "sqrtsoftplus":
+        return F.softplus(logits_NE).sqrt()
+    return logits_NE.sigmoid()
+
+
 def _invariant_scores(logits_NE: torch.Tensor, score_func: str) -> torch.Tensor:
     """softmax / sigmoid with the exponentials through ``pointwise`` and fixed-order sums."""
     if score_func == "sigmoid":
         return batch_invariant.pointwise(torch.sigmoid, logits_NE)
+    if score_func == "sqrtsoftplus":
+        return batch_invariant.pointwise(lambda x: F.softplus(x).sqrt(), logits_NE)
     shifted = logits_NE - logits_NE.max(-1, keepdim=True).values
     exp_NE = batch_invariant.pointwise(torch.exp, shifted)
     return exp_NE / batch_invariant.fixed_order_sum(exp_NE)[:, None]
@@ -227,7 +268,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(experts, width, dim))
         self.up_proj = nn.Parameter(torch.empty(experts, width, dim))
         self.down_proj = nn.Parameter(torch.empty(experts, dim, width))
-        self.gated = MLP_IMPLS[impl]
+        self.gated = clamped_gate(MLP_IMPLS[impl], cfg.swiglu_limit)
         self.invariant = invariant
 
     def forward(self, x_MD: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
@@ -248,6 +289,20 @@ class GroupedExperts(nn.Module):
         init.trunc_normal_(self.gate_proj, std)
         init.trunc_normal_(self.up_proj, std)
         init.trunc_normal_(self.down_proj, out_std)
+
+
+def clamped_gate(
+    gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], limit: float
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``gated`` with gate clamped below ``limit`` and up into [-limit, limit] (DeepSeek-V4's
+    swiglu_limit); ``gated`` itself when limit is 0."""
+    if not limit:
+        return gated
+
+    def limited(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return gated(gate.clamp(max=limit), up.clamp(min=-limit, max=limit))
+
+    return limited
 
 
 def experts_reading_the_host(
@@ -353,15 +408,18 @@ class MoE(nn.Module):
         invariant: bool = False,
         init_std: float = 0.02,
         out_std: float | None = None,
+        vocab_size: int = 0,
     ) -> None:
+        """``vocab_size``: the rows of a hash-routed layer's token table (cfg.hash_routing)."""
         super().__init__()
         self.cfg = cfg
-        self.router = Router(dim, cfg, invariant)
+        self.router = Router(dim, cfg, invariant, vocab_size=vocab_size)
         self.experts = GroupedExperts(dim, cfg, impl, invariant)
         self.shared_experts: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if cfg.num_shared_experts:
             self.shared_experts = SwiGLU(dim, cfg.shared_dim, impl, init_std, out_std)
+            self.shared_experts.gated = clamped_gate(self.shared_experts.gated, cfg.swiglu_limit)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
         self.dispatcher = LocalDispatch()
@@ -380,10 +438,12 @@ class MoE(nn.Module):
         )
         self._auxiliary: dict[str, torch.Tensor] = {}
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, tokens_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens_BT``: the token ids, which a hash-routed layer routes by (others ignore it)."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
-        weights_NK, experts_NK, scores_NE = self.router(x_ND)
+        tokens_N = None if tokens_BT is None else tokens_BT.reshape(-1)
+        weights_NK, experts_NK, scores_NE = self.router(x_ND, tokens_N)
         if self.training:
             self._record(experts_NK, scores_NE, B)
         x_MD, ends_E, order = self.dispatcher.dispatch(x_ND, experts_NK, self.cfg.num_experts)
@@ -457,6 +517,11 @@ class MoE(nn.Module):
             init.normal_(self.shared_expert_gate.weight, self.init_std)
         if self.router.expert_bias is not None:
             local_tensor(self.router.expert_bias).zero_()
+        if self.router.tid2eid is not None:  # a checkpoint's table replaces this balanced one
+            table = local_tensor(self.router.tid2eid)
+            vocab, k = table.shape
+            rows = torch.arange(vocab, device=table.device)[:, None] * k
+            table.copy_((rows + torch.arange(k, device=table.device)) % self.cfg.num_experts)
         local_tensor(self.tokens_per_expert).zero_()
 
     def check_tp(self, tp: int) -> None:

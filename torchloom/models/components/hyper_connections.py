@@ -1,0 +1,123 @@
+"""Manifold-constrained hyper-connections (mHC; Xie et al. 2026, DeepSeek-V4 §2.2): the residual
+stream is ``streams`` copies of the hidden state ([B, T, N, D]) instead of one.
+
+Around each branch (attention or feed-forward) one ``HyperConnection`` computes, per token and
+from all N streams (flattened, RMS-scaled without a weight, one linear ``fn``):
+
+- ``pre`` [N]: sigmoid weights that collapse the N streams into the branch's input;
+- ``post`` [N]: 2 * sigmoid weights that spread the branch's output over the N streams;
+- ``comb`` [N, N]: how the N streams mix into the next N, made doubly stochastic by Sinkhorn-
+  Knopp iterations (a softmax over rows, then alternating column and row normalisations).
+
+The stream after the branch is ``post * branch + comb^T @ streams``. Everything is computed in
+fp32 whatever the model's dtype (DeepSeek keeps these modules in fp32). ``HyperHead`` collapses
+the N streams into one before the final norm with its own ``pre`` weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchloom.models.components.param_init import ParamInit
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without a weight (the statistics in fp32)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn(comb_logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
+    """A doubly stochastic [..., N, N] matrix from logits, in fp32: softmax over each row (+ eps),
+    then ``iterations`` normalisations of the columns alternating with ``iterations - 1`` of the
+    rows (DeepSeek-V4's order: columns first)."""
+    comb = torch.softmax(comb_logits.float(), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """The pre/post/comb mixing around one branch: ``forward(streams_BTND) -> (post_BTN,
+    comb_BTNN, branch input x_BTD)``; ``join`` adds the branch's output back."""
+
+    def __init__(
+        self, dim: int, streams: int, sinkhorn_iters: int = 20, eps: float = 1e-6,
+        norm_eps: float = 1e-6, init_std: float = 0.02,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.streams, self.sinkhorn_iters, self.eps, self.norm_eps = (
+            streams,
+            sinkhorn_iters,
+            eps,
+            norm_eps,
+        )
+        self.init_std = init_std
+        mixes = (2 + streams) * streams  # pre, post, comb
+        self.fn = nn.Parameter(torch.empty(mixes, streams * dim, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(mixes, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(
+        self, streams_BTND: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N = self.streams
+        flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
+        mixes_BTX = F.linear(flat_BTM, self.fn.float())
+        pre_BTN, post_BTN, comb_BTX = mixes_BTX.split([N, N, N * N], dim=-1)
+        pre_base, post_base, comb_base = self.base.float().split([N, N, N * N])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
+        pre_BTN = torch.sigmoid(pre_BTN * pre_scale + pre_base) + self.eps
+        post_BTN = 2 * torch.sigmoid(post_BTN * post_scale + post_base)
+        comb_logits = comb_BTX.unflatten(-1, (N, N)) * comb_scale + comb_base.view(N, N)
+        comb_BTNN = sinkhorn(comb_logits, self.sinkhorn_iters, self.eps)
+        x_BTD = (pre_BTN[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
+        return post_BTN, comb_BTNN, x_BTD
+
+    @staticmethod
+    def join(
+        streams_BTND: torch.Tensor, branch_BTD: torch.Tensor, post_BTN: torch.Tensor,
+        comb_BTNN: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """post * branch + comb^T @ streams: the N streams after the branch."""
+        dtype = streams_BTND.dtype
+        spread_BTND = post_BTN.to(dtype)[..., None] * branch_BTD[..., None, :]
+        return spread_BTND + torch.matmul(comb_BTNN.to(dtype).transpose(-1, -2), streams_BTND)
+
+    def init_weights(self, init: ParamInit) -> None:
+        """fn normal(0, init_std), base 0, scale 1 (DeepSeek-V4's initialisation)."""
+        init.normal_(self.fn, self.init_std)
+        init.zeros_(self.base)
+        init.ones_(self.scale)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return 6 * self.fn.numel()
+
+
+class HyperHead(nn.Module):
+    """The N streams collapsed into one hidden state before the final norm (sigmoid weights
+    from the RMS-scaled streams, as a HyperConnection's ``pre``)."""
+
+    def __init__(
+        self, dim: int, streams: int, eps: float = 1e-6, norm_eps: float = 1e-6,
+        init_std: float = 0.02,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.eps, self.norm_eps, self.init_std = eps, norm_eps, init_std
+        self.hc_fn = nn.Parameter(torch.empty(streams, streams * dim, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(streams, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams_BTND: torch.Tensor) -> torch.Tensor:
+        flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
+        mixes_BTN = F.linear(flat_BTM, self.hc_fn.float())
+        pre_BTN = torch.sigmoid(mixes_BTN * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre_BTN[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
+
+    def init_weights(self, init: ParamInit) -> None:
+        init.normal_(self.hc_fn, self.init_std)
+        init.zeros_(self.hc_base)
+        init.ones_(self.hc_scale)
