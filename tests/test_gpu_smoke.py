@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 FAMILY_RECIPES = ["debug", "qwen3_tiny", "deepseek_v3_debug", "qwen3_moe_debug",
                   "qwen3_next_debug", "qwen3_5_debug", "kimi_linear_debug", "qwen3_vl_debug",
-                  "qwen3_vl_moe_debug", "kimi_k25_debug"]  # fmt: skip
+                  "qwen3_vl_moe_debug", "kimi_k25_debug", "deepseek_v32_debug", "deepseek_v4_debug"]  # fmt: skip
 QUICK = ["--metrics.tensorboard", "false", "--training.sample_tokens", "0",
          "--training.val_interval", "0", "--checkpoint.save_final_model", "false",
          "--checkpoint.export_hf", "false"]  # fmt: skip
