@@ -385,8 +385,7 @@ class Decoder(nn.Module):
         self.embed_norm = cfg.make_embedding_norm()  # None unless the config has one
         self.softcap = cfg.logit_softcap()
         self.rope = cfg.rotary()
-        specs = cfg.layer_specs()
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, specs[i]) for i in range(len(specs))})
+        self.layers = self.build_layers(cfg)
         self.norm: nn.Module | None = cfg.make_final_norm()
         self.output: nn.Linear | None = None
         if not cfg.tie_embeddings:
@@ -396,6 +395,12 @@ class Decoder(nn.Module):
         # matmul gives vocabulary-sharded logits, which logits() gathers into whole rows (a
         # hook on the model's output would miss the logits an objective computes inside it).
         self.gather_tied_logits = False
+
+    def build_layers(self, cfg: DecoderConfig) -> nn.ModuleDict:
+        """The blocks, keyed "0", "1", ...: one ``Block`` per layer spec. A family whose blocks
+        are its own (deepseek_v4's hyper-connected ones) overrides this."""
+        specs = cfg.layer_specs()
+        return nn.ModuleDict({str(i): Block(cfg, i, specs[i]) for i in range(len(specs))})
 
     def forward_hidden(
         self,

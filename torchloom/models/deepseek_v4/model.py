@@ -83,22 +83,11 @@ class DeepSeekV4(Decoder):
     streams (train/builders.check_layout refuses --parallel.pp)."""
 
     def __init__(self, cfg: DeepSeekV4Config) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.embed_norm = None
-        self.softcap = None
-        self.rope = None  # each attention layer computes its own ("main" or "compress")
-        self.layers = nn.ModuleDict(
-            {str(i): DeepSeekV4Block(cfg, i) for i in range(cfg.num_layers)}
-        )
+        super().__init__(cfg)  # rope stays None: each attention layer computes its own
         self.hc_head = HyperHead(cfg.dim, cfg.hc_streams, cfg.hc_eps, cfg.norm_eps, cfg.init_std)
-        self.norm: nn.Module | None = cfg.make_final_norm()
-        self.output: nn.Linear | None = None
-        if not cfg.tie_embeddings:
-            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._aux_modules: list[nn.Module] | None = None
-        self.gather_tied_logits = False
+
+    def build_layers(self, cfg: DeepSeekV4Config) -> nn.ModuleDict:  # type: ignore[override]
+        return nn.ModuleDict({str(i): DeepSeekV4Block(cfg, i) for i in range(cfg.num_layers)})
 
     def forward_hidden(
         self,
