@@ -251,8 +251,13 @@ class HFAdapter:
         some rows of one tensor (a part of a fused tensor)."""
         match = _OUR_EXPERTS.fullmatch(name)
         if match:
-            return _expert_names(*match.groups(), config.moe.num_experts)
+            return self.expert_names(*match.groups(), config.moe.num_experts)
         return self.to_hf_name(name)
+
+    def expert_names(self, index: str, proj: str, experts: int) -> list[str]:
+        """The checkpoint's per-expert tensors of layer ``index``'s stacked projection ``proj``
+        (gate_proj, up_proj, down_proj), in expert order: transformers' names by default."""
+        return [f"model.layers.{index}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
     def loads_integer(self, hf_name: str) -> bool:
         """Whether the HF tensor ``hf_name`` is an integer table loaded as it is (DeepSeek-V4's
@@ -279,7 +284,7 @@ class HFAdapter:
         if match is None:
             yield self.to_hf_name(name), tensor
             return
-        yield from zip(_expert_names(*match.groups(), tensor.shape[0]), tensor.unbind(0))
+        yield from zip(self.expert_names(*match.groups(), tensor.shape[0]), tensor.unbind(0))
 
     def to_hf_name(self, name: str) -> str:
         """torchloom parameter name -> transformers name ('norm.weight' -> 'model.norm.weight')."""
@@ -336,11 +341,6 @@ _HF_EXPERT = re.compile(
 )
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(\w+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(.+)")
-
-
-def _expert_names(index: str, proj: str, experts: int) -> list[str]:
-    """transformers' per-expert tensors of one stacked projection, in expert order."""
-    return [f"model.layers.{index}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
 
 
 def refuse_unknown_keys(values: dict[str, Any], known: Iterable[str], where: str) -> None:

@@ -17,11 +17,8 @@ not built for this family yet.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.compressed_attention import ATTENTION_KINDS, CSA, HCA, SLIDING
@@ -105,7 +102,6 @@ _PUBLISHED_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weigh
 _FROM_PUBLISHED_TOP = {published: disk for disk, published in _PUBLISHED_TOP.items()}
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _DISK_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)")
 _DISK_EXPERT = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.\d+\.(w[123])\.weight")
 
 
@@ -240,11 +236,9 @@ class DeepSeekV4HFAdapter(HFAdapter):
             hf["eos_token_id"] = eos_token_id
         return hf
 
-    def hf_names(self, name: str, config: Any) -> str | list[str]:  # type: ignore[override]
-        match = _OUR_EXPERTS.fullmatch(name)
-        if match:
-            return _expert_names(*match.groups(), config.moe.num_experts)
-        return self.to_hf_name(name)
+    def expert_names(self, index: str, proj: str, experts: int) -> list[str]:
+        """The checkpoint's per-expert tensors (DeepSeek's ffn.experts.{e}.w1/w2/w3)."""
+        return [f"model.layers.{index}.ffn.experts.{e}.{_W[proj]}.weight" for e in range(experts)]
 
     def held_name(self, hf_name: str, available: set[str]) -> str:
         """transformers' name, or where DeepSeek's published files keep that tensor (no
@@ -257,13 +251,6 @@ class DeepSeekV4HFAdapter(HFAdapter):
     def loads_integer(self, hf_name: str) -> bool:
         """The hash layers' token -> experts table is stored as integers and loads as such."""
         return hf_name.endswith(".ffn.gate.tid2eid")
-
-    def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        match = _OUR_EXPERTS.fullmatch(name)
-        if match is None:
-            yield self.to_hf_name(name), tensor
-            return
-        yield from zip(_expert_names(*match.groups(), tensor.shape[0]), tensor.unbind(0))
 
     def to_hf_name(self, name: str) -> str:
         if name in _TOP:
@@ -296,11 +283,6 @@ class DeepSeekV4HFAdapter(HFAdapter):
                 if rest.startswith(disk):
                     return f"layers.{index}.{ours}{rest.removeprefix(disk)}"
         raise ConfigError(f"Unexpected tensor '{hf_name}' in a {self.architecture} checkpoint.")
-
-
-def _expert_names(index: str, proj: str, experts: int) -> list[str]:
-    """The checkpoint's per-expert tensors of one stacked projection, in expert order."""
-    return [f"model.layers.{index}.ffn.experts.{e}.{_W[proj]}.weight" for e in range(experts)]
 
 
 def _ropes(hf: dict[str, Any], get: Any) -> dict[str, RopeConfig]:
