@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from torchloom.checkpoint.safetensors_io import iter_tensors
+from torchloom.cli import main
 from torchloom.models import Decoder, get_model_spec
 
 HFBuilder = Callable[[Decoder, str], nn.Module]
@@ -107,3 +109,20 @@ def padded_prefill():
         return state, layer(prompt, cache=state.bound(binding))
 
     return prefill
+
+
+ConvertRoundTrip = Callable[[Path], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+@pytest.fixture
+def convert_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> ConvertRoundTrip:
+    """`torchloom convert` of an HF folder to torchloom and back to HF: (the folder's tensors,
+    the tensors that came back), by name."""
+
+    def run(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        for args in (["--from-hf", path, "--to", tmp_path / "tl"],
+                     ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
+            assert main(["convert", *map(str, args)]) == 0, capsys.readouterr().err
+        return dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "back"))
+
+    return run

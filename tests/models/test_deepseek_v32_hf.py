@@ -137,12 +137,9 @@ def test_export_loads_in_transformers(tmp_path, logits_parity, randomize) -> Non
         assert torch.equal(ours_t, theirs_t), name
 
 
-def test_convert_both_ways(tmp_path, hf_checkpoint, capsys) -> None:
+def test_convert_both_ways(hf_checkpoint, convert_round_trip) -> None:
     path, _ = hf_checkpoint("deepseek_v32", **V32_TINY)
-    for args in (["--from-hf", path, "--to", tmp_path / "tl"],
-                 ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
-        assert main(["convert", *map(str, args)]) == 0, capsys.readouterr().err
-    original, back = dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "back"))
+    original, back = convert_round_trip(path)
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name

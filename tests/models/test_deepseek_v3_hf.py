@@ -155,12 +155,11 @@ def test_mtp_layers_in_a_checkpoint(tmp_path, randomize) -> None:
         torchloom.from_hf(tmp_path / "hf")
 
 
-def test_convert_both_ways(tmp_path, hf_checkpoint, capsys, logits_parity, randomize) -> None:
+def test_convert_both_ways(
+    tmp_path, hf_checkpoint, logits_parity, randomize, convert_round_trip
+) -> None:
     path, _ = hf_checkpoint("deepseek_v3", max_shard_size="100KB", **DS_TINY)
-    for args in (["--from-hf", path, "--to", tmp_path / "tl"],
-                 ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
-        assert main(["convert", *map(str, args)]) == 0, capsys.readouterr().err
-    original, back = dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "back"))
+    original, back = convert_round_trip(path)
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(back[name], tensor), name

@@ -14,7 +14,6 @@ import transformers
 import torchloom
 from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.safetensors_io import iter_tensors
-from torchloom.cli import main
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.kimi_linear import KIMI_LINEAR_FLAVORS, KimiLinearHFAdapter
@@ -102,14 +101,11 @@ def test_export_loads_in_transformers_and_reads_back(tmp_path, logits_parity, ra
         assert torch.equal(ours_t, theirs_t), name
 
 
-def test_convert_both_ways(tmp_path, hf_checkpoint, capsys) -> None:
+def test_convert_both_ways(hf_checkpoint, convert_round_trip) -> None:
     """transformers' folder -> torchloom -> HF: the same tensors (a dense layer's SwiGLU, which
     transformers writes under block_sparse_moe, comes back under Moonshot's mlp)."""
     path, _ = hf_checkpoint("kimi_linear", max_shard_size="100KB", **KL_TINY)
-    for args in (["--from-hf", path, "--to", tmp_path / "tl"],
-                 ["--from", tmp_path / "tl", "--to-hf", tmp_path / "back"]):  # fmt: skip
-        assert main(["convert", *map(str, args)]) == 0, capsys.readouterr().err
-    original, back = dict(iter_tensors(path)), dict(iter_tensors(tmp_path / "back"))
+    original, back = convert_round_trip(path)
     renamed = {n.replace("0.block_sparse_moe.", "0.mlp."): t for n, t in original.items()}
     assert back.keys() == renamed.keys()
     for name, tensor in renamed.items():
