@@ -54,7 +54,7 @@ One kind is not indexed by position:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
@@ -85,7 +85,7 @@ class Binding:
         self.live_B = live_B
         self._memo: dict[str, Any] = {}
 
-    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+    def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, computed by the first layer that asks and shared with the rest."""
         if key not in self._memo:
             self._memo[key] = make()
@@ -214,7 +214,7 @@ class _BoundKV:
         if state.batch_invariant:
             return batch_invariant.attention(q_BHTd, keys_BKLd, values_BKLd, pos_BT)
         mask = state.mask
-        hidden_B11TL = bound.memo(f"hidden_keys {mask}", lambda: _hidden_keys(bound, mask))
+        hidden_B11TL = bound.memo(("hidden_keys", mask), lambda: _hidden_keys(bound, mask))
         return grouped_attention(q_BHTd, keys_BKLd, values_BKLd, hidden_B11TL)
 
 
@@ -307,7 +307,7 @@ class _BoundLatent:
         q_BHTx = torch.cat([q_latent_BHTc, q_rope_BHTr], dim=-1)
         scores_BHTL = (q_BHTx.flatten(1, 2) @ cached_BLx.transpose(1, 2)).float()
         scores_BHTL = scores_BHTL.view(B, H, T, -1) * softmax_scale
-        hidden_B1TL = bound.memo(f"hidden_keys {CAUSAL}", lambda: _hidden_keys(bound))[:, 0]
+        hidden_B1TL = bound.memo(("hidden_keys", CAUSAL), lambda: _hidden_keys(bound))[:, 0]
         probs_BHTL = scores_BHTL.masked_fill(hidden_B1TL, float("-inf")).softmax(-1)
         out_latent_BHTc = (probs_BHTL.to(dtype).flatten(1, 2) @ cached_BLx[..., :c]).view(
             B, H, T, c
