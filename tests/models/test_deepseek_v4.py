@@ -20,7 +20,7 @@ from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
-from torchloom.models.components.hyper_connections import sinkhorn
+from torchloom.models.components.hyper_connections import HyperConnection, sinkhorn
 from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
@@ -387,3 +387,32 @@ def test_hash_routing_uses_the_table() -> None:
     assert torch.equal(experts, table[torch.tensor([7, 7, 2])])
     with pytest.raises(ValueError, match="needs the token ids"):
         moe(torch.randn(1, 3, 16))
+
+
+def test_hyper_connection_matches_transformers_where_sinkhorn_has_not_converged() -> None:
+    """The mixing module against DeepseekV4HyperConnection with sharp comb logits, where 20
+    Sinkhorn iterations have not converged: one iteration fewer moves comb by more than 1e-3,
+    so the count and the order of the normalisations are what is tested, not just the limit."""
+    hf_config = transformers.DeepseekV4Config(**V4_TINY, hc_mult=4, hc_sinkhorn_iters=20)
+    theirs = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperConnection(
+        hf_config
+    )
+    ours = HyperConnection(64, 4, sinkhorn_iters=20, eps=hf_config.hc_eps,
+                           norm_eps=hf_config.rms_norm_eps)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        theirs.fn.copy_(torch.randn(theirs.fn.shape, generator=generator))
+        theirs.base.copy_(torch.randn(theirs.base.shape, generator=generator))
+        theirs.scale.copy_(torch.tensor([1.0, 1.0, 4.0]))
+    ours.load_state_dict(theirs.state_dict())
+    streams = torch.randn(2, 5, 4, 64, generator=generator)
+    post, comb, collapsed = ours(streams)
+    ref_post, ref_comb, ref_collapsed = theirs(streams)
+    for got, want in ((post, ref_post), (comb, ref_comb), (collapsed, ref_collapsed)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    fewer = HyperConnection(64, 4, sinkhorn_iters=19, eps=hf_config.hc_eps,
+                            norm_eps=hf_config.rms_norm_eps)  # fmt: skip
+    fewer.load_state_dict(theirs.state_dict())
+    moved = (fewer(streams)[1] - ref_comb).abs().max().item()
+    print(f"comb moves {moved:.1e} with 19 iterations instead of 20")
+    assert moved > 1e-3
