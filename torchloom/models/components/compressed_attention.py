@@ -33,6 +33,7 @@ from torch import nn
 
 from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models.components.cache import Binding
+from torchloom.models.components.dsa import indexer_kl
 from torchloom.models.components.hyper_connections import unweighted_rms_norm
 from torchloom.models.components.norms import RMSNorm
 from torchloom.models.components.param_init import ParamInit
@@ -165,22 +166,6 @@ class LightningIndexer(GatedCompressor):
         init.trunc_normal_(self.weights_proj.weight, self.init_std)
 
 
-def indexer_loss(
-    probs_BHTS: torch.Tensor, index_scores_BTS: torch.Tensor, seen_BTS: torch.Tensor
-) -> torch.Tensor:
-    """The lightning indexer's training loss (DeepSeek-V3.2's): for each query, KL(p || q)
-    over the groups it attended to, p the attention's probabilities of those groups summed over
-    heads and normalised (detached: a target), q the softmax of the index scores over the same
-    groups; averaged over the queries that attended to any group."""
-    p_BTS = probs_BHTS.detach().float().sum(1) * seen_BTS
-    p_BTS = p_BTS / p_BTS.sum(-1, keepdim=True).clamp(min=1e-20)
-    log_q_BTS = index_scores_BTS.masked_fill(~seen_BTS, float("-inf")).log_softmax(-1)
-    terms_BTS = p_BTS * (p_BTS.clamp(min=1e-20).log() - log_q_BTS)
-    kl_BT = torch.where(seen_BTS, terms_BTS, 0.0).sum(-1)
-    queries_BT = seen_BTS.any(-1)
-    return (kl_BT * queries_BT).sum() / queries_BT.sum().clamp(min=1)
-
-
 def _first_pass() -> bool:
     """False while the backward pass recomputes a checkpointed forward (report once)."""
     return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
@@ -238,7 +223,7 @@ class CompressedSparseAttention(nn.Module):
         norm_eps: float = 1e-6, init_std: float = 0.02, out_std: float | None = None,
         indexer_loss_weight: float = 0.0,
     ) -> None:  # fmt: skip
-        """``indexer_loss_weight``: see ``indexer_loss``."""
+        """``indexer_loss_weight``: the weight of the indexer's loss (``dsa.indexer_kl``)."""
         super().__init__()
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown DeepSeek-V4 attention kind {kind!r}; one of {ATTENTION_KINDS}")  # fmt: skip
@@ -285,7 +270,7 @@ class CompressedSparseAttention(nn.Module):
         kv_B1Td = self.kv_norm(self.kv_proj(x_BTD)).view(B, T, 1, d).transpose(1, 2)
         keys_BTd = rotate_tail(kv_B1Td, cos_BTF, sin_BTF)[:, 0]
         # The indexer reads detached inputs: its top-k passes no gradient to the main model
-        # anyway, and its own loss (indexer_loss) must train it alone.
+        # anyway, and its own loss (indexer_kl) must train it alone.
         projected = [] if self.compressor is None else [self.compressor.project(x_BTD)]
         if self.indexer is not None:
             projected.append(self.indexer.project(x_BTD.detach()))
@@ -309,7 +294,7 @@ class CompressedSparseAttention(nn.Module):
         if (index_scores_BTS is not None and self.indexer_loss_weight and self.training
                 and torch.is_grad_enabled() and _first_pass()):  # fmt: skip
             S = index_scores_BTS.shape[-1]
-            loss = indexer_loss(probs_BHTL[..., -S:], index_scores_BTS, seen_BTS)
+            loss = indexer_kl(probs_BHTL[..., -S:].sum(1), index_scores_BTS, seen_BTS)
             self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
         out_BHTd = rotate_tail(out_BHTd, cos_BTF, -sin_BTF)
         grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, self.o_groups, -1)

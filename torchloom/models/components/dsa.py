@@ -65,6 +65,22 @@ from torchloom.models.components.rope import ROPE_IMPLS
 IndexerTrain = Literal["off", "warmup", "sparse"]
 
 
+def indexer_kl(
+    target_BTS: torch.Tensor, index_BTS: torch.Tensor, visible_BTS: torch.Tensor
+) -> torch.Tensor:
+    """The lightning indexer's loss (DeepSeek-V3.2's; V4's indexer takes it too): the mean, over
+    the queries that see any key, of KL(p || q) over the keys each sees, where p is ``target``
+    (the main attention's probabilities summed over heads: a detached target) normalised to one
+    and q the softmax of the index scores."""
+    p_BTS = target_BTS.detach().float() * visible_BTS
+    p_BTS = p_BTS / p_BTS.sum(-1, keepdim=True).clamp(min=1e-20)
+    log_q_BTS = index_BTS.masked_fill(~visible_BTS, float("-inf")).log_softmax(-1)
+    log_q_BTS = log_q_BTS.masked_fill(~visible_BTS, 0.0)
+    kl_BT = (torch.xlogy(p_BTS, p_BTS) - p_BTS * log_q_BTS).sum(-1)
+    queries_BT = visible_BTS.any(-1)
+    return (kl_BT * queries_BT).sum() / queries_BT.sum().clamp(min=1)
+
+
 class LightningIndexer(nn.Module):
     """DSA's lightning indexer: ``forward(x_BTD, q_latent_BTq, cos, sin, doc_ids_BT)`` gives the
     index scores [B, T, T] (fp32, -inf at the keys a query does not see); ``picks`` their top-k."""
@@ -308,12 +324,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             logits_BHTS = (q_BHTe.float() @ k_BHSe.float().transpose(-1, -2)) * self.softmax_scale
             probs_BHTS = logits_BHTS.masked_fill(~visible_B1TS, float("-inf")).softmax(-1)
             target_BTS = self.head_sum(probs_BHTS)  # every head's, also under tp
-            target_BTS = target_BTS / target_BTS.sum(-1, keepdim=True)
-        visible_BTS = visible_B1TS[:, 0]
-        log_q_BTS = index_BTS.masked_fill(~visible_BTS, float("-inf")).log_softmax(-1)
-        log_q_BTS = log_q_BTS.masked_fill(~visible_BTS, 0.0)
-        kl_BT = (torch.xlogy(target_BTS, target_BTS) - target_BTS * log_q_BTS).sum(-1)
-        return kl_BT.mean()
+        return indexer_kl(target_BTS, index_BTS, visible_B1TS[:, 0])
 
     def pop_auxiliary_losses(self) -> dict[str, torch.Tensor]:
         """The indexer's KL loss of the last training forward, handed over once."""
