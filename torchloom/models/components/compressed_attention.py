@@ -7,7 +7,7 @@ learned sink per head. Three layer kinds:
   (128) tokens, pooled by a gated compressor (``GatedCompressor``);
 - ``compressed_sparse_attention`` (CSA): groups of 4 tokens pooled with overlap (each key
   pools its group and the group before, two series of channels), of which a lightning indexer
-  (``LightningIndexer``) picks the top-k per query.
+  (``GroupIndexer``) picks the top-k per query.
 
 Per token x: a low-rank query ``q_b_proj(q_a_norm(q_a_proj(x)))``, RMS-scaled per head without
 a weight; one key = value ``kv_norm(kv_proj(x))``; RoPE on the trailing ``rope_dim`` channels
@@ -122,7 +122,7 @@ class GatedCompressor(nn.Module):
         self.kv_norm.init_weights(init)
 
 
-class LightningIndexer(GatedCompressor):
+class GroupIndexer(GatedCompressor):
     """CSA's lightning indexer: its own (overlapping) compressor at ``head_dim`` gives index
     keys; a query's score for group s is sum_h w_h relu(q_h . k_s) (w from ``weights_proj``);
     the top ``topk`` completed groups are its picks (-1 where it has fewer)."""
@@ -244,14 +244,14 @@ class CompressedSparseAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
         self.window_mask = AttentionMask(window=window, sink=True)
         self.compressor: GatedCompressor | None = None
-        self.indexer: LightningIndexer | None = None
+        self.indexer: GroupIndexer | None = None
         self.group_mask: AttentionMask | None = None
         if kind != SLIDING:
             self.compressor = GatedCompressor(dim, head_dim, compress, kind == CSA, norm_eps, init_std)  # fmt: skip
             sparse = index_topk if kind == CSA else None
             self.group_mask = AttentionMask(compress=compress, topk=sparse, document=False, sink=True)  # fmt: skip
         if kind == CSA:
-            self.indexer = LightningIndexer(dim, q_lora_rank, index_heads, index_head_dim, compress,
+            self.indexer = GroupIndexer(dim, q_lora_rank, index_heads, index_head_dim, compress,
                                             index_topk, norm_eps, init_std)  # fmt: skip
 
     def forward(
