@@ -89,11 +89,15 @@ def sort_prompt(rng: random.Random) -> Prompt:
 
 
 def countdown_prompt(rng: random.Random) -> Prompt:
-    """3 or 4 numbers in 1..25 and a target built from some of them, so it is always reachable.
+    """2, 3 or 4 numbers in 1..25 and a target built from some of them, so it is always reachable.
 
-    The answer is ``{"numbers": [...], "target": int}``.
+    The two-number third is the bottom rung: one operation to find, within reach of a small
+    SFT model, so its groups' rewards vary once every reply is well-formed (with 3-4 numbers
+    only, a 0.5B model learned the format and then nearly every group was all-equal, and
+    dynamic sampling had nothing to keep; benchmarks/RESULTS.md). The answer is
+    ``{"numbers": [...], "target": int}``.
     """
-    numbers = [rng.randrange(1, 26) for _ in range(rng.randrange(3, 5))]
+    numbers = [rng.randrange(1, 26) for _ in range(rng.randrange(2, 5))]
     used = rng.sample(numbers, rng.randrange(2, len(numbers) + 1))
     target = used[0]
     for n in used[1:]:
