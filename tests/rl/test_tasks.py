@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from itertools import islice
 
 import pytest
@@ -235,3 +236,9 @@ def test_letters_task_is_worded_as_the_sft_set_and_checks_the_count() -> None:
     assert env.step(f'The word "{word}" has {len(word)} letters.').reward == 1.0
     env.reset(prompt)
     assert env.step(f'The word "{word}" has {len(word) + 1} letters.').reward == 0.0
+
+
+def test_countdown_draws_two_to_four_numbers() -> None:
+    # The two-number rung keeps a small model's groups informative (benchmarks/RESULTS.md).
+    sizes = Counter(len(p.answer["numbers"]) for p in islice(TASKS["countdown"](seed=0), 300))
+    assert set(sizes) == {2, 3, 4} and min(sizes.values()) > 60, sizes
