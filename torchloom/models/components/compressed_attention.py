@@ -23,6 +23,12 @@ and, for CSA, ``topk`` with the indexer's picks. This is the dense reference pat
 softmax in PyTorch over [window | groups | sink] with those masks (fine on a CPU and for the
 parity tests; no fused kernel yet). With packed documents a group is visible only when every
 token it pools lies in the query's document.
+
+Generation (``CompressedState``) keeps per slot what DeepSeek's design keeps: a ring of the
+last ``window`` rotated keys, the completed groups' rotated keys (the compressor's and, CSA,
+the indexer's), each pooled once by the call that stores its last token, and the projections
+the next groups still need (the partial group; overlapping, also the group before). A call
+attends over [ring | its own keys | completed groups] with the same masks, by position.
 """
 
 from __future__ import annotations
