@@ -268,12 +268,7 @@ class BoundCompressedState:
         pos_BX = base_B[:, None] + torch.arange(width, device=first_B.device)
         from_ring_BX = pos_BX < first_B[:, None]
         ring_BXx = partial[slots_B[:, None], pos_BX % span].to(projected_BTx.dtype)
-        call_BXx = projected_BTx.gather(
-            1,
-            (pos_BX - first_B[:, None])
-            .clamp(0, T - 1)[..., None]
-            .expand(-1, -1, ring_BXx.shape[-1]),
-        )
+        call_BXx = _tokens_at(projected_BTx, (pos_BX - first_B[:, None]).clamp(0, T - 1))
         buffer_BXx = torch.where(from_ring_BX[..., None], ring_BXx, call_BXx)
         if module.overlap:  # before position 0: nothing (the first group's missing half)
             kv, gate = buffer_BXx.chunk(2, dim=-1)
@@ -301,15 +296,18 @@ class BoundCompressedState:
         slots_B1 = self.binding.slot_ids_B[:, None]
         pos_BN = self.end_B[:, None] - size + torch.arange(size, device=ring.device)
         new_BN = pos_BN >= self.first_B[:, None]
-        take_BN = (pos_BN - self.first_B[:, None]).clamp(0, T - 1)
+        value_BN = _tokens_at(values_BT, (pos_BN - self.first_B[:, None]).clamp(0, T - 1))
         if values_BT.dim() == 3:
-            take_BN, new_BN = (
-                take_BN[..., None].expand(-1, -1, values_BT.shape[-1]),
-                new_BN[..., None],
-            )
-        value_BN = values_BT.gather(1, take_BN).to(ring.dtype)
+            new_BN = new_BN[..., None]
         at_BN = pos_BN % size
-        ring[slots_B1, at_BN] = torch.where(new_BN, value_BN, ring[slots_B1, at_BN])
+        ring[slots_B1, at_BN] = torch.where(new_BN, value_BN.to(ring.dtype), ring[slots_B1, at_BN])
+
+
+def _tokens_at(values_BT: torch.Tensor, index_BN: torch.Tensor) -> torch.Tensor:
+    """Row b's values (``[B, T]`` or ``[B, T, x]``) at its token indices ``index_BN[b]``."""
+    if values_BT.dim() == 3:
+        index_BN = index_BN[..., None].expand(-1, -1, values_BT.shape[-1])
+    return values_BT.gather(1, index_BN)
 
 
 class CompressedSparseAttention(nn.Module):
