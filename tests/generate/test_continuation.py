@@ -62,11 +62,12 @@ def conversations(generator: Generator) -> dict[tuple[str, int], tuple[list[int]
 
 
 # (family, batch-invariant, decode): KV (llama3), Gated DeltaNet + gated attention (qwen3_5),
-# MLA latents + MoE (deepseek_v3). "static" decodes as the GPU's CUDA graphs do (leading slots;
+# MLA latents + MoE (deepseek_v3), window ring + compressed groups (deepseek_v4). "static" decodes as the GPU's CUDA graphs do (leading slots;
 # the kept slots among them run dummy rows that must change nothing), here eagerly.
 CASES = [("llama3", False, "gathered"), ("llama3", False, "static"), ("llama3", True, "gathered"),
          ("qwen3_5", False, "gathered"), ("qwen3_5", False, "static"), ("qwen3_5", True, "static"),
-         ("deepseek_v3", False, "gathered")]  # fmt: skip
+         ("deepseek_v3", False, "gathered"), ("deepseek_v4", False, "gathered"),
+         ("deepseek_v4", False, "static")]  # fmt: skip
 
 
 @pytest.mark.parametrize(

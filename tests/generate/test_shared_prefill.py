@@ -15,12 +15,14 @@ from .test_engine import RunningSum, tiny
 GROUP, OTHER = [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 7]
 
 # (model, bitwise): batch-invariant KV models must match alone bit for bit; the others within
-# rounding (deepseek_v3 keeps MLA's latent state and has no batch-invariant mode).
+# rounding (deepseek_v3 keeps MLA's latent state, deepseek_v4 its window ring and compressed
+# groups; neither has a batch-invariant mode).
 MODELS = {
     "llama3-invariant": (lambda: invariant_model("llama3"), True),
     "qwen3-invariant": (lambda: invariant_model("qwen3"), True),
     "llama3": (lambda: tiny("llama3"), False),
     "deepseek_v3": (lambda: tiny("deepseek_v3"), False),
+    "deepseek_v4": (lambda: tiny("deepseek_v4"), False),
 }
 
 
@@ -59,7 +61,7 @@ def test_a_group_prefills_once_and_continues_as_if_alone(name, temperature, deco
         assert len({tuple(c.tokens) for i, c in enumerate(got) if i != 2}) > 1
 
 
-@pytest.mark.parametrize("name", ["llama3-invariant", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama3-invariant", "deepseek_v3", "deepseek_v4"])
 def test_identical_prompts_in_different_rounds(name):
     """Three slots: round 1 admits the first two GROUP requests (sharing) and OTHER; when the
     two end, the last two GROUP requests are admitted together while OTHER still decodes."""

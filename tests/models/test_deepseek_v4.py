@@ -360,6 +360,73 @@ def test_prefill_then_decode_equals_the_full_forward(leading: bool) -> None:
     assert diff < 1e-5
 
 
+def _perturbed_debug_model() -> tuple[DeepSeekV4, torch.Generator]:
+    """The debug flavor (CSA groups of 4, HCA of 16, window 16) with weights off their init."""
+    model = build_model(DEEPSEEK_V4_FLAVORS["debug"])
+    model.init_weights(0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return model.eval(), generator
+
+
+@pytest.mark.parametrize("chunks", [(7,), (5, 6), (1, 3, 17)])
+@torch.no_grad()
+def test_chunked_prefill_then_decode_equals_the_full_forward(chunks: tuple[int, ...]) -> None:
+    """Prefill in chunks of odd lengths that cross group boundaries (continuing the slot's
+    sequence), then decode to 44 tokens (past two HCA groups and the window)."""
+    model, generator = _perturbed_debug_model()
+    window = torch.randint(0, 4096, (1, 44), generator=generator)
+    full = model(window)
+    cache = model.new_cache(2, 48, torch.device("cpu"), torch.float32)
+    slot, steps, start = torch.tensor([1]), [], 0
+    for size in [*chunks, *[1] * (44 - sum(chunks))]:
+        positions = torch.arange(start, start + size)[None]
+        steps.append(model(window[:, start : start + size], positions, cache=cache.bind(slot, positions)))  # fmt: skip
+        start += size
+    diff = (torch.cat(steps, dim=1) - full).abs().max().item()
+    print(f"chunks {chunks} + decode vs full forward: max abs logit diff {diff:.1e}")
+    assert diff < 1e-5
+
+
+@torch.no_grad()
+def test_rows_of_different_lengths_prefill_and_decode_together() -> None:
+    """One right-padded prefill of rows of 5 and 23 tokens (``lengths_B``), then decode steps
+    where each row is at its own position: each row's logits are its own full forward's."""
+    model, generator = _perturbed_debug_model()
+    tokens = torch.randint(0, 4096, (2, 40), generator=generator)
+    full = model(tokens)
+    cache = model.new_cache(3, 48, torch.device("cpu"), torch.float32)
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([5, 23])
+    positions = torch.arange(23).expand(2, 23)
+    prompt = torch.where(positions < lengths[:, None], tokens[:, :23], 0)
+    out = model(prompt, positions, cache=cache.bind(slots, positions, lengths))
+    diffs = [(out[b, : lengths[b]] - full[b, : lengths[b]]).abs().max().item() for b in range(2)]
+    for step in range(17):
+        positions = (lengths + step)[:, None]
+        out = model(tokens.gather(1, positions), positions, cache=cache.bind(slots, positions))
+        diffs += [(out[b, 0] - full[b, positions[b, 0]]).abs().max().item() for b in range(2)]
+    print(f"rows of different lengths vs their full forwards: max abs logit diff {max(diffs):.1e}")
+    assert max(diffs) < 1e-5
+
+
+def test_generation_state_is_bounded_by_the_window_and_the_groups() -> None:
+    """Token keys take [slots, window, d] whatever max_len is; groups [slots, max_len // ratio,
+    d]; the pending projections at most two groups' tokens."""
+    model, _ = _perturbed_debug_model()
+    config = model.config
+    cache = model.new_cache(3, 256, torch.device("cpu"), torch.float32)
+    for index, kind in enumerate(config.attention_kinds):
+        state = cache.states[index]
+        assert state.keys.shape == (3, config.sliding_window, config.head_dim)
+        ratio = {SLIDING: None, CSA: config.csa_ratio, HCA: config.hca_ratio}[kind]
+        assert len(state.groups) == {SLIDING: 0, CSA: 2, HCA: 1}[kind]
+        for groups, partial in zip(state.groups, state.partial, strict=True):
+            assert groups.shape[:2] == (3, 256 // ratio)
+            assert partial.shape[1] == (2 * ratio if kind == CSA else ratio)
+
+
 def test_generate_matches_transformers_greedy(tmp_path, generate_matches_greedy) -> None:
     path, reference = hf_v4(tmp_path, [SLIDING, CSA, HCA])
     generate_matches_greedy(path, reference, max_new_tokens=12)

@@ -26,7 +26,8 @@ Every state kind also implements ``copy_slot(src_slot, dst_slots_S, length)``: m
 ``dst_slots_S`` hold what ``src_slot`` holds after a sequence's first ``length`` tokens. The
 generator prefills a prompt that several requests share (an RL group) once and copies its
 slot to the others' (``ModelCache.copy_slot``); a state indexed by position copies indices
-0..length-1, one that is not (recurrent, convolution) its whole slot.
+0..length-1, one that is not (recurrent, convolution; DeepSeek-V4's window ring and partial
+groups) its whole slot.
 
 Two kinds live here, both indexed by position (a token at position p of its sequence sits at
 index p of its slot):

@@ -23,6 +23,12 @@ and, for CSA, ``topk`` with the indexer's picks. This is the dense reference pat
 softmax in PyTorch over [window | groups | sink] with those masks (fine on a CPU and for the
 parity tests; no fused kernel yet). With packed documents a group is visible only when every
 token it pools lies in the query's document.
+
+Generation (``CompressedState``) keeps per slot what DeepSeek's design keeps: a ring of the
+last ``window`` rotated keys, the completed groups' rotated keys (the compressor's and, CSA,
+the indexer's), each pooled once by the call that stores its last token, and the projections
+the next groups still need (the partial group; overlapping, also the group before). A call
+attends over [ring | its own keys | completed groups] with the same masks, by position.
 """
 
 from __future__ import annotations
@@ -109,6 +115,20 @@ class GatedCompressor(nn.Module):
         weights = gate_BSrw.softmax(dim=2, dtype=torch.float32).to(kv_BSrw.dtype)
         return self.kv_norm((kv_BSrw * weights).sum(dim=2))
 
+    def keys(
+        self, projected_BTx: torch.Tensor, rope: RopeConfig, rope_dim: int,
+        first_group_B: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """[B, S, head_dim]: ``pool``, each key rotated at its group's first position (the
+        tokens' first group is row b's ``first_group_B[b]``; None: group 0)."""
+        keys_BSd = self.pool(projected_BTx)
+        B, S, _ = keys_BSd.shape
+        index_BS = torch.arange(S, device=keys_BSd.device).expand(B, S)
+        if first_group_B is not None:
+            index_BS = index_BS + first_group_B[:, None]
+        tables = rope_tables(rope, rope_dim, index_BS * self.ratio)
+        return rotate_tail(keys_BSd[:, None], *tables)[:, 0]
+
     def group_span(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """First and last token index each of the S keys pools."""
         index_S = torch.arange(S, device=device)
@@ -135,17 +155,14 @@ class GroupIndexer(GatedCompressor):
         self.weights_proj = nn.Linear(dim, num_heads, bias=False)
 
     def pick(
-        self, projected_BLx: torch.Tensor, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
+        self, keys_BSd: torch.Tensor, x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
         rope: RopeConfig, rope_dim: int, positions_BT: torch.Tensor, visible_BTS: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(picks_BTk, scores_BTS): the groups each query attends to and every group's index
-        score, against index keys pooled from ``projected_BLx`` (``project`` of tokens
-        0..L-1); ``visible_BTS`` says which it may pick (the others score -inf)."""
+        score, against the rotated index keys ``keys_BSd`` (``keys``); ``visible_BTS`` says
+        which it may pick (the others score -inf)."""
         B, T, _ = x_BTD.shape
-        keys_BSd = self.pool(projected_BLx)
         S = keys_BSd.shape[1]
-        key_pos_BS = (torch.arange(S, device=x_BTD.device) * self.ratio).expand(B, S)
-        keys_BSd = rotate_tail(keys_BSd[:, None], *rope_tables(rope, rope_dim, key_pos_BS))[:, 0]
         q_BHTd = self.q_b_proj(q_latent_BTQ).view(B, T, self.num_heads, -1).transpose(1, 2)
         q_BTHd = rotate_tail(q_BHTd, *rope_tables(rope, rope_dim, positions_BT)).transpose(1, 2)
         scores_BTHS = torch.matmul(q_BTHd.float(), keys_BSd.transpose(-1, -2).float()[:, None])
@@ -171,45 +188,126 @@ def _first_pass() -> bool:
     return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
 
 
-class CompressedState:
-    """One DeepSeek-V4 layer's generation state: per slot and position, the rotated key and
-    the compressor's / indexer's projections of that token ([slots, max_len, width] each).
-    Indexed by position like a KV cache, so a decode step sees exactly the keys and groups the
-    full forward would: a group is pooled once its last token is stored (the compressor's
-    partial group and the indexer's overlap are the positions stored so far)."""
+def _span(module: GatedCompressor) -> int:
+    """Token projections a group needs: its own ratio (and, overlapping, the group before)."""
+    return 2 * module.ratio if module.overlap else module.ratio
 
-    def __init__(self, slots: int, max_len: int, widths: list[int], device: torch.device,
+
+class CompressedState:
+    """One DeepSeek-V4 layer's generation state, bounded by the window and the groups: per
+    slot a ring of the last ``window`` rotated token keys and their positions (-1: none), and
+    per pooling module (the compressor; CSA's indexer) the pooled rotated keys of completed
+    groups [slots, max_len // ratio, d] and a ring of the latest token projections (the
+    partial group; overlapping, also the group before, whose first series the next group
+    pools). A group is pooled once, by the call that stores its last token."""
+
+    def __init__(self, slots: int, max_len: int, window: int, head_dim: int,
+                 pooled: list[GatedCompressor], device: torch.device,
                  dtype: torch.dtype) -> None:  # fmt: skip
-        self.tensors = [torch.zeros(slots, max_len, w, device=device, dtype=dtype) for w in widths]
+        self.keys = torch.zeros(slots, window, head_dim, device=device, dtype=dtype)
+        self.key_positions = torch.full((slots, window), -1, device=device, dtype=torch.long)
+        self.ratios = [m.ratio for m in pooled]
+        self.groups = [torch.zeros(slots, max_len // m.ratio, m.head_dim, device=device,
+                                   dtype=dtype) for m in pooled]  # fmt: skip
+        self.partial = [torch.zeros(slots, _span(m), 2 * m.kv_proj.weight.shape[0],
+                                    device=device, dtype=dtype) for m in pooled]  # fmt: skip
 
     def bound(self, binding: Binding) -> BoundCompressedState:
         return BoundCompressedState(self, binding)
 
     def copy_slot(self, src_slot: int, dst_slots_S: torch.Tensor, length: int) -> None:
-        for tensor in self.tensors:  # the source cloned: it may overlap the target
-            tensor[dst_slots_S, :length] = tensor[src_slot, :length].clone()
+        """The rings hold the state after the source's last token, so ``length`` is the
+        number of tokens it holds (the generator copies right after the shared prefill)."""
+        for tensor in (self.keys, self.key_positions, *self.partial):
+            tensor[dst_slots_S] = tensor[src_slot].clone()  # cloned: it may overlap the target
+        for groups, ratio in zip(self.groups, self.ratios, strict=True):
+            groups[dst_slots_S, : length // ratio] = groups[src_slot, : length // ratio].clone()
 
 
 class BoundCompressedState:
-    """A CompressedState bound to one forward's rows (``binding``)."""
+    """A CompressedState bound to one forward's rows (``binding``): row b's tokens before
+    ``lengths_B[b]`` are real (none for a dummy row that is not live); only those are stored."""
 
     def __init__(self, state: CompressedState, binding: Binding) -> None:
         self.state, self.binding = state, binding
+        T = binding.positions_BT.shape[1]
+        self.first_B = binding.positions_BT[:, 0]
+        real_B = binding.lengths_B if binding.lengths_B is not None else torch.full_like(self.first_B, T)  # fmt: skip
+        if binding.live_B is not None:
+            real_B = real_B.masked_fill(~binding.live_B, 0)
+        self.end_B = self.first_B + real_B
 
-    def stored(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Store this call's [B, T, width] values at their rows' slots and positions; return
-        each row's values at positions 0..L-1 (L: past the furthest query)."""
-        bound = self.binding
-        rows_B1, pos_BT = bound.slot_ids_B[:, None], bound.positions_BT
-        out = []
-        for tensor, value_BTx in zip(self.state.tensors, values, strict=True):
-            tensor[rows_B1, pos_BT] = value_BTx.to(tensor.dtype)
-            if bound.leading:  # slots 0..B-1, every index
-                read = tensor[: pos_BT.shape[0]]
-            else:
-                read = tensor[bound.slot_ids_B, : bound.length]
-            out.append(read.to(value_BTx.dtype))
-        return out
+    def window_keys(self, keys_BTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([ring | this call's keys] [B, window + T, d], their positions [B, 1, window + T]);
+        ring entries not of this sequence before this call sit at -window (never visible).
+        Stores the call's last real keys in the ring."""
+        state, slots_B = self.state, self.binding.slot_ids_B
+        window = state.keys.shape[1]
+        ring_pos_BW = state.key_positions[slots_B]
+        stale_BW = (ring_pos_BW < 0) | (ring_pos_BW >= self.first_B[:, None])
+        ring_pos_BW = ring_pos_BW.masked_fill(stale_BW, -window)
+        keys_BLd = torch.cat([state.keys[slots_B].to(keys_BTd.dtype), keys_BTd], dim=1)
+        pos_BL = torch.cat([ring_pos_BW, self.binding.positions_BT], dim=1)
+        self._write_ring(state.keys, keys_BTd)
+        self._write_ring(state.key_positions, self.binding.positions_BT)
+        return keys_BLd, pos_BL[:, None]
+
+    def pooled_keys(
+        self, which: int, module: GatedCompressor, projected_BTx: torch.Tensor, rope: RopeConfig,
+        rope_dim: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The slot's completed groups' rotated keys of pooling module ``which`` [B, S, d]
+        (S: those a query of this call can have seen), pooling the groups this call completes
+        from the ring's projections and ``projected_BTx``, and storing them and the ring."""
+        state, slots_B, first_B = self.state, self.binding.slot_ids_B, self.first_B
+        T, r, span = projected_BTx.shape[1], module.ratio, _span(module)
+        partial, groups = state.partial[which], state.groups[which]
+        # Row b's buffer starts at `base`, the first token its first new group pools.
+        base_B = first_B // r * r - (span - r)
+        width = -(-(span - 1 + T) // r) * r
+        pos_BX = base_B[:, None] + torch.arange(width, device=first_B.device)
+        from_ring_BX = pos_BX < first_B[:, None]
+        ring_BXx = partial[slots_B[:, None], pos_BX % span].to(projected_BTx.dtype)
+        call_BXx = _tokens_at(projected_BTx, (pos_BX - first_B[:, None]).clamp(0, T - 1))
+        buffer_BXx = torch.where(from_ring_BX[..., None], ring_BXx, call_BXx)
+        if module.overlap:  # before position 0: nothing (the first group's missing half)
+            kv, gate = buffer_BXx.chunk(2, dim=-1)
+            before_BX1 = (pos_BX < 0)[..., None]
+            buffer_BXx = torch.cat([kv.masked_fill(before_BX1, 0.0),
+                                    gate.masked_fill(before_BX1, float("-inf"))], dim=-1)  # fmt: skip
+        skip = (span - r) // r  # the group before, pooled here only for its first series
+        index_BS = first_B[:, None] // r + torch.arange(width // r - skip, device=first_B.device)
+        new_BSd = module.keys(buffer_BXx, rope, rope_dim, first_B // r - skip)[:, skip:]
+        done_BS = index_BS < (self.end_B // r)[:, None]
+        if index_BS.shape[1] == 1:  # a decode step: no host synchronisation
+            rows_B1, at_B1 = slots_B[:, None], index_BS.clamp(max=groups.shape[1] - 1)
+            groups[rows_B1, at_B1] = torch.where(done_BS[..., None], new_BSd.to(groups.dtype), groups[rows_B1, at_B1])  # fmt: skip
+        else:
+            rows_BS = slots_B[:, None].expand_as(index_BS)
+            groups[rows_BS[done_BS], index_BS[done_BS]] = new_BSd[done_BS].to(groups.dtype)
+        self._write_ring(partial, projected_BTx)
+        if self.binding.leading:
+            return groups[: slots_B.shape[0]].to(projected_BTx.dtype)
+        return groups[slots_B, : self.binding.length // r].to(projected_BTx.dtype)
+
+    def _write_ring(self, ring: torch.Tensor, values_BT: torch.Tensor) -> None:
+        """Store each row's last real values (up to the ring's size) at position % size."""
+        size, T = ring.shape[1], values_BT.shape[1]
+        slots_B1 = self.binding.slot_ids_B[:, None]
+        pos_BN = self.end_B[:, None] - size + torch.arange(size, device=ring.device)
+        new_BN = pos_BN >= self.first_B[:, None]
+        value_BN = _tokens_at(values_BT, (pos_BN - self.first_B[:, None]).clamp(0, T - 1))
+        if values_BT.dim() == 3:
+            new_BN = new_BN[..., None]
+        at_BN = pos_BN % size
+        ring[slots_B1, at_BN] = torch.where(new_BN, value_BN.to(ring.dtype), ring[slots_B1, at_BN])
+
+
+def _tokens_at(values_BT: torch.Tensor, index_BN: torch.Tensor) -> torch.Tensor:
+    """Row b's values (``[B, T]`` or ``[B, T, x]``) at its token indices ``index_BN[b]``."""
+    if values_BT.dim() == 3:
+        index_BN = index_BN[..., None].expand(-1, -1, values_BT.shape[-1])
+    return values_BT.gather(1, index_BN)
 
 
 class CompressedSparseAttention(nn.Module):
@@ -259,8 +357,9 @@ class CompressedSparseAttention(nn.Module):
         cache: BoundCompressedState | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Without ``cache`` the keys are this call's tokens (key index = place in the row,
-        packed documents by ``doc_ids_BT``); with one (generation) they are the slot's tokens
-        0..L-1 (key index = position), this call's stored first."""
+        packed documents by ``doc_ids_BT``); with one (generation) they are the slot's last
+        ``window`` tokens before this call and this call's, and the slot's completed groups
+        (key index = position; the state is updated by this call)."""
         B, T, _ = x_BTD.shape
         H, d = self.num_heads, self.head_dim
         cos_BTF, sin_BTF = rope_tables(self.rope, self.rope_dim, positions_BT)
@@ -274,19 +373,19 @@ class CompressedSparseAttention(nn.Module):
         projected = [] if self.compressor is None else [self.compressor.project(x_BTD)]
         if self.indexer is not None:
             projected.append(self.indexer.project(x_BTD.detach()))
+        key_index_L = torch.arange(T, device=x_BTD.device)
         if cache is None:
-            query_index_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
-        else:  # the slot's keys and projections so far, this call's included
+            query_index_BT = key_index_L.expand(B, T)
+        else:  # keys: [the slot's window ring | this call's], indexed by position
             query_index_BT, doc_ids_BT = cache.binding.positions_BT, None
-            keys_BTd, *projected = cache.stored([keys_BTd, *projected])
-        key_index_L = torch.arange(keys_BTd.shape[1], device=x_BTD.device)
+            keys_BTd, key_index_L = cache.window_keys(keys_BTd)
         docs = () if doc_ids_BT is None else (doc_ids_BT[:, :, None], doc_ids_BT[:, None, :])
         visible_BTL = self.window_mask.visible(query_index_BT[..., None], key_index_L, *docs)
         keys_B1Ld = keys_BTd[:, None]
         index_scores_BTS = None
         if self.compressor is not None:
             groups_B1Sd, seen_BTS, index_scores_BTS = self._groups(
-                projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT
+                projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT, cache
             )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
             visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
@@ -305,18 +404,24 @@ class CompressedSparseAttention(nn.Module):
     def _groups(
         self, projected: list[torch.Tensor], x_BTD: torch.Tensor, q_latent_BTQ: torch.Tensor,
         positions_BT: torch.Tensor, query_index_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None,
+        cache: BoundCompressedState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """The compressed keys [B, 1, S, d] pooled from the keys' ``projected`` tokens (rotated
-        at their groups' first positions), which of them each query sees [B, T, S] (completed
+        """The compressed keys [B, 1, S, d] pooled from this call's ``projected`` tokens or
+        (``cache``) the slot's completed groups (rotated at their groups' first positions),
+        which of them each query sees [B, T, S] (completed
         groups (``group_mask``), whole in its document, and (CSA) its indexer's picks), and
         (CSA) the index scores [B, T, S]."""
         assert self.compressor is not None and self.group_mask is not None
         B, T, _ = x_BTD.shape
         device = x_BTD.device
-        groups_BSd = self.compressor.pool(projected[0])
-        S = groups_BSd.shape[1]
-        group_pos_BS = (torch.arange(S, device=device) * self.compressor.ratio).expand(B, S)
-        groups_B1Sd = rotate_tail(groups_BSd[:, None], *rope_tables(self.rope, self.rope_dim, group_pos_BS))  # fmt: skip
+        modules = [self.compressor] if self.indexer is None else [self.compressor, self.indexer]
+        if cache is None:
+            pooled = [m.keys(p, self.rope, self.rope_dim) for m, p in zip(modules, projected)]
+        else:
+            pooled = [cache.pooled_keys(i, m, p, self.rope, self.rope_dim)
+                      for i, (m, p) in enumerate(zip(modules, projected))]  # fmt: skip
+        groups_B1Sd = pooled[0][:, None]
+        S = groups_B1Sd.shape[2]
         key_pos_S = self.group_mask.key_positions(S, device)
         seen_BTS = self.group_mask.visible(query_index_BT[..., None], key_pos_S)
         if doc_ids_BT is not None:
@@ -327,7 +432,7 @@ class CompressedSparseAttention(nn.Module):
         index_scores_BTS = None
         if self.indexer is not None and S:
             picks_BTk, index_scores_BTS = self.indexer.pick(
-                projected[1], x_BTD.detach(), q_latent_BTQ.detach(), self.rope, self.rope_dim,
+                pooled[1], x_BTD.detach(), q_latent_BTQ.detach(), self.rope, self.rope_dim,
                 positions_BT, seen_BTS,
             )  # fmt: skip
             picked_BTS = torch.zeros(B, T, S + 1, dtype=torch.bool, device=device)
@@ -357,11 +462,12 @@ class CompressedSparseAttention(nn.Module):
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
     ) -> CompressedState:
-        """Per slot and position: the rotated key and (compressed kinds) the compressor's and
-        the indexer's projections; the completed groups are pooled from them at each step."""
-        widths = [self.head_dim]
-        widths += [2 * m.kv_proj.weight.shape[0] for m in (self.compressor, self.indexer) if m]
-        return CompressedState(slots, max_len, widths, device, dtype)
+        """Per slot: the window's rotated keys and (compressed kinds) the compressor's and the
+        indexer's completed groups and latest projections (``CompressedState``)."""
+        pooled = [m for m in (self.compressor, self.indexer) if m is not None]
+        window = self.window_mask.window
+        assert window is not None
+        return CompressedState(slots, max_len, window, self.head_dim, pooled, device, dtype)
 
     def init_weights(self, init: ParamInit) -> None:
         """Projections truncated normal(0, init_std), o_b_proj at out_std, norms one, sinks zero."""
