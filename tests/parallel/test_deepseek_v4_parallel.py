@@ -59,6 +59,26 @@ def test_layouts_match_one_process(tmp_path, torchrun_train) -> None:
         assert diff < 1e-5, f"{name}: losses differ by {diff:.2e}"
 
 
+def test_tp2_with_indexer_loss_matches_one_process(tmp_path, torchrun_train) -> None:
+    """The indexer loss's target sums every head's attention: under tp the ranks' heads are
+    added up (``head_sum``), so the loss, the indexer loss and what it trains match."""
+    flags = [*COMMON, "--model.overrides", '{"indexer_loss_weight": 1.0}']
+    single, parallel = tmp_path / "single", tmp_path / "tp2"
+    assert main(["train", *flags, "--output.dir", str(single)]) == 0
+    torchrun_train(2, *flags, "--output.dir", str(parallel), "--parallel.tp", "2")
+    records = []
+    for run in (single, parallel):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records.append(
+            [(r["loss"], r["aux_indexer"]) for r in map(json.loads, lines) if "loss" in r]
+        )
+    assert len(records[0]) == len(records[1]) == 3
+    loss_diff, aux_diff = (max(abs(a[i] - b[i]) for a, b in zip(*records)) for i in (0, 1))
+    print(f"deepseek_v4_debug with indexer loss, tp 2: max |loss diff| {loss_diff:.2e}, "
+          f"|indexer loss diff| {aux_diff:.2e}")  # fmt: skip
+    assert loss_diff < 1e-5 and aux_diff < 1e-6
+
+
 def test_tp2_generation_matches_one_process(tmp_path) -> None:
     """Greedy decoding past the sliding window and several compressed groups (prompts of 1 to
     20 tokens, 24 new ones) with the replicated-stream plan."""
@@ -91,11 +111,10 @@ def test_tp2_generation_matches_one_process(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("tp", "overrides", "message"),
     [(4, {}, r"--parallel.tp 4 must divide the model's num_heads \(4\) and o_groups \(2\)"),
-     (2, {"o_groups": 1}, r"--parallel.tp 2 must divide .* o_groups \(1\)"),
-     (2, {"indexer_loss_weight": 0.1}, "with an indexer loss is not supported yet")],
+     (2, {"o_groups": 1}, r"--parallel.tp 2 must divide .* o_groups \(1\)")],
 )  # fmt: skip
 def test_tensor_parallel_refuses_what_it_cannot_split(tp, overrides, message) -> None:
-    """Every rank must hold whole heads in whole output groups, and the indexer loss is off."""
+    """Every rank must hold whole heads in whole output groups."""
     job = get_recipe("deepseek_v4_debug").build()
     config = replace(resolve_model_config(job.model), **overrides)
     with torch.device("meta"):

@@ -36,11 +36,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models.components.cache import Binding
-from torchloom.models.components.dsa import indexer_kl
+from torchloom.models.components.dsa import HeadSum, indexer_kl
 from torchloom.models.components.head_parallel import (
     HeadParallel,
     ReplicatedModule,
     SumInputGradient,
+    SumOverRanks,
     local_shard,
 )
 from torchloom.models.components.hyper_connections import unweighted_rms_norm
@@ -254,6 +255,7 @@ class CompressedSparseAttention(nn.Module):
         self.shared_keys = nn.Identity()
         """Where the one key = value head meets the query heads (tensor parallelism sums its
         gradient over the ranks, each of which attends with its own heads)."""
+        self.head_sum = HeadSum()  # the indexer loss's target: every head's, also under tp
         self.window_mask = AttentionMask(window=window, sink=True)
         self.compressor: GatedCompressor | None = None
         self.indexer: GroupIndexer | None = None
@@ -306,7 +308,7 @@ class CompressedSparseAttention(nn.Module):
         if (index_scores_BTS is not None and self.indexer_loss_weight and self.training
                 and torch.is_grad_enabled() and _first_pass()):  # fmt: skip
             S = index_scores_BTS.shape[-1]
-            loss = indexer_kl(probs_BHTL[..., -S:].sum(1), index_scores_BTS, seen_BTS)
+            loss = indexer_kl(self.head_sum(probs_BHTL[..., -S:]), index_scores_BTS, seen_BTS)
             self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
         out_BHTd = rotate_tail(out_BHTd, cos_BTF, -sin_BTF)
         weight_GRi = local_shard(self.o_a_proj.weight)  # this rank's head groups under tp
@@ -407,19 +409,12 @@ class CompressedSparseAttention(nn.Module):
         return int(6 * weights + 12 * self.num_heads * self.head_dim * keys + indexer)
 
     def check_tp(self, tp: int) -> None:
-        """ConfigError unless each tp rank can take whole heads in whole output groups, and the
-        indexer loss (whose target sums every head's attention) is off."""
+        """ConfigError unless each tp rank can take whole heads in whole output groups."""
         if self.num_heads % tp or self.o_groups % tp:
             raise ConfigError(
                 f"--parallel.tp {tp} must divide the model's num_heads ({self.num_heads}) and "
                 f"o_groups ({self.o_groups}): every tensor-parallel rank holds whole head groups "
                 "of the grouped output projection. Choose a tp that divides both."
-            )
-        if tp > 1 and self.indexer_loss_weight:
-            raise ConfigError(
-                f"--parallel.tp {tp} with an indexer loss is not supported yet (its target sums "
-                "the attention of every head, which tp splits over ranks); set "
-                "--model.overrides '{\"indexer_loss_weight\": 0}' or --parallel.tp 1."
             )
 
     def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -428,13 +423,15 @@ class CompressedSparseAttention(nn.Module):
         (kv_proj, kv_norm, the compressor) and the low-rank query are replicated: every rank
         computes them whole, the shared keys' gradient summed over the ranks
         (``shared_keys``), the query latent's by q_b_proj. The indexer is replicated too, so
-        every rank scores and picks the same groups. With ``sequence_parallel`` the input is
+        every rank scores and picks the same groups; the indexer loss's target adds up the
+        ranks' heads (``head_sum``). With ``sequence_parallel`` the input is
         gathered first and o_b_proj's output scattered back along the sequence."""
         heads, replicated = Shard(0), ReplicatedModule()
         split = {"sinks": heads, "o_a_proj.weight": heads}
         plan: dict[str, ParallelStyle] = {
             "q_b_proj": ColwiseParallel(),
             "shared_keys": SumInputGradient(),
+            "head_sum": SumOverRanks(),
             "o_b_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
             else RowwiseParallel(),
         }  # fmt: skip

@@ -98,3 +98,15 @@ class SumInputGradient(ParallelStyle):
             return (shared.to_local(grad_placements=[Partial()]), *inputs[1:])
 
         return distribute_module(module, device_mesh, input_fn=partial_grad)
+
+
+class SumOverRanks(ParallelStyle):
+    """The module's output, a partial sum on each tp rank, summed over the ranks (forward
+    only: for a target that takes no gradient, e.g. attention summed over the local heads)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def all_reduce(_: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
+            return partial.redistribute(mesh, [Replicate()]).to_local()
+
+        return distribute_module(module, device_mesh, output_fn=all_reduce)
