@@ -1,13 +1,16 @@
 """Tensor parallelism inside a token mixer whose heads are split over the tp ranks: the pieces
-the linear-attention mixers (Gated DeltaNet, KDA) and MLA share besides torch's column- and
-row-wise linears.
+the linear-attention mixers (Gated DeltaNet, KDA), MLA, DSA and DeepSeek-V4's attention share
+besides torch's column- and row-wise linears.
 
 A mixer's plan shards its projections by heads (``ColwiseParallel``) and its output projection
 row-wise. What is left are parameters the mixer uses directly in its forward, not through a
 linear layer: convolution taps and gate constants, one row per head channel (sharded like the
 heads: ``HeadParallel``, read with ``local_shard``), and a weight every head shares (the output
 norm's: replicated, read with ``shared_by_heads``, whose gradient is summed over the ranks
-because each rank applies it to its own heads only).
+because each rank applies it to its own heads only). Modules the whole mixer replicates are
+``ReplicatedModule``. Two tensors cross between the shared part and the heads in the forward,
+each through a module of its own: a key every head reads (its gradient summed over the ranks:
+``SumInputGradient``) and a sum over the heads (summed over the ranks: ``SumOverRanks``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Attention: q_b_proj column-wise, the sinks by head, o_a_proj by head group and o
 row-wise, so tp must divide num_heads and o_groups. The one key = value head (multi-query
 attention), its compressor and the low-rank query latent are replicated: each rank computes
 them whole and attends with its own heads. CSA's indexer is replicated too (weights and
-inputs), so its top-k picks are the same on every rank without any communication.
+inputs), so its top-k picks are the same on every rank without any communication; the
+target of its optional loss (the attention summed over heads) adds up the ranks' heads.
 
 Sequence parallel (training): the [B, T, N, D] streams are split along T like any residual
 stream. A hyper-connection mixes each token's N streams on its own, so it runs on each rank's
