@@ -311,10 +311,9 @@ class CompressedSparseAttention(nn.Module):
             loss = indexer_kl(self.head_sum(probs_BHTL[..., -S:]), index_scores_BTS, seen_BTS)
             self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
         out_BHTd = rotate_tail(out_BHTd, cos_BTF, -sin_BTF)
-        weight_GRi = local_shard(self.o_a_proj.weight)  # this rank's head groups under tp
-        group_width = weight_GRi.shape[-1]
-        grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, -1, group_width)
-        weight_GRi = weight_GRi.view(grouped_BTGi.shape[2], -1, group_width)
+        weight_Xi = local_shard(self.o_a_proj.weight)  # [G * R, i], G: this rank's groups
+        grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, -1, weight_Xi.shape[-1])
+        weight_GRi = weight_Xi.view(grouped_BTGi.shape[2], -1, weight_Xi.shape[-1])
         mixed_BTGR = torch.einsum("btgi,gri->btgr", grouped_BTGi, weight_GRi)
         return self.o_b_proj(mixed_BTGR.flatten(2))
 
