@@ -36,10 +36,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models.components.cache import Binding
-from torchloom.models.components.dsa import indexer_kl
+from torchloom.models.components.dsa import HeadSum, indexer_kl
+from torchloom.models.components.head_parallel import (
+    HeadParallel,
+    ReplicatedModule,
+    SumInputGradient,
+    SumOverRanks,
+    local_shard,
+)
 from torchloom.models.components.hyper_connections import unweighted_rms_norm
 from torchloom.models.components.norms import RMSNorm
 from torchloom.models.components.param_init import ParamInit
@@ -105,7 +115,7 @@ class GatedCompressor(nn.Module):
         S = T // r
         kv_BTw, gate_BTw = projected_BTx[:, : S * r].chunk(2, dim=-1)
         kv_BSrw = kv_BTw.reshape(B, S, r, kv_BTw.shape[-1])
-        gate_BSrw = gate_BTw.reshape(B, S, r, kv_BTw.shape[-1]) + self.position_bias
+        gate_BSrw = gate_BTw.reshape(B, S, r, kv_BTw.shape[-1]) + local_shard(self.position_bias)
         if self.overlap:
             kv = kv_BSrw.new_zeros(B, S, 2 * r, d)
             gate = gate_BSrw.new_full((B, S, 2 * r, d), float("-inf"))
@@ -340,6 +350,10 @@ class CompressedSparseAttention(nn.Module):
         self.o_a_proj = nn.Linear(group_width, o_groups * o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, dim, bias=False)
         self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        self.shared_keys = nn.Identity()
+        """Where the one key = value head meets the query heads (tensor parallelism sums its
+        gradient over the ranks, each of which attends with its own heads)."""
+        self.head_sum = HeadSum()  # the indexer loss's target: every head's, also under tp
         self.window_mask = AttentionMask(window=window, sink=True)
         self.compressor: GatedCompressor | None = None
         self.indexer: GroupIndexer | None = None
@@ -361,10 +375,10 @@ class CompressedSparseAttention(nn.Module):
         ``window`` tokens before this call and this call's, and the slot's completed groups
         (key index = position; the state is updated by this call)."""
         B, T, _ = x_BTD.shape
-        H, d = self.num_heads, self.head_dim
+        d = self.head_dim  # the heads: num_heads, or this rank's share under tensor parallelism
         cos_BTF, sin_BTF = rope_tables(self.rope, self.rope_dim, positions_BT)
         q_latent_BTQ = self.q_a_norm(self.q_a_proj(x_BTD))
-        q_BHTd = self.q_b_proj(q_latent_BTQ).view(B, T, H, d).transpose(1, 2)
+        q_BHTd = self.q_b_proj(q_latent_BTQ).view(B, T, -1, d).transpose(1, 2)
         q_BHTd = rotate_tail(unweighted_rms_norm(q_BHTd, self.norm_eps), cos_BTF, sin_BTF)
         kv_B1Td = self.kv_norm(self.kv_proj(x_BTD)).view(B, T, 1, d).transpose(1, 2)
         keys_BTd = rotate_tail(kv_B1Td, cos_BTF, sin_BTF)[:, 0]
@@ -389,15 +403,16 @@ class CompressedSparseAttention(nn.Module):
             )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
             visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
-        out_BHTd, probs_BHTL = self._attend(q_BHTd, keys_B1Ld, visible_BTL)
+        out_BHTd, probs_BHTL = self._attend(q_BHTd, self.shared_keys(keys_B1Ld), visible_BTL)
         if (index_scores_BTS is not None and self.indexer_loss_weight and self.training
                 and torch.is_grad_enabled() and _first_pass()):  # fmt: skip
             S = index_scores_BTS.shape[-1]
-            loss = indexer_kl(probs_BHTL[..., -S:].sum(1), index_scores_BTS, seen_BTS)
+            loss = indexer_kl(self.head_sum(probs_BHTL[..., -S:]), index_scores_BTS, seen_BTS)
             self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
         out_BHTd = rotate_tail(out_BHTd, cos_BTF, -sin_BTF)
-        grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, self.o_groups, -1)
-        weight_GRi = self.o_a_proj.weight.view(self.o_groups, -1, grouped_BTGi.shape[-1])
+        weight_Xi = local_shard(self.o_a_proj.weight)  # [G * R, i], G: this rank's groups
+        grouped_BTGi = out_BHTd.transpose(1, 2).reshape(B, T, -1, weight_Xi.shape[-1])
+        weight_GRi = weight_Xi.view(grouped_BTGi.shape[2], -1, weight_Xi.shape[-1])
         mixed_BTGR = torch.einsum("btgi,gri->btgr", grouped_BTGi, weight_GRi)
         return self.o_b_proj(mixed_BTGR.flatten(2))
 
@@ -453,7 +468,7 @@ class CompressedSparseAttention(nn.Module):
         B, H, T, _ = q_BHTd.shape
         logits_BHTL = torch.matmul(q_BHTd, keys_B1Ld.transpose(-1, -2)) * self.head_dim**-0.5
         logits_BHTL = logits_BHTL.masked_fill(~visible_BTL[:, None], float("-inf"))
-        sinks_BHT1 = self.sinks.to(logits_BHTL.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+        sinks_BHT1 = local_shard(self.sinks).to(logits_BHTL).view(1, H, 1, 1).expand(B, H, T, 1)
         logits_BHTL = torch.cat([logits_BHTL, sinks_BHT1], dim=-1)
         logits_BHTL = logits_BHTL - logits_BHTL.max(dim=-1, keepdim=True).values
         probs_BHTL = logits_BHTL.softmax(dim=-1)[..., :-1].to(keys_B1Ld.dtype)
@@ -497,3 +512,42 @@ class CompressedSparseAttention(nn.Module):
             if self.indexer is not None:
                 indexer = 2 * self.indexer.num_heads * self.indexer.head_dim * groups
         return int(6 * weights + 12 * self.num_heads * self.head_dim * keys + indexer)
+
+    def check_tp(self, tp: int) -> None:
+        """ConfigError unless each tp rank can take whole heads in whole output groups."""
+        if self.num_heads % tp or self.o_groups % tp:
+            raise ConfigError(
+                f"--parallel.tp {tp} must divide the model's num_heads ({self.num_heads}) and "
+                f"o_groups ({self.o_groups}): every tensor-parallel rank holds whole head groups "
+                "of the grouped output projection. Choose a tp that divides both."
+            )
+
+    def tp_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """Heads split: q_b_proj column-wise, the sinks by head, o_a_proj by head group (rows of
+        whole groups) and o_b_proj row-wise. Everything that makes the one key = value head
+        (kv_proj, kv_norm, the compressor) and the low-rank query are replicated: every rank
+        computes them whole, the shared keys' gradient summed over the ranks
+        (``shared_keys``), the query latent's by q_b_proj. The indexer is replicated too, so
+        every rank scores and picks the same groups; the indexer loss's target adds up the
+        ranks' heads (``head_sum``). With ``sequence_parallel`` the input is
+        gathered first and o_b_proj's output scattered back along the sequence."""
+        heads, replicated = Shard(0), ReplicatedModule()
+        split = {"sinks": heads, "o_a_proj.weight": heads}
+        plan: dict[str, ParallelStyle] = {
+            "q_b_proj": ColwiseParallel(),
+            "shared_keys": SumInputGradient(),
+            "head_sum": SumOverRanks(),
+            "o_b_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
+            else RowwiseParallel(),
+        }  # fmt: skip
+        for name in ("q_a_proj", "q_a_norm", "kv_proj", "kv_norm"):
+            plan[name] = replicated
+        for prefix, module in (("compressor", self.compressor), ("indexer", self.indexer)):
+            if module is None:
+                continue
+            split[f"{prefix}.position_bias"] = Replicate()  # read whole with local_shard
+            for name, child in module.named_children():
+                if isinstance(child, nn.Linear | RMSNorm):
+                    plan[f"{prefix}.{name}"] = replicated
+        plan[""] = HeadParallel(split, gather_input=sequence_parallel, inputs=3)
+        return plan

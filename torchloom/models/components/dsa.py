@@ -50,14 +50,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.models.components.cache import Binding, LatentState
-from torchloom.models.components.head_parallel import ReplicatedModule
+from torchloom.models.components.head_parallel import ReplicatedModule, SumOverRanks
 from torchloom.models.components.mla import MultiHeadLatentAttention
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.components.rope import ROPE_IMPLS
@@ -171,22 +169,10 @@ class LightningIndexer(nn.Module):
 
 class HeadSum(nn.Module):
     """Sum over the heads (dim 1). A module of its own so a tensor-parallel plan can add the
-    other ranks' heads (``_SumOverRanks``)."""
+    other ranks' heads (``SumOverRanks``)."""
 
     def forward(self, x_BH__: torch.Tensor) -> torch.Tensor:
         return x_BH__.sum(1)
-
-
-class _SumOverRanks(ParallelStyle):
-    """The module's output, a partial sum on each tp rank, summed over the ranks (forward
-    only: the KL target it makes takes no gradient)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def all_reduce(_: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-            partial = DTensor.from_local(output, mesh, [Partial()], run_check=False)
-            return partial.redistribute(mesh, [Replicate()]).to_local()
-
-        return distribute_module(module, device_mesh, output_fn=all_reduce)
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
@@ -362,7 +348,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         plan = super().tp_plan(sequence_parallel)
         for part in ("wq_b", "wk", "k_norm", "weights_proj"):
             plan[f"indexer.{part}"] = replicated
-        return plan | {"head_sum": _SumOverRanks()}
+        return plan | {"head_sum": SumOverRanks()}
 
 
 class SparseLatentState:

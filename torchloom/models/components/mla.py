@@ -36,8 +36,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -50,7 +49,7 @@ from torchloom.kernels import batch_invariant
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.attention import ATTENTION_BACKENDS
 from torchloom.models.components.cache import Binding, LatentState
-from torchloom.models.components.head_parallel import ReplicatedModule
+from torchloom.models.components.head_parallel import ReplicatedModule, SumInputGradient
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS, RopeConfig, yarn_mscale
@@ -284,7 +283,7 @@ class MultiHeadLatentAttention(nn.Module):
             "kv_a_proj_with_mqa": replicated,
             "kv_a_layernorm": replicated,
             "kv_b_proj": ColwiseParallel(),
-            "rope_key_heads": _SumInputGradient(),
+            "rope_key_heads": SumInputGradient(),
             "o_proj": RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel
             else RowwiseParallel(),
         }  # fmt: skip
@@ -318,15 +317,3 @@ class BoundLatentCache(Protocol):
         kv_b_weight: torch.Tensor,
         softmax_scale: float,
     ) -> torch.Tensor: ...
-
-
-class _SumInputGradient(ParallelStyle):
-    """Identity forward on the first input; its gradient is summed over the tp ranks (each
-    rank's heads give a part of it)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partial_grad(_: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-            shared = DTensor.from_local(inputs[0], mesh, [Replicate()], run_check=False)
-            return (shared.to_local(grad_placements=[Partial()]), *inputs[1:])
-
-        return distribute_module(module, device_mesh, input_fn=partial_grad)
