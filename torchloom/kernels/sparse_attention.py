@@ -44,19 +44,20 @@ def gather_attention(
     sinks_H: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """The PyTorch reference: for a block of queries at a time, gather their K rows, take the
-    logits in q's dtype, the softmax (with the sink) in fp32, and the weighted sum of the rows."""
+    logits in q's dtype, the softmax (with the sink) in fp32 (or q's wider dtype), and the weighted sum of the rows."""
     B, H, T, d = q_BHTd.shape
     K = indices_BTK.shape[-1]
     chunk = max(1, _GATHER_BUDGET // max(1, B * K * max(d, H)))
     batch_B11 = torch.arange(B, device=q_BHTd.device)[:, None, None]
-    sinks_1H11 = sinks_H.float().view(1, H, 1, 1)
+    softmax_dtype = torch.promote_types(q_BHTd.dtype, torch.float32)
+    sinks_1H11 = sinks_H.to(softmax_dtype).view(1, H, 1, 1)
     outs = []
     for start in range(0, T, chunk):
         index_BCK = indices_BTK[:, start : start + chunk].long()
         rows_BCKd = kv_BNd[batch_B11, index_BCK.clamp(min=0)]
         q_BHCd = q_BHTd[:, :, start : start + chunk]
         logits_BHCK = torch.einsum("bhcd,bckd->bhck", q_BHCd, rows_BCKd.to(q_BHCd.dtype)) * scale
-        logits_BHCK = logits_BHCK.float().masked_fill(index_BCK[:, None] < 0, float("-inf"))
+        logits_BHCK = logits_BHCK.to(softmax_dtype).masked_fill(index_BCK[:, None] < 0, -torch.inf)
         sinks_BHC1 = sinks_1H11.expand(B, H, logits_BHCK.shape[2], 1)
         probs_BHCK = torch.cat([logits_BHCK, sinks_BHC1], dim=-1).softmax(dim=-1)[..., :-1]
         out = torch.einsum("bhck,bckd->bhcd", probs_BHCK.to(rows_BCKd.dtype), rows_BCKd)
@@ -75,8 +76,11 @@ def dense_attention(
     visible_BTN = torch.zeros(B, T, N + 1, dtype=torch.bool, device=q_BHTd.device)
     visible_BTN.scatter_(-1, torch.where(indices_BTK < 0, N, indices_BTK).long(), True)
     logits_BHTN = torch.matmul(q_BHTd, kv_BNd[:, None].transpose(-1, -2)) * scale
-    logits_BHTN = logits_BHTN.float().masked_fill(~visible_BTN[:, None, :, :N], float("-inf"))
-    sinks_BHT1 = sinks_H.float().view(1, H, 1, 1).expand(B, H, T, 1)
+    softmax_dtype = torch.promote_types(q_BHTd.dtype, torch.float32)
+    logits_BHTN = logits_BHTN.to(softmax_dtype).masked_fill(
+        ~visible_BTN[:, None, :, :N], -torch.inf
+    )
+    sinks_BHT1 = sinks_H.to(softmax_dtype).view(1, H, 1, 1).expand(B, H, T, 1)
     probs_BHTN = torch.cat([logits_BHTN, sinks_BHT1], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs_BHTN.to(kv_BNd.dtype), kv_BNd[:, None]).to(q_BHTd.dtype)
 
