@@ -53,11 +53,16 @@ def _forward_backward(fn, q, kv, indices, sinks, seed: int = 1) -> list[torch.Te
 NAMES = ("out", "dq", "dkv", "dsinks")
 
 
-def check_triton(device: str, dtype: torch.dtype, tolerance: float, **shape: int) -> list[str]:
+def check_triton(device: str, dtype: torch.dtype, tolerance: float, bthd: bool = False,
+                 **shape: int) -> list[str]:  # fmt: skip
     """The Triton op's output and gradients against the gather reference's in fp32 (inputs
-    rounded to ``dtype`` first)."""
+    rounded to ``dtype`` first); ``bthd``: q a [B, H, T, d] view of [B, T, H, d], as the
+    model's may be."""
     q, kv, indices, sinks = make_inputs(**shape, device=device, dtype=dtype)
-    want = _forward_backward(gather_attention, *(x.detach().float().requires_grad_() if x.is_floating_point() else x for x in (q, kv, indices, sinks)))  # fmt: skip
+    if bthd:
+        q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    fp32 = [x.detach().float().requires_grad_() for x in (q, kv, sinks)]
+    want = _forward_backward(gather_attention, fp32[0], fp32[1], indices, fp32[2])
     got = _forward_backward(lambda *a: sparse_attention(*a, impl="triton"), q, kv, indices, sinks)
     report = []
     for name, g, w in zip(NAMES, got, want, strict=True):
@@ -111,8 +116,8 @@ def test_triton_matches_the_reference_on_gpu() -> None:
     T = 2048 in bf16, and a small fp32 shape with non-power-of-two heads and dims."""
     print("\n".join(check_triton("cuda", torch.float32, 1e-4, B=2, H=5, T=97, S=24, d=80,
                                  window=16, picks=11)))  # fmt: skip
-    print("\n".join(check_triton("cuda", torch.bfloat16, 2e-2, B=1, H=64, T=2048, S=512,
-                                 d=512, window=128, picks=512)))  # fmt: skip
+    print("\n".join(check_triton("cuda", torch.bfloat16, 3e-2, B=1, H=64, T=2048, S=512,
+                                 d=512, window=128, picks=512, bthd=True)))  # fmt: skip
 
 
 if __name__ == "__main__":  # run by test_triton_kernels_in_the_interpreter
@@ -122,4 +127,4 @@ if __name__ == "__main__":  # run by test_triton_kernels_in_the_interpreter
                                  window=3, picks=3)))  # fmt: skip
     # K = 72 rows: two key blocks of 64, the second mostly padding.
     print("\n".join(check_triton("cpu", torch.float32, 1e-5, B=1, H=2, T=48, S=12, d=16,
-                                 window=60, picks=12)))  # fmt: skip
+                                 window=60, picks=12, bthd=True)))  # fmt: skip

@@ -33,6 +33,11 @@ import torch
 
 from torchloom.kernels.triton_support import jit, tl, triton, use_triton
 
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton: never launched
+    OutOfResources = RuntimeError
+
 IMPLS = ("auto", "gather", "triton")
 _LOG2E = 1.4426950408889634
 # Reference: elements of the gathered rows ([chunk, K, d]) or logits ([H, chunk, K]) per step.
@@ -190,7 +195,7 @@ def _backward_kernel(
         dq = tl.dot(ds.to(kv.dtype), kv, dq, input_precision=DOT_PRECISION)
         dkv = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION) * scale
         dkv = tl.dot(tl.trans(p.to(dout.dtype)), dout, dkv, input_precision=DOT_PRECISION)
-        tl.atomic_add(dkv_base + rows[:, None] * stride_kn, dkv, mask=kd_ok)
+        tl.atomic_add(dkv_base + rows[:, None] * stride_kn, dkv, mask=kd_ok, sem="relaxed")
     dq_ptrs = dq_ptr + q_offs
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=hd_ok)
 
@@ -210,6 +215,25 @@ def _launch_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> li
     return [*q.stride(), *kv.stride(), *indices.stride()]
 
 
+def _launch(kernel, shape: tuple[int, int, int], backward: bool, *args) -> None:
+    """Launch ``kernel`` over (queries, head blocks) with ``_blocks``' tiling; if the GPU lacks
+    the shared memory for it (OutOfResources at compile), retry with half the key block, then
+    half the head block (a smaller GPU, or a new Triton's different staging)."""
+    queries, H, d = shape
+    block_h, block_k, block_d, warps = _blocks(H, d, backward)
+    while True:
+        try:
+            kernel[(queries, triton.cdiv(H, block_h))](
+                *args, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d,
+                DOT_PRECISION=_dot_precision(args[0].dtype), num_warps=warps, num_stages=2,
+            )  # fmt: skip
+            return
+        except OutOfResources:
+            if block_k == 16 and block_h == 16:
+                raise
+            block_k, block_h = (block_k // 2, block_h) if block_k > 16 else (16, block_h // 2)
+
+
 def triton_forward(
     q_BHTd: torch.Tensor, kv_BNd: torch.Tensor, indices_BTK: torch.Tensor,
     sinks_H: torch.Tensor, scale: float,
@@ -221,13 +245,9 @@ def triton_forward(
     lse_BHT = torch.empty(B, H, T, dtype=torch.float32, device=q_BHTd.device)
     if B * T == 0:
         return out_BHTd, lse_BHT
-    block_h, block_k, block_d, warps = _blocks(H, d, backward=False)
-    _forward_kernel[(B * T, triton.cdiv(H, block_h))](
-        q_BHTd, kv_BNd, indices_BTK, sinks_H, out_BHTd, lse_BHT,
-        T, H, K, d, scale * _LOG2E, *_launch_args(q_BHTd, kv_BNd, indices_BTK), *out_BHTd.stride(),
-        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q_BHTd.dtype), num_warps=warps, num_stages=2,
-    )  # fmt: skip
+    _launch(_forward_kernel, (B * T, H, d), False, q_BHTd, kv_BNd, indices_BTK, sinks_H,
+            out_BHTd, lse_BHT, T, H, K, d, scale * _LOG2E,
+            *_launch_args(q_BHTd, kv_BNd, indices_BTK), *out_BHTd.stride())  # fmt: skip
     return out_BHTd, lse_BHT
 
 
@@ -239,18 +259,14 @@ def triton_backward(
     """(dq, dkv, dsinks) of ``triton_forward``'s out for its gradient ``grad_BHTd``."""
     B, H, T, d = q_BHTd.shape
     K = indices_BTK.shape[-1]
-    delta_BHT = (grad_BHTd.float() * out_BHTd.float()).sum(-1)
+    delta_BHT = (grad_BHTd.float() * out_BHTd.float()).sum(-1).contiguous()  # as lse
     dsinks_H = -(torch.exp2(sinks_H.float()[:, None] * _LOG2E - lse_BHT) * delta_BHT).sum((0, 2))  # fmt: skip
     dq_BHTd = torch.empty_like(q_BHTd)
     dkv_BNd = torch.zeros(kv_BNd.shape, dtype=torch.float32, device=kv_BNd.device)
     if B * T:
-        block_h, block_k, block_d, warps = _blocks(H, d, backward=True)
-        _backward_kernel[(B * T, triton.cdiv(H, block_h))](
-            q_BHTd, kv_BNd, indices_BTK, grad_BHTd, lse_BHT, delta_BHT, dq_BHTd, dkv_BNd,
-            T, H, K, d, scale * _LOG2E, scale, *_launch_args(q_BHTd, kv_BNd, indices_BTK),
-            *grad_BHTd.stride(), BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_D=block_d,
-            DOT_PRECISION=_dot_precision(q_BHTd.dtype), num_warps=warps, num_stages=2,
-        )  # fmt: skip
+        _launch(_backward_kernel, (B * T, H, d), True, q_BHTd, kv_BNd, indices_BTK, grad_BHTd,
+                lse_BHT, delta_BHT, dq_BHTd, dkv_BNd, T, H, K, d, scale * _LOG2E, scale,
+                *_launch_args(q_BHTd, kv_BNd, indices_BTK), *grad_BHTd.stride())  # fmt: skip
     return dq_BHTd, dkv_BNd.to(kv_BNd.dtype), dsinks_H.to(sinks_H.dtype)
 
 
