@@ -294,7 +294,7 @@ class CompressedSparseAttention(nn.Module):
                 projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT
             )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
-        indexer_loss = (index_scores_BTS is not None and self.indexer_loss_weight
+        indexer_loss = (index_scores_BTS is not None and self.indexer_loss_weight > 0
                         and self.training and torch.is_grad_enabled())  # fmt: skip
         impl = self._sparse_impl(x_BTD) if cache is None and not indexer_loss else None
         if impl is not None:
