@@ -120,6 +120,21 @@ def test_triton_matches_the_reference_on_gpu() -> None:
                                  d=512, window=128, picks=512, bthd=True)))  # fmt: skip
 
 
+def check_compiled(device: str) -> str:
+    """torch.compile traces the op in one graph (fullgraph) and agrees with eager."""
+    inputs = make_inputs(B=1, H=2, T=8, S=2, d=16, window=4, picks=2, device=device,
+                         dtype=torch.float32)  # fmt: skip
+
+    def attend(q, kv, indices, sinks, scale):
+        return sparse_attention(q, kv, indices, sinks, scale, impl="triton")
+
+    eager = _forward_backward(attend, *inputs)
+    compiled = _forward_backward(torch.compile(attend, backend="aot_eager", fullgraph=True), *inputs)  # fmt: skip
+    for name, g, w in zip(NAMES, compiled, eager, strict=True):
+        assert torch.equal(g, w), f"compiled {name}: max |diff| {(g - w).abs().max().item():.1e}"
+    return "compiled (fullgraph, aot_eager) = eager, bitwise"
+
+
 if __name__ == "__main__":  # run by test_triton_kernels_in_the_interpreter
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 on CPU"
     print(f"Triton interpreter checks ({Path(__file__).name}):")
@@ -128,3 +143,4 @@ if __name__ == "__main__":  # run by test_triton_kernels_in_the_interpreter
     # K = 72 rows: two key blocks of 64, the second mostly padding.
     print("\n".join(check_triton("cpu", torch.float32, 1e-5, B=1, H=2, T=48, S=12, d=16,
                                  window=60, picks=12, bthd=True)))  # fmt: skip
+    print(check_compiled("cpu"))

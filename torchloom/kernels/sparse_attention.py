@@ -5,8 +5,8 @@ T * K, not with T * (T + S).
     out[b, h, t] = sum_k p[b, h, t, k] * kv[b, indices[b, t, k]]
     p[b, h, t, :] = softmax([scale * q[b, h, t] . kv[b, indices[b, t, k]] for k | sinks[h]])[:-1]
 
-Inputs: q [B, H, T, d] (any strides; the model passes a view of [B, T, H, d], which the kernel
-reads best: one query's heads are one contiguous [H, d] tile), kv [B, N, d] (keys double as
+Inputs: q [B, H, T, d] (any strides; a view of [B, T, H, d] reads best: one query's heads are
+then one contiguous [H, d] tile), kv [B, N, d] (keys double as
 values; in the model N = T token keys then S group keys), indices [B, T, K] int32 or int64
 (rows of kv; -1 pads and is ignored), sinks [H] fp32 (a logit per head that joins the softmax's
 denominator and attends to nothing). Output [B, H, T, d] in q's dtype. A query with no valid
@@ -15,7 +15,9 @@ index outputs zeros (only its sink is left).
 ``sparse_attention`` dispatches: ``impl="triton"`` the Triton kernels (CUDA, or CPU tensors
 under ``TRITON_INTERPRET=1``), ``"gather"`` the PyTorch reference (any device and size: it
 gathers the K rows of a block of queries at a time; autograd gives its backward), ``"auto"``
-Triton on CUDA when installed, else the reference.
+Triton on CUDA when installed, else the reference. The Triton path is a pair of
+``torch.library`` custom ops (forward, backward) with the backward registered as the forward's
+autograd formula, so torch.compile keeps it in one graph (fullgraph regions).
 
 The Triton forward runs one program per (query, block of BLOCK_H heads): the heads' [BLOCK_H, d]
 queries against BLOCK_K gathered rows at a time (one load serves as keys and as values), online
@@ -271,24 +273,49 @@ def triton_backward(
     return dq_BHTd, dkv_BNd.to(kv_BNd.dtype), dsinks_H.to(sinks_H.dtype)
 
 
-class TritonSparseAttention(torch.autograd.Function):
-    """The Triton forward and backward as one autograd op (inputs as ``sparse_attention``'s)."""
+@torch.library.custom_op("torchloom::sparse_attention_forward", mutates_args=())
+def _forward_op(
+    q_BHTd: torch.Tensor, kv_BNd: torch.Tensor, indices_BTK: torch.Tensor,
+    sinks_H: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``triton_forward`` as an op torch.compile keeps whole (fullgraph regions trace it)."""
+    return triton_forward(q_BHTd, kv_BNd, indices_BTK, sinks_H, scale)
 
-    @staticmethod
-    def forward(ctx, q_BHTd, kv_BNd, indices_BTK, sinks_H, scale):  # type: ignore[override]
-        kv_BNd = kv_BNd.contiguous()  # dkv, an fp32 buffer, shares its strides
-        out_BHTd, lse_BHT = triton_forward(q_BHTd, kv_BNd, indices_BTK, sinks_H, scale)
-        ctx.save_for_backward(q_BHTd, kv_BNd, indices_BTK, sinks_H, out_BHTd, lse_BHT)
-        ctx.scale = scale
-        return out_BHTd
 
-    @staticmethod
-    def backward(ctx, grad_BHTd):  # type: ignore[override]
-        q_BHTd, kv_BNd, indices_BTK, sinks_H, out_BHTd, lse_BHT = ctx.saved_tensors
-        dq, dkv, dsinks = triton_backward(
-            grad_BHTd, q_BHTd, kv_BNd, indices_BTK, sinks_H, ctx.scale, out_BHTd, lse_BHT
-        )
-        return dq, dkv, None, dsinks, None
+@_forward_op.register_fake
+def _(q_BHTd, kv_BNd, indices_BTK, sinks_H, scale):
+    B, H, T, _ = q_BHTd.shape
+    return torch.empty_like(q_BHTd), q_BHTd.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("torchloom::sparse_attention_backward", mutates_args=())
+def _backward_op(
+    grad_BHTd: torch.Tensor, q_BHTd: torch.Tensor, kv_BNd: torch.Tensor,
+    indices_BTK: torch.Tensor, sinks_H: torch.Tensor, scale: float, out_BHTd: torch.Tensor,
+    lse_BHT: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return triton_backward(grad_BHTd, q_BHTd, kv_BNd, indices_BTK, sinks_H, scale, out_BHTd, lse_BHT)  # fmt: skip
+
+
+@_backward_op.register_fake
+def _(grad_BHTd, q_BHTd, kv_BNd, indices_BTK, sinks_H, scale, out_BHTd, lse_BHT):
+    return torch.empty_like(q_BHTd), torch.empty_like(kv_BNd), torch.empty_like(sinks_H)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    q_BHTd, kv_BNd, indices_BTK, sinks_H, ctx.scale = inputs
+    ctx.save_for_backward(q_BHTd, kv_BNd, indices_BTK, sinks_H, *output)
+
+
+def _backward(ctx, grad_BHTd: torch.Tensor, _grad_lse: torch.Tensor | None) -> tuple:
+    q_BHTd, kv_BNd, indices_BTK, sinks_H, out_BHTd, lse_BHT = ctx.saved_tensors
+    dq, dkv, dsinks = _backward_op(
+        grad_BHTd, q_BHTd, kv_BNd, indices_BTK, sinks_H, ctx.scale, out_BHTd, lse_BHT
+    )
+    return dq, dkv, None, dsinks, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def sparse_attention(
@@ -303,8 +330,9 @@ def sparse_attention(
     if impl == "triton" or (impl == "auto" and use_triton(q_BHTd)):
         if triton is None:
             raise RuntimeError("sparse_attention impl 'triton' needs Triton: pip install triton")
-        kv_BNd = kv_BNd.to(q_BHTd.dtype)
-        return TritonSparseAttention.apply(q_BHTd, kv_BNd, indices_BTK, sinks_H, scale)
+        # dkv, an fp32 buffer, shares kv's (contiguous) strides
+        kv_BNd = kv_BNd.to(q_BHTd.dtype).contiguous()
+        return _forward_op(q_BHTd, kv_BNd, indices_BTK, sinks_H, float(scale))[0]
     return gather_attention(q_BHTd, kv_BNd, indices_BTK, sinks_H, scale)
 
 
