@@ -20,10 +20,11 @@ query's completed ones (K = 640 rows per query), a sink per head, bf16. Rows:
 - ``triton``: the Triton kernels of kernels/sparse_attention.py.
 
 Each row: median ms (CUDA events after warm-up), the max |diff| of its output against the
-gather reference's, and, for triton, its speedup over dense and over flex. A row that fails
+gather reference's, forward TFLOP/s counting the sparse work only (4 H T K d: a dense row's
+extra work is its waste), and triton's speedup over the row (``triton_speedup_*``). A row that fails
 (out of memory, a compile error) records the error in the JSON instead of ending the run.
-``--small`` (automatic without CUDA) runs a tiny shape in fp32 (dense and gather rows only on
-the CPU; Triton's interpreter is not a timing).
+``--small`` (automatic without CUDA) runs a tiny fp32 shape on the CPU, gather and dense rows
+only (Triton's interpreter is not a timing).
 """
 
 from __future__ import annotations
@@ -193,13 +194,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("outputs/sparse_attention_bench.json"))
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    if args.small or not cuda:
+    if args.small or not cuda:  # the CPU: PyTorch rows only
         args.seq, args.heads, args.head_dim, args.window, args.topk = 64, 4, 32, 8, 4
         args.chunk, args.iters, args.iters_dense = 16, 2, 2
-        if not cuda:
-            args.rows = [r for r in args.rows if r in ("gather", "dense")]
-    device, dtype = ("cuda", torch.bfloat16) if cuda and not args.small else ("cpu", torch.float32)
-    cuda = device == "cuda"
+        args.rows = [r for r in args.rows if r in ("gather", "dense")]
+        cuda = False
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     inputs = make_inputs(args, device, dtype)
     K = inputs["indices"].shape[-1]
     shape = {"B": 1, "H": args.heads, "T": args.seq, "S": args.seq // args.ratio,
