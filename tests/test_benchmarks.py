@@ -154,3 +154,14 @@ def test_rl_turns_benchmark_rows_agree(tmp_path):
     # Every row continues each turn's cache: the kept count, far below whole contexts.
     assert {r["prefill_tokens"] for r in rows} == {report["prefill_tokens_kept"]}
     assert report["prefill_tokens_kept"] < report["prefill_tokens_whole"]
+
+
+def test_sparse_attention_benchmark_small(tmp_path):
+    """benchmarks/sparse_attention.py at its tiny CPU shape: the dense chunked form and the
+    gather reference time forward and backward, and agree on the output."""
+    out = tmp_path / "sparse.json"
+    _run("sparse_attention.py", "--small", "--json", str(out))
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", "gather"}, rows
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows.values()), rows
+    assert rows["dense"]["max_abs_diff_vs_gather"] < 1e-5

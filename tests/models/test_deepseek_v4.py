@@ -483,3 +483,54 @@ def test_hyper_connection_matches_transformers_where_sinkhorn_has_not_converged(
     moved = (fewer(streams)[1] - ref_comb).abs().max().item()
     print(f"comb moves {moved:.1e} with 19 iterations instead of 20")
     assert moved > 1e-3
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_sparse_attention_paths_match_the_dense_reference(docs: bool) -> None:
+    """The debug flavor (sliding, CSA, HCA layers) with sparse_attention "gather" (each query's
+    window and groups gathered: kernels/sparse_attention.py) gives the dense reference's logits
+    and gradients, with and without packed documents. In fp64, so that the comparison is of the
+    math: in fp32 the two softmax orders differ by rounding, which the hyper-connections'
+    gradients amplify to ~1e-4 relative (hc_head.hc_fn), while in fp64 they agree to ~1e-15."""
+    window = tokens(65)[:, :-1] % 4096
+    doc_ids = (torch.arange(64) >= 23).long().expand(2, 64) if docs else None
+    positions = torch.arange(64).expand(2, 64)
+    if docs:
+        positions = torch.cat([torch.arange(23), torch.arange(41)]).expand(2, 64)
+    results = {}
+    for impl in ("dense", "gather"):
+        cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], sparse_attention=impl)
+        model = build_model(cfg).train()
+        model.init_weights(0)
+        model.double()
+        with torch.no_grad():  # sinks away from zero, so that their gradient is tested too
+            for layer in model.layers.values():
+                layer.attention.sinks.normal_(generator=torch.Generator().manual_seed(2))
+        logits = model(window, positions, doc_ids)
+        logits.pow(2).mean().backward()
+        results[impl] = [logits.detach()] + [p.grad for p in model.parameters()]
+    names = ["logits"] + [n for n, _ in model.named_parameters()]
+    worst = 0.0
+    for name, got, want in zip(names, results["gather"], results["dense"], strict=True):
+        if want is None:
+            assert got is None, name
+            continue
+        diff = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+        assert diff < 1e-10, f"{name}: max |diff| / max |value| {diff:.1e}"
+        worst = max(worst, diff)
+    print(f"gather vs dense: logits and {len(names) - 1} gradients, worst relative {worst:.1e}")
+
+
+def test_indexer_loss_runs_dense_under_sparse_attention() -> None:
+    """The indexer loss needs the attention's probabilities over every group, so a training
+    forward with it runs the dense reference in CSA layers whatever sparse_attention says."""
+    cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], sparse_attention="gather", indexer_loss_weight=0.5)
+    model = build_model(cfg).train()
+    model.init_weights(0)
+    model(tokens(64) % 4096)
+    assert model.auxiliary_losses()["indexer"].item() > 0
+
+
+def test_sparse_attention_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="sparse_attention must be one of auto, dense"):
+        replace(DEEPSEEK_V4_FLAVORS["debug"], sparse_attention="flash").validate()

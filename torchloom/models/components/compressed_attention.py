@@ -19,10 +19,14 @@ distance only), then projected per head group (``o_a_proj``, block-diagonal) and
 
 Each key set's visibility is an ``AttentionMask`` (kernels/attention_mask.py): the window's
 ``window`` + causal (+ document), the groups' ``compress`` (a query sees completed groups only)
-and, for CSA, ``topk`` with the indexer's picks. This is the dense reference path: one SDPA-like
-softmax in PyTorch over [window | groups | sink] with those masks (fine on a CPU and for the
-parity tests; no fused kernel yet). With packed documents a group is visible only when every
-token it pools lies in the query's document.
+and, for CSA, ``topk`` with the indexer's picks. ``_attend`` is the dense reference: one
+SDPA-like softmax in PyTorch over [window | groups | sink] with those masks, O(T * (T + S))
+(the CPU default, generation, and the indexer loss, which reads its probabilities over the
+groups). Without a generation cache the layer can instead give each query its own key list
+([window | seen groups], -1 padded) to kernels/sparse_attention.py, whose cost grows with
+T * (window + topk) (``sparse_attention``: "gather" in PyTorch, "triton" fused, "auto": triton
+on CUDA). With packed documents a group is visible only when every token it pools lies in the
+query's document.
 
 Generation (``CompressedState``) keeps per slot what DeepSeek's design keeps: a ring of the
 last ``window`` rotated keys, the completed groups' rotated keys (the compressor's and, CSA,
@@ -41,6 +45,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.kernels.sparse_attention import sparse_attention
+from torchloom.kernels.triton_support import use_triton
 from torchloom.models.components.cache import Binding
 from torchloom.models.components.dsa import HeadSum, indexer_kl
 from torchloom.models.components.head_parallel import (
@@ -329,9 +335,10 @@ class CompressedSparseAttention(nn.Module):
         o_groups: int, o_lora_rank: int, window: int, compress: int, rope: RopeConfig,
         index_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0,
         norm_eps: float = 1e-6, init_std: float = 0.02, out_std: float | None = None,
-        indexer_loss_weight: float = 0.0,
+        indexer_loss_weight: float = 0.0, sparse_attention: str = "auto",
     ) -> None:  # fmt: skip
-        """``indexer_loss_weight``: the weight of the indexer's loss (``dsa.indexer_kl``)."""
+        """``indexer_loss_weight``: the weight of the indexer's loss (``dsa.indexer_kl``);
+        ``sparse_attention``: see DeepSeekV4Config.sparse_attention."""
         super().__init__()
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"unknown DeepSeek-V4 attention kind {kind!r}; one of {ATTENTION_KINDS}")  # fmt: skip
@@ -339,6 +346,7 @@ class CompressedSparseAttention(nn.Module):
         self.rope_dim, self.o_groups, self.rope = rope_dim, o_groups, rope
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
         self.norm_eps, self.indexer_loss_weight = norm_eps, indexer_loss_weight
+        self.sparse_attention = sparse_attention
         self._auxiliary: dict[str, torch.Tensor] = {}
         self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
@@ -393,19 +401,26 @@ class CompressedSparseAttention(nn.Module):
         else:  # keys: [the slot's window ring | this call's], indexed by position
             query_index_BT, doc_ids_BT = cache.binding.positions_BT, None
             keys_BTd, key_index_L = cache.window_keys(keys_BTd)
-        docs = () if doc_ids_BT is None else (doc_ids_BT[:, :, None], doc_ids_BT[:, None, :])
-        visible_BTL = self.window_mask.visible(query_index_BT[..., None], key_index_L, *docs)
         keys_B1Ld = keys_BTd[:, None]
-        index_scores_BTS = None
+        index_scores_BTS = seen_BTS = None
         if self.compressor is not None:
             groups_B1Sd, seen_BTS, index_scores_BTS = self._groups(
                 projected, x_BTD, q_latent_BTQ, positions_BT, query_index_BT, doc_ids_BT, cache
             )
             keys_B1Ld = torch.cat([keys_B1Ld, groups_B1Sd], dim=2)
-            visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
-        out_BHTd, probs_BHTL = self._attend(q_BHTd, self.shared_keys(keys_B1Ld), visible_BTL)
-        if (index_scores_BTS is not None and self.indexer_loss_weight and self.training
-                and torch.is_grad_enabled() and _first_pass()):  # fmt: skip
+        indexer_loss = (index_scores_BTS is not None and self.indexer_loss_weight > 0
+                        and self.training and torch.is_grad_enabled())  # fmt: skip
+        impl = self._sparse_impl(x_BTD) if cache is None and not indexer_loss else None
+        keys_B1Ld = self.shared_keys(keys_B1Ld)
+        if impl is not None:
+            out_BHTd = self._attend_sparse(q_BHTd, keys_B1Ld[:, 0], seen_BTS, doc_ids_BT, impl)
+        else:
+            docs = () if doc_ids_BT is None else (doc_ids_BT[:, :, None], doc_ids_BT[:, None, :])
+            visible_BTL = self.window_mask.visible(query_index_BT[..., None], key_index_L, *docs)
+            if seen_BTS is not None:
+                visible_BTL = torch.cat([visible_BTL, seen_BTS], dim=-1)
+            out_BHTd, probs_BHTL = self._attend(q_BHTd, keys_B1Ld, visible_BTL)
+        if indexer_loss and _first_pass():
             S = index_scores_BTS.shape[-1]
             loss = indexer_kl(self.head_sum(probs_BHTL[..., -S:]), index_scores_BTS, seen_BTS)
             self._auxiliary = {"indexer": self.indexer_loss_weight * loss}
@@ -473,6 +488,46 @@ class CompressedSparseAttention(nn.Module):
         logits_BHTL = logits_BHTL - logits_BHTL.max(dim=-1, keepdim=True).values
         probs_BHTL = logits_BHTL.softmax(dim=-1)[..., :-1].to(keys_B1Ld.dtype)
         return torch.matmul(probs_BHTL, keys_B1Ld), probs_BHTL
+
+    def _sparse_impl(self, x_BTD: torch.Tensor) -> str | None:
+        """The kernels/sparse_attention impl a forward without cache runs ("gather" or
+        "triton"), or None for the dense reference (``_attend``)."""
+        impl = self.sparse_attention
+        if impl == "auto":
+            impl = "triton" if use_triton(x_BTD) else "dense"
+        return None if impl == "dense" else impl
+
+    def _attend_sparse(
+        self, q_BHTd: torch.Tensor, keys_BLd: torch.Tensor, seen_BTS: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None, impl: str,
+    ) -> torch.Tensor:  # fmt: skip
+        """``_attend``'s output from each query's own key list (kernels/sparse_attention.py):
+        its window (t - window + 1 .. t, >= 0, same document) then T + the groups it sees, -1
+        padded: CSA's at most topk picks, or for HCA every group's slot (S = T / ratio keys
+        per query, those not yet completed padding: a cost of window + T / ratio keys a query
+        instead of its completed groups only)."""
+        B, _, T, _ = q_BHTd.shape
+        device = q_BHTd.device
+        window = self.window_mask.window
+        assert window is not None
+        t_T1 = torch.arange(T, device=device)[:, None]
+        window_TW = t_T1 - window + 1 + torch.arange(window, device=device)
+        window_BTW = window_TW.expand(B, T, window)
+        seen_BTW = window_BTW >= 0
+        if doc_ids_BT is not None:
+            window_docs_BTW = doc_ids_BT.gather(1, window_BTW.clamp(min=0).flatten(1)).view_as(window_BTW)  # fmt: skip
+            seen_BTW = seen_BTW & (window_docs_BTW == doc_ids_BT[..., None])
+        index_BTK = torch.where(seen_BTW, window_BTW, -1)
+        if seen_BTS is not None and seen_BTS.shape[-1]:
+            S = seen_BTS.shape[-1]
+            if self.indexer is not None:  # at most topk seen groups: take them all
+                seen_BTk, group_BTk = seen_BTS.to(torch.int8).topk(min(self.indexer.topk, S))
+                group_BTk = torch.where(seen_BTk > 0, T + group_BTk, -1)
+            else:
+                group_BTk = torch.where(seen_BTS, T + torch.arange(S, device=device), -1)
+            index_BTK = torch.cat([index_BTK, group_BTk], dim=-1)
+        return sparse_attention(q_BHTd, keys_BLd, index_BTK.to(torch.int32), local_shard(self.sinks),
+                                self.head_dim**-0.5, impl)  # fmt: skip
 
     def new_state(
         self, slots: int, max_len: int, device: torch.device, dtype: torch.dtype

@@ -21,6 +21,8 @@ from torchloom.models.components.decoder import DecoderConfig, LayerSpec
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.components.rope import RopeConfig
 
+SPARSE_ATTENTION = ("auto", "dense", "gather", "triton")
+
 
 @dataclass(frozen=True)
 class DeepSeekV4Config(DecoderConfig):
@@ -59,6 +61,12 @@ class DeepSeekV4Config(DecoderConfig):
     """Weight of the lightning indexers' training loss (KL from the attention's distribution
     over the picked groups to the indexer's, DeepSeek-V3.2's; reported as ``aux_indexer``). The
     indexer reads detached inputs, so only this loss trains it; 0: the indexers do not learn."""
+    sparse_attention: str = "auto"
+    """How a forward without generation cache attends (kernels/sparse_attention.py): "dense"
+    (the masked softmax over all T + S keys: the reference, O(T^2)), "gather" (each query's
+    window and groups gathered in PyTorch), "triton" (the fused kernels, CUDA), "auto" (triton
+    on CUDA, else dense). Training with indexer_loss_weight > 0 runs dense in CSA layers: the
+    indexer's loss reads the attention's probabilities over every group."""
     hash_layers: int = 3
     """The first hash_layers MoE layers choose experts by a fixed token -> experts table."""
     hc_streams: int = 4
@@ -117,6 +125,8 @@ class DeepSeekV4Config(DecoderConfig):
             raise ConfigError(
                 f"model indexer_loss_weight must be >= 0, got {self.indexer_loss_weight}."
             )
+        if self.sparse_attention not in SPARSE_ATTENTION:
+            raise ConfigError(f"model sparse_attention must be one of {', '.join(SPARSE_ATTENTION)}; got {self.sparse_attention!r}.")  # fmt: skip
         if self.batch_invariant:
             raise ConfigError(
                 "deepseek_v4 has no batch-invariant attention yet (its compressed and sparse "

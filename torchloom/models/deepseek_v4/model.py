@@ -49,7 +49,7 @@ class DeepSeekV4Block(nn.Module):
             kind, cfg.dim, cfg.num_heads, cfg.head_dim, cfg.rope_dim, cfg.q_lora_rank,
             cfg.o_groups, cfg.o_lora_rank, cfg.sliding_window, ratio, cfg.rope_of(kind),
             cfg.index_heads, cfg.index_head_dim, cfg.index_topk, cfg.norm_eps, cfg.init_std,
-            _residual_std(cfg), cfg.indexer_loss_weight,
+            _residual_std(cfg), cfg.indexer_loss_weight, cfg.sparse_attention,
         )  # fmt: skip
         self.mlp_hc = HyperConnection(cfg.dim, **hc)  # type: ignore[arg-type]
         self.mlp_norm = cfg.make_norm(cfg.dim)
