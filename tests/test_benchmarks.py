@@ -154,3 +154,20 @@ def test_rl_turns_benchmark_rows_agree(tmp_path):
     # Every row continues each turn's cache: the kept count, far below whole contexts.
     assert {r["prefill_tokens"] for r in rows} == {report["prefill_tokens_kept"]}
     assert report["prefill_tokens_kept"] < report["prefill_tokens_whole"]
+
+
+def test_deepseek_v4_benchmark_small(tmp_path):
+    """benchmarks/deepseek_v4.py --small: the debug recipe through `torchloom train`, and the
+    hyper-connections' eager forward + backward with their share of its step."""
+    out = tmp_path / "deepseek_v4.json"
+    _run("deepseek_v4.py", "--small", "--device", "cpu", "--out", str(tmp_path / "runs"),
+         "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    assert set(parts) == {"hc-eager", "train"}
+    assert all(p["error"] is None for p in parts.values()), parts
+    train, hc = parts["train"], parts["hc-eager"]
+    assert train["tokens_per_s"] > 0 and len(train["losses"]) == 2
+    assert report["active_params"] < report["params"]
+    assert 0 < hc["fwd_s"] < hc["fwd_bwd_s"]
+    assert hc["share_of_step"] == hc["per_step_s"] / train["step_s"]
