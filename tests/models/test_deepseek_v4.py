@@ -416,3 +416,39 @@ def test_hyper_connection_matches_transformers_where_sinkhorn_has_not_converged(
     moved = (fewer(streams)[1] - ref_comb).abs().max().item()
     print(f"comb moves {moved:.1e} with 19 iterations instead of 20")
     assert moved > 1e-3
+
+
+def test_blocks_compile_whole_with_the_hyper_connections() -> None:
+    """As the trainer compiles them (compile_regions, fullgraph): each block, its two
+    hyper-connections with their 20 Sinkhorn iterations included, is one graph without a break,
+    compiled once per block kind, and computes what the eager blocks compute."""
+    from torch._dynamo.utils import counters
+
+    from torchloom.train.compile import CompileConfig, compile_regions
+
+    cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], num_layers=4,
+                  attention_kinds=(SLIDING, SLIDING, CSA, HCA), hash_layers=3)  # fmt: skip
+    eager, compiled = build_model(cfg), build_model(cfg)
+    eager.init_weights(0)
+    compiled.init_weights(0)
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(enabled=True, regions=["DeepSeekV4Block"], backend="aot_eager")
+    assert compile_regions(compiled, config) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    grad_diff = max(
+        (a.grad - b.grad).abs().max().item()
+        for a, b in zip(eager.parameters(), compiled.parameters(), strict=True)
+        if a.grad is not None
+    )
+    print(f"graphs {graphs}, graph breaks {breaks}, losses {losses}, max grad diff {grad_diff:.1e}")
+    # Kinds: sliding + hash (layers 0 and 1 share a graph), CSA + hash, HCA + routed.
+    assert (graphs, breaks) == (3, 0)
+    assert abs(losses[0] - losses[1]) < 1e-6 and grad_diff < 1e-6
+    torch._dynamo.reset()
