@@ -20,7 +20,7 @@ from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
-from torchloom.models.components.hyper_connections import HyperConnection, sinkhorn
+from torchloom.models.components.hyper_connections import HyperConnection, HyperHead, sinkhorn
 from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
@@ -374,6 +374,32 @@ def test_sinkhorn_is_doubly_stochastic_in_fp32() -> None:
         err = (comb.sum(dim) - 1).abs().max().item()
         print(f"sum over dim {dim}: max error {err:.1e}")
         assert err < tolerance
+
+
+def test_hyper_connections_stay_fp32_under_bf16_autocast() -> None:
+    """The trainer's bf16 autocast would run the mixings' linear and the stream mixing in bf16
+    (rounding the fp32 residual streams at every join: 1e-2 here): they opt out, so they are
+    bitwise the fp32 results."""
+    hc, head = HyperConnection(64, 4), HyperHead(64, 4)
+    init = ParamInit(torch.nn.ModuleList([hc, head]), 0)
+    hc.init_weights(init)
+    head.init_weights(init)
+    generator = torch.Generator().manual_seed(0)
+    streams = torch.randn(2, 8, 4, 64, generator=generator)
+    branch = torch.randn(2, 8, 64, generator=generator).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        post, comb, x = hc(streams)
+        joined = HyperConnection.join(streams, branch, post, comb)
+        return [post, comb, x, joined, head(joined)]
+
+    fp32 = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run()
+    diffs = [(a - b).abs().max().item() for a, b in zip(fp32, autocast, strict=True)]
+    print(f"max differences (post, comb, x, joined, head): {diffs}")
+    assert all(a.dtype == b.dtype for a, b in zip(fp32, autocast, strict=True))
+    assert diffs == [0.0] * 5
 
 
 def test_hash_routing_uses_the_table() -> None:
