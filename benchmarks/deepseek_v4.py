@@ -16,9 +16,11 @@ Parts (each catches its own failure, an OOM included, and records it in the JSON
   branch outputs under autocast, as in the trainer), forward + backward, compiled as the trainer
   compiles (compile_regions, fullgraph) and eager. Its share of the step is that time (plus one
   more forward of the blocks' calls when the recipe recomputes) times the micro-batches per
-  step, over the train part's median step time. Compiled alone, the calls cannot fuse with the
-  norms and projections around them as they do inside a compiled block, so the share is an
+  step, over the train part's median step time. Compiled alone, the calls cannot fuse with
+  the norms and projections around them as they do inside a compiled block, so the share is an
   upper bound of what they cost there.
+
+Shapes are the job's: the recipe with the --extra flags that the train part gets too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,16 +40,16 @@ import torch
 from torch import nn
 from train import _fmt, _free, bench_device, measure
 
+from torchloom.cli import resolve_job
 from torchloom.models import resolve_model_config
 from torchloom.models.components.hyper_connections import HyperConnection, HyperHead
 from torchloom.models.components.param_init import ParamInit
-from torchloom.recipes import get_recipe
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.metrics import device_peak_tflops
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE, SMALL_RECIPE = "deepseek_v4_flash4", "deepseek_v4_debug"
-PARTS = ("hc-compiled", "hc-eager", "train")
+PARTS = ("train", "hc-compiled", "hc-eager")  # train first: on a GPU no other part has run
 
 
 class HyperConnectionCall(nn.Module):
@@ -151,6 +154,7 @@ def run_train(args: argparse.Namespace, recipe: str, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     start = time.perf_counter()
     log = out.parent / f"{out.name}.log"
+    shutil.rmtree(out, ignore_errors=True)  # no metrics of an earlier run read as this one's
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with log.open("w") as sink:
@@ -192,7 +196,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="training steps of the train part")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
     parser.add_argument("--parts", nargs="+", choices=PARTS,
-                        help="default: all of them (--small: hc-eager and train)")  # fmt: skip
+                        help="default: all of them (--small: train and hc-eager)")  # fmt: skip
     parser.add_argument("--hc-iters", type=int, default=10, help="timed hyper-connection calls")
     parser.add_argument("--hc-warmup", type=int, default=3)
     parser.add_argument("--train-timeout", type=int, default=300, help="seconds for the train part")
@@ -205,14 +209,14 @@ def main() -> None:
     recipe = RECIPE
     if args.small:
         recipe, args.steps, args.warmup, args.hc_iters, args.hc_warmup = SMALL_RECIPE, 2, 1, 2, 1
-        args.parts = args.parts or ["hc-eager", "train"]
+        args.parts = args.parts or ["train", "hc-eager"]
         args.extra = ["--training.device", "cpu", "--compile.enabled", "false",
                       "--training.seq_len", "128", "--data.val_fraction", "0", *args.extra]  # fmt: skip
     args.parts = args.parts or list(PARTS)
     device = bench_device(args.device)
     peak, device_name = device_peak_tflops(device)
-    job = get_recipe(recipe).build()
-    seq = job.training.seq_len if not args.small else 128
+    _, job = resolve_job(["--recipe", recipe, *args.extra])  # the job the train part runs
+    seq = job.training.seq_len
     micro = job.training.micro_batch_size or job.training.global_batch_sequences
     micro_batches = job.training.global_batch_sequences // micro
     cfg = resolve_model_config(job.model)
