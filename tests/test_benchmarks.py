@@ -165,3 +165,20 @@ def test_sparse_attention_benchmark_small(tmp_path):
     assert set(rows) == {"dense", "gather"}, rows
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in rows.values()), rows
     assert rows["dense"]["max_abs_diff_vs_gather"] < 1e-5
+
+
+def test_deepseek_v4_benchmark_small(tmp_path):
+    """benchmarks/deepseek_v4.py --small: the debug recipe through `torchloom train`, and the
+    hyper-connections' eager forward + backward with their share of its step."""
+    out = tmp_path / "deepseek_v4.json"
+    _run("deepseek_v4.py", "--small", "--device", "cpu", "--out", str(tmp_path / "runs"),
+         "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    assert set(parts) == {"hc-eager", "train"}
+    assert all(p["error"] is None for p in parts.values()), parts
+    train, hc = parts["train"], parts["hc-eager"]
+    assert train["tokens_per_s"] > 0 and len(train["losses"]) == 2
+    assert report["active_params"] < report["params"]
+    assert 0 < hc["fwd_s"] < hc["fwd_bwd_s"]
+    assert hc["share_of_step"] == hc["per_step_s"] / train["step_s"]

@@ -20,7 +20,7 @@ from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
-from torchloom.models.components.hyper_connections import HyperConnection, sinkhorn
+from torchloom.models.components.hyper_connections import HyperConnection, HyperHead, sinkhorn
 from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
@@ -443,6 +443,32 @@ def test_sinkhorn_is_doubly_stochastic_in_fp32() -> None:
         assert err < tolerance
 
 
+def test_hyper_connections_stay_fp32_under_bf16_autocast() -> None:
+    """The trainer's bf16 autocast would run the mixings' linear and the stream mixing in bf16
+    (rounding the fp32 residual streams at every join: 1e-2 here): they opt out, so they are
+    bitwise the fp32 results."""
+    hc, head = HyperConnection(64, 4), HyperHead(64, 4)
+    init = ParamInit(torch.nn.ModuleList([hc, head]), 0)
+    hc.init_weights(init)
+    head.init_weights(init)
+    generator = torch.Generator().manual_seed(0)
+    streams = torch.randn(2, 8, 4, 64, generator=generator)
+    branch = torch.randn(2, 8, 64, generator=generator).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        post, comb, x = hc(streams)
+        joined = HyperConnection.join(streams, branch, post, comb)
+        return [post, comb, x, joined, head(joined)]
+
+    fp32 = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run()
+    diffs = [(a - b).abs().max().item() for a, b in zip(fp32, autocast, strict=True)]
+    print(f"max differences (post, comb, x, joined, head): {diffs}")
+    assert all(a.dtype == b.dtype for a, b in zip(fp32, autocast, strict=True))
+    assert diffs == [0.0] * 5
+
+
 def test_hash_routing_uses_the_table() -> None:
     cfg = MoEConfig(num_experts=4, top_k=2, expert_dim=8, num_shared_experts=1,
                     score_func="sqrtsoftplus", normalize_top_k=True, hash_routing=True)  # fmt: skip
@@ -534,3 +560,39 @@ def test_indexer_loss_runs_dense_under_sparse_attention() -> None:
 def test_sparse_attention_config_is_validated() -> None:
     with pytest.raises(ConfigError, match="sparse_attention must be one of auto, dense"):
         replace(DEEPSEEK_V4_FLAVORS["debug"], sparse_attention="flash").validate()
+
+
+def test_blocks_compile_whole_with_the_hyper_connections() -> None:
+    """As the trainer compiles them (compile_regions, fullgraph): each block, its two
+    hyper-connections with their 20 Sinkhorn iterations included, is one graph without a break,
+    compiled once per block kind, and computes what the eager blocks compute."""
+    from torch._dynamo.utils import counters
+
+    from torchloom.train.compile import CompileConfig, compile_regions
+
+    cfg = replace(DEEPSEEK_V4_FLAVORS["debug"], num_layers=4,
+                  attention_kinds=(SLIDING, SLIDING, CSA, HCA), hash_layers=3)  # fmt: skip
+    eager, compiled = build_model(cfg), build_model(cfg)
+    eager.init_weights(0)
+    compiled.init_weights(0)
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(enabled=True, regions=["DeepSeekV4Block"], backend="aot_eager")
+    assert compile_regions(compiled, config) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    grad_diff = max(
+        (a.grad - b.grad).abs().max().item()
+        for a, b in zip(eager.parameters(), compiled.parameters(), strict=True)
+        if a.grad is not None
+    )
+    print(f"graphs {graphs}, graph breaks {breaks}, losses {losses}, max grad diff {grad_diff:.1e}")
+    # Kinds: sliding + hash (layers 0 and 1 share a graph), CSA + hash, HCA + routed.
+    assert (graphs, breaks) == (3, 0)
+    assert abs(losses[0] - losses[1]) < 1e-6 and grad_diff < 1e-6
+    torch._dynamo.reset()

@@ -101,6 +101,12 @@ def stage_model(model: Decoder, layer_ids: list[int], first: bool, last: bool) -
     stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
     stage.norm = model.norm if last else None
     stage.output = model.output if last else None
+    # A family's own modules after the blocks (deepseek_v4's hc_head) are the last stage's:
+    # shared, not the shell's unmaterialized copies.
+    done = {"rope", "embed_tokens", "layers", "norm", "output", *media_encoder_names(model)}
+    for name, child in model.named_children():
+        if last and name not in done:
+            setattr(stage, name, child)
     return stage
 
 

@@ -1,13 +1,17 @@
 """Mixture-of-experts and hybrid linear-attention recipes on the built-in English corpus: small
-enough for a CPU."""
+enough for a CPU, except deepseek_v4_flash4 (one GPU)."""
 
 from __future__ import annotations
 
+from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config import register_recipe
+from torchloom.data.config import DataConfig
 from torchloom.models.config import ModelConfig
+from torchloom.train.compile import CompileConfig
 from torchloom.train.config import TrainingConfig
 from torchloom.train.job import JobConfig, OutputConfig
 from torchloom.train.optim import LRScheduleConfig, OptimizerConfig
+from torchloom.train.remat import RematConfig
 
 
 @register_recipe("qwen3_moe_debug")
@@ -99,3 +103,50 @@ def qwen3_5_debug() -> JobConfig:
     job.model = ModelConfig(name="qwen3_5", flavor="debug")
     job.output.dir = "outputs/qwen3_5_debug"
     return job
+
+
+# DeepSeek-V4-Flash's first four layers (sliding, sliding, CSA, HCA; the first three hash-
+# routed) at its full width, with 16 of its 256 routed experts so AdamW fits one GPU.
+FLASH4_OVERRIDES = {
+    "num_layers": 4,
+    "attention_kinds": ["sliding_attention", "sliding_attention",
+                        "compressed_sparse_attention", "heavily_compressed_attention"],
+    "moe.num_experts": 16,
+}  # fmt: skip
+
+
+@register_recipe("deepseek_v4_flash4")
+def deepseek_v4_flash4() -> JobConfig:
+    """DeepSeek-V4-Flash's first 4 layers with 16 routed experts each, compiled: one GPU.
+
+    The flash flavor's shapes (dim 4096, 64 heads of 512, q rank 1024, 8 output groups of 1024,
+    indexer 64 x 128 picking 512, window 128, CSA groups of 4, HCA groups of 128, 4 hyper-
+    connected streams, sqrt-softplus top-6 of 2048-wide experts plus one shared, the first 3
+    layers hash-routed) and its schedule's first layers: sliding, sliding, CSA, HCA. A token
+    uses Flash's active parameters per layer (6 routed experts + the shared one; MFU counts
+    those: 1.69B active with the head); the total is cut to 16 routed experts per layer, not
+    256 (4 x 256 would be 26B parameters, 420 GB with AdamW): 3.23B, 48 GiB with fp32 master
+    weights, gradients and AdamW moments, under bf16 autocast. Each block is recomputed in the
+    backward: the attention's dense reference path keeps [B, 64, T, T + groups] fp32 scores
+    (5.4 GB per CSA layer at seq_len 4096; without recomputation the dry run estimates 41 GiB
+    of activations in fp32), so seq_len 4096, two sequences per step in micro-batches of one.
+    30 steps on the built-in corpus: a speed measurement (benchmarks/deepseek_v4.py), not a
+    training run."""
+    return JobConfig(
+        model=ModelConfig(
+            name="deepseek_v4",
+            flavor="flash",
+            overrides=dict(FLASH4_OVERRIDES),
+            loss_impl="chunked",
+        ),
+        data=DataConfig(val_fraction=0.0),
+        training=TrainingConfig(
+            steps=30, seq_len=4096, global_batch_size=2, micro_batch_size=1, sample_tokens=0
+        ),
+        optimizer=OptimizerConfig(lr=3e-4),
+        lr_schedule=LRScheduleConfig(warmup_steps=5),
+        remat=RematConfig(mode="full"),
+        compile=CompileConfig(enabled=True, regions=["DeepSeekV4Block"]),
+        checkpoint=CheckpointConfig(save_final_model=False),
+        output=OutputConfig(dir="outputs/deepseek_v4_flash4"),
+    )

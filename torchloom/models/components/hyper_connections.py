@@ -10,8 +10,10 @@ from all N streams (flattened, RMS-scaled without a weight, one linear ``fn``):
   Knopp iterations (a softmax over rows, then alternating column and row normalisations).
 
 The stream after the branch is ``post * branch + comb^T @ streams``. Everything is computed in
-fp32 whatever the model's dtype (DeepSeek keeps these modules in fp32). ``HyperHead`` collapses
-the N streams into one before the final norm with its own ``pre`` weights.
+fp32 whatever the model's dtype (DeepSeek keeps these modules in fp32), also under the trainer's
+bf16 autocast, which would otherwise run ``fn`` and the stream mixing in bf16 and round the
+fp32 residual streams to bf16 at every join. ``HyperHead`` collapses the N streams into one
+before the final norm with its own ``pre`` weights.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from torchloom.models.components.param_init import ParamInit
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, without a weight (the statistics in fp32)."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _no_autocast(x: torch.Tensor) -> torch.autocast:
+    """A context that turns autocast off on ``x``'s device (fp32 mixing under bf16 autocast)."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def sinkhorn(comb_logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
@@ -65,8 +72,9 @@ class HyperConnection(nn.Module):
         self, streams_BTND: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         N = self.streams
-        flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
-        mixes_BTX = F.linear(flat_BTM, self.fn.float())
+        with _no_autocast(streams_BTND):
+            flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
+            mixes_BTX = F.linear(flat_BTM, self.fn.float())
         pre_BTN, post_BTN, comb_BTX = mixes_BTX.split([N, N, N * N], dim=-1)
         pre_base, post_base, comb_base = self.base.float().split([N, N, N * N])
         pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
@@ -85,7 +93,9 @@ class HyperConnection(nn.Module):
         """post * branch + comb^T @ streams: the N streams after the branch."""
         dtype = streams_BTND.dtype
         spread_BTND = post_BTN.to(dtype)[..., None] * branch_BTD[..., None, :]
-        return spread_BTND + torch.matmul(comb_BTNN.to(dtype).transpose(-1, -2), streams_BTND)
+        with _no_autocast(streams_BTND):
+            mixed_BTND = torch.matmul(comb_BTNN.to(dtype).transpose(-1, -2), streams_BTND)
+        return spread_BTND + mixed_BTND
 
     def init_weights(self, init: ParamInit) -> None:
         """fn normal(0, init_std), base 0, scale 1 (DeepSeek-V4's initialisation)."""
@@ -112,8 +122,9 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams_BTND: torch.Tensor) -> torch.Tensor:
-        flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
-        mixes_BTN = F.linear(flat_BTM, self.hc_fn.float())
+        with _no_autocast(streams_BTND):
+            flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
+            mixes_BTN = F.linear(flat_BTM, self.hc_fn.float())
         pre_BTN = torch.sigmoid(mixes_BTN * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return (pre_BTN[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
 
