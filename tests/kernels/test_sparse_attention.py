@@ -134,8 +134,12 @@ def check_compiled(device: str) -> str:
     eager = _forward_backward(attend, *inputs)
     compiled = _forward_backward(torch.compile(attend, backend="aot_eager", fullgraph=True), *inputs)  # fmt: skip
     for name, g, w in zip(NAMES, compiled, eager, strict=True):
-        assert torch.equal(g, w), f"compiled {name}: max |diff| {(g - w).abs().max().item():.1e}"
-    return "compiled (fullgraph, aot_eager) = eager, bitwise"
+        diff = (g - w).abs().max().item()
+        if name == "dkv" and device == "cuda":  # summed by atomics, in no fixed order on a GPU
+            assert diff <= 1e-6 * w.abs().max().item(), f"compiled dkv: max |diff| {diff:.1e}"
+        else:
+            assert torch.equal(g, w), f"compiled {name}: max |diff| {diff:.1e}"
+    return "compiled (fullgraph, aot_eager) = eager (bitwise; dkv on a GPU within 1e-6)"
 
 
 def check_model(device: str) -> str:

@@ -162,3 +162,24 @@ def test_refills_fill_the_batch_on_nearly_every_step() -> None:
         rounds.append(batch.stats["refill_rounds"])
     print(f"full on {full} of 200 steps; refill rounds per step {sum(rounds) / 200:.2f}")
     assert full >= 190
+
+
+def test_refills_fill_the_batch_at_a_low_rate() -> None:
+    """Late in countdown about 4% of groups carry signal. A round is sized by that rate (up to
+    4 x prompts_per_step groups), so ten rounds fill the batch on at least 95% of 200 steps.
+    With the rate floored at 1/8 (as before) rounds came out three times too small and only
+    about 80% of the steps were full."""
+    cfg = RLConfig(prompts_per_step=16, group_size=2, max_refill_rounds=10)
+    rng = random.Random(0)
+
+    def generate(groups: list[int]) -> RolloutBatch:
+        signal = {g: rng.random() < 0.04 for g in groups}
+        rows = [rollout(g, float(i) if signal[g] else 1.0) for g in groups for i in range(2)]
+        return RolloutBatch(rows, version=0, seconds=1.0)
+
+    full = sum(
+        len({r.group for r in collect(generate, *group_plan(cfg), cfg).rollouts}) == 16
+        for _ in range(200)
+    )
+    print(f"full on {full} of 200 steps")
+    assert full >= 190

@@ -88,8 +88,9 @@ def collect(
     rollouts = [r for r in batch.rollouts if r.group in set(kept)]
     while len(kept) < want and rounds < cfg.max_refill_rounds:
         rounds += 1
-        rate = max(len(kept) / generated, 0.125)
-        count = min(math.ceil(REFILL_MARGIN * (want - len(kept)) / rate), 4 * want)
+        # Sized by the rate kept so far, unfloored (late in countdown ~4% of groups vary).
+        needed = math.ceil(REFILL_MARGIN * (want - len(kept)) * generated / max(len(kept), 1))
+        count = min(needed if kept else 4 * want, 4 * want)
         extra = generate([next(more) for _ in range(count)])
         generated += count
         batch.seconds += extra.seconds
