@@ -82,7 +82,7 @@ def rl_gpu() -> RLJobConfig:
     # The SFT model already answers the letter-count task (0.94 reward from the first update,
     # benchmarks/RESULTS.md); countdown starts at 0, and its format reward gives a signal.
     job.rl = RLConfig(task="countdown", format_reward=0.1, prompts_per_step=16, group_size=8,
-                      max_new_tokens=24, micro_batch_size=32, generator_slots=128,
+                      max_new_tokens=24, micro_batch_size=32, generator_slots=512,
                       # Early on ~3% of groups vary (the model rarely writes a valid
                       # expression): up to 10 rounds of at most 64 groups fill the batch.
                       max_refill_rounds=10,
