@@ -513,10 +513,13 @@ class CompressedSparseAttention(nn.Module):
         t_T1 = torch.arange(T, device=device)[:, None]
         window_TW = t_T1 - window + 1 + torch.arange(window, device=device)
         window_BTW = window_TW.expand(B, T, window)
-        seen_BTW = window_BTW >= 0
-        if doc_ids_BT is not None:
-            window_docs_BTW = doc_ids_BT.gather(1, window_BTW.clamp(min=0).flatten(1)).view_as(window_BTW)  # fmt: skip
-            seen_BTW = seen_BTW & (window_docs_BTW == doc_ids_BT[..., None])
+        if doc_ids_BT is None:
+            seen_BTW = window_BTW >= 0
+        else:  # packed documents are contiguous: a key is in t's document from its first token
+            starts_BT = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+            starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+            first_BT = torch.where(starts_BT, t_T1[:, 0], 0).cummax(dim=1).values
+            seen_BTW = window_BTW >= first_BT[..., None]
         index_BTK = torch.where(seen_BTW, window_BTW, -1)
         if seen_BTS is not None and seen_BTS.shape[-1]:
             S = seen_BTS.shape[-1]
