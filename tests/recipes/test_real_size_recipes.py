@@ -57,19 +57,33 @@ def test_recipe_dry_runs_under_its_layout(name, capsys):
 
     rows = per_rank(out)
     assert len(rows) == degrees.pp  # one simulated rank per pipeline stage
-    worst = max(r["total"] + (r["activations"] or 0) for r in rows.values())
-    print(f"{name}: largest per-GPU bytes {worst / GiB:.2f} GiB of {gpu_gib} GiB")
-    assert worst < gpu_gib * GiB
     # Only layouts with tp, cp or pp go without the activation estimate.
     has_estimate = max(degrees.tp, degrees.cp, degrees.pp) == 1
     assert all((r["activations"] is not None) == has_estimate for r in rows.values())
+    static = max(r["total"] for r in rows.values())
+    bound = None
+    if not has_estimate:
+        # Bound a tp rank's activations by the same micro-batch's without tp (tp keeps 1/tp of
+        # each block's input and of the logits).
+        assert degrees.cp == degrees.pp == 1, "no bound for cp or pp layouts"
+        flat = ["--parallel.tp", "1", "--parallel.dp_shard", str(world)]
+        argv = ["train", "--recipe", name, *flat, "--dry-run", "--world-size", str(world)]
+        assert main(argv) == 0
+        flat_out = capsys.readouterr().out
+        flat_out = flat_out[flat_out.rindex("dry run:") :]  # after the report printed above
+        print(flat_out)
+        bound = per_rank(flat_out)[0]["activations"]
+    worst = max(r["total"] + (r["activations"] or bound) for r in rows.values())
+    print(f"{name}: largest per-GPU bytes {worst / GiB:.2f} GiB of {gpu_gib} GiB")
+    assert worst < gpu_gib * GiB
 
     # The docstring states what the dry run reports.
     doc = " ".join(get_recipe(name).build.__doc__.split())
-    static = max(r["total"] for r in rows.values())
     assert f"{static / GiB:.2f} GiB" in doc, (name, static / GiB)
     if has_estimate:
         assert f"{worst / GiB:.2f} GiB with the activation estimate" in doc, worst / GiB
+    else:
+        assert f"keeps {bound / GiB:.2f} GiB" in doc and f"at most {worst / GiB:.2f} GiB" in doc
 
 
 @pytest.mark.parametrize("name", RECIPES)

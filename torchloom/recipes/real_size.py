@@ -112,10 +112,10 @@ def llama3_70b() -> JobConfig:
     block; dp_shard 4 shards the rest (FSDP) and reads 4 different micro-batches. Batch: 128
     sequences x 8192 tokens = 1M tokens per step, micro-batches of 1 per tp group (32
     accumulation steps). Full recomputation, compiled blocks, float8 (tensorwise) linears.
-    Dry run per GPU: 32.86 GiB of parameters, gradients and optimizer state; the dry run makes no
-    activation estimate under tp (about 80 x 8192 x 8192 x 2 bytes / 8 = 1.3 GiB of recomputed
-    blocks' inputs plus one block's working set and the vocabulary-sharded logits) (80 GiB
-    GPU)."""
+    Dry run per GPU: 32.86 GiB of parameters, gradients and optimizer state. It makes no
+    activation estimate under tp; without tp (--parallel.tp 1 --parallel.dp_shard 32) one
+    micro-batch keeps 14.42 GiB, a bound for a tp 8 rank, which keeps 1/8 of each block's input
+    (sequence parallel) and of the logits (loss parallel): at most 47.28 GiB (80 GiB GPU)."""
     return _pretrain(
         "llama3_70b",
         ModelConfig(name="llama3", flavor="70B", float8="tensorwise"),
