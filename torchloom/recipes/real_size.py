@@ -17,7 +17,7 @@ nothing is allocated, no data is read)::
 
 Common to all: bf16 compute with fp32 master weights and AdamW state (FSDP's mixed precision:
 16 bytes per parameter between steps, divided over the ranks that shard it), compiled blocks,
-full activation recomputation unless a recipe says otherwise. The memory per GPU in each
+full activation recomputation (each block keeps only its input). The memory per GPU in each
 docstring is the dry run's (``tests/recipes/test_real_size_recipes.py`` checks it): parameters +
 gradients + optimizer state, plus the activation estimate where the dry run makes one (ranks
 running whole blocks on whole sequences, i.e. without tp, cp or pp); not counted: allocator
@@ -52,7 +52,6 @@ def _pretrain(
     micro_batch_size: int,
     lr: float,
     steps: int,
-    remat: str = "full",
 ) -> JobConfig:
     """The parts every real-size recipe shares; the arguments are what differs."""
     return JobConfig(
@@ -71,7 +70,7 @@ def _pretrain(
         # Each recipe names bf16 FSDP compute (auto is bf16 on GPUs but fp32 on the CPU), so the
         # CPU dry run estimates the activations the GPUs will hold.
         parallel=parallel,
-        remat=RematConfig(mode=remat),
+        remat=RematConfig(mode="full"),
         compile=CompileConfig(enabled=True),
         checkpoint=CheckpointConfig(interval=500, mode="async", keep_latest_k=3),
         output=OutputConfig(dir=f"outputs/{name}"),
