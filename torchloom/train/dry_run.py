@@ -119,11 +119,15 @@ def simulate_ranks(job: JobConfig, world_size: int) -> int:
         )
     if world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {world_size}.")
+    # Importing it registers the "fake" backend (torch 2.13 imports it itself only when
+    # init_process_group gets no store); TorchTitan's fake-backend dry runs use it the same way.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     device = init_distributed(job.training.device)
     stages = job.parallel.resolve(world_size).pp
     rows, first = [], None
     for rank in range(0, world_size, world_size // stages):
-        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             config, dims, micro, mine, activations = check_rank(job, device)
         finally:
