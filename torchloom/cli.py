@@ -86,12 +86,19 @@ def cmd_train(argv: list[str]) -> int:
             "  --print-config  print the resolved config and exit\n"
             "  --dry-run       build the model on the meta device under the real layout, check\n"
             "                  that the layout divides it and print each rank's bytes of\n"
-            "                  parameters, gradients and optimizer state; allocates nothing"
+            "                  parameters, gradients and optimizer state; allocates nothing\n"
+            "  --world-size N  with --dry-run: simulate N ranks in this one process (no torchrun)"
         )
         print(format_help(get_recipe(name).build(), title))
         return 0
     print_config = _pop_flag(argv, "--print-config")
     dry = _pop_flag(argv, "--dry-run")
+    world = _pop_option(argv, "--world-size")
+    if world is not None and (not dry or not world.isdigit()):
+        raise ConfigError(
+            f"--world-size {world}: give a number of ranks, with --dry-run (it simulates that "
+            "many ranks in one process), e.g. --dry-run --world-size 32."
+        )
     name, job = resolve_job(argv)
     if type(job) is not JobConfig:  # an RL recipe (RLJobConfig) carries its own loop
         raise ConfigError(
@@ -103,7 +110,7 @@ def cmd_train(argv: list[str]) -> int:
     if dry:
         from torchloom.train.dry_run import dry_run
 
-        return dry_run(job)
+        return dry_run(job, None if world is None else int(world))
 
     from torchloom.parallel import destroy
     from torchloom.train.run import NothingToTrain

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import resource
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from torchloom.config.errors import ConfigError
 from torchloom.data.loader import check_batch_layout
 from torchloom.models import DecoderConfig, build_model
 from torchloom.parallel import ParallelDims, build_parallel_dims, destroy, init_distributed
@@ -82,11 +84,70 @@ class Activations:
     """How the estimate was made, or why there is none."""
 
 
-def dry_run(job: JobConfig) -> int:
+def dry_run(job: JobConfig, world_size: int | None = None) -> int:
     """Build, check and report (rank 0 prints); every rank leaves the process group. Returns
-    the exit status; an impossible layout raises ConfigError."""
+    the exit status; an impossible layout raises ConfigError.
+
+    ``world_size``: instead of joining the launched processes, simulate a job of that many
+    ranks in this one process (``simulate_ranks``)."""
+    if world_size is not None:
+        return simulate_ranks(job, world_size)
+    device = init_distributed(job.training.device)
+    config, dims, micro, mine, activations = check_rank(job, device)
+    rows = [mine]
+    if dist.is_initialized() and dims.world_size > 1:
+        rows = [None] * dims.world_size
+        dist.all_gather_object(rows, mine)
+    if dims.is_rank0:
+        print(format_report(job, config, dims, micro, rows, activations))
+    destroy()
+    return 0
+
+
+def simulate_ranks(job: JobConfig, world_size: int) -> int:
+    """The dry run of a ``world_size``-rank job from one process (``--dry-run --world-size N``):
+    a layout for 32 nodes is checked on a laptop. Each reported rank joins a fake process group
+    (torch's "fake" backend: every collective returns at once, moving no data) as that rank of
+    ``world_size``, builds its shards on meta and makes the checks a real rank makes. The ranks
+    reported are the first of each pipeline stage (pp is the outermost mesh axis, so ranks
+    ``s * world_size / pp``): the other ranks of a stage hold the same shapes, FSDP's last
+    shards at most a padding row less."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "--world-size simulates the job's ranks in one process; launch it without torchrun "
+            "(under torchrun the dry run takes the launched world)."
+        )
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be at least 1, got {world_size}.")
+    # Importing it registers the "fake" backend (torch 2.13 imports it itself only when
+    # init_process_group gets no store); TorchTitan's fake-backend dry runs use it the same way.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = init_distributed(job.training.device)
+    stages = job.parallel.resolve(world_size).pp
+    rows, first = [], None
+    for rank in range(0, world_size, world_size // stages):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            config, dims, micro, mine, activations = check_rank(job, device)
+        finally:
+            dist.destroy_process_group()
+        rows.append(mine)
+        first = first or (config, dims, micro, activations)
+    config, dims, micro, activations = first
+    print(format_report(job, config, dims, micro, rows, activations, simulated=True))
+    print(
+        f"simulated: {world_size} ranks in this one process (fake process group); reported the "
+        f"first rank of each of the {stages} pipeline stage(s)"
+    )
+    return 0
+
+
+def check_rank(
+    job: JobConfig, device: torch.device
+) -> tuple[DecoderConfig, ParallelDims, int, RankMemory, Activations]:
+    """This rank's checks and memory: (model config, dims, micro-batch, memory, activations)."""
     t = job.training
-    device = init_distributed(t.device)
     dims = build_parallel_dims(job.parallel, device.type)
     config = build_model_config(job)
     check_seq_len(config, t.seq_len)
@@ -97,15 +158,13 @@ def dry_run(job: JobConfig) -> int:
     if parts.pipeline is not None:
         parts.pipeline.check_batch_size(micro)
     activations = estimate_activations(job, config, dims, device, objective, micro)
-    mine = rank_memory(dims.rank, parts.model, job, activations.bytes)
-    rows = [mine]
-    if dist.is_initialized() and dims.world_size > 1:
-        rows = [None] * dims.world_size
-        dist.all_gather_object(rows, mine)
-    if dims.is_rank0:
-        print(format_report(job, config, dims, micro, rows, activations))
-    destroy()
-    return 0
+    return (
+        config,
+        dims,
+        micro,
+        rank_memory(dims.rank, parts.model, job, activations.bytes),
+        activations,
+    )
 
 
 def local_bytes(param: torch.Tensor) -> int:
@@ -209,6 +268,12 @@ def _probe(
     repeats = [ids for ids in kinds.values() if len(ids) > 1]
     twice = [stage_model(model, sorted([*firsts, ids[1]]), True, True) for ids in repeats]
     used = stage_model(model, sorted({*firsts, *(ids[1] for ids in repeats)}), True, True)
+    for shell in (once, *twice, used):
+        # What stage_model leaves out of a shell besides the blocks (deepseek_v3's multi-token
+        # prediction depths): shared too, else it stays on meta and the fake forward fails.
+        for name, child in model.named_children():
+            if name != "layers":
+                setattr(shell, name, child)
     used.to(dtype)  # still meta: nothing allocated
     with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False):
         used.to_empty(device=device)  # fake tensors on the device: shapes and dtypes only
@@ -303,15 +368,18 @@ def format_report(
     micro: int,
     rows: list[RankMemory],
     activations: Activations,
+    simulated: bool = False,
 ) -> str:
-    """The lines rank 0 prints."""
+    """The lines rank 0 prints (``simulated``: ``rows`` are some ranks of a simulated world)."""
     t, d = job.training, dims.degrees
     count, nbytes, dtype = model_bytes(config)
     name = job.checkpoint.initial_load_hf or f"{job.model.name}/{job.model.flavor}"
     accum = t.global_batch_sequences // (micro * dims.dp_size)
     lines = [
         f"dry run: {name}, {_count(count)} parameters = {_gib(nbytes)} ({nbytes} bytes, "
-        f"{dtype}) on {dims.world_size} process(es): dp_replicate {d.dp_replicate} x dp_shard "
+        f"{dtype}) on {dims.world_size} "
+        + ("simulated rank(s)" if simulated else "process(es)")
+        + f": dp_replicate {d.dp_replicate} x dp_shard "
         f"{d.dp_shard} x cp {d.cp} x tp {d.tp} x pp {d.pp}"
         + (f"; ep {d.ep} (from dp_shard x cp)" if d.ep > 1 else ""),
         f"layout: the model divides over this mesh (checked: tensor-parallel split, pipeline "
@@ -322,7 +390,7 @@ def format_report(
         "",
         _table(rows),
         "",
-        "sum over ranks: "
+        ("sum over the reported ranks: " if simulated else "sum over ranks: ")
         + ", ".join(
             f"{label} {_gib(n)} ({n} bytes)"
             for label, n in (
