@@ -169,6 +169,21 @@ def test_resume_on_another_data_parallel_size(tmp_path, tiny_tokenizer) -> None:
         assert np.array_equal(stream_tokens(resized), stream_tokens(one))
 
 
+def test_resume_with_another_batch_size_and_seq_len(tmp_path, tiny_tokenizer) -> None:
+    """The state is a stream position: rows of any length and number continue from it."""
+    cfg = config([write_parquet(tmp_path / "d.parquet", texts("doc", 200))], tmp_path,
+                 tokenizer=str(tiny_tokenizer.path))  # fmt: skip
+    reference = stream_tokens(run(loader(cfg, tiny_tokenizer), 10))
+    first = loader(cfg, tiny_tokenizer)
+    head = stream_tokens(run(first, 4))
+    other = streaming_loader(cfg, tiny_tokenizer, seq_len=8, global_batch_size=6,
+                             micro_batch_size=3, seed=5)  # fmt: skip
+    other.load_state_dict(first.state_dict())
+    first.close()
+    tail = stream_tokens(run(other, 5))
+    assert np.array_equal(np.concatenate([head, tail]), reference[: len(head) + len(tail)])
+
+
 def test_worker_runs_ahead_without_a_tokenization_pass(tmp_path, tiny_tokenizer) -> None:
     """The first step arrives after reading only the start of the data, the worker then fills
     its bounded queue and stops there, and later steps wait on nothing."""
