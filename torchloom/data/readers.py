@@ -162,21 +162,20 @@ def _read_parquet(path: Path, text_field: str, start: Position) -> Iterator[tupl
     check_text_column(path, parquet.schema_arrow, text_field)
     first_group, skip = start
     for group in range(first_group, parquet.num_row_groups):
-        row = 0
         to_skip = skip if group == first_group else 0
+        row = 0  # rows of the group before the current batch
         batches = parquet.iter_batches(
             batch_size=READ_ROWS, row_groups=[group], columns=[text_field], use_threads=False
         )
         for batch in batches:
-            if row + batch.num_rows <= to_skip:
-                row += batch.num_rows
+            first, row = row, row + batch.num_rows
+            if row <= to_skip:
                 continue
-            begin = max(to_skip - row, 0)
-            for text in batch.column(0).slice(begin).to_pylist():
-                row += 1
+            begin = max(to_skip - first, 0)
+            texts = batch.column(0).slice(begin).to_pylist()
+            for after, text in enumerate(texts, first + begin + 1):
                 if text:
-                    yield text, (group, begin + row)
-            row += begin
+                    yield text, (group, after)
 
 
 def _read_arrow(path: Path, text_field: str, start: Position) -> Iterator[tuple[str, Position]]:
