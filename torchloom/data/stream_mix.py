@@ -9,6 +9,7 @@ needs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,9 @@ from torchloom.data.tokenizer import Tokenizer
 MIX_BLOCK = 4096
 """Mix choices drawn per seeded block: document n's source is block n // MIX_BLOCK's draw."""
 DOCS_PER_READ = 32
-"""Documents tokenized together (one encode_batch call on the tokenizer's threads)."""
+"""At most this many documents are tokenized together (one encode_batch call, parallel on the
+tokenizer's threads); fewer when the average document length says fewer fill the need, so the
+carry (saved in checkpoints) stays near one document."""
 
 
 class DocumentStream:
@@ -113,14 +116,19 @@ class PackedStream:
         self.carry = np.zeros(0, dtype=np.int64)
         """Tokens read but not yet served (a served row's last token is the next one's first)."""
         self._choices: tuple[int, np.ndarray] | None = None
+        self._read_counts = [0, 0]  # documents and tokens read by this process: sizes reads
 
     def take(self, num_tokens: int) -> np.ndarray:
         """The carry extended by whole documents to at least ``num_tokens`` tokens."""
         parts, total = [self.carry], len(self.carry)
         while total < num_tokens:
-            docs = self._read(DOCS_PER_READ)
+            docs_read, tokens_read = self._read_counts
+            average = tokens_read / docs_read if docs_read else num_tokens
+            count = min(DOCS_PER_READ, max(1, math.ceil((num_tokens - total) / average)))
+            docs = self._read(count)
             parts.extend(docs)
             total += sum(len(d) for d in docs)
+            self._read_counts = [docs_read + count, tokens_read + sum(len(d) for d in docs)]
         return np.concatenate(parts)
 
     def keep(self, tail: np.ndarray) -> None:
