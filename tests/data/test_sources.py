@@ -110,10 +110,22 @@ def test_datasets_dict_folder_asks_for_a_split(tmp_path: Path) -> None:
         documents([str(tmp_path / "dd")], tmp_path)
 
 
-def test_token_arrays_need_streaming_and_a_known_dtype(tmp_path: Path, tiny_tokenizer) -> None:
-    path = write_npy(tmp_path / "t.npy", ["hello"], tiny_tokenizer)
-    with pytest.raises(ConfigError, match="t.npy' holds token ids.*--data.streaming true"):
-        documents([str(path)], tmp_path)
+def test_token_arrays_are_cached_like_their_text(tmp_path: Path, tiny_tokenizer) -> None:
+    """A .npy of pre-tokenized documents gives the cached loader the tokens and the validation
+    split that the same documents as JSONL give."""
+    docs = [f"document {i}: " + "text " * (i % 7) for i in range(50)]
+    cached = {}
+    for name, path in (("jsonl", write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])),
+                       ("npy", write_npy(tmp_path / "d.npy", docs, tiny_tokenizer))):  # fmt: skip
+        cfg = DataConfig(sources=[str(path)], tokenizer=str(tiny_tokenizer.path),
+                         cache_dir=str(tmp_path / "c"), val_fraction=0.1)  # fmt: skip
+        _, train, val = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+        cached[name] = (train.rows.tokens, val.rows.tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(cached["jsonl"], cached["npy"]))
+    assert len(cached["npy"][1]) > 0
+
+
+def test_token_arrays_need_a_known_dtype_and_ids(tmp_path: Path, tiny_tokenizer) -> None:
     np.save(tmp_path / "f.npy", np.zeros((2, 3), dtype=np.float32))
     cfg = DataConfig(sources=[str(tmp_path / "f.npy")], streaming=True, val_fraction=0.0,
                      tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip

@@ -51,7 +51,7 @@ class DataConfig:
     file (the whole file is one document), a .jsonl file (one document per line, text in
     --data.text_field), a .parquet or .arrow file (one document per row, text in the column
     --data.text_field), a datasets save_to_disk folder, a .npy array of token ids (documents
-    ending with eos; streaming only) or a directory (every .txt/.jsonl/.parquet/.arrow/.npy
+    ending with eos) or a directory (every .txt/.jsonl/.parquet/.arrow/.npy
     under it, in sorted order); builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
     builtin:chat_tasks (small synthetic tasks), builtin:word_problems_chat (a question, then
     its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
@@ -66,8 +66,8 @@ class DataConfig:
 
     streaming: bool = False
     """Text: tokenize and pack the training data on a background thread while training runs,
-    with no tokenization pass and no token cache (needed for .npy token sources and for
-    --data.mix; no validation split, so set --data.val_fraction 0). Off: tokenize every source
+    with no tokenization pass and no token cache (needed for --data.mix; no validation
+    split, so set --data.val_fraction 0). Off: tokenize every source
     once into cached token arrays and shuffle windows of them."""
 
     mix: list[float] = field(default_factory=list)

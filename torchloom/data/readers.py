@@ -51,12 +51,16 @@ def import_pyarrow() -> Any:
 
 
 def read_documents(
-    path: Path, text_field: str | None, start: Position = (0, 0), eos_id: int | None = None
+    path: Path,
+    text_field: str | None,
+    start: Position = (0, 0),
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[tuple[Document, Position]]:
     """The documents of ``path`` from ``start`` on, each with the position after it.
 
     ``text_field`` names the JSON field or column (None for .txt); ``eos_id`` is required for
-    .npy files (it separates their documents).
+    .npy files (it separates their documents), whose ids must be below ``vocab_size``.
     """
     suffix = path.suffix
     if suffix == ".txt":
@@ -70,7 +74,7 @@ def read_documents(
     if suffix == ".npy":
         if eos_id is None:
             raise ValueError("reading a .npy token source needs the tokenizer's eos id")
-        return _read_npy(path, eos_id, start)
+        return _read_npy(path, eos_id, start, vocab_size)
     raise ConfigError(f"Data source '{path}' has an unsupported extension '{suffix}'.")
 
 
@@ -206,9 +210,22 @@ def _read_arrow(path: Path, text_field: str, start: Position) -> Iterator[tuple[
                 yield text, (index, row)
 
 
-def _read_npy(path: Path, eos_id: int, start: Position) -> Iterator[tuple[np.ndarray, Position]]:
+def _read_npy(
+    path: Path, eos_id: int, start: Position, vocab_size: int | None
+) -> Iterator[tuple[np.ndarray, Position]]:
     """Documents of a 1-D token array: the runs ending with eos (the last one may lack it)."""
     tokens = load_token_array(path)
+    if vocab_size is not None:
+        for doc, position in _read_npy(path, eos_id, start, None):
+            if int(doc.max()) >= vocab_size or int(doc.min()) < 0:
+                bad = int(doc.max()) if int(doc.max()) >= vocab_size else int(doc.min())
+                raise ConfigError(
+                    f"{path}: token id {bad} is outside the tokenizer's vocabulary of "
+                    f"{vocab_size}; a .npy source must hold ids of the configured "
+                    "--data.tokenizer."
+                )
+            yield doc, position
+        return
     pos, total = start[0], len(tokens)
     while pos < total:
         window = np.asarray(tokens[pos : pos + NPY_CHUNK])
@@ -238,6 +255,17 @@ def _next_eos_end(tokens: np.ndarray, search: int, eos_id: int) -> int:
             return search + int(hits[0]) + 1
         search += NPY_CHUNK
     return len(tokens)
+
+
+def token_arrays(docs: list[Document], tokenizer: Any) -> list[np.ndarray]:
+    """Each document's token ids followed by eos: the texts encoded in one parallel batch,
+    token documents (which end with eos already) as they are."""
+    texts = [d for d in docs if isinstance(d, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else ())
+    eos = tokenizer.eos_id
+    return [
+        np.array([*next(encoded), eos], dtype=np.int64) if isinstance(d, str) else d for d in docs
+    ]
 
 
 def load_token_array(path: Path) -> np.ndarray:

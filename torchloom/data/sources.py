@@ -21,7 +21,7 @@ from torchloom.data.config import (
     BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
-from torchloom.data.readers import read_documents
+from torchloom.data.readers import Document, read_documents
 from torchloom.data.shapes_chat import ensure_shapes_chat, ensure_shapes_chat_test
 from torchloom.data.tones_chat import ensure_tones_chat, ensure_tones_chat_test
 from torchloom.data.word_problems import (
@@ -31,7 +31,7 @@ from torchloom.data.word_problems import (
 )
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".npy")
-"""What a text source directory expands to (.npy: token ids, for --data.streaming only)."""
+"""What a text source directory expands to (.npy: token ids, documents ending with eos)."""
 HF_DATASET_STATE = "state.json"
 """The file ``datasets.Dataset.save_to_disk`` writes beside its arrow shards, listing them."""
 HF_DATASET_DICT = "dataset_dict.json"
@@ -153,20 +153,18 @@ def _source_file(path: Path, text_field: str) -> SourceFile:
     raise ConfigError(
         f"Data source '{path}' has an unsupported extension '{path.suffix}': use .txt (whole "
         "file is one document), .jsonl (one JSON object per line), .parquet or .arrow (one row "
-        "per document), .npy (token ids, with --data.streaming true) or a directory of them."
+        "per document), .npy (token ids, documents ending with eos) or a directory of them."
     )
 
 
-def iter_documents(files: list[SourceFile]) -> Iterator[str]:
-    """Every non-empty document of ``files``, in order (text sources only)."""
+def iter_documents(
+    files: list[SourceFile], eos_id: int | None = None, vocab_size: int | None = None
+) -> Iterator[Document]:
+    """Every non-empty document of ``files``, in order: text, or for .npy token sources (which
+    need the tokenizer's ``eos_id`` and ``vocab_size``) token ids ending with eos."""
     for file in files:
-        if file.path.suffix == ".npy":
-            raise ConfigError(
-                f"Data source '{file.path}' holds token ids, which only the streaming loader "
-                "reads: add --data.streaming true, or give text (.txt/.jsonl/.parquet/.arrow)."
-            )
-        for text, _ in read_documents(file.path, file.text_field):
-            yield text  # type: ignore[misc]
+        for doc, _ in read_documents(file.path, file.text_field, (0, 0), eos_id, vocab_size):
+            yield doc
 
 
 def iter_jsonl_records(path: Path, example: str) -> Iterator[tuple[str, object]]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.config.errors import ConfigError
-from torchloom.data.readers import Document, Position, read_documents
+from torchloom.data.readers import Document, Position, read_documents, token_arrays
 from torchloom.data.sources import SourceFile
 from torchloom.data.tokenizer import Tokenizer
 
@@ -64,14 +64,14 @@ class DocumentStream:
         while True:
             if self._reader is None:
                 file = self.files[self._file]
-                self._reader = read_documents(file.path, file.text_field, self._after, self.eos_id)
+                self._reader = read_documents(
+                    file.path, file.text_field, self._after, self.eos_id, self.vocab_size
+                )
             found = next(self._reader, None)
             if found is not None:
                 doc, self._after = found
                 if self._since_start is not None:
                     self._since_start += 1
-                if isinstance(doc, np.ndarray):
-                    self._check_ids(doc)
                 return doc
             self._reader, self._after = None, (0, 0)
             self._file += 1
@@ -79,15 +79,6 @@ class DocumentStream:
                 if self._since_start == 0:
                     raise ConfigError(f"The data source '{self.name}' contains no documents.")
                 self._file, self._epoch, self._since_start = 0, self._epoch + 1, 0
-
-    def _check_ids(self, ids: np.ndarray) -> None:
-        largest = int(ids.max())
-        if largest >= self.vocab_size or int(ids.min()) < 0:
-            raise ConfigError(
-                f"{self.files[self._file].path}: token id {largest} is outside the tokenizer's "
-                f"vocabulary of {self.vocab_size}; a .npy source must hold ids of the "
-                "configured --data.tokenizer."
-            )
 
 
 class PackedStream:
@@ -158,13 +149,7 @@ class PackedStream:
         """The next ``count`` documents of the mix as token arrays ending with eos."""
         docs = [self.streams[self._source_of(self.documents + i)].next() for i in range(count)]
         self.documents += count
-        texts = [d for d in docs if isinstance(d, str)]
-        encoded = iter(self.tokenizer.encode_batch(texts)) if texts else iter(())
-        eos = self.tokenizer.eos_id
-        return [
-            np.array([*next(encoded), eos], dtype=np.int64) if isinstance(d, str) else d
-            for d in docs
-        ]
+        return token_arrays(docs, self.tokenizer)
 
     def _source_of(self, document: int) -> int:
         if self.probabilities is None:
