@@ -6,9 +6,12 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tests.data.stream_files import write_arrow, write_hf_dataset, write_npy, write_parquet
 from torchloom.config.errors import ConfigError
+from torchloom.data import DataConfig, build_dataloaders
 from torchloom.data.sources import iter_documents, resolve_sources
 
 
@@ -62,7 +65,83 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_unsupported_extension_and_unknown_builtin(tmp_path: Path) -> None:
     (tmp_path / "data.csv").write_text("a,b", encoding="utf-8")
-    with pytest.raises(ConfigError, match="unsupported extension '.csv'"):
+    with pytest.raises(ConfigError, match=r"unsupported extension '.csv': use .txt .* .parquet"):
         documents([str(tmp_path / "data.csv")], tmp_path)
     with pytest.raises(ConfigError, match="Did you mean 'builtin:stdlib_docs'"):
         documents(["builtin:stdlib_doc"], tmp_path)
+
+
+def test_parquet_arrow_and_datasets_folders_are_text_sources(tmp_path: Path) -> None:
+    docs = [f"document {i}" for i in range(23)]
+    docs_with_gaps = [*docs[:5], "", None, *docs[5:]]  # empty and null rows are skipped
+    sources = {
+        "parquet": write_parquet(tmp_path / "a.parquet", docs_with_gaps, rows_per_group=4),
+        "arrow file": write_arrow(tmp_path / "a.arrow", docs_with_gaps),
+        "arrow stream": write_arrow(tmp_path / "s.arrow", docs_with_gaps, stream=True),
+        "datasets folder": write_hf_dataset(tmp_path / "hf", docs, num_shards=3),
+    }
+    for name, path in sources.items():
+        assert documents([str(path)], tmp_path) == docs, name
+    shards = tmp_path / "shards"
+    write_parquet(shards / "b.parquet", docs[10:])
+    write_parquet(shards / "a.parquet", docs[:10])
+    assert documents([str(shards)], tmp_path) == docs  # a directory: sorted shards
+
+
+def test_missing_column_names_the_columns(tmp_path: Path) -> None:
+    parquet = write_parquet(tmp_path / "d.parquet", ["x"])
+    with pytest.raises(ConfigError, match=r"d.parquet: no column 'txt' \(columns: id, text\)\."
+                       r".*Did you mean 'text'.*--data.text_field"):  # fmt: skip
+        documents([str(parquet)], tmp_path, text_field="txt")
+    arrow = write_arrow(tmp_path / "d.arrow", ["x"], stream=True)
+    with pytest.raises(ConfigError, match=r"d.arrow: no column 'body' \(columns: text, id\)"):
+        documents([str(arrow)], tmp_path, text_field="body")
+    with pytest.raises(ConfigError, match="column 'id' holds int64, not strings"):
+        documents([str(parquet)], tmp_path, text_field="id")
+
+
+def test_datasets_dict_folder_asks_for_a_split(tmp_path: Path) -> None:
+    import datasets
+
+    splits = {"train": datasets.Dataset.from_dict({"text": ["a"]}),
+              "test": datasets.Dataset.from_dict({"text": ["b"]})}  # fmt: skip
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"DatasetDict folder \(splits: test, train\).*dd/train"):
+        documents([str(tmp_path / "dd")], tmp_path)
+
+
+def test_token_arrays_are_cached_like_their_text(tmp_path: Path, tiny_tokenizer) -> None:
+    """A .npy of pre-tokenized documents gives the cached loader the tokens and the validation
+    split that the same documents as JSONL give."""
+    docs = [f"document {i}: " + "text " * (i % 7) for i in range(50)]
+    cached = {}
+    for name, path in (("jsonl", write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])),
+                       ("npy", write_npy(tmp_path / "d.npy", docs, tiny_tokenizer))):  # fmt: skip
+        cfg = DataConfig(sources=[str(path)], tokenizer=str(tiny_tokenizer.path),
+                         cache_dir=str(tmp_path / "c"), val_fraction=0.1)  # fmt: skip
+        _, train, val = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+        cached[name] = (train.rows.tokens, val.rows.tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(cached["jsonl"], cached["npy"]))
+    assert len(cached["npy"][1]) > 0
+
+
+def test_token_arrays_need_a_known_dtype_and_ids(tmp_path: Path, tiny_tokenizer) -> None:
+    np.save(tmp_path / "f.npy", np.zeros((2, 3), dtype=np.float32))
+    cfg = DataConfig(sources=[str(tmp_path / "f.npy")], streaming=True, val_fraction=0.0,
+                     tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    with pytest.raises(ConfigError, match="f.npy: a token source must be a 1-D array.*2-D float32"):
+        build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+    np.save(tmp_path / "big.npy", np.array([5, 900, 0], dtype=np.int32))
+    cfg.sources = [str(tmp_path / "big.npy")]
+    _, train, _ = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+    with pytest.raises(ConfigError, match="big.npy: token id 900 is outside the tokenizer's"):
+        train.next_step()  # raised on the worker thread, re-raised here
+
+
+def test_a_streamed_source_without_documents_fails(tmp_path: Path, tiny_tokenizer) -> None:
+    empty = write_parquet(tmp_path / "empty.parquet", ["", None])
+    cfg = DataConfig(sources=[str(empty)], streaming=True, val_fraction=0.0,
+                     tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    _, train, _ = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+    with pytest.raises(ConfigError, match="empty.parquet' contains no documents"):
+        train.next_step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,8 +20,11 @@ from torchloom.data.multimodal import (
 )
 from torchloom.data.multimodal_format import MediaTokens
 from torchloom.data.packing import TokenWindows
+from torchloom.data.readers import check_source_file
 from torchloom.data.sft import ChatDataset, PackedConversations
 from torchloom.data.sources import resolve_chat_sources, resolve_sources
+from torchloom.data.stream_mix import DocumentStream, PackedStream
+from torchloom.data.streaming import StreamingLoader
 from torchloom.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -28,7 +32,7 @@ class DataLoaders(NamedTuple):
     """What ``build_dataloaders`` returns; unpacks as ``tokenizer, train, val``."""
 
     tokenizer: Tokenizer
-    train: TrainLoader
+    train: TrainLoader | StreamingLoader
     val: ValLoader | None
     """None when --data.val_fraction is 0."""
 
@@ -66,6 +70,11 @@ def build_dataloaders(
     repeat the work and agree on the result.
     """
     tokenizer = build_tokenizer(cfg)
+    if cfg.streaming:
+        train = streaming_loader(
+            cfg, tokenizer, seq_len, global_batch_size, micro_batch_size, dp_rank, dp_size, seed
+        )
+        return DataLoaders(tokenizer, train, None)  # validate() refuses val_fraction > 0
     if cfg.format == "chat":
         train_rows, val_rows = _chat_rows(cfg, tokenizer, seq_len)
     elif cfg.format == "multimodal":
@@ -95,6 +104,49 @@ def _text_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Row
     train = TokenWindows(dataset.train_tokens, dataset.eos_id, seq_len, cfg.document_mask)
     val = TokenWindows(dataset.val_tokens, dataset.eos_id, seq_len, cfg.document_mask)
     return train, val
+
+
+def streaming_loader(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    seed: int = 0,
+) -> StreamingLoader:
+    """Pre-training text streamed from the sources (mixed by --data.mix), no cache pass."""
+    cache_dir = resolve_cache_dir(cfg.cache_dir)
+    groups = [resolve_sources([source], cfg.text_field, cache_dir) for source in cfg.sources]
+    for files in groups:
+        for file in files:
+            check_source_file(file.path, file.text_field)
+    vocab, eos = tokenizer.vocab_size, tokenizer.eos_id
+    if cfg.mix:
+        streams = [DocumentStream(name, files, eos, vocab)
+                   for name, files in zip(cfg.sources, groups)]  # fmt: skip
+    else:  # one after the other, as the cached path concatenates them
+        all_files = [file for files in groups for file in files]
+        streams = [DocumentStream(", ".join(cfg.sources), all_files, eos, vocab)]
+    identity = {
+        "seed": seed,
+        "sources": json.dumps(cfg.sources),
+        "mix": json.dumps(cfg.mix),
+        "text_field": cfg.text_field,
+        "tokenizer": tokenizer.fingerprint()[:16],
+    }
+    return StreamingLoader(
+        PackedStream(streams, cfg.mix or None, tokenizer, seed),
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        document_mask=cfg.document_mask,
+        prefetch_steps=cfg.prefetch_steps,
+        identity=identity,
+    )
 
 
 def _chat_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[RowSource, RowSource]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,8 +49,10 @@ class DataConfig:
     sources: list[str] = field(default_factory=lambda: [BUILTIN_CORPUS])
     """Data to train on. Text: builtin:stdlib_docs (English docs shipped with Python), a .txt
     file (the whole file is one document), a .jsonl file (one document per line, text in
-    --data.text_field) or a directory (every .txt/.jsonl under it, in sorted order);
-    builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
+    --data.text_field), a .parquet or .arrow file (one document per row, text in the column
+    --data.text_field), a datasets save_to_disk folder, a .npy array of token ids (documents
+    ending with eos) or a directory (every .txt/.jsonl/.parquet/.arrow/.npy
+    under it, in sorted order); builtin:word_problems (arithmetic and word problems with worked solutions). Chat:
     builtin:chat_tasks (small synthetic tasks), builtin:word_problems_chat (a question, then
     its worked solution), builtin:word_problems_chat_mixed (the same, half of the replies
     giving only the answer), .jsonl files or directories of them. Multimodal:
@@ -59,7 +62,21 @@ class DataConfig:
     files or directories of them."""
 
     text_field: str = "text"
-    """Field of each JSONL line that holds the document text."""
+    """Field of each JSONL line, or column of each parquet/arrow row, that holds the text."""
+
+    streaming: bool = False
+    """Text: tokenize and pack the training data on a background thread while training runs,
+    with no tokenization pass and no token cache (needed for --data.mix; no validation
+    split, so set --data.val_fraction 0). Off: tokenize every source
+    once into cached token arrays and shuffle windows of them."""
+
+    mix: list[float] = field(default_factory=list)
+    """Streaming: one weight per --data.sources entry, each >= 0 and summing to 1, e.g.
+    '[0.7, 0.3]': each document comes from source i with probability mix[i] (a seeded draw),
+    and sources that run out restart. Empty: the sources are read one after the other."""
+
+    prefetch_steps: int = 4
+    """Streaming: optimizer steps of batches the background thread keeps ready."""
 
     tokenizer: str = BUILTIN_TOKENIZER
     """builtin:stdlib_bpe (a byte-level BPE trained on the builtin corpus, with a ChatML chat
@@ -163,6 +180,7 @@ class DataConfig:
             )
         if self.format == "multimodal":
             self._validate_multimodal()
+        self._validate_streaming()
         if not self.text_field:
             raise ConfigError("--data.text_field is empty: name the JSONL field holding the text.")
         if not self.tokenizer:
@@ -178,6 +196,39 @@ class DataConfig:
             raise ConfigError(
                 f"--data.val_fraction={self.val_fraction} must be in [0, 1): it is the fraction "
                 "of documents held out for validation, e.g. 0.02 (0 disables validation)."
+            )
+
+    def _validate_streaming(self) -> None:
+        if self.streaming and self.format != "text":
+            raise ConfigError(
+                f"--data.streaming applies to --data.format text, not {self.format}: "
+                "conversations are packed whole from cached arrays. Leave streaming off."
+            )
+        if self.streaming and self.val_fraction > 0:
+            raise ConfigError(
+                f"--data.streaming has no validation split (--data.val_fraction is "
+                f"{self.val_fraction}): add --data.val_fraction 0, or turn streaming off."
+            )
+        if self.prefetch_steps < 1:
+            raise ConfigError(f"--data.prefetch_steps={self.prefetch_steps} must be at least 1.")
+        if not self.mix:
+            return
+        if not self.streaming:
+            raise ConfigError(
+                "--data.mix needs --data.streaming true (documents are mixed as they stream); "
+                "add it, or drop --data.mix to read the sources one after the other."
+            )
+        if len(self.mix) != len(self.sources):
+            raise ConfigError(
+                f"--data.mix has {len(self.mix)} weight(s) for {len(self.sources)} source(s): "
+                "give one weight per --data.sources entry, in the same order."
+            )
+        if any(not math.isfinite(w) or w < 0 for w in self.mix):
+            raise ConfigError(f"--data.mix {self.mix}: every weight must be a number >= 0.")
+        if abs(sum(self.mix) - 1.0) > 1e-6:
+            raise ConfigError(
+                f"--data.mix {self.mix} sums to {sum(self.mix):.6g}, not 1: give each source's "
+                "share of the documents, e.g. '[0.7, 0.3]'."
             )
 
     def _validate_multimodal(self) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.cache import atomic_write, atomic_write_text
+from torchloom.data.readers import token_arrays
 from torchloom.data.sources import SourceFile, iter_documents
 from torchloom.data.tokenizer import Tokenizer
 
@@ -101,7 +102,8 @@ def _tokenize_to_cache(
 ) -> None:
     start = time.perf_counter()
     # Two passes over the files (count, then tokenize) keep only one chunk of text in memory.
-    num_docs = sum(1 for _ in iter_documents(files))
+    eos, vocab = tokenizer.eos_id, tokenizer.vocab_size
+    num_docs = sum(1 for _ in iter_documents(files, eos, vocab))
     if num_docs == 0:
         raise ConfigError(f"The data sources {[str(f.path) for f in files]} contain no text.")
     is_val = held_out_mask(num_docs, val_fraction)
@@ -109,15 +111,14 @@ def _tokenize_to_cache(
     dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32
     splits: dict[bool, list[np.ndarray]] = {False: [], True: []}
     doc_index = 0
-    for texts in chunked(iter_documents(files), ENCODE_CHUNK_DOCS):
-        flat: dict[bool, list[int]] = {False: [], True: []}
-        for ids in tokenizer.encode_batch(texts):
-            target = flat[bool(is_val[doc_index])]
-            target.extend(ids)
-            target.append(tokenizer.eos_id)
+    for docs in chunked(iter_documents(files, eos, vocab), ENCODE_CHUNK_DOCS):
+        flat: dict[bool, list[np.ndarray]] = {False: [], True: []}
+        for ids in token_arrays(docs, tokenizer):  # each ends with eos
+            flat[bool(is_val[doc_index])].append(ids)
             doc_index += 1
-        for split, ids in flat.items():
-            splits[split].append(np.array(ids, dtype=dtype))
+        for split, arrays in flat.items():
+            if arrays:
+                splits[split].append(np.concatenate(arrays).astype(dtype))
     empty = [np.zeros(0, dtype)]
     train, val = np.concatenate(splits[False] or empty), np.concatenate(splits[True] or empty)
 

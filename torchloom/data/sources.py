@@ -21,6 +21,7 @@ from torchloom.data.config import (
     BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
+from torchloom.data.readers import Document, read_documents
 from torchloom.data.shapes_chat import ensure_shapes_chat, ensure_shapes_chat_test
 from torchloom.data.tones_chat import ensure_tones_chat, ensure_tones_chat_test
 from torchloom.data.word_problems import (
@@ -29,7 +30,11 @@ from torchloom.data.word_problems import (
     ensure_word_problem_corpus,
 )
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".npy")
+"""What a text source directory expands to (.npy: token ids, documents ending with eos)."""
+HF_DATASET_STATE = "state.json"
+"""The file ``datasets.Dataset.save_to_disk`` writes beside its arrow shards, listing them."""
+HF_DATASET_DICT = "dataset_dict.json"
 MESSAGES_FIELD = "messages"
 """The JSONL field of a chat source that holds a conversation's messages."""
 # Each builtin source: the function that returns its file in the cache, generating it if needed.
@@ -46,11 +51,12 @@ BUILTIN_MULTIMODAL = {BUILTIN_SHAPES_CHAT: ensure_shapes_chat,
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One file of documents: a .txt file is one document, a .jsonl file one per line."""
+    """One file of documents: a .txt file is one document, a .jsonl file one per line, a
+    .parquet or .arrow file one per row, a .npy token array one per eos-terminated run."""
 
     path: Path
     text_field: str | None
-    """JSONL field holding the text; None for .txt files."""
+    """JSONL field or column holding the text; None for .txt and .npy files."""
 
     def fingerprint(self) -> list[str | int]:
         """Path, size and mtime: changes whenever the file is edited, without reading it."""
@@ -110,6 +116,14 @@ def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
         )
     if not path.is_dir():
         return [path]
+    if ".arrow" in suffixes and (path / HF_DATASET_DICT).is_file():
+        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise ConfigError(
+            f"Data source '{source}' is a datasets DatasetDict folder (splits: "
+            f"{', '.join(splits)}): point --data.sources at one split, e.g. '{path / 'train'}'."
+        )
+    if ".arrow" in suffixes and (path / HF_DATASET_STATE).is_file():
+        return _dataset_shards(path)
     found = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
     if not found:
         raise ConfigError(
@@ -118,35 +132,39 @@ def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
     return found
 
 
+def _dataset_shards(path: Path) -> list[Path]:
+    """The arrow shards of a ``Dataset.save_to_disk`` folder, in the order its state lists."""
+    state_path = path / HF_DATASET_STATE
+    try:
+        names = [f["filename"] for f in json.loads(state_path.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{state_path}: not a datasets save_to_disk state file ({e!r}); remove it to read "
+            "the folder's .arrow/.parquet files in sorted order."
+        ) from None
+    return [path / name for name in names]
+
+
 def _source_file(path: Path, text_field: str) -> SourceFile:
-    if path.suffix == ".txt":
+    if path.suffix in (".txt", ".npy"):
         return SourceFile(path, None)
-    if path.suffix == ".jsonl":
+    if path.suffix in (".jsonl", ".parquet", ".arrow"):
         return SourceFile(path, text_field)
     raise ConfigError(
         f"Data source '{path}' has an unsupported extension '{path.suffix}': use .txt (whole "
-        "file is one document) or .jsonl (one JSON object per line)."
+        "file is one document), .jsonl (one JSON object per line), .parquet or .arrow (one row "
+        "per document), .npy (token ids, documents ending with eos) or a directory of them."
     )
 
 
-def iter_documents(files: list[SourceFile]) -> Iterator[str]:
-    """Every non-empty document of ``files``, in order."""
+def iter_documents(
+    files: list[SourceFile], eos_id: int | None = None, vocab_size: int | None = None
+) -> Iterator[Document]:
+    """Every non-empty document of ``files``, in order: text, or for .npy token sources (which
+    need the tokenizer's ``eos_id`` and ``vocab_size``) token ids ending with eos."""
     for file in files:
-        if file.text_field is None:
-            text = _read_text(file.path)
-            if text:
-                yield text
-        else:
-            yield from _iter_jsonl(file.path, file.text_field)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{path}: not valid UTF-8 at byte {e.start}. Re-encode the file as UTF-8."
-        ) from None
+        for doc, _ in read_documents(file.path, file.text_field, (0, 0), eos_id, vocab_size):
+            yield doc
 
 
 def iter_jsonl_records(path: Path, example: str) -> Iterator[tuple[str, object]]:
@@ -164,21 +182,3 @@ def iter_jsonl_records(path: Path, example: str) -> Iterator[tuple[str, object]]
                     f"{where}: not a valid JSON line ({e}). Each line of a .jsonl source must "
                     f"be one JSON object such as {example}."
                 ) from None
-
-
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    for where, record in iter_jsonl_records(path, f'{{"{text_field}": "..."}}'):
-        if not isinstance(record, dict) or text_field not in record:
-            keys = list(record) if isinstance(record, dict) else []
-            raise ConfigError(
-                f"{where}: no field '{text_field}' (found {keys or type(record).__name__})."
-                f"{did_you_mean(text_field, keys)} Set --data.text_field to the field "
-                "holding the text."
-            )
-        text = record[text_field]
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"{where}: field '{text_field}' is a {type(text).__name__}, not a string."
-            )
-        if text:
-            yield text
