@@ -66,6 +66,12 @@ sized exactly, a round falls short about half the time (the kept count is binomi
 batch then needs another round or stays short; the surplus groups cost little, decoded in the
 same batch."""
 
+REFILL_ROUND_GROUPS = 16
+"""A refill round generates at most this many times prompts_per_step groups (the first one,
+with no rate known yet, 4 times): late in countdown ~2% of groups vary, and rounds capped at
+4x could then find only ~13 of 16 in ten rounds. A round decodes in waves of the generator's
+slots, so its size bounds the step's time, not its memory."""
+
 
 def collect(
     generate: Callable[[list[int]], RolloutBatch], first: list[int], more: Iterator[int],
@@ -88,9 +94,9 @@ def collect(
     rollouts = [r for r in batch.rollouts if r.group in set(kept)]
     while len(kept) < want and rounds < cfg.max_refill_rounds:
         rounds += 1
-        # Sized by the rate kept so far, unfloored (late in countdown ~4% of groups vary).
+        # Sized by the rate kept so far, unfloored (late in countdown ~2% of groups vary).
         needed = math.ceil(REFILL_MARGIN * (want - len(kept)) * generated / max(len(kept), 1))
-        count = min(needed if kept else 4 * want, 4 * want)
+        count = min(needed, REFILL_ROUND_GROUPS * want) if kept else 4 * want
         extra = generate([next(more) for _ in range(count)])
         generated += count
         batch.seconds += extra.seconds
