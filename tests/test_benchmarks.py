@@ -182,3 +182,17 @@ def test_deepseek_v4_benchmark_small(tmp_path):
     assert report["active_params"] < report["params"]
     assert hc["fwd_s"] > 0 and hc["fwd_bwd_s"] > 0  # not ordered: 2 steps on a shared CPU
     assert hc["share_of_step"] == hc["per_step_s"] / train["step_s"]
+
+
+def test_data_stall_benchmark_small(tmp_path):
+    """benchmarks/data_stall.py --small: a parquet corpus generated, then streamed by `torchloom
+    train` on the CPU with its data wait's share of the step and its memory measured."""
+    out = tmp_path / "data_stall.json"
+    _run("data_stall.py", "--small", "--out", str(tmp_path), "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["error"] is None, report["train_log"]
+    assert report["corpus_bytes"] > 0 and list((tmp_path / "corpus").glob("*.parquet"))
+    assert report["steps"] == 6 and report["timed_steps"] == [3, 4, 5, 6]
+    assert report["tokens_per_s"] > 0
+    assert 0 <= report["data_wait_share_pct"] <= 100, report["data_wait_share_pct"]
+    assert report["peak_rss_gib"] > 0
