@@ -134,10 +134,14 @@ def cmd_train(argv: list[str]) -> int:
             err.args = (f"{err} Resume with: {_resume_command(argv)}",)
         raise
     if trainer.is_rank0:
+        validation = (
+            ""
+            if math.isnan(result.val_loss_before) and math.isnan(result.val_loss_after)
+            else f", validation loss {result.val_loss_before:.3f} -> {result.val_loss_after:.3f}"
+        )  # no held-out split (--data.val_fraction 0, streaming): no validation to report
         print(
             f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
-            f"{result.last_loss:.3f}, validation loss {result.val_loss_before:.3f} -> "
-            f"{result.val_loss_after:.3f}"
+            f"{result.last_loss:.3f}{validation}"
         )
         _print_sample(trainer, result.model_dir)
     destroy()

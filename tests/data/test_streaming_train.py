@@ -73,3 +73,23 @@ def test_two_rank_streaming_run_resumes_on_two_and_on_one(tmp_path, tiny_tokeniz
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(resumed, full[2:], strict=True)]
         print(f"{name}: |loss diff| vs the uninterrupted 2-rank run {diffs}")
         assert max(diffs) == 0 if name == "2 ranks" else max(diffs) < 1e-5, (name, diffs)
+
+
+def test_resuming_with_the_other_loader_names_the_setting(tmp_path, tiny_tokenizer, capsys):
+    """A streamed run's checkpoint resumed by the cached loader (its state has other keys):
+    one line naming the part, the setting and the way to resume without it, which works."""
+    sources = [write_parquet(tmp_path / "a.parquet", texts("alpha", 300), rows_per_group=20),
+               write_arrow(tmp_path / "b.arrow", texts("beta", 200), stream=True)]  # fmt: skip
+    tok = tiny_tokenizer.path
+    train(tmp_path / "run", sources, tok, "--training.steps", "2", "--checkpoint.interval", "2")
+    capsys.readouterr()
+    cached = [*flags(tmp_path / "run", sources, tok), "--data.streaming", "false",
+              "--data.mix", "[]", "--training.steps", "3", "--checkpoint.resume", "true"]  # fmt: skip
+    assert main(["train", *cached]) != 0
+    err = capsys.readouterr().err
+    assert "The checkpoint's dataloader state has another shape than this run's" in err, err
+    assert "--data.streaming" in err and "exclude_from_loading '[\"dataloader\"]'" in err, err
+    skip = ["--checkpoint.exclude_from_loading", '["dataloader"]']
+    assert main(["train", *cached, *skip]) == 0
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out and "validation loss nan" not in out, out

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import re
 import resource
 import threading
 import time
@@ -193,7 +194,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # one line instead of pages
             raise CheckpointError(
                 f"Loading the checkpoint {self.storage.step_dir(step)} failed: "
-                f"{_one_line(_root_error(err))}"
+                f"{_one_line(_root_error(err))}{_missing_key_hint(_root_error(err), parts)}"
             ) from err
         self.load_seconds = time.perf_counter() - start
         self.loaded_step = step
@@ -483,6 +484,23 @@ def _file_at_size_limit(folder: str | Path) -> Path | None:
         return None
     return next((p for p in sorted(folder.rglob("*")) if p.is_file() and p.stat().st_size >= limit),
                 None)  # fmt: skip
+
+
+_STATE_SHAPED_BY = {"dataloader": " (it changes with --data.streaming and --data.format)"}
+
+
+def _missing_key_hint(err: BaseException, parts: list[str]) -> str:
+    """For a key of one part that the checkpoint lacks (this run keeps that part's state in
+    another shape than the saved run did): which part, and how to resume anyway."""
+    found = re.search(r"Missing key in checkpoint state_dict: (\w+)\.", str(err))
+    if found is None or found.group(1) not in parts:
+        return ""
+    part = found.group(1)
+    return (
+        f". The checkpoint's {part} state has another shape than this run's"
+        f"{_STATE_SHAPED_BY.get(part, '')}: resume with the saved run's settings, or without "
+        f"that state: --checkpoint.exclude_from_loading '[\"{part}\"]'."
+    )
 
 
 def _root_error(err: BaseException) -> BaseException:
