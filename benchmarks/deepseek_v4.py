@@ -3,6 +3,7 @@ one table, JSON to --json.
 
     python benchmarks/deepseek_v4.py                      # one H200: the deepseek_v4_flash4 recipe
     python benchmarks/deepseek_v4.py --small              # the CPU: debug flavor, 2 steps, eager
+    python benchmarks/deepseek_v4.py --parts hc-compiled --profile-steps 3   # mHC's top kernels
 
 Parts (each catches its own failure, an OOM included, and records it in the JSON):
 
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from train import _fmt, _free, bench_device, measure
+from train import _fmt, _free, bench_device, measure, profile_steps
 
 from torchloom.cli import resolve_job
 from torchloom.models import resolve_model_config
@@ -46,6 +47,7 @@ from torchloom.models.components.hyper_connections import HyperConnection, Hyper
 from torchloom.models.components.param_init import ParamInit
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.metrics import device_peak_tflops
+from torchloom.train.profiling import format_kernel_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE, SMALL_RECIPE = "deepseek_v4_flash4", "deepseek_v4_debug"
@@ -124,6 +126,9 @@ def run_hc(args: argparse.Namespace, cfg, device: torch.device, micro: int, seq:
         inputs = [None] * (args.hc_warmup + args.hc_iters)
         record["fwd_s"], _ = measure(forward, inputs, args.hc_warmup, device)
         record["fwd_bwd_s"], _ = measure(forward_backward, inputs, args.hc_warmup, device)
+        if args.profile_steps and device.type == "cuda":  # where the forward + backward goes
+            record["profile"] = profile_steps(forward_backward, inputs[: args.profile_steps], device)  # fmt: skip
+            print(format_kernel_summary(record["part"], record["profile"]), flush=True)
         if compiled:
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
             record["compiled_graphs"] = graphs
@@ -199,6 +204,9 @@ def main() -> None:
                         help="default: all of them (--small: train and hc-eager)")  # fmt: skip
     parser.add_argument("--hc-iters", type=int, default=10, help="timed hyper-connection calls")
     parser.add_argument("--hc-warmup", type=int, default=3)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="on a GPU: profile this many more hyper-connection forward + "
+                        "backward calls and print their top kernels")  # fmt: skip
     parser.add_argument("--train-timeout", type=int, default=300, help="seconds for the train part")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("outputs/deepseek_v4_bench"))
