@@ -9,6 +9,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,20 +21,29 @@ def median_seconds(
     iters: int,
     warmup: int = 3,
     before: Callable[[], object] | None = None,
+    cuda: bool = True,
 ) -> float:
-    """Median CUDA-event time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones;
-    ``before``, if given, runs (untimed) ahead of every call."""
+    """Median time of ``fn`` over ``iters`` calls after ``warmup`` untimed ones (CUDA events;
+    with ``cuda`` false, the host clock); ``before``, if given, runs (untimed) ahead of every
+    call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if before is not None:
             before()
+        if not cuda:
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         times.append((start, end))
+    if not cuda:
+        return statistics.median(times)
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
 

@@ -33,13 +33,13 @@ import argparse
 import datetime
 import json
 import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_bench import median_seconds
 from torch.utils.checkpoint import checkpoint
 
 from torchloom.kernels.sparse_attention import (
@@ -122,27 +122,6 @@ def flex_row(inputs: dict, args: argparse.Namespace) -> tuple[Attend, float]:
     return attend, mask_s
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-    if cuda:
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in times)
-    return 1e3 * statistics.median(times)
-
-
 def run_row(row: str, inputs: dict, args: argparse.Namespace, reference: torch.Tensor,
             cuda: bool) -> dict:  # fmt: skip
     q, kv, indices, sinks = (inputs[k] for k in ("q", "kv", "indices", "sinks"))
@@ -167,13 +146,15 @@ def run_row(row: str, inputs: dict, args: argparse.Namespace, reference: torch.T
         out = attend(q, kv, indices, sinks, scale)
         record["max_abs_diff_vs_gather"] = (out.float() - reference.float()).abs().max().item()
         del out
-        record["fwd_ms"] = median_ms(lambda: attend(q, kv, indices, sinks, scale), iters, 1, cuda)
+        record["fwd_ms"] = 1e3 * median_seconds(
+            lambda: attend(q, kv, indices, sinks, scale), iters, 1, cuda=cuda
+        )
 
     def fwd_bwd() -> None:
         out = attend(leaves[0], leaves[1], indices, leaves[2], scale)
         torch.autograd.grad(out, leaves, grad)
 
-    record["fwd_bwd_ms"] = median_ms(fwd_bwd, iters, 1, cuda)
+    record["fwd_bwd_ms"] = 1e3 * median_seconds(fwd_bwd, iters, 1, cuda=cuda)
     return record
 
 

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from gpu_bench import write_report
+from gpu_bench import median_seconds, write_report
 
 from torchloom.data.mrope import mrope_positions
 from torchloom.data.packing import IGNORE_INDEX
@@ -102,28 +100,6 @@ def build(cfg: Qwen3VLConfig, device: torch.device, compile_: bool) -> torch.nn.
     return model
 
 
-def timed(fn, steps: int, warmup: int, device: torch.device) -> float:
-    """Median seconds of ``fn`` over ``steps`` calls after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            start_s = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start_s)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="2B", choices=sorted(QWEN3_VL_FLAVORS))
@@ -183,7 +159,7 @@ def main() -> None:
         ("text-only", lambda: step(None), text_flops),
         ("encoder", encoder_only, media_flops),
     ):
-        seconds = timed(fn, args.steps, args.warmup, device)
+        seconds = median_seconds(fn, args.steps, args.warmup, cuda=device.type == "cuda")
         row = {
             "row": name, "step_s": seconds, "tokens_per_s": tokens / seconds,
             "tflops": flops / seconds / 1e12,

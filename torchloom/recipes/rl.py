@@ -83,8 +83,9 @@ def rl_gpu() -> RLJobConfig:
     # benchmarks/RESULTS.md); countdown starts at 0, and its format reward gives a signal.
     job.rl = RLConfig(task="countdown", format_reward=0.1, prompts_per_step=16, group_size=8,
                       max_new_tokens=24, micro_batch_size=32, generator_slots=512,
-                      # Early on ~3% of groups vary (the model rarely writes a valid
-                      # expression): up to 10 rounds of at most 64 groups fill the batch.
+                      # Early on 1-3% of groups vary (the model rarely writes a valid
+                      # expression), late ~2% (every reply well-formed, rewards equal): up
+                      # to 10 refill rounds, each sized by that rate (rl/sources.py).
                       max_refill_rounds=10,
                       init_recipes=["llama3_500m", "sft_500m"])  # fmt: skip
     job.output.dir = "outputs/rl_gpu"
