@@ -8,14 +8,10 @@ from dataclasses import replace
 
 import torch
 
-from tests.train.test_dry_run import per_rank
+from tests.train.test_dry_run import estimate_and_real_forward, per_rank
 from torchloom.cli import main, resolve_job
 from torchloom.models import build_model, resolve_model_config
 from torchloom.models.config import ModelConfig
-from torchloom.parallel import build_parallel_dims
-from torchloom.train.builders import build_model_config, build_objective
-from torchloom.train.dry_run import estimate_activations, kept_by_forward
-from torchloom.train.remat import apply_remat
 
 TOTAL = 3_225_076_317
 """Parameters of the 4-layer, 16-expert cut (embedding and head 2 x 129280 x 4096 included)."""
@@ -75,13 +71,6 @@ def test_deepseek_v4_activation_estimate_equals_a_real_forward():
                             overrides={"num_layers": 4, "attention_kinds": [
                                 "sliding_attention", "compressed_sparse_attention",
                                 "heavily_compressed_attention", "sliding_attention"]})  # fmt: skip
-    config, objective = build_model_config(job), build_objective(job)
-    cpu = torch.device("cpu")
-    dims = build_parallel_dims(job.parallel, cpu.type)
-    estimate = estimate_activations(job, config, dims, cpu, objective, micro=2)
-    model = build_model(config)
-    model.init_weights(0)
-    apply_remat(model.layers, job.remat, compile_enabled=False)
-    real = kept_by_forward(model, job=job, device=cpu, objective=objective, micro=2, autocast=None)
+    estimate, real = estimate_and_real_forward(job, micro=2)
     print(f"estimate {estimate.bytes} ({estimate.note}), real forward keeps {real} bytes")
     assert estimate.bytes == real

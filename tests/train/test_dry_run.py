@@ -34,6 +34,22 @@ def per_rank(output: str, unit: str = "bytes") -> dict[int, dict[str, float | No
     return rows
 
 
+def estimate_and_real_forward(job, micro: int) -> tuple:
+    """The dry run's activation estimate for ``job`` (one process: no process group) and the
+    bytes a real forward of the whole model keeps for backward, on the CPU."""
+    config, objective = build_model_config(job), build_objective(job)
+    cpu = torch.device("cpu")
+    dims = build_parallel_dims(job.parallel, cpu.type)
+    estimate = estimate_activations(job, config, dims, cpu, objective, micro=micro)
+    model = build_model(config)
+    model.init_weights(0)
+    apply_remat(model.layers, job.remat, compile_enabled=False)
+    real = kept_by_forward(
+        model, job=job, device=cpu, objective=objective, micro=micro, autocast=None
+    )
+    return estimate, real
+
+
 def test_every_optimizer_declares_its_state_bytes():
     assert set(OPTIMIZER_STATE_BYTES) == set(OPTIMIZERS)
 
@@ -63,14 +79,7 @@ def test_activation_estimate_equals_a_real_forward(remat):
     _, job = resolve_job(
         ["--recipe", "debug", "--remat.mode", remat, "--model.overrides", overrides]
     )
-    config, objective = build_model_config(job), build_objective(job)
-    cpu = torch.device("cpu")
-    dims = build_parallel_dims(job.parallel, cpu.type)  # one process: no process group
-    estimate = estimate_activations(job, config, dims, cpu, objective, micro=4)
-    model = build_model(config)
-    model.init_weights(0)
-    apply_remat(model.layers, job.remat, compile_enabled=False)
-    real = kept_by_forward(model, job=job, device=cpu, objective=objective, micro=4, autocast=None)
+    estimate, real = estimate_and_real_forward(job, micro=4)
     print(f"remat {remat}: estimate {estimate.bytes}, real forward keeps {real} bytes")
     assert estimate.bytes == real
 
@@ -156,14 +165,7 @@ def test_activation_estimate_covers_multi_token_prediction(remat):
     _, job = resolve_job(
         ["--recipe", "deepseek_v3_debug", "--remat.mode", remat, "--model.overrides", overrides]
     )
-    config, objective = build_model_config(job), build_objective(job)
-    cpu = torch.device("cpu")
-    dims = build_parallel_dims(job.parallel, cpu.type)
-    estimate = estimate_activations(job, config, dims, cpu, objective, micro=4)
-    model = build_model(config)
-    model.init_weights(0)
-    apply_remat(model.layers, job.remat, compile_enabled=False)
-    real = kept_by_forward(model, job=job, device=cpu, objective=objective, micro=4, autocast=None)
+    estimate, real = estimate_and_real_forward(job, micro=4)
     print(f"remat {remat}: estimate {estimate.bytes} ({estimate.note[:40]}), real {real} bytes")
     assert estimate.bytes == real
 
