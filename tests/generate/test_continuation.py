@@ -148,34 +148,94 @@ def test_kept_slots_are_released_evicted_or_given_back():
     assert (first.finish_reason, second.finish_reason) == ("length", "length")
 
 
+def joining_while_others_decode(
+    model, requests: list[Request], **generator_args
+) -> tuple[list[list[float]], list[int], int]:
+    """Each request submitted after the step that follows the one before it (so it joins
+    while those decode): every request's log-probabilities, the step() each finished in, and
+    the model forwards run."""
+    generator = Generator(model, max_len=MAX_LEN, **generator_args)
+    forwards = 0
+
+    def count(*_) -> None:
+        nonlocal forwards
+        forwards += 1
+
+    hook = model.register_forward_hook(count)
+    done: dict[int, Completion] = {}
+    ended: dict[int, int] = {}
+    ids = [generator.submit(requests[0])]
+    steps = 0
+    while not generator.idle:
+        steps += 1
+        for i, completion in generator.step():
+            done[i], ended[i] = completion, steps
+        if len(ids) < len(requests):
+            ids.append(generator.submit(requests[len(ids)]))
+    hook.remove()
+    return [done[i].logprobs for i in ids], [ended[i] for i in ids], forwards
+
+
 def test_short_prefills_advance_the_active_requests_in_the_same_forward(monkeypatch):
     """Rows up to MIXED_PREFILL_TOKENS long take the decoding requests along (one forward, not
-    two), so a request decoding while others join finishes sooner; every request gets what it
-    gets without that, bit for bit (batch-invariant mode)."""
+    two); longer ones are followed by the decoding requests' own step in the same round. Both
+    finish every request in the same rounds, and give it what it gets alone, bit for bit
+    (batch-invariant mode)."""
     model = model_for("llama3", True)
     requests = [Request([7] * n, SamplingParams(max_new_tokens=6, seed=n)) for n in (3, 30, 4)]
-
-    def run(limit: int) -> tuple[list[list[float]], list[int]]:
-        """Each request's log-probabilities, and the forward each finished in."""
-        monkeypatch.setattr(engine, "MIXED_PREFILL_TOKENS", limit)
-        generator = Generator(model, max_batch=3, max_len=MAX_LEN)
-        done: dict[int, Completion] = {}
-        ended: dict[int, int] = {}
-        ids = [generator.submit(r) for r in requests[:1]]
-        forward = 0
-        while not generator.idle:
-            forward += 1
-            for i, completion in generator.step():
-                done[i], ended[i] = completion, forward
-            if len(ids) < len(requests):  # each joins while the ones before it decode
-                ids.append(generator.submit(requests[len(ids)]))
-        return [done[i].logprobs for i in ids], [ended[i] for i in ids]
-
-    mixed, mixed_ends = run(64)
-    apart, apart_ends = run(0)
-    print(f"forward each request finished in: mixed {mixed_ends}, apart {apart_ends}")
+    monkeypatch.setattr(engine, "MIXED_PREFILL_TOKENS", 64)
+    mixed, mixed_ends, mixed_forwards = joining_while_others_decode(model, requests, max_batch=3)
+    monkeypatch.setattr(engine, "MIXED_PREFILL_TOKENS", 0)
+    apart, apart_ends, apart_forwards = joining_while_others_decode(model, requests, max_batch=3)
+    print(f"finished in rounds: mixed {mixed_ends}, apart {apart_ends}; forwards: "
+          f"{mixed_forwards} and {apart_forwards}")  # fmt: skip
     assert mixed == apart
-    assert mixed_ends == [6, 7, 8] and apart_ends == [8, 8, 8]
+    assert mixed_ends == apart_ends == [6, 7, 8]
+    assert (mixed_forwards, apart_forwards) == (8, 10)
+
+
+def test_many_active_rows_decode_apart_from_a_prefill(monkeypatch):
+    """Past MIXED_PREFILL_PADDING (active rows x (longest row - 1) padding positions) the
+    active requests do not ride along the prefill; each still advances in that round, and
+    every request gets the same numbers, bit for bit."""
+    model = model_for("llama3", True)
+    requests = [Request([7] * n, SamplingParams(max_new_tokens=6, seed=n)) for n in (3, 30, 4)]
+    got = {}
+    for padding in (1024, 28):  # the 30-token prompt joins while one request decodes: 29
+        monkeypatch.setattr(engine, "MIXED_PREFILL_PADDING", padding)
+        got[padding] = joining_while_others_decode(model, requests, max_batch=3)
+    assert got[1024][:2] == got[28][:2]
+    assert (got[1024][2], got[28][2]) == (8, 9)
+
+
+def test_waiting_requests_are_admitted_in_batches_while_others_decode():
+    """With admit_batch 2, a request that arrives while others decode waits until two slots
+    are free (or it is the last one waiting), so slots freed one by one are refilled by one
+    prefill; the numbers do not change (batch-invariant mode)."""
+    model = model_for("llama3", True)
+    requests = [Request([7] * (n + 2), SamplingParams(max_new_tokens=3 + n, seed=n))
+                for n in range(6)]  # fmt: skip
+    at_once = Generator(model, max_batch=3, max_len=MAX_LEN, admit_batch=1)
+    batched = Generator(model, max_batch=3, max_len=MAX_LEN, admit_batch=2)
+    assert batched.admit_batch == 2 and Generator(model, max_batch=64).admit_batch == 8
+    forwards = {}
+    results = {}
+    for name, generator in (("at_once", at_once), ("batched", batched)):
+        prefills = 0
+        original = generator._prefill
+
+        def counted(admitted, original=original):
+            nonlocal prefills
+            prefills += 1
+            return original(admitted)
+
+        generator._prefill = counted
+        results[name] = generator.generate(requests)
+        forwards[name] = prefills
+    assert [c.logprobs for c in results["at_once"]] == [c.logprobs for c in results["batched"]]
+    assert forwards["batched"] < forwards["at_once"], forwards
+    with pytest.raises(ValueError, match="admit_batch"):
+        Generator(model, max_batch=3, admit_batch=0)
 
 
 @pytest.mark.gpu

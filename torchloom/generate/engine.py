@@ -40,8 +40,14 @@ from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
 
 MIXED_PREFILL_TOKENS = 64
-"""A prefill whose rows are at most this many tokens also advances the active requests (each
-padded to that length: little waste next to a forward of its own)."""
+"""A prefill whose rows are at most this many tokens may also advance the active requests,
+each as a row padded to that length (one forward instead of two)..."""
+
+MIXED_PREFILL_PADDING = 1024
+"""... as long as that padding (active rows x (longest row - 1)) stays within this many
+tokens. Past it the active requests take their own decode step (a graph replay on the GPU)
+after the prefill: with 512 decoding rows and a 50-token prompt, riding along would compute
+25,000 token positions to advance 512 (an H200 countdown RL run spent ~60 ms a step so)."""
 
 
 @dataclass
@@ -141,6 +147,11 @@ class Generator:
     rank's layers hold their own share of the state and every rank gets the whole logits, so
     all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
     collectives).
+
+    ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
+    waiting ones are admitted only once this many of them (or all, when fewer wait) find a
+    slot, so slots freed one by one are refilled by one prefill, not one each. With nothing
+    decoding, whatever fits is admitted at once.
     """
 
     def __init__(
@@ -150,6 +161,7 @@ class Generator:
         max_len: int | None = None,
         cuda_graphs: bool | None = None,
         compile: bool = False,
+        admit_batch: int | None = None,
     ) -> None:
         # Without a cache slot no request is ever admitted: generate() would loop forever.
         if not _is_positive_int(max_batch):
@@ -184,6 +196,9 @@ class Generator:
             self.graphs = DecodeGraphs(
                 self.model, self.cache, score, capture=cuda_graphs, compile=compile
             )
+        if admit_batch is not None and not _is_positive_int(admit_batch):
+            raise ValueError(f"admit_batch must be None or an integer >= 1; got {admit_batch!r}")
+        self.admit_batch = admit_batch or max(1, max_batch // 8)
         self._waiting: deque[tuple[int, Request]] = deque()
         self._active: dict[int, _Active] = {}  # by slot
         self._free = list(range(max_batch))  # a heap: the lowest free slot goes first
@@ -216,11 +231,13 @@ class Generator:
         Returns (id, Completion) of the requests that finished in it, and of those refused by
         ``submit`` or ended by ``update_weights`` since the last step."""
         with torch.no_grad():
-            if self._waiting and (self._free or self._kept):
+            admitted = {}
+            if self._admitting():
                 self._settle()  # the step launched ahead comes before the new rows
-            admitted = self._admit()
+                admitted = self._admit()
             if admitted:
-                self._prefill(admitted)
+                if not self._prefill(admitted) and self._active:
+                    self._decode()  # the requests already running, in their own step
                 self._active.update(admitted)
             elif self._active:
                 self._decode()
@@ -348,6 +365,15 @@ class Generator:
             return f"the prompt does not match its images: {err}"
         return None
 
+    def _admitting(self) -> bool:
+        """Whether this round admits: something waits and finds a slot (a free one or a kept
+        one), and either nothing is decoding or ``admit_batch`` of the waiting (all of them,
+        when fewer wait) find one."""
+        room = len(self._free) + len(self._kept)
+        if not (self._waiting and room):
+            return False
+        return not self._active or room >= min(len(self._waiting), self.admit_batch)
+
     def _admit(self) -> dict[int, _Active]:
         """Waiting requests taken into slots, by slot, in order: a continuation into its kept
         slot, any other request into the lowest free slot, or else the slot of the oldest
@@ -400,14 +426,15 @@ class Generator:
 
     # -- forwards -------------------------------------------------------------------------------
 
-    def _prefill(self, admitted: dict[int, _Active]) -> None:
+    def _prefill(self, admitted: dict[int, _Active]) -> bool:
         """One right-padded forward with a row per distinct prompt, each row from its first
         token not yet in its slot (a continuation's start; 0 otherwise). Requests with the
         same new prompt share its row: the state it leaves in the first one's slot is copied to
         the others' slots, and each draws its first token from the row with its own
         generator. When the rows are short (at most ``MIXED_PREFILL_TOKENS``, as a
-        conversation's next turn is), the active requests advance one token in the same
-        forward, each as one more row, instead of waiting for the next step."""
+        conversation's next turn is) and few enough requests are active that their padding
+        stays within ``MIXED_PREFILL_PADDING``, the active requests advance one token in the
+        same forward, each as one more row. Returns whether they did."""
         groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # each distinct row's slots
         for slot, state in admitted.items():
             # A continuation's row is its own: its slot already holds the rest of its context.
@@ -418,7 +445,9 @@ class Generator:
                 for (_, prompt, _), slots in zip(groups, groups.values(), strict=True)]  # fmt: skip
         self.prefill_tokens += sum(len(new) for _, _, new in rows)
         longest = max(len(new) for _, _, new in rows)
-        decoding = self._active if longest <= MIXED_PREFILL_TOKENS else {}
+        mixed = (longest <= MIXED_PREFILL_TOKENS
+                 and len(self._active) * (longest - 1) <= MIXED_PREFILL_PADDING)  # fmt: skip
+        decoding = self._active if mixed else {}
         rows += [(slot, a.position, a.completion.tokens[-1:]) for slot, a in decoding.items()]
         tokens_BT = torch.tensor([new + [0] * (longest - len(new)) for _, _, new in rows],
                                  device=self.device)  # fmt: skip
@@ -445,6 +474,7 @@ class Generator:
         logprobs_BV, best_2B = score(logits_BV)
         states = {**admitted, **decoding}
         self._emit(states, logprobs_BV, best_2B.tolist(), [row_of[s] for s in states])
+        return mixed
 
     def _decode(self) -> None:
         if self.graphs is not None:
