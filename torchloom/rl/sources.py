@@ -67,9 +67,10 @@ batch then needs another round or stays short; the surplus groups cost little, d
 same batch."""
 
 REFILL_ROUND_GROUPS = 16
-"""A refill round generates at most this many times prompts_per_step groups (the first one,
-with no rate known yet, 4 times): late in countdown ~2% of groups vary, and rounds capped at
-4x could then find only ~13 of 16 in ten rounds. A round decodes in waves of the generator's
+"""A refill round generates at most this many times prompts_per_step groups (while none has
+been kept, the rate is taken as 1 in all generated so far, which reaches the cap at once):
+late in countdown ~2% of groups vary, and rounds capped at 4x could then find only ~13 of 16
+in ten rounds; early, at ~1%, first rounds of 4x left 27 of 200 simulated batches short. A round decodes in waves of the generator's
 slots, so its size bounds the step's time, not its memory."""
 
 
@@ -96,7 +97,7 @@ def collect(
         rounds += 1
         # Sized by the rate kept so far, unfloored (late in countdown ~2% of groups vary).
         needed = math.ceil(REFILL_MARGIN * (want - len(kept)) * generated / max(len(kept), 1))
-        count = min(needed, REFILL_ROUND_GROUPS * want) if kept else 4 * want
+        count = min(needed, REFILL_ROUND_GROUPS * want)
         extra = generate([next(more) for _ in range(count)])
         generated += count
         batch.seconds += extra.seconds
