@@ -6,6 +6,8 @@ sliding-window attention, compressed sparse attention (groups of ``csa_ratio`` t
 picked by a lightning indexer) or heavily compressed attention (groups of ``hca_ratio``). The
 residual stream is ``hc_streams`` copies wide (hyper-connections, components/
 hyper_connections.py); every feed-forward is an MoE, hash-routed in the first ``hash_layers``.
+Optional multi-token prediction (``mtp_layers``) adds one sliding-window block per extra
+predicted token (models/deepseek_v4/model.py).
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ class DeepSeekV4Config(DecoderConfig):
     """RoPE of the sliding-window layers ("main")."""
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=160000.0))
     """RoPE of the compressed layers ("compress"): their queries, window keys and groups."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth D: one extra sliding-window block per additional future
+    token, trained with an auxiliary loss (0: none)."""
+    mtp_loss_weight: float = 0.3
+    """lambda: the MTP loss is lambda / D times the sum over depths of each depth's mean
+    cross-entropy. DeepSeek has not published V4's; the default is DeepSeek-V3's 0.3 (its
+    first 10T tokens), an assumption."""
 
     def kinds(self) -> tuple[str, ...]:
         """Each layer's attention kind."""
@@ -145,6 +154,11 @@ class DeepSeekV4Config(DecoderConfig):
             raise ConfigError(
                 f"model attention_kinds has {len(self.attention_kinds)} entries for num_layers "
                 f"{self.num_layers}; give one per layer (or none for the default schedule)."
+            )
+        if self.mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ConfigError(
+                "model mtp_layers and mtp_loss_weight must be >= 0, got "
+                f"{self.mtp_layers} and {self.mtp_loss_weight}."
             )
         if not 0 <= self.hash_layers <= self.num_layers:
             raise ConfigError(
