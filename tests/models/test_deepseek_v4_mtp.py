@@ -1,21 +1,28 @@
 """deepseek_v4's multi-token prediction: the reported loss against the depths run by hand from
-their modules, a zero loss weight against no MTP at all (bitwise gradients), which forwards run
-the depths, and the parts of the trainer that must not mistake them for the decoder's layers
-(expert balancing, FLOPs, the dry run's estimate)."""
+their modules, a zero loss weight against no MTP at all (bitwise gradients), the checkpoints'
+``mtp.{k}.`` tensors through export, load and convert (bitwise), which forwards run the depths,
+and the parts of the trainer that must not mistake them for the decoder's layers (expert
+balancing, FLOPs, the dry run's estimate)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
 
+import torchloom
+from torchloom.checkpoint.hf import save_hf
 from torchloom.cli import resolve_job
+from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.config import ModelConfig
-from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4
+from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
 from torchloom.train.expert_balance import ExpertBalance
 from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
 
@@ -149,6 +156,86 @@ def test_mtp_runs_only_in_training_forwards_with_labels() -> None:
     model.train()
     assert "aux_mtp" in model(tokens, objective=CrossEntropy(), targets=targets).metrics
     assert calls == [1] and model.auxiliary_losses() == {}  # handed over once
+
+
+def mtp_names(depth: int, layer0: set[str]) -> set[str]:
+    """What MTP depth ``depth`` writes: its own tensors, and layer 0's (sliding, hash-routed)
+    under mtp.{depth}. with top-k routing (the choice bias instead of the hash table)."""
+    own = {"enorm.weight", "e_proj.weight", "hnorm.weight", "h_proj.weight", "norm.weight",
+           "hc_head_fn", "hc_head_base", "hc_head_scale"}  # fmt: skip
+    block = {n.removeprefix("model.layers.0.") for n in layer0} - {"ffn.gate.tid2eid"}
+    return {f"mtp.{depth}.{n}" for n in own | block | {"ffn.gate.bias"}}
+
+
+def test_export_writes_deepseek_mtp_names_and_loads_back_bitwise(
+    tmp_path, logits_parity, convert_round_trip
+) -> None:
+    """Two depths exported under DeepSeek's mtp.{k}. names (a layer's names for the block);
+    from_hf and `torchloom convert` both ways give every tensor back bitwise; transformers
+    loads the folder (skipping mtp.*) with the same logits."""
+    model = mtp_model(mtp_layers=2, index_heads=8).eval()  # 8: tied index scores stay rare
+    save_hf(tmp_path / "out", "deepseek_v4", model.config, model.state_dict().items())
+    hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert hf_config["num_nextn_predict_layers"] == 2
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    layer0 = {n for n in tensors if n.startswith("model.layers.0.")}
+    for depth in (0, 1):
+        written = {n for n in tensors if n.startswith(f"mtp.{depth}.")}
+        assert written == mtp_names(depth, layer0), written ^ mtp_names(depth, layer0)
+    assert not any(n.startswith("mtp.2.") for n in tensors)
+    back = torchloom.from_hf(tmp_path / "out")
+    assert back.config == replace(model.config, moe=replace(model.config.moe, bias_update_rate=0.0))
+    state, back_state = model.state_dict(), back.state_dict()
+    assert state.keys() == back_state.keys()
+    assert [n for n, t in state.items() if not torch.equal(back_state[n], t)] == []
+    original, converted = convert_round_trip(tmp_path / "out")
+    assert converted.keys() == original.keys()
+    assert [n for n, t in original.items() if not torch.equal(converted[n], t)] == []
+    reference = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
+    window = packed_batch()[0][:, :40]
+    with torch.no_grad():
+        logits_parity("deepseek_v4 export with MTP", model(window), reference(window).logits)
+
+
+def test_published_folders_load_their_mtp_depth(tmp_path) -> None:
+    """DeepSeek's spelling (no "model." prefix, embed / norm / hc_head_* at the top) with an MTP
+    depth loads it; a transformers folder announcing one (its default) but holding none loads
+    without MTP; one holding another depth than it announces is refused."""
+    model = mtp_model().eval()
+    save_hf(tmp_path / "out", "deepseek_v4", model.config, model.state_dict().items())
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+    published = {top.get(n, n.removeprefix("model.")): t for n, t in tensors.items()}
+    (tmp_path / "out" / "model.safetensors").unlink()
+    save_file(published, tmp_path / "out" / "model.safetensors")
+    back = torchloom.from_hf(tmp_path / "out")
+    assert back.config.mtp_layers == 1
+    for name, tensor in model.mtp.state_dict().items():
+        assert torch.equal(back.mtp.state_dict()[name], tensor), name
+    without = {n: t for n, t in published.items() if not n.startswith("mtp.")}
+    save_file(without, tmp_path / "out" / "model.safetensors")
+    assert torchloom.from_hf(tmp_path / "out").mtp is None
+    other = without | {n.replace("mtp.0.", "mtp.1."): t for n, t in published.items()
+                       if n.startswith("mtp.")}  # fmt: skip
+    save_file(other, tmp_path / "out" / "model.safetensors")
+    with pytest.raises(ConfigError, match="announces 1 MTP layer.* holds MTP layer.* mtp.1"):
+        torchloom.from_hf(tmp_path / "out")
+
+
+def test_published_config_keeps_its_mtp_depth() -> None:
+    adapter = DeepSeekV4HFAdapter()
+    hf = adapter.config_to_hf(DEEPSEEK_V4_FLAVORS["flash"])
+    assert hf["num_nextn_predict_layers"] == 1
+    assert adapter.config_from_hf(hf).mtp_layers == 1
+    assert adapter.config_from_hf(hf | {"num_nextn_predict_layers": 0}).mtp_layers == 0
+    del hf["num_nextn_predict_layers"]  # transformers' default: 1
+    assert adapter.config_from_hf(hf).mtp_layers == 1
+    with pytest.raises(ConfigError, match="mtp_layers and mtp_loss_weight must be >= 0"):
+        replace(DEBUG, mtp_loss_weight=-0.1).validate()
 
 
 def test_expert_balancing_leaves_the_depths_alone() -> None:
