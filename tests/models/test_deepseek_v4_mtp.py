@@ -1,8 +1,8 @@
 """deepseek_v4's multi-token prediction: the reported loss against the depths run by hand from
 their modules, a zero loss weight against no MTP at all (bitwise gradients), the checkpoints'
 ``mtp.{k}.`` tensors through export, load and convert (bitwise), which forwards run the depths,
-and the parts of the trainer that must not mistake them for the decoder's layers (expert
-balancing, FLOPs, the dry run's estimate)."""
+the layouts that refuse them, and the parts of the trainer that must not mistake them for the
+decoder's layers (expert balancing, FLOPs, the dry run's estimate)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from torchloom.config.errors import ConfigError
 from torchloom.models import build_model
 from torchloom.models.config import ModelConfig
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter
+from torchloom.models.deepseek_v4.parallelize import tp_plan
+from torchloom.train.builders import check_layout
 from torchloom.train.expert_balance import ExpertBalance
 from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
 
@@ -236,6 +238,32 @@ def test_published_config_keeps_its_mtp_depth() -> None:
     assert adapter.config_from_hf(hf).mtp_layers == 1
     with pytest.raises(ConfigError, match="mtp_layers and mtp_loss_weight must be >= 0"):
         replace(DEBUG, mtp_loss_weight=-0.1).validate()
+
+
+@pytest.mark.parametrize(
+    ("axis", "message"),
+    [("pp", "--parallel.pp 2 cannot split a DeepSeekV4"),
+     ("cp", "--parallel.cp 2 with multi-token prediction is not supported yet")],
+)  # fmt: skip
+def test_layouts_a_model_with_mtp_refuses(axis: str, message: str) -> None:
+    """Pipeline parallelism is refused for the streams, before the MTP depth (mtp_layers 0
+    would not help); context parallelism names the MTP depth first, as for deepseek_v3."""
+    with torch.device("meta"):
+        model = build_model(replace(DEBUG, mtp_layers=1))
+    degrees = SimpleNamespace(pp=2 if axis == "pp" else 1, cp=2 if axis == "cp" else 1)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(model, SimpleNamespace(degrees=degrees))
+
+
+def test_tensor_parallel_plan_covers_the_depths_when_training() -> None:
+    with torch.device("meta"):
+        model = build_model(replace(DEBUG, mtp_layers=1))
+    plan = tp_plan(model, 2)
+    depth = "mtp.layers.0."
+    expected = {"enorm", "e_proj", "hnorm", "h_proj", "hc_head", "norm", "block.attention_hc",
+                "block.mlp_hc", "block.mlp", "block.attention.q_b_proj"}  # fmt: skip
+    assert {depth + part for part in expected} <= set(plan)
+    assert not any(path.startswith("mtp.") for path in tp_plan(model, 2, sequence_parallel=False))
 
 
 def test_expert_balancing_leaves_the_depths_alone() -> None:
