@@ -273,14 +273,17 @@ def test_initial_load_hf_trains_from_its_loss(tmp_path) -> None:
 def test_published_flavors_match_transformers_parameter_counts() -> None:
     for name, billions, active in (("flash", 284, 13), ("pro", 1573, 49)):
         cfg = DEEPSEEK_V4_FLAVORS[name]
+        # The published counts and transformers' model leave out the MTP depth both flavors have.
+        main = replace(cfg, mtp_layers=0)
         hf = ADAPTER.config_to_hf(cfg)
         with torch.device("meta"):
             reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**hf))
         theirs = sum(p.numel() for p in reference.parameters())
-        print(f"{name}: ours {cfg.num_params():,}, transformers {theirs:,}")
-        assert cfg.num_params() == theirs
+        print(f"{name}: ours {main.num_params():,} (with MTP {cfg.num_params():,}), "
+              f"transformers {theirs:,}")  # fmt: skip
+        assert cfg.mtp_layers == 1 and main.num_params() == theirs
         assert round(theirs / 1e9) == billions
-        assert round(cfg.flops_per_token(0) / 6e9) == active  # the published 13B / 49B active
+        assert round(main.flops_per_token(0) / 6e9) == active  # the published 13B / 49B active
         assert ADAPTER.config_from_hf(hf).kinds() == cfg.kinds()
 
 

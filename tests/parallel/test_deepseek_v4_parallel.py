@@ -1,5 +1,5 @@
 """deepseek_v4_debug under FSDP, expert and tensor parallelism (gloo, CPU) gives the
-single-process losses, and generation with tensor parallelism its tokens and log-probabilities;
+single-process losses (with an MTP depth too), and generation with tensor parallelism its tokens and log-probabilities;
 tensor parallelism refuses a degree that does not split the heads into whole output groups,
 and pipeline and context parallelism are refused with one clear message."""
 
@@ -77,6 +77,27 @@ def test_tp2_with_indexer_loss_matches_one_process(tmp_path, torchrun_train) -> 
     print(f"deepseek_v4_debug with indexer loss, tp 2: max |loss diff| {loss_diff:.2e}, "
           f"|indexer loss diff| {aux_diff:.2e}")  # fmt: skip
     assert loss_diff < 1e-5 and aux_diff < 1e-6
+
+
+@pytest.mark.parametrize("name", ["tp 2 x ep 2 x dp_shard 2"])
+def test_mtp_matches_one_process(name, tmp_path, torchrun_train) -> None:
+    """With an MTP depth (its block sequence-parallel and split by heads, its experts split
+    over ep, its other weights in the root's FSDP group): the losses and aux_mtp of one
+    process."""
+    flags = [*COMMON, "--model.overrides", '{"mtp_layers": 1}']
+    single, parallel = tmp_path / "single", tmp_path / "parallel"
+    assert main(["train", *flags, "--output.dir", str(single)]) == 0
+    nproc, layout = LAYOUTS[name]
+    torchrun_train(nproc, *flags, "--output.dir", str(parallel), *layout)
+    records = []
+    for run in (single, parallel):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records.append([(r["loss"], r["aux_mtp"]) for r in map(json.loads, lines) if "loss" in r])
+    assert len(records[0]) == len(records[1]) == 3
+    loss_diff, aux_diff = (max(abs(a[i] - b[i]) for a, b in zip(*records)) for i in (0, 1))
+    print(f"deepseek_v4_debug with MTP, {name}: one process {records[0]}, parallel "
+          f"{records[1]}, max |loss diff| {loss_diff:.2e}, |aux_mtp diff| {aux_diff:.2e}")  # fmt: skip
+    assert loss_diff < 1e-5 and aux_diff < 1e-5
 
 
 def test_tp2_generation_matches_one_process(tmp_path) -> None:

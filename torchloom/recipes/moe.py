@@ -106,12 +106,14 @@ def qwen3_5_debug() -> JobConfig:
 
 
 # DeepSeek-V4-Flash's first four layers (sliding, sliding, CSA, HCA; the first three hash-
-# routed) at its full width, with 16 of its 256 routed experts so AdamW fits one GPU.
+# routed) at its full width, with 16 of its 256 routed experts so AdamW fits one GPU; without
+# the flavor's MTP depth, so the step times stay those benchmarks/RESULTS.md records.
 FLASH4_OVERRIDES = {
     "num_layers": 4,
     "attention_kinds": ["sliding_attention", "sliding_attention",
                         "compressed_sparse_attention", "heavily_compressed_attention"],
     "moe.num_experts": 16,
+    "mtp_layers": 0,
 }  # fmt: skip
 
 

@@ -110,24 +110,26 @@ def build_model_parts(
 
 
 def check_layout(model: nn.Module, dims: ParallelDims) -> None:
-    """ConfigError for layouts the model's parts cannot take yet: multi-token prediction
-    under pipeline or context parallelism (its blocks follow the last stage and shift tokens
-    along the whole sequence), a vision encoder under context parallelism (its image tokens
-    fill placeholders anywhere in the sequence), and token mixers other than grouped-query
-    attention under context parallelism (which swaps the kernel of Attention layers only)."""
+    """ConfigError for layouts the model's parts cannot take yet: pipeline parallelism of a
+    model whose blocks pass more than one hidden state (refused first: without multi-token
+    prediction it would still be), multi-token prediction under pipeline or context
+    parallelism (its blocks follow the last stage and shift tokens along the whole sequence),
+    a vision encoder under context parallelism (its image tokens fill placeholders anywhere in
+    the sequence), and token mixers other than grouped-query attention under context
+    parallelism (which swaps the kernel of Attention layers only)."""
     pp, cp = dims.degrees.pp, dims.degrees.cp
+    if pp > 1 and not getattr(model, "supports_pipeline", True):
+        raise ConfigError(
+            f"--parallel.pp {pp} cannot split a {type(model).__name__} yet: its stages would "
+            "pass one hidden state, not the residual streams its blocks keep. Set "
+            "--parallel.pp 1."
+        )
     if getattr(model, "mtp", None) is not None and (pp > 1 or cp > 1):
         axis = "pp" if pp > 1 else "cp"
         raise ConfigError(
             f"--parallel.{axis} {pp if pp > 1 else cp} with multi-token prediction is not "
             "supported yet; set --model.overrides '{\"mtp_layers\": 0}' or "
             f"--parallel.{axis} 1."
-        )
-    if pp > 1 and not getattr(model, "supports_pipeline", True):
-        raise ConfigError(
-            f"--parallel.pp {pp} cannot split a {type(model).__name__} yet: its stages would "
-            "pass one hidden state, not the residual streams its blocks keep. Set "
-            "--parallel.pp 1."
         )
     if cp > 1 and getattr(model, "media_encoder", None) is not None:
         raise ConfigError(

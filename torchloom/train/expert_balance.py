@@ -22,7 +22,8 @@ from torch import nn
 from torchloom.models import DecoderConfig
 from torchloom.parallel import ParallelDims
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A decoder layer's path: "layers.N." in the model, "S.layers.N." in pipeline stage S.
+_LAYER = re.compile(r"(?:\d+\.)?layers\.(\d+)\.")
 
 
 class ExpertBalance:
@@ -41,11 +42,11 @@ class ExpertBalance:
         self.rows = {layer: row for row, layer in enumerate(moe_layers)}
         self.held: dict[int, nn.Module] = {}
         for name, module in model.named_modules():
-            matches = _LAYER.findall(name + ".") if hasattr(module, "take_load") else ()
-            # The decoder's MoE layers only: a module elsewhere (DeepSeek-V3's multi-token
-            # prediction, numbered past the layers) keeps its bias as loaded.
-            if matches and int(matches[-1]) in self.rows:
-                self.held[int(matches[-1])] = module
+            match = _LAYER.match(name + ".") if hasattr(module, "take_load") else None
+            # The decoder's MoE layers only: a module elsewhere (multi-token prediction's
+            # "mtp.layers.N.", DeepSeek-V4's numbered from 0) keeps its bias as loaded.
+            if match and int(match.group(1)) in self.rows:
+                self.held[int(match.group(1))] = module
 
     def __call__(self) -> dict[str, torch.Tensor]:
         if not self.rows:

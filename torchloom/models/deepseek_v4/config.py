@@ -6,6 +6,8 @@ sliding-window attention, compressed sparse attention (groups of ``csa_ratio`` t
 picked by a lightning indexer) or heavily compressed attention (groups of ``hca_ratio``). The
 residual stream is ``hc_streams`` copies wide (hyper-connections, components/
 hyper_connections.py); every feed-forward is an MoE, hash-routed in the first ``hash_layers``.
+Optional multi-token prediction (``mtp_layers``) adds one sliding-window block per extra
+predicted token (models/deepseek_v4/model.py).
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ class DeepSeekV4Config(DecoderConfig):
     """RoPE of the sliding-window layers ("main")."""
     compress_rope: RopeConfig = field(default_factory=lambda: RopeConfig(theta=160000.0))
     """RoPE of the compressed layers ("compress"): their queries, window keys and groups."""
+    mtp_layers: int = 0
+    """Multi-token prediction depth D: one extra sliding-window block per additional future
+    token, trained with an auxiliary loss (0: none; the published checkpoints have 1)."""
+    mtp_loss_weight: float = 0.3
+    """lambda: the MTP loss is lambda / D times the sum over depths of each depth's mean
+    cross-entropy. DeepSeek has not published V4's; the default is DeepSeek-V3's 0.3 (its
+    first 10T tokens), an assumption."""
 
     def kinds(self) -> tuple[str, ...]:
         """Each layer's attention kind."""
@@ -146,6 +155,11 @@ class DeepSeekV4Config(DecoderConfig):
                 f"model attention_kinds has {len(self.attention_kinds)} entries for num_layers "
                 f"{self.num_layers}; give one per layer (or none for the default schedule)."
             )
+        if self.mtp_layers < 0 or self.mtp_loss_weight < 0:
+            raise ConfigError(
+                "model mtp_layers and mtp_loss_weight must be >= 0, got "
+                f"{self.mtp_layers} and {self.mtp_loss_weight}."
+            )
         if not 0 <= self.hash_layers <= self.num_layers:
             raise ConfigError(
                 f"model hash_layers must be in [0, num_layers={self.num_layers}], got "
@@ -196,22 +210,24 @@ DEEPSEEK_V4_FLAVORS: dict[str, DeepSeekV4Config] = {
     # DeepSeek-V4-Flash (284B, 13B active): transformers' DeepseekV4Config defaults (its
     # docstring checkpoint is deepseek-ai/DeepSeek-V4-Flash-Base), which the published
     # config.json repeats: 43 layers, 64 heads of 512, q rank 1024, 8 output groups of 1024,
-    # 256 experts of 2048 (6 per token, scale 1.5), indexer 64 x 128 picking 512, 3 hash layers.
+    # 256 experts of 2048 (6 per token, scale 1.5), indexer 64 x 128 picking 512, 3 hash layers,
+    # one MTP depth (num_nextn_predict_layers 1).
     "flash": DeepSeekV4Config(
         vocab_size=129280, dim=4096, num_layers=43, num_heads=64, head_dim=512, rope_dim=64,
         q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128, csa_ratio=4,
         hca_ratio=128, index_heads=64, index_head_dim=128, index_topk=512,
         attention_kinds=_FLASH_KINDS, hash_layers=3, max_seq_len=1048576,
-        moe=_moe(256, 2048, 1.5), compress_rope=_COMPRESS_YARN,
+        moe=_moe(256, 2048, 1.5), compress_rope=_COMPRESS_YARN, mtp_layers=1,
     ),
     # DeepSeek-V4-Pro (1.6T, 49B active), from its published config.json: 61 layers, hidden
     # 7168, 128 heads, q rank 1536, 16 output groups, 384 experts of 3072 (scale 2.5), indexer
-    # top-512; the attention schedule is transformers' default (two HCA layers, then HCA and
-    # CSA alternating), which its docstring calls the V4-Pro default.
+    # top-512, one MTP depth; the attention schedule is transformers' default (two HCA layers,
+    # then HCA and CSA alternating), which its docstring calls the V4-Pro default.
     "pro": DeepSeekV4Config(
         vocab_size=129280, dim=7168, num_layers=61, num_heads=128, head_dim=512, rope_dim=64,
         q_lora_rank=1536, o_groups=16, o_lora_rank=1024, sliding_window=128, csa_ratio=4,
         hca_ratio=128, index_heads=64, index_head_dim=128, index_topk=512, hash_layers=3,
         max_seq_len=1048576, moe=_moe(384, 3072, 2.5), compress_rope=_COMPRESS_YARN,
+        mtp_layers=1,
     ),
 }  # fmt: skip

@@ -9,16 +9,29 @@ tensors ``embed.weight``, ``norm.weight`` and ``hc_head_fn``: both spellings loa
 write transformers'. The hash layers' token -> experts table ``ffn.gate.tid2eid`` is int64 and
 loads as it is.
 
+Multi-token prediction. DeepSeek's published folders hold MTP depth k under ``mtp.{k}.``
+(config.json's ``num_nextn_predict_layers``): the depth's own ``enorm``, ``e_proj``, ``hnorm``,
+``h_proj``, ``norm`` and ``hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``, and its
+sliding-window block under a layer's names (``attn.wq_a``, ``hc_attn_fn``, ``ffn.gate.bias``,
+``ffn.experts.{e}.w1``, ...); exports write the same. transformers builds no MTP: it skips
+these tensors and its ``save_pretrained`` drops them while writing ``num_nextn_predict_layers``
+(1 by default). So, as for DeepSeek-V3, a folder announcing MTP depths but holding none of them
+(no ``mtp.{k}.e_proj.weight``) loads without MTP, one holding other depths than it announces is
+refused, and with no MTP in the config any ``mtp.*`` tensor is skipped. The loss weight is a
+training setting no config.json holds (0.3, DeepSeekV4Config.mtp_loss_weight).
+
 Not read: the published FP8/FP4 expert weights (dequantize first; the loader refuses them by
-name) and the ``mtp.*`` layers, skipped as transformers skips them: multi-token prediction is
-not built for this family yet.
+name).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
+
+import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.compressed_attention import ATTENTION_KINDS, CSA, HCA, SLIDING
@@ -41,7 +54,7 @@ _DEFAULTS: dict[str, Any] = {
     "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0,
     "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64,
     "index_head_dim": 128, "index_topk": 512, "rms_norm_eps": 1e-6, "num_hash_layers": 3,
-    "tie_word_embeddings": False,
+    "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
 }  # fmt: skip
 # Keys read below, or that cannot change the network: metadata, training-only settings, and
 # DeepSeek-V3-shaped keys older V4 files carry that transformers' DeepseekV4 never reads
@@ -50,7 +63,7 @@ _KNOWN = set(_DEFAULTS) | {
     "model_type", "architectures", "layer_types", "mlp_layer_types", "compress_rates",
     "compress_ratios", "compress_rate_csa", "compress_rate_hca", "rope_parameters",
     "rope_scaling", "partial_rotary_factor", "qk_rope_head_dim", "norm_topk_prob",
-    "num_nextn_predict_layers", "output_router_logits", "router_aux_loss_coef",
+    "output_router_logits", "router_aux_loss_coef",
     "router_jitter_noise", "hidden_act", "attention_bias", "attention_dropout", "mlp_bias",
     "topk_method", "expert_dtype", "quantization_config", "compress_rope_parameters",
     "n_group", "topk_group", "kv_lora_rank", "qk_nope_head_dim", "first_k_dense_replace",
@@ -103,6 +116,12 @@ _FROM_PUBLISHED_TOP = {published: disk for disk, published in _PUBLISHED_TOP.ite
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _DISK_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _DISK_EXPERT = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.\d+\.(w[123])\.weight")
+# An MTP depth: its block's tensors are named as layer k's would be, then moved under mtp.{k}.;
+# its own modules (ours -> DeepSeek's, after "mtp.{k}.") keep DeepSeek's names.
+_OUR_MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+_MTP_OWN = [("enorm.", "enorm."), ("e_proj.", "e_proj."), ("hnorm.", "hnorm."),
+            ("h_proj.", "h_proj."), ("norm.", "norm."), ("hc_head.hc_", "hc_head_")]  # fmt: skip
+_DISK_MTP_E_PROJ = re.compile(r"mtp\.(\d+)\.e_proj\.weight")
 
 
 class DeepSeekV4HFAdapter(HFAdapter):
@@ -182,7 +201,7 @@ class DeepSeekV4HFAdapter(HFAdapter):
                      float(get("routed_scaling_factor"))),
                 top_k=get("num_experts_per_tok"), swiglu_limit=float(get("swiglu_limit")),
             ),
-            **_ropes(hf, get),
+            mtp_layers=get("num_nextn_predict_layers"), **_ropes(hf, get),
         )  # fmt: skip
         cfg.validate()
         return cfg
@@ -226,7 +245,7 @@ class DeepSeekV4HFAdapter(HFAdapter):
                          "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
                 "compress": compress | {"partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
             },
-            "num_nextn_predict_layers": 0, "use_cache": True,
+            "num_nextn_predict_layers": cfg.mtp_layers, "use_cache": True,
         }  # fmt: skip
         if dtype is not None:
             hf["dtype"] = dtype
@@ -235,6 +254,45 @@ class DeepSeekV4HFAdapter(HFAdapter):
         if eos_token_id is not None:
             hf["eos_token_id"] = eos_token_id
         return hf
+
+    def config_for_tensors(
+        self, config: DeepSeekV4Config, tensor_names: Callable[[], Iterable[str]]
+    ) -> DeepSeekV4Config:
+        """Without MTP when the folder holds no MTP depth (a transformers save); the announced
+        depths when it holds exactly those; ConfigError otherwise."""
+        if not config.mtp_layers:
+            return config
+        held = sorted(int(m.group(1)) for m in map(_DISK_MTP_E_PROJ.fullmatch, tensor_names()) if m)
+        if not held:
+            return replace(config, mtp_layers=0)
+        if held != list(range(config.mtp_layers)):
+            found = ", ".join(f"mtp.{k}" for k in held)
+            raise ConfigError(
+                f"config.json announces {config.mtp_layers} MTP layer(s) "
+                f"(num_nextn_predict_layers) but the checkpoint holds MTP layer(s) {found}; set "
+                "num_nextn_predict_layers to match the layers mtp.0.. it holds."
+            )
+        return config
+
+    # Tensor names: an MTP depth's block is named as layer k's, moved under "mtp.{k}.".
+    def hf_names(self, name: str, config: Any) -> Any:
+        layer = _mtp_block_as_layer(name)
+        if layer is None:
+            return super().hf_names(name, config)
+        depth, layer_name = layer
+        names = super().hf_names(layer_name, config)
+        if isinstance(names, str):
+            return _layer_to_mtp(depth, names)
+        return [_layer_to_mtp(depth, n) for n in names]
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        layer = _mtp_block_as_layer(name)
+        if layer is None:
+            yield from super().to_hf(name, tensor)
+            return
+        depth, layer_name = layer
+        for hf_name, part in super().to_hf(layer_name, tensor):
+            yield _layer_to_mtp(depth, hf_name), part
 
     def expert_names(self, index: str, proj: str, experts: int) -> list[str]:
         """The checkpoint's per-expert tensors (DeepSeek's ffn.experts.{e}.w1/w2/w3)."""
@@ -255,6 +313,15 @@ class DeepSeekV4HFAdapter(HFAdapter):
     def to_hf_name(self, name: str) -> str:
         if name in _TOP:
             return _TOP[name]
+        layer = _mtp_block_as_layer(name)
+        if layer is not None:
+            return _layer_to_mtp(layer[0], self.to_hf_name(layer[1]))
+        match = _OUR_MTP.fullmatch(name)
+        if match:
+            depth, rest = match.groups()
+            for ours, disk in _MTP_OWN:
+                if rest.startswith(ours):
+                    return f"mtp.{depth}.{disk}{rest.removeprefix(ours)}"
         match = _OUR_LAYER.fullmatch(name)
         if match is None:
             raise ValueError(f"deepseek_v4 has no Hugging Face name for {name!r}")
@@ -266,7 +333,9 @@ class DeepSeekV4HFAdapter(HFAdapter):
 
     def from_hf_name(self, hf_name: str) -> str | None:
         if hf_name.startswith(("mtp.", "model.mtp.")):
-            return None  # multi-token prediction layers: not built (see the module docstring)
+            # MTP depths the model does not have (config_for_tensors refuses a folder holding
+            # other depths than it announces): skipped, as transformers skips them.
+            return None
         hf_name = _FROM_PUBLISHED_TOP.get(hf_name, hf_name)
         if hf_name.startswith("layers."):
             hf_name = "model." + hf_name
@@ -283,6 +352,23 @@ class DeepSeekV4HFAdapter(HFAdapter):
                 if rest.startswith(disk):
                     return f"layers.{index}.{ours}{rest.removeprefix(disk)}"
         raise ConfigError(f"Unexpected tensor '{hf_name}' in a {self.architecture} checkpoint.")
+
+
+def _mtp_block_as_layer(name: str) -> tuple[str, str] | None:
+    """(k, the name it would have in layer k) for a parameter of MTP depth k's block
+    ('mtp.layers.0.block.attention.q_a_proj.weight' -> ('0', 'layers.0.attention.q_a_proj.
+    weight')); None for any other parameter."""
+    match = _OUR_MTP.fullmatch(name)
+    if match is None or not match.group(2).startswith("block."):
+        return None
+    depth, rest = match.groups()
+    return depth, f"layers.{depth}.{rest.removeprefix('block.')}"
+
+
+def _layer_to_mtp(depth: str, hf_name: str) -> str:
+    """Layer k's checkpoint name moved under MTP depth k ('model.layers.0.attn.wq_a.weight' ->
+    'mtp.0.attn.wq_a.weight')."""
+    return f"mtp.{depth}." + hf_name.removeprefix(f"model.layers.{depth}.")
 
 
 def _ropes(hf: dict[str, Any], get: Any) -> dict[str, RopeConfig]:

@@ -17,6 +17,12 @@ hash layers read the same share of the token ids) and is data-parallel over tp a
 families (components/moe.py); hc_head and the final norm run on each rank's tokens.
 Generation (``sequence_parallel=False``) keeps the streams replicated: heads split as in
 training, everything else computed whole on every rank.
+
+An MTP depth runs on the sequence-parallel streams as a layer does: its enorm, hnorm, e_proj
+and h_proj keep replicated weights applied to each rank's tokens (gradients summed over tp),
+its block takes a layer's plan, its hc_head and norm feed the (vocabulary-split) head as the
+model's do. Generation never runs the MTP depths, so the replicated-stream plan leaves them
+alone.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchloom.models.components.decoder_plan import decoder_tp_plan
+from torchloom.models.components.decoder_plan import block_tp_plan, decoder_tp_plan
 from torchloom.models.deepseek_v4.model import DeepSeekV4
 
 
@@ -52,19 +58,39 @@ def tp_plan(
     model: DeepSeekV4, tp: int, loss_parallel: bool = True, sequence_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
     """``decoder_tp_plan`` (attention by heads), with the hyper-connections, hc_head and the
-    MoE's token ids split along the sequence when training (sequence parallel)."""
+    MoE's token ids split along the sequence when training (sequence parallel), and the MTP
+    depths' modules."""
     plan = decoder_tp_plan(model, tp, loss_parallel, sequence_parallel)
     if not sequence_parallel:
         return plan  # the streams and hyper-connections stay replicated
+    for name in model.layers:
+        plan.update(_streams_plan(f"layers.{name}."))
+    plan["hc_head"] = SequenceParallel(use_local_output=True)
+    depths = {} if model.mtp is None else model.mtp.layers
+    for name, depth in depths.items():
+        prefix = f"mtp.layers.{name}."
+        for part in ("enorm", "hnorm", "e_proj", "h_proj"):  # the streams stay local tensors
+            plan[prefix + part] = SequenceParallel(use_local_output=True)
+        block = depth.block
+        for module in (block.attention, block.mlp):
+            module.check_tp(tp)
+        plan.update(block_tp_plan(block, prefix + "block."))
+        plan.update(_streams_plan(prefix + "block."))
+        plan[prefix + "hc_head"] = SequenceParallel(use_local_output=True)
+        plan[prefix + "norm"] = SequenceParallel()  # into the head, as the final norm
+    return plan
+
+
+def _streams_plan(prefix: str) -> dict[str, ParallelStyle]:
+    """A block's hyper-connections on each rank's tokens, and its MoE's token ids split as
+    its input (x_BTD, tokens_BT), under ``prefix`` (the block's path, with a trailing dot)."""
     tokens = PrepareModuleInput(
         input_layouts=(Shard(1), Replicate()),
         desired_input_layouts=(Shard(1), Shard(1)),
         use_local_output=True,
     )
-    for name in model.layers:
-        prefix = f"layers.{name}."
-        plan[prefix + "attention_hc"] = _SequenceParallelMixing()
-        plan[prefix + "mlp_hc"] = _SequenceParallelMixing()
-        plan[prefix + "mlp"] = tokens  # (x_BTD, tokens_BT): this rank's tokens and their ids
-    plan["hc_head"] = SequenceParallel(use_local_output=True)
-    return plan
+    return {
+        prefix + "attention_hc": _SequenceParallelMixing(),
+        prefix + "mlp_hc": _SequenceParallelMixing(),
+        prefix + "mlp": tokens,
+    }
