@@ -224,13 +224,16 @@ def test_export_loads_in_transformers(tmp_path, logits_parity) -> None:
 @torch.no_grad()
 def test_published_tensor_names_load(tmp_path, logits_parity) -> None:
     """DeepSeek's published folders: no "model." prefix; embed, norm and hc_head_* at the top;
-    an MTP layer (skipped, as transformers skips it)."""
+    the attention's key/value norm as attn.kv_norm (transformers saves attn.norm); an MTP layer
+    (skipped, as transformers skips it)."""
     path, reference = hf_v4(tmp_path, [SLIDING, HCA])
     tensors = load_file(path / "model.safetensors")
     top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
            "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
            "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
     published = {top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()}
+    published = {k.replace(".attn.norm.", ".attn.kv_norm."): v for k, v in published.items()}
+    assert sum(".attn.kv_norm." in k for k in published) == 2
     published["mtp.0.hc_head_fn"] = torch.zeros(2)
     (path / "model.safetensors").unlink()
     save_file(published, path / "model.safetensors")

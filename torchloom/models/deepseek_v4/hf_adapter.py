@@ -5,9 +5,10 @@ writes too (its conversion mapping renames them only in memory): ``model.layers.
 ``attn.compressor.wkv``, ``attn.indexer.compressor.ape``, ``hc_attn_fn``, ``ffn.gate.bias``,
 per-expert ``ffn.experts.{e}.w1/w2/w3`` (stacked into our gate_proj / down_proj / up_proj),
 ``head.weight``. DeepSeek's published folders drop the ``model.`` prefix and call the top-level
-tensors ``embed.weight``, ``norm.weight`` and ``hc_head_fn``: both spellings load, exports
-write transformers'. The hash layers' token -> experts table ``ffn.gate.tid2eid`` is int64 and
-loads as it is.
+tensors ``embed.weight``, ``norm.weight`` and ``hc_head_fn``, and the attention's key/value
+norm ``attn.kv_norm`` (transformers' saves: ``attn.norm``): both spellings load, exports write
+transformers'. The hash layers' token -> experts table ``ffn.gate.tid2eid`` is int64 and loads
+as it is.
 
 Multi-token prediction. DeepSeek's published folders hold MTP depth k under ``mtp.{k}.``
 (config.json's ``num_nextn_predict_layers``): the depth's own ``enorm``, ``e_proj``, ``hnorm``,
@@ -113,6 +114,12 @@ _PUBLISHED_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weigh
                   "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
                   "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
 _FROM_PUBLISHED_TOP = {published: disk for disk, published in _PUBLISHED_TOP.items()}
+# The attention's own key/value norm: DeepSeek's published files call it attn.kv_norm (as its
+# inference code does), transformers' save_pretrained writes attn.norm (its renaming of the
+# compressors' "norm" to "kv_norm", reversed, catches this one too). Both load; exports write
+# transformers' spelling.
+_ATTN_NORM = re.compile(r"(.*\.attn\.)norm\.weight")
+_PUBLISHED_ATTN_NORM = re.compile(r"(.*\.attn\.)kv_norm\.weight")
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _DISK_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _DISK_EXPERT = re.compile(r"model\.layers\.(\d+)\.ffn\.experts\.\d+\.(w[123])\.weight")
@@ -304,7 +311,10 @@ class DeepSeekV4HFAdapter(HFAdapter):
         if hf_name in available or hf_name == "head.weight":
             return hf_name
         published = _PUBLISHED_TOP.get(hf_name, hf_name.removeprefix("model."))
-        return published if published in available else hf_name
+        spellings = [published]
+        if _ATTN_NORM.fullmatch(hf_name):  # the attention's kv_norm, as DeepSeek names it
+            spellings += [_ATTN_NORM.sub(r"\1kv_norm.weight", n) for n in (hf_name, published)]
+        return next((name for name in spellings if name in available), hf_name)
 
     def loads_integer(self, hf_name: str) -> bool:
         """The hash layers' token -> experts table is stored as integers and loads as such."""
@@ -337,6 +347,7 @@ class DeepSeekV4HFAdapter(HFAdapter):
             # other depths than it announces): skipped, as transformers skips them.
             return None
         hf_name = _FROM_PUBLISHED_TOP.get(hf_name, hf_name)
+        hf_name = _PUBLISHED_ATTN_NORM.sub(r"\1norm.weight", hf_name)
         if hf_name.startswith("layers."):
             hf_name = "model." + hf_name
         if hf_name in _FROM_TOP:
