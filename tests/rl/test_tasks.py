@@ -99,6 +99,8 @@ COUNTDOWN = Prompt("?", answer={"numbers": [1, 9, 9], "target": 72}, meta={"task
         ("8 * 9", 0.0, False),  # 8 is not given
         ("9 * (9 - 1) * 1 * 1", 0.0, False),  # 1 used twice
         ("72", 0.0, False),
+        ("9", 0.0, False),  # a given number alone combines nothing (the H200 run's hack)
+        ("(9)", 0.0, False),
         ("", 0.0, False),
     ],
 )

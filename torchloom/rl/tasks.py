@@ -242,14 +242,26 @@ def check_countdown(reply: str, answer: dict[str, Any]) -> Check:
     """The expression is the reply's last non-empty line, cut at its first "=" (so "3 * 7 + 12 =
     33" is read as "3 * 7 + 12").
 
-    Format holds when it is valid for the given numbers (see ``countdown_value``); correct when
-    it also equals the target.
+    Format holds when it is valid for the given numbers (see ``countdown_value``) and combines
+    at least two of them; correct when it also equals the target. A bare number is not an
+    answer: with it accepted, the 0.5B model of the H200 run (benchmarks/RESULTS.md, twentieth
+    session) learned to reply with one of the given numbers (2 tokens) and collected the format
+    reward without solving anything.
     """
     lines = [line for line in reply.splitlines() if line.strip()]
     if not lines:
         return Check(False, False)
-    value = countdown_value(lines[-1].split("=")[0], answer["numbers"])
-    return Check(value is not None, value == answer["target"])
+    expression = lines[-1].split("=")[0]
+    value = countdown_value(expression, answer["numbers"])
+    if value is None or not _has_operator(expression):
+        return Check(False, False)
+    return Check(True, value == answer["target"])
+
+
+def _has_operator(expression: str) -> bool:
+    """Whether a valid countdown expression applies an operator (so uses two numbers or more):
+    its parsed body is a binary operation, not a literal (parentheses around one are not)."""
+    return isinstance(ast.parse(expression.strip(), mode="eval").body, ast.BinOp)
 
 
 CHECKS: dict[str, Callable[[str, Any], Check]] = {
