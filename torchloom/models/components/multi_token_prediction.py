@@ -11,6 +11,10 @@ valid when its label is not IGNORE_INDEX and, with packed documents, token i + k
 position i's document. The loss is handed to the objective once, as the auxiliary term ``mtp``
 (logged as ``aux_mtp``), and only training forwards given an objective and labels compute it
 (``mtp_labels``): evaluation, generation and plain logits never run the depths.
+
+``MTPDecoder`` is the decoder with an ``mtp`` attribute: its forward, FLOPs and init cover the
+depths, and a family supplies only how its trunk runs (``mtp_trunk``) and what turns the
+trunk's output into the head's input (``mtp_final``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from torchloom.data.packing import IGNORE_INDEX
 from torchloom.kernels.linear_cross_entropy import cross_entropy_sum
+from torchloom.models.components.cache import ModelCache
+from torchloom.models.components.decoder import Decoder, Objective
+from torchloom.models.components.param_init import ParamInit
 
 RunDepth = Callable[[nn.Module, Any, torch.Tensor], tuple[Any, torch.Tensor]]
 """``(depth, previous hidden state, ahead_BT) -> (this depth's hidden state, its final-normed
@@ -75,6 +82,66 @@ class MultiTokenPrediction(nn.Module):
         """Each depth's own (``flops_per_token`` of the depth module) and its pass through the
         output head."""
         return sum(m.flops_per_token(seq_len) + 6 * vocab_size * dim for m in self.layers.values())
+
+
+class MTPDecoder(Decoder):
+    """A decoder plus ``mtp`` (None without multi-token prediction), set by the family's
+    constructor. Subclasses define ``mtp_trunk`` and ``mtp_final``."""
+
+    mtp: MultiTokenPrediction | None
+
+    def mtp_trunk(
+        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None, embeds_BTD: torch.Tensor | None,
+    ) -> tuple[Any, RunDepth]:  # fmt: skip
+        """(the hidden state after the last block, before anything collapses or norms it; how
+        a depth runs on it) for a training forward."""
+        raise NotImplementedError
+
+    def mtp_final(self, h: Any) -> torch.Tensor:
+        """The head's input [B, T, D] from the trunk's hidden state (the final norm, ...)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        *,
+        cache: ModelCache | None = None,
+        objective: Objective | None = None,
+        targets: dict[str, torch.Tensor] | None = None,
+        embeds_BTD: torch.Tensor | None = None,
+    ) -> Any:
+        """As ``Decoder.forward``; a training forward with an objective and labels also
+        computes the MTP loss, which the objective collects with the layers' other terms."""
+        labels_BT = mtp_labels(self, cache, objective, targets)
+        if labels_BT is None:
+            return super().forward(
+                tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
+                targets=targets, embeds_BTD=embeds_BTD,
+            )  # fmt: skip
+        assert self.mtp is not None and objective is not None  # what mtp_labels checked
+        h, run_depth = self.mtp_trunk(tokens_BT, positions_BT, doc_ids_BT, embeds_BTD)
+        self.mtp(self, h, tokens_BT, labels_BT, doc_ids_BT, run_depth)
+        return objective(self.mtp_final(h), self, targets or {})
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """The decoder's, plus the MTP depths' (a training step runs them)."""
+        main = super().flops_per_token(seq_len)
+        if self.mtp is None:
+            return main
+        return main + self.mtp.flops_per_token(seq_len, self.config.vocab_size, self.config.dim)
+
+    @torch.no_grad()
+    def init_weights(self, init: ParamInit | int = 0) -> None:
+        """The decoder's init (Decoder.init_weights), with the MTP depths' parameters too."""
+        if isinstance(init, int):
+            init = ParamInit(self, init)
+        if self.mtp is not None:
+            for depth in self.mtp.layers.values():
+                depth.init_weights(init)
+        super().init_weights(init)
 
 
 def mtp_labels(

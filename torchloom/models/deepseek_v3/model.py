@@ -12,14 +12,17 @@ model's (shared).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from torchloom.models.components.cache import ModelCache
-from torchloom.models.components.decoder import Block, Decoder, LayerInputs, Objective
-from torchloom.models.components.multi_token_prediction import MultiTokenPrediction, mtp_labels
+from torchloom.models.components.decoder import Block, LayerInputs
+from torchloom.models.components.multi_token_prediction import (
+    MTPDecoder,
+    MultiTokenPrediction,
+    RunDepth,
+)
 from torchloom.models.components.norms import NORM_IMPLS
 from torchloom.models.components.param_init import ParamInit
 
@@ -64,7 +67,7 @@ class MTPBlock(nn.Module):
         return mixer + ffn + 6 * self.eh_proj.weight.numel()
 
 
-class DeepSeekV3(Decoder):
+class DeepSeekV3(MTPDecoder):
     """The decoder, plus ``mtp`` (None without multi-token prediction): its depths keyed by the
     layer index each takes in a Hugging Face checkpoint (num_layers + depth - 1)."""
 
@@ -76,50 +79,21 @@ class DeepSeekV3(Decoder):
             depths = {str(first + k): MTPBlock(cfg, first + k) for k in range(cfg.mtp_layers)}
             self.mtp = MultiTokenPrediction(depths, cfg.mtp_loss_weight)
 
-    def forward(
-        self,
-        tokens_BT: torch.Tensor,
-        positions_BT: torch.Tensor | None = None,
-        doc_ids_BT: torch.Tensor | None = None,
-        *,
-        cache: ModelCache | None = None,
-        objective: Objective | None = None,
-        targets: dict[str, torch.Tensor] | None = None,
-        embeds_BTD: torch.Tensor | None = None,
-    ) -> Any:
-        """As ``Decoder.forward``; a training forward with an objective and labels also
-        computes the MTP loss, which the objective collects with the layers' other terms."""
-        labels_BT = mtp_labels(self, cache, objective, targets)
-        if labels_BT is None:
-            return super().forward(
-                tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
-                targets=targets, embeds_BTD=embeds_BTD,
-            )  # fmt: skip
+    def mtp_trunk(
+        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None, embeds_BTD: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, RunDepth]:  # fmt: skip
+        """The last block's output, before the final norm; each depth reads the layers'
+        inputs (positions, documents) the trunk read."""
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT)
         h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD
-        h_BTD = self.run_blocks(h_BTD, inputs)
 
         def run_depth(
             depth: nn.Module, h_BTD: torch.Tensor, ahead_BT: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return depth(h_BTD, self.embed_tokens(ahead_BT), inputs)
 
-        self.mtp(self, h_BTD, tokens_BT, labels_BT, doc_ids_BT, run_depth)
-        return objective(self.norm(h_BTD), self, targets or {})
+        return self.run_blocks(h_BTD, inputs), run_depth
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """The decoder's, plus the MTP depths' (a training step runs them)."""
-        main = super().flops_per_token(seq_len)
-        if self.mtp is None:
-            return main
-        return main + self.mtp.flops_per_token(seq_len, self.config.vocab_size, self.config.dim)
-
-    @torch.no_grad()
-    def init_weights(self, init: ParamInit | int = 0) -> None:
-        """The decoder's init (Decoder.init_weights), with the MTP depths' parameters too."""
-        if isinstance(init, int):
-            init = ParamInit(self, init)
-        if self.mtp is not None:
-            for mtp in self.mtp.layers.values():
-                mtp.init_weights(init)
-        super().init_weights(init)
+    def mtp_final(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        return self.norm(h_BTD)

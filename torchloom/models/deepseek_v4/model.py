@@ -22,7 +22,7 @@ hyper-connections follows, then the depth's own ``hc_head`` and ``norm`` and the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -33,10 +33,14 @@ from torchloom.models.components.compressed_attention import (
     BoundCompressedState,
     CompressedSparseAttention,
 )
-from torchloom.models.components.decoder import Decoder, LayerInputs, Objective, _residual_std
+from torchloom.models.components.decoder import LayerInputs, _residual_std
 from torchloom.models.components.hyper_connections import HyperConnection, HyperHead
 from torchloom.models.components.moe import MoE
-from torchloom.models.components.multi_token_prediction import MultiTokenPrediction, mtp_labels
+from torchloom.models.components.multi_token_prediction import (
+    MTPDecoder,
+    MultiTokenPrediction,
+    RunDepth,
+)
 from torchloom.models.components.param_init import ParamInit
 
 if TYPE_CHECKING:
@@ -132,7 +136,7 @@ class MTPDepth(nn.Module):
         return branches + mixings + projections
 
 
-class DeepSeekV4(Decoder):
+class DeepSeekV4(MTPDecoder):
     """Embedding -> N streams -> blocks -> hc_head -> final norm -> head; plus ``mtp`` (None
     without multi-token prediction): its depths keyed 0, 1, ... as the checkpoints' mtp.{k}."""
 
@@ -151,35 +155,24 @@ class DeepSeekV4(Decoder):
     def build_layers(self, cfg: DeepSeekV4Config) -> nn.ModuleDict:  # type: ignore[override]
         return nn.ModuleDict({str(i): DeepSeekV4Block(cfg, i) for i in range(cfg.num_layers)})
 
-    def forward(
-        self,
-        tokens_BT: torch.Tensor,
-        positions_BT: torch.Tensor | None = None,
-        doc_ids_BT: torch.Tensor | None = None,
-        *,
-        cache: ModelCache | None = None,
-        objective: Objective | None = None,
-        targets: dict[str, torch.Tensor] | None = None,
-        embeds_BTD: torch.Tensor | None = None,
-    ) -> Any:
-        """As ``Decoder.forward``; a training forward with an objective and labels also
-        computes the MTP loss, which the objective collects with the layers' other terms."""
-        labels_BT = mtp_labels(self, cache, objective, targets)
-        if labels_BT is None:
-            return super().forward(
-                tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
-                targets=targets, embeds_BTD=embeds_BTD,
-            )  # fmt: skip
+    def mtp_trunk(
+        self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None, embeds_BTD: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, RunDepth]:  # fmt: skip
+        """The streams after the last block, before hc_head; each depth reads the positions
+        and documents the trunk read."""
         positions_BT = self._positions(tokens_BT, positions_BT)
-        streams_BTND = self.run_streams(tokens_BT, positions_BT, doc_ids_BT, embeds_BTD=embeds_BTD)
 
         def run_depth(
             depth: nn.Module, streams_BTND: torch.Tensor, ahead_BT: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return depth(streams_BTND, self.embed(ahead_BT), ahead_BT, positions_BT, doc_ids_BT)
 
-        self.mtp(self, streams_BTND, tokens_BT, labels_BT, doc_ids_BT, run_depth)
-        return objective(self.collapse(streams_BTND), self, targets or {})
+        streams_BTND = self.run_streams(tokens_BT, positions_BT, doc_ids_BT, embeds_BTD=embeds_BTD)
+        return streams_BTND, run_depth
+
+    def mtp_final(self, streams_BTND: torch.Tensor) -> torch.Tensor:
+        return self.collapse(streams_BTND)
 
     def forward_hidden(
         self,
@@ -234,22 +227,15 @@ class DeepSeekV4(Decoder):
 
     @torch.no_grad()
     def init_weights(self, init: ParamInit | int = 0) -> None:
-        """The decoder's init (embedding, blocks, norm, head), the hc_head's and the MTP
-        depths'."""
+        """MTPDecoder's init (embedding, blocks, norm, head, MTP depths) and the hc_head's."""
         if isinstance(init, int):
             init = ParamInit(self, init)
         self.hc_head.init_weights(init)
-        if self.mtp is not None:
-            for depth in self.mtp.layers.values():
-                depth.init_weights(init)
         super().init_weights(init)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """The decoder's count plus the hyper-connections' linears, and the MTP depths' (a
-        training step runs them)."""
+        """MTPDecoder's count (the decoder's and the MTP depths') plus the main model's
+        hyper-connection linears (a depth counts its own)."""
         hc = sum(6 * p.numel() for n, p in self.named_parameters()
                  if n.endswith(("fn", "hc_fn")) and not n.startswith("mtp."))  # fmt: skip
-        main = super().flops_per_token(seq_len) + hc
-        if self.mtp is None:
-            return main
-        return main + self.mtp.flops_per_token(seq_len, self.config.vocab_size, self.config.dim)
+        return super().flops_per_token(seq_len) + hc
