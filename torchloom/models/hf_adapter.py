@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -341,6 +342,23 @@ _HF_EXPERT = re.compile(
 )
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(\w+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(.+)")
+
+
+def config_for_held_mtp(config: Any, held: list[int], name: Callable[[int], str]) -> Any:
+    """``config`` (a family config with ``mtp_layers``) for the MTP depths a checkpoint holds:
+    ``held`` their indices from 0 (depth k's tensors under ``name(k)``). Without MTP when it
+    holds none (transformers' saves drop them), as announced when it holds exactly those,
+    ConfigError otherwise."""
+    if not held:
+        return replace(config, mtp_layers=0)
+    if held != list(range(config.mtp_layers)):
+        found = ", ".join(name(k) for k in held)
+        raise ConfigError(
+            f"config.json announces {config.mtp_layers} MTP layer(s) "
+            f"(num_nextn_predict_layers) but the checkpoint holds MTP layer(s) {found}; set "
+            f"num_nextn_predict_layers to match the layers {name(0)}.. it holds."
+        )
+    return config
 
 
 def refuse_unknown_keys(values: dict[str, Any], known: Iterable[str], where: str) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +30,12 @@ import torch
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.deepseek_v3.config import DeepSeekV3Config
-from torchloom.models.hf_adapter import HFAdapter, check_sigmoid_routing, rope_from_hf
+from torchloom.models.hf_adapter import (
+    HFAdapter,
+    check_sigmoid_routing,
+    config_for_held_mtp,
+    rope_from_hf,
+)
 
 # DeepseekV3Config's defaults (transformers 5) for keys a config.json may leave out.
 _DEFAULTS: dict[str, Any] = {
@@ -196,16 +200,7 @@ class DeepSeekV3HFAdapter(HFAdapter):
             for m in map(_HF_EH_PROJ.fullmatch, tensor_names())
             if m and int(m.group(1)) >= first
         )
-        if not held:
-            return replace(config, mtp_layers=0)
-        if held != list(range(config.mtp_layers)):
-            found = ", ".join(f"model.layers.{first + k}" for k in held)
-            raise ConfigError(
-                f"config.json announces {config.mtp_layers} MTP layer(s) "
-                f"(num_nextn_predict_layers) but the checkpoint holds MTP layer(s) {found}; set "
-                f"num_nextn_predict_layers to match the layers model.layers.{first}.. it holds."
-            )
-        return config
+        return config_for_held_mtp(config, held, lambda k: f"model.layers.{first + k}")
 
     # Tensor names: an MTP depth's parameters sit under its HF layer index.
     def hf_names(self, name: str, config: Any) -> str | list[str]:

@@ -40,6 +40,7 @@ from torchloom.models.components.rope import RopeConfig
 from torchloom.models.deepseek_v4.config import DeepSeekV4Config, _moe
 from torchloom.models.hf_adapter import (
     HFAdapter,
+    config_for_held_mtp,
     refuse_unknown_keys,
     rope_from_hf,
     rope_to_hf,
@@ -270,16 +271,7 @@ class DeepSeekV4HFAdapter(HFAdapter):
         if not config.mtp_layers:
             return config
         held = sorted(int(m.group(1)) for m in map(_DISK_MTP_E_PROJ.fullmatch, tensor_names()) if m)
-        if not held:
-            return replace(config, mtp_layers=0)
-        if held != list(range(config.mtp_layers)):
-            found = ", ".join(f"mtp.{k}" for k in held)
-            raise ConfigError(
-                f"config.json announces {config.mtp_layers} MTP layer(s) "
-                f"(num_nextn_predict_layers) but the checkpoint holds MTP layer(s) {found}; set "
-                "num_nextn_predict_layers to match the layers mtp.0.. it holds."
-            )
-        return config
+        return config_for_held_mtp(config, held, lambda k: f"mtp.{k}")
 
     # Tensor names: an MTP depth's block is named as layer k's, moved under "mtp.{k}.".
     def hf_names(self, name: str, config: Any) -> Any:
