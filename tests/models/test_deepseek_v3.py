@@ -60,6 +60,23 @@ def tiny(**changes) -> DeepSeekV3:
 DOCS = [11, 7, 14]  # lengths of three documents packed into one row of 32
 
 
+def packed_batch(
+    vocab: int, docs: list[int], ignored: tuple[tuple[int, int], ...]
+) -> tuple[torch.Tensor, ...]:
+    """(tokens, positions, doc_ids, labels) of two rows of ``docs`` packed, random tokens below
+    ``vocab``; each document's last label and the ``ignored`` (row, position) labels ignored."""
+    generator = torch.Generator().manual_seed(1)
+    window = torch.randint(0, vocab, (2, sum(docs) + 1), generator=generator)
+    tokens, labels = window[:, :-1], window[:, 1:].clone()
+    ends = torch.tensor(docs).cumsum(0) - 1
+    labels[:, ends] = IGNORE_INDEX  # a document's last token predicts nothing (as packing does)
+    for row, position in ignored:
+        labels[row, position] = IGNORE_INDEX
+    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(docs)]).expand(2, -1)
+    positions = torch.cat([torch.arange(n) for n in docs]).expand(2, -1)
+    return tokens, positions, doc_ids, labels
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @torch.no_grad()
 def test_packed_documents_equal_separate_sequences(backend: str) -> None:
@@ -107,14 +124,7 @@ def test_mtp_loss_equals_a_direct_computation(depths: int) -> None:
     """Two rows of three packed documents, some labels ignored; the MTP term the objective
     receives equals the loss computed target by target."""
     model = tiny(mtp_layers=depths, mtp_loss_weight=0.1).train()
-    generator = torch.Generator().manual_seed(1)
-    window = torch.randint(0, 256, (2, sum(DOCS) + 1), generator=generator)
-    tokens, labels = window[:, :-1], window[:, 1:].clone()
-    ends = torch.tensor(DOCS).cumsum(0) - 1
-    labels[:, ends] = IGNORE_INDEX  # a document's last token predicts nothing (as packing does)
-    labels[0, 3] = labels[1, 20] = IGNORE_INDEX
-    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCS)]).expand(2, -1)
-    positions = torch.cat([torch.arange(n) for n in DOCS]).expand(2, -1)
+    tokens, positions, doc_ids, labels = packed_batch(256, DOCS, ignored=((0, 3), (1, 20)))
     out = model(tokens, positions, doc_ids, objective=CrossEntropy(), targets={"labels": labels})
     count = (labels != IGNORE_INDEX).sum()
     reported = out.metrics["aux_mtp"] / count  # with_auxiliary weights it by the label count

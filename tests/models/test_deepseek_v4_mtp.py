@@ -17,6 +17,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import torchloom
+from tests.models.test_deepseek_v3 import packed_batch as packed_mtp_batch
 from torchloom.checkpoint.hf import save_hf
 from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
@@ -46,15 +47,7 @@ def mtp_model(**changes) -> DeepSeekV4:
 
 def packed_batch() -> tuple[torch.Tensor, ...]:
     """(tokens, positions, doc_ids, labels) of two rows of DOCS, some labels ignored."""
-    generator = torch.Generator().manual_seed(1)
-    window = torch.randint(0, DEBUG.vocab_size, (2, sum(DOCS) + 1), generator=generator)
-    tokens, labels = window[:, :-1], window[:, 1:].clone()
-    ends = torch.tensor(DOCS).cumsum(0) - 1
-    labels[:, ends] = IGNORE_INDEX  # a document's last token predicts nothing (as packing does)
-    labels[0, 5] = labels[1, 40] = IGNORE_INDEX
-    doc_ids = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCS)]).expand(2, -1)
-    positions = torch.cat([torch.arange(n) for n in DOCS]).expand(2, -1)
-    return tokens, positions, doc_ids, labels
+    return packed_mtp_batch(DEBUG.vocab_size, DOCS, ignored=((0, 5), (1, 40)))
 
 
 def ahead_in_document(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
