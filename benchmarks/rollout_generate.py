@@ -102,10 +102,11 @@ def main() -> None:
     rows = [run(model, args, before) for before in (True, False)]
     print(f"{config.num_params() / 1e6:.0f}M params, {args.groups} x {args.group_size} requests, "
           f"prompt {args.prompt_len}, replies {args.min_new}-{args.max_new}, {args.slots} slots")  # fmt: skip
-    print(f"{'row':8} {'seconds':>8} {'tokens/s':>10} {'prefills':>9} {'decodes':>8}")
+    print(f"{'row':8} {'seconds':>8} {'tokens':>7} {'tokens/s':>10} {'prefills':>9} "
+          f"{'decodes':>8}")  # fmt: skip
     for r in rows:
-        print(f"{r['row']:8} {r['seconds']:8.2f} {r['tokens_per_s']:10,.0f} {r['prefill']:9d} "
-              f"{r['decode']:8d}")  # fmt: skip
+        print(f"{r['row']:8} {r['seconds']:8.2f} {r['tokens']:7d} {r['tokens_per_s']:10,.0f} "
+              f"{r['prefill']:9d} {r['decode']:8d}")  # fmt: skip
     print(f"speed-up {rows[0]['seconds'] / rows[1]['seconds']:.2f}x")
     if args.device == "cuda":
         write_report(args.json, [{**r, "args": vars(args) | {"json": str(args.json)}}

@@ -196,3 +196,16 @@ def test_data_stall_benchmark_small(tmp_path):
     assert report["tokens_per_s"] > 0
     assert 0 <= report["data_wait_share_pct"] <= 100, report["data_wait_share_pct"]
     assert report["peak_rss_gib"] > 0
+
+
+def test_rollout_generation_benchmark_rows(tmp_path):
+    """Both scheduling rows generate every requested token; batched admission runs fewer
+    prefills than admitting at once."""
+    stdout = _run("rollout_generate.py", "--device", "cpu", "--dim", "64", "--layers", "2",
+                  "--groups", "12", "--slots", "32")  # fmt: skip
+    print(stdout)
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines()
+            if line.startswith(("before ", "after "))}  # fmt: skip
+    assert set(rows) == {"before", "after"}
+    assert rows["before"][2] == rows["after"][2]  # tokens
+    assert int(rows["after"][4]) < int(rows["before"][4])  # prefills
