@@ -18,9 +18,10 @@ import torchloom
 from torchloom.checkpoint.hf import save_hf
 from torchloom.cli import resolve_job
 from torchloom.config.errors import ConfigError
+from torchloom.kernels.sinkhorn import sinkhorn
 from torchloom.models import build_model
 from torchloom.models.components.compressed_attention import CSA, HCA, SLIDING
-from torchloom.models.components.hyper_connections import HyperConnection, HyperHead, sinkhorn
+from torchloom.models.components.hyper_connections import HyperConnection, HyperHead
 from torchloom.models.components.moe import MoE, MoEConfig
 from torchloom.models.components.param_init import ParamInit
 from torchloom.models.deepseek_v4 import DEEPSEEK_V4_FLAVORS, DeepSeekV4, DeepSeekV4HFAdapter

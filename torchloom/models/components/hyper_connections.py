@@ -7,7 +7,8 @@ from all N streams (flattened, RMS-scaled without a weight, one linear ``fn``):
 - ``pre`` [N]: sigmoid weights that collapse the N streams into the branch's input;
 - ``post`` [N]: 2 * sigmoid weights that spread the branch's output over the N streams;
 - ``comb`` [N, N]: how the N streams mix into the next N, made doubly stochastic by Sinkhorn-
-  Knopp iterations (a softmax over rows, then alternating column and row normalisations).
+  Knopp iterations (a softmax over rows, then alternating column and row normalisations; on
+  the GPU one Triton kernel each way, kernels/sinkhorn.py).
 
 The stream after the branch is ``post * branch + comb^T @ streams``. Everything is computed in
 fp32 whatever the model's dtype (DeepSeek keeps these modules in fp32), also under the trainer's
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchloom.kernels.sinkhorn import sinkhorn_fused
 from torchloom.models.components.param_init import ParamInit
 
 
@@ -43,18 +45,6 @@ def rms_scaled_linear(streams_BTND: torch.Tensor, weight: torch.Tensor, eps: flo
 def _no_autocast(x: torch.Tensor) -> torch.autocast:
     """A context that turns autocast off on ``x``'s device (fp32 mixing under bf16 autocast)."""
     return torch.autocast(x.device.type, enabled=False)
-
-
-def sinkhorn(comb_logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
-    """A doubly stochastic [..., N, N] matrix from logits, in fp32: softmax over each row (+ eps),
-    then ``iterations`` normalisations of the columns alternating with ``iterations - 1`` of the
-    rows (DeepSeek-V4's order: columns first)."""
-    comb = torch.softmax(comb_logits.float(), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iterations - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
 
 
 class HyperConnection(nn.Module):
@@ -90,7 +80,7 @@ class HyperConnection(nn.Module):
         pre_BTN = torch.sigmoid(pre_BTN * pre_scale + pre_base) + self.eps
         post_BTN = 2 * torch.sigmoid(post_BTN * post_scale + post_base)
         comb_logits = comb_BTX.unflatten(-1, (N, N)) * comb_scale + comb_base.view(N, N)
-        comb_BTNN = sinkhorn(comb_logits, self.sinkhorn_iters, self.eps)
+        comb_BTNN = sinkhorn_fused(comb_logits, self.sinkhorn_iters, self.eps)
         x_BTD = (pre_BTN[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
         return post_BTN, comb_BTNN, x_BTD
 
