@@ -162,9 +162,6 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile a run of this many new tokens per row and "
                              "batch: kernel time per step and the GPU's busy share (GPU only)")  # fmt: skip
-    parser.add_argument("--no-skinny-linears", action="store_true",
-                        help="our decode steps' few-row linears on cuBLAS instead of "
-                             "kernels/skinny_linear.py's kernel (the default on CUDA)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
     parser.add_argument("--tp", type=int, default=1,
@@ -205,8 +202,6 @@ def main() -> None:
                     options = {"cuda_graphs": False} if row == "ours-eager" else {}
                     if row.endswith("-compiled"):
                         options = {"compile": True}
-                    if args.no_skinny_linears:
-                        options["skinny_linears"] = False
                     m = models.get(row.removesuffix("-compiled"), model)
                     length = args.prompt_len + args.new_tokens
                     run = lambda p, n, m=m, o=options, L=length: ours(m, p, n, L, **o)  # noqa: E731

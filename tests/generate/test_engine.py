@@ -420,8 +420,7 @@ def test_moe_decode_capture_on_cuda():
     model = tiny("qwen3_moe").to("cuda", torch.bfloat16)
     requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in PROMPTS]
     if torch.cuda.get_device_capability() >= (9, 0):
-        # skinny_linears off: the captured steps run the eager decode's kernels, bit for bit.
-        captured = Generator(model, max_batch=4, max_len=64, skinny_linears=False)
+        captured = Generator(model, max_batch=4, max_len=64)
         assert captured.graphs is not None
         eager = Generator(model, max_batch=4, max_len=64, cuda_graphs=False)
         assert [c.tokens for c in captured.generate(requests)] == [

@@ -148,10 +148,6 @@ class Generator:
     all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
     collectives).
 
-    ``skinny_linears`` (default: on CUDA, unless the model is batch-invariant): the decode
-    steps' linears of at most 8 rows run kernels/skinny_linear.py's Triton kernel instead of
-    cuBLAS (graph-replayed or compiled steps only; prefills are unchanged).
-
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
     slot, so slots freed one by one are refilled by one prefill, not one each. With nothing
@@ -166,7 +162,6 @@ class Generator:
         cuda_graphs: bool | None = None,
         compile: bool = False,
         admit_batch: int | None = None,
-        skinny_linears: bool | None = None,
     ) -> None:
         # Without a cache slot no request is ever admitted: generate() would loop forever.
         if not _is_positive_int(max_batch):
@@ -196,17 +191,11 @@ class Generator:
                 "eager forward, so the log-probabilities would no longer match it bit for bit. "
                 "Drop compile (CUDA graphs still replay the decode steps)."
             )
-        if skinny_linears and self.config.batch_invariant:
-            raise ValueError(
-                "skinny_linears and batch-invariant mode do not mix: the decode step's linears "
-                "would sum in another order than the trainer's. Leave skinny_linears unset."
-            )
         self.graphs = None
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(
-                self.model, self.cache, score, capture=cuda_graphs, compile=compile,
-                skinny_linears=skinny_linears,
-            )  # fmt: skip
+                self.model, self.cache, score, capture=cuda_graphs, compile=compile
+            )
         if admit_batch is not None and not _is_positive_int(admit_batch):
             raise ValueError(f"admit_batch must be None or an integer >= 1; got {admit_batch!r}")
         self.admit_batch = admit_batch or max(1, max_batch // 8)

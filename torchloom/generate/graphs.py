@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from torchloom.kernels.skinny_linear import SkinnyLinears
 from torchloom.models.components.cache import ModelCache
 
 
@@ -91,14 +90,9 @@ class DecodeGraphs:
         finish: Finish,
         capture: bool = True,
         compile: bool = False,
-        skinny_linears: bool | None = None,
     ) -> None:
-        """``capture=False`` runs the same static-shape steps without graphs (any device).
-        ``skinny_linears``: the steps run under kernels/skinny_linear.py's ``SkinnyLinears``
-        (default: on CUDA, unless the model is batch-invariant)."""
-        if skinny_linears is None:
-            skinny_linears = cache.device.type == "cuda" and not model.config.batch_invariant
-        self.cache, self.finish, self.skinny_linears = cache, finish, skinny_linears
+        """``capture=False`` runs the same static-shape steps without graphs (any device)."""
+        self.cache, self.finish = cache, finish
         device = cache.device
         self.sizes = buckets(cache.slots)
         self._tokens_B1 = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
@@ -154,10 +148,9 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens_B1, positions_B1 = self._tokens_B1[:rows], self._positions_B1[:rows]
-        with SkinnyLinears() if self.skinny_linears else contextlib.nullcontext():
-            logprobs_BV, best_2B = self._step(
-                tokens_B1, positions_B1, self.cache.bind_leading(positions_B1, self._live_B[:rows])
-            )
+        logprobs_BV, best_2B = self._step(
+            tokens_B1, positions_B1, self.cache.bind_leading(positions_B1, self._live_B[:rows])
+        )
         # The next step's inputs if every row is greedy (the host overwrites them otherwise).
         # Clamped: a row past its end keeps writing inside its own, by then unused, slot.
         tokens_B1.copy_(best_2B[0, :, None].long())
