@@ -9,7 +9,7 @@ Shapes. dsv3-16B-6L: the deepseek_v3 "16B" flavor (DeepSeek-V2-Lite's shape: MLA
 kv_lora_rank 512, 64 routed + 2 shared experts, top-6, vocab 102400) cut to 6 layers (1 dense +
 5 MoE), seq 4096, the shape TorchTitan's deepseek_v3 16B debug run uses; qwen3-30B-A3B-6L:
 Qwen3-30B-A3B (128 experts, top-8) cut to 6 layers; tiny / dsv3-tiny: the debug flavors, for
-the CPU. benchmarks/torchtitan_moe.py runs TorchTitan's own trainer on dsv3-16B-6L for a
+the CPU. benchmarks/torchtitan_anchor.py runs TorchTitan's own trainer on dsv3-16B-6L for a
 side-by-side (benchmarks/RESULTS.md).
 
 Rows. torchloom: FSDP at world size 1 (fp32 master weights, bf16 compute, fp32 gradient
