@@ -36,6 +36,7 @@ from torchloom.data.mrope import mrope_positions
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
+from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
 
@@ -142,7 +143,9 @@ class Generator:
     ``max_batch`` requests run at once (cache slots), each up to ``max_len`` tokens (prompt +
     generated; default the model's context). ``cuda_graphs`` (default: on a CUDA device)
     replays decode steps from CUDA graphs captured here, once per batch-size bucket;
-    ``compile`` compiles those steps with inductor first (a minute or so, once per process).
+    ``compile`` compiles those steps with inductor first (a minute or so, once per process),
+    and runs q/k/v and gate/up as one matmul each (their weights become views of one stacked
+    tensor: ``fuse_projections_``).
     A tensor-parallel model (DTensor weights, see torchloom/generate/run.py) works too: each
     rank's layers hold their own share of the state and every rank gets the whole logits, so
     all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
@@ -191,6 +194,11 @@ class Generator:
                 "eager forward, so the log-probabilities would no longer match it bit for bit. "
                 "Drop compile (CUDA graphs still replay the decode steps)."
             )
+        if compile:
+            # Decode reads every weight once a token; the small q/k/v ones stream far faster
+            # stacked (models/components/fused_linear.py). Forwards with autograd keep the
+            # separate matmuls, so a trainer sharing the model still trains every weight.
+            fuse_projections_(model)
         self.graphs = None
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(

@@ -31,6 +31,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.models.components.cache import KVState
+from torchloom.models.components.fused_linear import fuse_linears
 from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm
 from torchloom.models.components.param_init import ParamInit, local_tensor
 from torchloom.models.components.rope import ROPE_IMPLS
@@ -253,6 +254,32 @@ class Attention(nn.Module):
         self.backend = backend  # new_state: the batch-invariant kernel decodes its own way
         self.attend = ATTENTION_BACKENDS[backend]
         self.rotate = ROPE_IMPLS[rope_impl]
+        self.fused_in: torch.Tensor | None = None  # q/k/v(/gate) stacked (fuse_projections)
+
+    def fuse_projections(self) -> bool:
+        """From now on run q/k/v (and gate_proj) as one matmul over their stacked weights
+        (fused_linear.py); whether it did. Not in batch-invariant mode, whose matmul tiling
+        follows the weight's width and would round differently from the trainer's."""
+        if self.backend == "batch_invariant" or self.fused_in is not None:
+            return False
+        self.fused_in = fuse_linears(self._in_projections())
+        return self.fused_in is not None
+
+    def _in_projections(self) -> list[nn.Linear]:
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        return projections + ([self.gate_proj] if self.gate_proj is not None else [])
+
+    def _project(
+        self, x_BTD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q_proj, k_proj, v_proj and gate_proj (None without it) of ``x_BTD``; by the stacked
+        weight only without autograd (it is no parameter: no gradient would reach q/k/v)."""
+        if self.fused_in is None or torch.is_grad_enabled():
+            gate_BTX = self.gate_proj(x_BTD) if self.gate_proj is not None else None
+            return self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD), gate_BTX
+        widths = [p.weight.shape[0] for p in self._in_projections()]
+        parts = F.linear(x_BTD, self.fused_in).split(widths, -1)
+        return parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else None
 
     def forward(
         self,
@@ -265,14 +292,14 @@ class Attention(nn.Module):
         """With ``cache`` (generation), this call's keys and values are stored in it and the
         queries attend to every cached position up to their own."""
         B, T, _ = x_BTD.shape
-        gate_BTX = None
+        q_BTX, k_BTX, v_BTX, gate_BTX = self._project(x_BTD)
         if self.output_gate:
-            q_BTHd, gate_BTHd = self.q_proj(x_BTD).view(B, T, -1, 2 * self.head_dim).chunk(2, -1)
+            q_BTHd, gate_BTHd = q_BTX.view(B, T, -1, 2 * self.head_dim).chunk(2, -1)
             gate_BTX = gate_BTHd.reshape(B, T, -1)
         else:
-            q_BTHd = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTKd = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
-        v_BTKd = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
+            q_BTHd = q_BTX.view(B, T, -1, self.head_dim)
+        k_BTKd = k_BTX.view(B, T, -1, self.head_dim)
+        v_BTKd = v_BTX.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
         if self.q_scale != 1.0:
@@ -290,8 +317,6 @@ class Attention(nn.Module):
         if self.out_norm is not None:
             out_BTHd = self.out_norm(out_BTHd)
         out_BTX = out_BTHd.reshape(B, T, -1)
-        if self.gate_proj is not None:
-            gate_BTX = self.gate_proj(x_BTD)
         if gate_BTX is not None:
             if self.backend == "batch_invariant":
                 out_BTX = out_BTX * batch_invariant.pointwise(torch.sigmoid, gate_BTX)

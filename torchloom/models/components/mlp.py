@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.swiglu import swiglu, swiglu_fused
+from torchloom.models.components.fused_linear import fuse_linears
 from torchloom.models.components.param_init import ParamInit
 
 MLP_IMPLS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -51,9 +52,22 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
         self.gated = MLP_IMPLS[impl]
         self.init_std, self.out_std = init_std, init_std if out_std is None else out_std
+        self.gate_up: torch.Tensor | None = None  # gate and up stacked (fuse_projections)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gated(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
+        if self.gate_up is None or torch.is_grad_enabled():  # gate_up is no parameter
+            return self.down_proj(self.gated(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
+        gate_BTF, up_BTF = F.linear(x_BTD, self.gate_up).chunk(2, -1)
+        return self.down_proj(self.gated(gate_BTF, up_BTF))
+
+    def fuse_projections(self) -> bool:
+        """From now on run gate and up as one matmul over their stacked weights
+        (fused_linear.py); whether it did. Not in batch-invariant mode (its matmul tiling
+        follows the weight's width, so the rounding would differ from the trainer's)."""
+        if self.gated is MLP_IMPLS["batch_invariant"] or self.gate_up is not None:
+            return False
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def init_weights(self, init: ParamInit) -> None:
         """Normal weights truncated at 3 std."""
