@@ -13,7 +13,9 @@ runs to --new-tokens: no stop tokens, HF with min_new_tokens), after one warm-up
 shape (compilation and CUDA-graph capture happen there; our Generator is kept for the timed
 call, as a server keeps its engine). --profile-steps adds each row's GPU kernel breakdown.
 Weights are random (speed does not depend on them); torchloom
-and HF get the same architecture through torchloom's HF adapter.
+and HF get the same architecture through torchloom's HF adapter. A compiled row stacks its
+model's q/k/v and gate/up weights (docs/generate.md), and every later row on that model decodes
+with them stacked: list the compiled rows last to time the default decode as it ships.
 """
 
 from __future__ import annotations
