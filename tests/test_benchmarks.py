@@ -209,3 +209,42 @@ def test_rollout_generation_benchmark_rows(tmp_path):
     assert set(rows) == {"before", "after"}
     assert rows["before"][2] == rows["after"][2]  # tokens
     assert int(rows["after"][4]) < int(rows["before"][4])  # prefills
+
+
+TITAN_LOG = """\
+[titan] 2026-12-04 16:20:01,100 - root - INFO - \x1b[31mstep:  1  \x1b[32mloss: 12.25011  \
+\x1b[38;2;180;60;0mgrad_norm:  0.5007  \x1b[38;2;54;234;195mmemory: 63.27GiB(45.26%)  \
+\x1b[34mtps: 2,511  \x1b[36mtflops: 22.66  \x1b[35mmfu: 2.29%\x1b[39m
+[titan] 2026-12-04 16:20:07,100 - root - INFO - step: 10  loss: 12.14127  grad_norm:  0.3470  \
+memory: 78.93GiB(56.46%)  tps: 55,977  tflops: 505.22  mfu: 51.08%
+[titan] 2026-12-04 16:20:13,100 - root - INFO - step: 20  loss: 11.97192  grad_norm:  1.1262  \
+memory: 78.93GiB(56.46%)  tps: 61,393  tflops: 554.10  mfu: 56.03%
+[titan] 2026-12-04 16:20:19,100 - root - INFO - step: 30  loss: 12.03468  grad_norm:  3.3004  \
+memory: 78.93GiB(56.46%)  tps: 61,938  tflops: 559.02  mfu: 56.52%
+"""
+
+
+def test_dense_anchor_reads_torchtitan_logs_and_runs_torchloom_side(tmp_path):
+    """benchmarks/dense_anchor.py: TorchTitan's log lines (from its 0.2.2 trainer on an H200,
+    colours included) give its windows and their mean after the compile window; the torchloom
+    side runs `torchloom train` on the inputs written for both trainers (the CPU check)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import dense_anchor
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    windows = dense_anchor.titan_windows(TITAN_LOG)
+    assert [(w["step"], w["reserved_gib"], w["tps"]) for w in windows] == [
+        (1, 63.27, 2511), (10, 78.93, 55977), (20, 78.93, 61393), (30, 78.93, 61938)]  # fmt: skip
+    assert dense_anchor.titan_tokens_per_s(windows) == (61393 + 61938) / 2
+    assert dense_anchor.titan_tokens_per_s(windows[:2]) is None
+
+    out = tmp_path / "anchor.json"
+    stdout = _run("dense_anchor.py", "--flavor", "debug", "--seq", "64", "--batch", "2",
+                  "--steps", "4", "--warmup", "1", "--sides", "torchloom", "--device", "cpu",
+                  "--words", "500", "--workdir", str(tmp_path / "work"), "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    side = report["sides"]["torchloom"]
+    assert side["error"] is None and side["tokens_per_s"] > 0, stdout
+    assert [r["step"] for r in side["steps"]] == [1, 2, 3, 4]
+    assert "ratio" not in report  # one side only

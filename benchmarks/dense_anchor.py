@@ -1,0 +1,240 @@
+"""TorchTitan's own trainer and `torchloom train` on one llama3 shape, one after the other on the
+same GPU with the same data, batch and recomputation: tokens/s, peak GPU memory and the ratio in
+one table, JSON to --json (TorchTitan 0.2.2 must be installed; it is not a dependency).
+
+    python3 benchmarks/dense_anchor.py --flavor 1B --batch 8                           # one H200
+    python3 benchmarks/dense_anchor.py --flavor 8B --batch 2 --recompute every_2nd
+    python3 benchmarks/dense_anchor.py --flavor 8B --batch 2 --recompute every_2nd --float8
+    python3 benchmarks/dense_anchor.py --flavor debug --seq 128 --batch 2 --steps 4 \\
+        --sides torchloom --device cpu                                                # CPU check
+
+The inputs are written once under --workdir (benchmarks/torchtitan_anchor.py's helpers) and read
+by both trainers: a word-level tokenizer over the model's vocabulary and documents of --words
+random words, longer than a sequence; torchloom runs with --data.document_mask false, so both
+attend plain causal. Each side runs as its users run it:
+
+- TorchTitan: compile of model and loss, fused AdamW, bf16 autocast over fp32 weights (its
+  mixed precision on one GPU), logging every 10 steps (its default; it reads the loss back to
+  the host only on logged steps). Tokens/s: the mean of its logged windows after the first (the
+  first holds the compile).
+- torchloom: the fast settings of docs/performance.md (compile, chunked loss, Triton AdamW; bf16
+  autocast over fp32 weights) and an untied head, as TorchTitan's llama3 has. Tokens/s: the
+  median of the steps after --warmup.
+
+--recompute every_2nd is TorchTitan's default `selective` mode (its option "2": every second
+block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
+the same way for both: the most GPU memory nvidia-smi shows the trainer's processes holding,
+sampled every 0.5 s (the trainers' own figures differ: TorchTitan logs the allocator's reserved
+peak, torchloom the allocated peak; both are recorded too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torchtitan_anchor import write_documents, write_tokenizer
+
+from torchloom.models import ModelConfig, resolve_model_config
+from torchloom.train.metrics import read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+_TITAN_STEP = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+
+
+def titan_windows(log: str) -> list[dict]:
+    """TorchTitan's logged steps: {"step", "reserved_gib", "tps"} (its tps covers the steps
+    since the previous logged one)."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)  # its colours
+    return [
+        {"step": int(step), "reserved_gib": float(mem), "tps": int(tps.replace(",", ""))}
+        for step, mem, tps in _TITAN_STEP.findall(plain)
+    ]
+
+
+def titan_tokens_per_s(windows: list[dict]) -> float | None:
+    """The mean of the windows after the first two logged steps (step 1, and the window holding
+    the compile), or None with fewer than three."""
+    timed = windows[2:]
+    return statistics.mean(w["tps"] for w in timed) if timed else None
+
+
+def gpu_memory_gib(pids: set[int]) -> float:
+    """GPU memory nvidia-smi shows ``pids`` holding, in GiB (0 without nvidia-smi)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return 0.0
+    used = 0.0
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in pids:
+            used += float(mib) / 1024
+    return used
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants (Linux /proc)."""
+    pids, todo = set(), [pid]
+    while todo:
+        current = todo.pop()
+        pids.add(current)
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
+def run(command: list[str], log: Path, timeout: float) -> dict:
+    """``command`` with its output to ``log``; the peak GPU memory of its processes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    print("run: " + " ".join(command), flush=True)
+    started, peak, error = time.time(), 0.0, None
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        while proc.poll() is None:
+            peak = max(peak, gpu_memory_gib(process_tree(proc.pid)))
+            if time.time() - started > timeout:
+                proc.kill()
+                error = f"timed out after {timeout:.0f} s"
+            time.sleep(0.5)
+    if proc.returncode and error is None:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        error = f"exit {proc.returncode}: " + " | ".join(tail)[-400:]
+    return {"error": error, "wall_s": time.time() - started, "gpu_gib": peak, "log": str(log)}
+
+
+def titan_command(args: argparse.Namespace) -> list[str]:
+    recompute = {"none": "none", "every_2nd": "selective"}[args.recompute]
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "torchtitan_anchor.py"), "--model", "llama3",
+        "--flavor", args.flavor, "--workdir", str(args.workdir), "--vocab", str(args.vocab),
+        "--docs", str(args.docs), "--words", str(args.words), "--",
+        "--compile.enable", "--training.seq_len", str(args.seq),
+        "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
+        "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "2",
+        "--activation_checkpoint.mode", recompute, "--job.dump_folder", str(args.workdir / "tt"),
+    ]  # fmt: skip
+    if args.float8:
+        command += ["--model.converters", "quantize.linear.float8",
+                    "--quantize.linear.float8.recipe_name", "tensorwise"]  # fmt: skip
+    return command
+
+
+def torchloom_command(args: argparse.Namespace) -> list[str]:
+    command = [
+        sys.executable, "-m", "torchloom", "train", "--recipe", "debug",
+        "--model.flavor", args.flavor, "--model.overrides", '{"tie_embeddings": false}',
+        "--training.seq_len", str(args.seq), "--training.global_batch_size", str(args.batch),
+        "--training.steps", str(args.steps), "--training.device", args.device,
+        "--data.sources", json.dumps([str(args.workdir / "data")]),
+        "--data.tokenizer", str(args.workdir / "tokenizer"), "--data.format", "text",
+        "--data.streaming", "true", "--data.document_mask", "false", "--data.val_fraction", "0",
+        "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
+        "--checkpoint.save_final_model", "false", "--training.sample_tokens", "0",
+        "--output.dir", str(args.workdir / "torchloom"), "--output.overwrite", "true",
+    ]  # fmt: skip
+    if args.device == "cuda":
+        command += ["--compile.enabled", "true", "--model.loss_impl", "chunked",
+                    "--optimizer.implementation", "triton"]  # fmt: skip
+    if args.recompute == "every_2nd":
+        command += ["--remat.mode", "every_k", "--remat.every_k", "2"]
+    if args.float8:
+        command += ["--model.float8", "tensorwise"]
+    return command
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flavor", default="1B", help="llama3 flavor (TorchTitan: 1B or 8B)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences a step")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5, help="torchloom steps left out")
+    parser.add_argument("--recompute", default="none", choices=["none", "every_2nd"])
+    parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
+    parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
+                        choices=["torchtitan", "torchloom"])  # fmt: skip
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: torchloom only, eager (the CPU check)")  # fmt: skip
+    parser.add_argument(
+        "--docs",
+        type=int,
+        default=None,
+        help="documents (default: enough for every step's tokens, and 20%% more)",
+    )
+    parser.add_argument("--words", type=int, default=20000, help="words a document")
+    parser.add_argument("--timeout", type=float, default=400, help="seconds per trainer")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/dense_anchor"))
+    parser.add_argument("--json", type=Path, default=Path("outputs/dense_anchor.json"))
+    args = parser.parse_args()
+    if args.device == "cpu" and "torchtitan" in args.sides:
+        parser.error("TorchTitan's trainer needs CUDA: pass --sides torchloom with --device cpu")
+    args.workdir = args.workdir.resolve()
+    args.vocab = resolve_model_config(ModelConfig(name="llama3", flavor=args.flavor)).vocab_size
+    tokens = args.steps * args.batch * (args.seq + 1)  # a word is a token
+    args.docs = args.docs or -(-tokens * 6 // (5 * args.words))
+    write_tokenizer(args.workdir / "tokenizer", args.vocab)
+    write_documents(args.workdir / "data", args.vocab, args.docs, args.words)
+
+    report: dict = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join([sys.executable, *sys.argv]),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__, "flavor": args.flavor, "batch": args.batch, "seq": args.seq,
+        "recompute": args.recompute, "float8": args.float8, "sides": {},
+    }  # fmt: skip
+    if "torchtitan" in args.sides:
+        side = run(titan_command(args), args.workdir / "torchtitan.log", args.timeout)
+        windows = titan_windows(Path(side["log"]).read_text(errors="replace"))
+        side |= {"windows": windows, "tokens_per_s": titan_tokens_per_s(windows),
+                 "own_memory_gib": max((w["reserved_gib"] for w in windows), default=None),
+                 "own_memory": "allocator reserved peak"}  # fmt: skip
+        report["sides"]["torchtitan"] = side
+    if "torchloom" in args.sides:
+        side = run(torchloom_command(args), args.workdir / "torchloom.log", args.timeout)
+        metrics = args.workdir / "torchloom" / "metrics.jsonl"
+        steps = [r for r in read_records(metrics) if "tps" in r] if metrics.exists() else []
+        timed = [r for r in steps if r["step"] > args.warmup]
+        side |= {"steps": steps,
+                 "tokens_per_s": statistics.median(r["tps"] for r in timed) if timed else None,
+                 "own_memory_gib": max((r["mem_gib"] for r in steps), default=None),
+                 "own_memory": "allocator allocated peak"}  # fmt: skip
+        report["sides"]["torchloom"] = side
+
+    print(f"\n{report['device']}: llama3 {args.flavor}, {args.batch} x {args.seq} tokens a step, "
+          f"recompute {args.recompute}{', float8 tensorwise' if args.float8 else ''}")  # fmt: skip
+    print(
+        f"{'trainer':<12} {'tokens/s':>10} {'GPU GiB (nvidia-smi)':>21} {'own figure':>11}  error"
+    )
+    for name, side in report["sides"].items():
+        tps, own = side["tokens_per_s"], side["own_memory_gib"]
+        print(f"{name:<12} {f'{tps:,.0f}' if tps else 'n/a':>10} {side['gpu_gib']:>21.2f} "
+              f"{f'{own:.2f}' if own else 'n/a':>11}  {side['error'] or ''}")  # fmt: skip
+    sides = report["sides"]
+    if all(sides.get(n, {}).get("tokens_per_s") for n in ("torchtitan", "torchloom")):
+        report["ratio"] = sides["torchloom"]["tokens_per_s"] / sides["torchtitan"]["tokens_per_s"]
+        print(f"torchloom / TorchTitan tokens/s: {report['ratio']:.3f}x")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    if any(side["error"] for side in sides.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
