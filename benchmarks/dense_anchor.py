@@ -23,9 +23,10 @@ attend plain causal. Each side runs as its users run it:
 
 --recompute every_2nd is TorchTitan's default `selective` mode (its option "2": every second
 block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
-the same way for both: the most GPU memory nvidia-smi shows the trainer's processes holding,
-sampled every 0.5 s (the trainers' own figures differ: TorchTitan logs the allocator's reserved
-peak, torchloom the allocated peak; both are recorded too).
+the same way for both: the most memory nvidia-smi shows in use on the GPU while the trainer runs
+alone on it (sampled every 0.5 s, less what was in use before), CUDA context and allocator cache
+included. The trainers' own figures differ (TorchTitan logs the allocator's reserved peak,
+torchloom the allocated peak); both are recorded too.
 """
 
 from __future__ import annotations
@@ -69,46 +70,32 @@ def titan_tokens_per_s(windows: list[dict]) -> float | None:
     return statistics.mean(w["tps"] for w in timed) if timed else None
 
 
-def gpu_memory_gib(pids: set[int]) -> float:
-    """GPU memory nvidia-smi shows ``pids`` holding, in GiB (0 without nvidia-smi)."""
+def gpu_memory_gib() -> float:
+    """Memory in use on the GPU the trainers run on, by nvidia-smi, in GiB (0 without it). The
+    whole GPU's, not per process: process ids inside a container need not match nvidia-smi's,
+    and each trainer runs alone (``run`` subtracts what was in use before it started)."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
             capture_output=True, text=True, timeout=10,
         ).stdout  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
+        return float(out.split()[0]) / 1024
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return 0.0
-    used = 0.0
-    for line in out.splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit() and int(pid) in pids:
-            used += float(mib) / 1024
-    return used
-
-
-def process_tree(pid: int) -> set[int]:
-    """``pid`` and its descendants (Linux /proc)."""
-    pids, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        pids.add(current)
-        try:
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
 
 
 def run(command: list[str], log: Path, timeout: float) -> dict:
-    """``command`` with its output to ``log``; the peak GPU memory of its processes."""
+    """``command`` with its output to ``log``; the most GPU memory in use while it ran, less what
+    was in use before it started."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     print("run: " + " ".join(command), flush=True)
+    idle = gpu_memory_gib()
     started, peak, error = time.time(), 0.0, None
     with log.open("w") as sink:
         proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         while proc.poll() is None:
-            peak = max(peak, gpu_memory_gib(process_tree(proc.pid)))
+            peak = max(peak, gpu_memory_gib() - idle)
             if time.time() - started > timeout:
                 proc.kill()
                 error = f"timed out after {timeout:.0f} s"
