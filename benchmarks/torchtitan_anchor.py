@@ -9,7 +9,7 @@ requirements first).
     python benchmarks/torchtitan_anchor.py --model llama3 --flavor 1B --workdir /tmp/tt -- \\
         --compile.enable --training.local_batch_size 8 --training.seq_len 4096
 
-benchmarks/dense_anchor.py runs this and `torchloom train` on the same inputs in one command.
+benchmarks/vs_torchtitan.py runs this and `torchloom train` on the same inputs in one command.
 It writes the inputs TorchTitan's trainer reads and nothing downloads them: a word-level
 tokenizer of ``--vocab`` words (``tokenizer.json``, ``tokenizer_config.json``; default the
 flavor's vocabulary) and a folder of long documents of uniformly random words, so the token

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from torchloom.models import ModelConfig, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,27 +226,41 @@ memory: 78.93GiB(56.46%)  tps: 61,938  tflops: 559.02  mfu: 56.52%
 """
 
 
-def test_dense_anchor_reads_torchtitan_logs_and_runs_torchloom_side(tmp_path):
-    """benchmarks/dense_anchor.py: TorchTitan's log lines (from its 0.2.2 trainer on an H200,
-    colours included) give its windows and their mean after the compile window; the torchloom
-    side runs `torchloom train` on the inputs written for both trainers (the CPU check)."""
+def _vs_torchtitan():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import dense_anchor
+        import vs_torchtitan
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    windows = dense_anchor.titan_windows(TITAN_LOG)
+    return vs_torchtitan
+
+
+def test_vs_torchtitan_reads_torchtitan_logs():
+    """benchmarks/vs_torchtitan.py: TorchTitan's log lines (from its 0.2.2 trainer on an H200,
+    colours included) give its windows and their mean after the compile window."""
+    bench = _vs_torchtitan()
+    windows = bench.titan_windows(TITAN_LOG)
     assert [(w["step"], w["reserved_gib"], w["tps"]) for w in windows] == [
         (1, 63.27, 2511), (10, 78.93, 55977), (20, 78.93, 61393), (30, 78.93, 61938)]  # fmt: skip
-    assert dense_anchor.titan_tokens_per_s(windows) == (61393 + 61938) / 2
-    assert dense_anchor.titan_tokens_per_s(windows[:2]) is None
+    assert bench.titan_tokens_per_s(windows) == (61393 + 61938) / 2
+    assert bench.titan_tokens_per_s(windows[:2]) is None
 
+
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model):
+    """The torchloom side runs `torchloom train` on the inputs written for both trainers (the
+    CPU check; TorchTitan's trainer needs CUDA), the model matched to TorchTitan's."""
     out = tmp_path / "anchor.json"
-    stdout = _run("dense_anchor.py", "--flavor", "debug", "--seq", "64", "--batch", "2",
-                  "--steps", "4", "--warmup", "1", "--sides", "torchloom", "--device", "cpu",
-                  "--words", "500", "--workdir", str(tmp_path / "work"), "--json", str(out))  # fmt: skip
+    stdout = _run("vs_torchtitan.py", "--model", model, "--flavor", "debug", "--seq", "64",
+                  "--batch", "2", "--steps", "4", "--warmup", "1", "--sides", "torchloom",
+                  "--device", "cpu", "--words", "500", "--workdir", str(tmp_path / "work"),
+                  "--json", str(out))  # fmt: skip
     report = json.loads(out.read_text())
     side = report["sides"]["torchloom"]
     assert side["error"] is None and side["tokens_per_s"] > 0, stdout
     assert [r["step"] for r in side["steps"]] == [1, 2, 3, 4]
     assert "ratio" not in report  # one side only
+    want = {"llama3": {"tie_embeddings": False},
+            "deepseek_v3": {"num_layers": 6, "mtp_layers": 0}}[model]  # fmt: skip
+    config = json.loads((tmp_path / "work" / "torchloom" / "config.json").read_text())
+    assert config["model"]["name"] == model and config["model"]["overrides"] == want

@@ -1,11 +1,12 @@
-"""TorchTitan's own trainer and `torchloom train` on one llama3 shape, one after the other on the
-same GPU with the same data, batch and recomputation: tokens/s, peak GPU memory and the ratio in
-one table, JSON to --json (TorchTitan 0.2.2 must be installed; it is not a dependency).
+"""TorchTitan's own trainer and `torchloom train` on one shape, one after the other on the same
+GPU with the same data, batch and recomputation: tokens/s, peak GPU memory and the ratio in one
+table, JSON to --json (TorchTitan 0.2.2 must be installed; it is not a dependency).
 
-    python3 benchmarks/dense_anchor.py --flavor 1B --batch 8                           # one H200
-    python3 benchmarks/dense_anchor.py --flavor 8B --batch 2 --recompute every_2nd
-    python3 benchmarks/dense_anchor.py --flavor 8B --batch 2 --recompute every_2nd --float8
-    python3 benchmarks/dense_anchor.py --flavor debug --seq 128 --batch 2 --steps 4 \\
+    python3 benchmarks/vs_torchtitan.py --flavor 1B --batch 8                          # one H200
+    python3 benchmarks/vs_torchtitan.py --flavor 8B --batch 2 --recompute every_2nd
+    python3 benchmarks/vs_torchtitan.py --flavor 8B --batch 2 --recompute every_2nd --float8
+    python3 benchmarks/vs_torchtitan.py --model deepseek_v3 --batch 4                  # 16B, 6 layers
+    python3 benchmarks/vs_torchtitan.py --flavor debug --seq 128 --batch 2 --steps 4 \\
         --sides torchloom --device cpu                                                # CPU check
 
 The inputs are written once under --workdir (benchmarks/torchtitan_anchor.py's helpers) and read
@@ -21,6 +22,10 @@ attend plain causal. Each side runs as its users run it:
   autocast over fp32 weights) and an untied head, as TorchTitan's llama3 has. Tokens/s: the
   median of the steps after --warmup.
 
+--model deepseek_v3 is the 16B flavor (DeepSeek-V2-Lite's shape) cut to --layers layers, without
+multi-token prediction, on both sides. --titan-args and --torchloom-args add flags to either
+trainer (one string each), to try a side's other settings.
+
 --recompute every_2nd is TorchTitan's default `selective` mode (its option "2": every second
 block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
 the same way for both: the most memory nvidia-smi shows in use on the GPU while the trainer runs
@@ -35,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -109,8 +115,8 @@ def run(command: list[str], log: Path, timeout: float) -> dict:
 def titan_command(args: argparse.Namespace) -> list[str]:
     recompute = {"none": "none", "every_2nd": "selective"}[args.recompute]
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "torchtitan_anchor.py"), "--model", "llama3",
-        "--flavor", args.flavor, "--workdir", str(args.workdir), "--vocab", str(args.vocab),
+        sys.executable, str(ROOT / "benchmarks" / "torchtitan_anchor.py"), "--model", args.model,
+        "--flavor", args.flavor, "--layers", str(args.layers), "--workdir", str(args.workdir), "--vocab", str(args.vocab),
         "--docs", str(args.docs), "--words", str(args.words), "--",
         "--compile.enable", "--training.seq_len", str(args.seq),
         "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
@@ -120,13 +126,14 @@ def titan_command(args: argparse.Namespace) -> list[str]:
     if args.float8:
         command += ["--model.converters", "quantize.linear.float8",
                     "--quantize.linear.float8.recipe_name", "tensorwise"]  # fmt: skip
-    return command
+    return command + shlex.split(args.titan_args)
 
 
 def torchloom_command(args: argparse.Namespace) -> list[str]:
     command = [
         sys.executable, "-m", "torchloom", "train", "--recipe", "debug",
-        "--model.flavor", args.flavor, "--model.overrides", '{"tie_embeddings": false}',
+        "--model.name", args.model, "--model.flavor", args.flavor,
+        "--model.overrides", json.dumps(model_overrides(args)),
         "--training.seq_len", str(args.seq), "--training.global_batch_size", str(args.batch),
         "--training.steps", str(args.steps), "--training.device", args.device,
         "--data.sources", json.dumps([str(args.workdir / "data")]),
@@ -143,12 +150,26 @@ def torchloom_command(args: argparse.Namespace) -> list[str]:
         command += ["--remat.mode", "every_k", "--remat.every_k", "2"]
     if args.float8:
         command += ["--model.float8", "tensorwise"]
-    return command
+    return command + shlex.split(args.torchloom_args)
+
+
+def model_overrides(args: argparse.Namespace) -> dict:
+    """torchloom's model to TorchTitan's: llama3 with its own output head; deepseek_v3 cut to
+    ``--layers`` layers, no multi-token prediction."""
+    if args.model == "llama3":
+        return {"tie_embeddings": False}
+    return {"num_layers": args.layers, "mtp_layers": 0}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flavor", default="1B", help="llama3 flavor (TorchTitan: 1B or 8B)")
+    parser.add_argument("--model", default="llama3", choices=["llama3", "deepseek_v3"])
+    parser.add_argument(
+        "--flavor",
+        default=None,
+        help="default 1B (llama3; TorchTitan has 1B and 8B) or 16B (deepseek_v3)",
+    )
+    parser.add_argument("--layers", type=int, default=6, help="deepseek_v3's layers")
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=40)
@@ -167,13 +188,17 @@ def main() -> None:
     )
     parser.add_argument("--words", type=int, default=20000, help="words a document")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per trainer")
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/dense_anchor"))
-    parser.add_argument("--json", type=Path, default=Path("outputs/dense_anchor.json"))
+    parser.add_argument("--titan-args", default="", help="more TorchTitan flags, one string")
+    parser.add_argument("--torchloom-args", default="", help="more `torchloom train` flags")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/vs_torchtitan"))
+    parser.add_argument("--json", type=Path, default=Path("outputs/vs_torchtitan.json"))
     args = parser.parse_args()
     if args.device == "cpu" and "torchtitan" in args.sides:
         parser.error("TorchTitan's trainer needs CUDA: pass --sides torchloom with --device cpu")
     args.workdir = args.workdir.resolve()
-    args.vocab = resolve_model_config(ModelConfig(name="llama3", flavor=args.flavor)).vocab_size
+    args.flavor = args.flavor or {"llama3": "1B", "deepseek_v3": "16B"}[args.model]
+    model = ModelConfig(name=args.model, flavor=args.flavor, overrides=model_overrides(args))
+    args.vocab = resolve_model_config(model).vocab_size
     tokens = args.steps * args.batch * (args.seq + 1)  # a word is a token
     args.docs = args.docs or -(-tokens * 6 // (5 * args.words))
     write_tokenizer(args.workdir / "tokenizer", args.vocab)
@@ -182,7 +207,7 @@ def main() -> None:
     report: dict = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__, "flavor": args.flavor, "batch": args.batch, "seq": args.seq,
+        "torch": torch.__version__, "model": args.model, "flavor": args.flavor, "batch": args.batch, "seq": args.seq,
         "recompute": args.recompute, "float8": args.float8, "sides": {},
     }  # fmt: skip
     if "torchtitan" in args.sides:
@@ -203,7 +228,7 @@ def main() -> None:
                  "own_memory": "allocator allocated peak"}  # fmt: skip
         report["sides"]["torchloom"] = side
 
-    print(f"\n{report['device']}: llama3 {args.flavor}, {args.batch} x {args.seq} tokens a step, "
+    print(f"\n{report['device']}: {args.model} {args.flavor}, {args.batch} x {args.seq} tokens a step, "
           f"recompute {args.recompute}{', float8 tensorwise' if args.float8 else ''}")  # fmt: skip
     print(
         f"{'trainer':<12} {'tokens/s':>10} {'GPU GiB (nvidia-smi)':>21} {'own figure':>11}  error"
