@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 35's speed rows side by side with TorchTitan 0.2.2: llama3 1B, 8B bf16, 8B float8
+# tensorwise and DeepSeek-V3 16B cut to 6 layers, each through benchmarks/vs_torchtitan.py (a
+# table and JSON per row under LOG_DIR). All four take about 13 minutes on an H200: run them as
+# two device calls (`... LOG 1B 8B`, then `... LOG 8B-fp8 moe`), each under the 10-minute limit.
+#
+# TorchTitan and its requirements are not dependencies and the device has no network: download
+# the wheels here first into .whl/ (ignored by git; carry it to the device):
+#   python -m pip download --no-deps -d .whl torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 \
+#       datasets==5.2.0 torchao==0.18.0
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux_2_28_x86_64 -d .whl docstring-parser typeguard tomli einops \
+#       "dill<0.4.2" xxhash "multiprocess<0.70.20" tensorboard tensorboard-data-server absl-py \
+#       markdown werkzeug grpcio protobuf
+# Usage: bash benchmarks/gpu_vs_torchtitan.sh [LOG_DIR] [ROW...]   (rows: 1B 8B 8B-fp8 moe)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-outputs/vs_torchtitan}
+shift || true
+ROWS=${*:-1B 8B 8B-fp8 moe}
+mkdir -p "$LOG"
+export PYTHONPATH=. PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --find-links .whl torchtitan==0.2.2 torchdata tyro datasets \
+  torchao==0.18.0 2>&1 | tail -n 3
+python3 -c "import torchtitan.train" || { echo "TorchTitan is not importable: see the header"; exit 1; }
+
+row() {  # name, timeout, vs_torchtitan.py arguments
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "== $name"
+  timeout "$limit" python3 benchmarks/vs_torchtitan.py --workdir "/tmp/vs_torchtitan_$name" \
+    --json "$LOG/$name.json" "$@" > "$LOG/$name.log" 2>&1
+  tail -n 5 "$LOG/$name.log"
+  cp "/tmp/vs_torchtitan_$name/torchtitan.log" "$LOG/${name}_torchtitan.log" 2>/dev/null
+  cp "/tmp/vs_torchtitan_$name/torchloom.log" "$LOG/${name}_torchloom.log" 2>/dev/null
+  echo "   ($((SECONDS - start)) s)"
+}
+for r in $ROWS; do
+  case $r in
+    1B) row 1B 170 --flavor 1B --batch 8 --steps 40 --timeout 80 ;;
+    8B) row 8B 190 --flavor 8B --batch 2 --recompute every_2nd --steps 20 --timeout 90 ;;
+    8B-fp8) row 8B-fp8 190 --flavor 8B --batch 2 --recompute every_2nd --float8 --steps 20 --timeout 90 ;;
+    moe) row moe 250 --model deepseek_v3 --batch 4 --steps 30 --timeout 120 ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 moe)" ;;
+  esac
+done
