@@ -177,6 +177,22 @@ def test_cuda_graph_decode_replays_the_static_step_bitwise(greedy):
     assert worst < 0.1
 
 
+@pytest.mark.slow
+def test_compiled_generator_stacks_projections_on_cpu():
+    """Generator(compile=True) stacks q/k/v and gate/up before compiling its step (inductor on
+    the CPU here, fp32): the same tokens as the plain generator, log-probabilities within 1e-5."""
+    model = tiny("qwen3")
+    requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in PROMPTS[:3]]
+    plain = Generator(model, max_batch=3, max_len=32).generate(requests)
+    assert all(m.fused_in is None for m in model.modules() if isinstance(m, Attention))
+    compiled = Generator(model, max_batch=3, max_len=32, compile=True)
+    assert all(m.fused_in is not None for m in model.modules() if isinstance(m, Attention))
+    got = compiled.generate(requests)
+    assert [c.tokens for c in got] == [c.tokens for c in plain]
+    for a, b in zip(got, plain):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
 @pytest.mark.gpu
 def test_compiled_decode_runs_stacked_projections():
     """Generator(compile=True) stacks q/k/v and gate/up (models/components/fused_linear.py) and
