@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchloom.generate.weights import copy_weights_
+from torchloom.kernels import batch_invariant
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.components.attention import Attention
 from torchloom.models.components.fused_linear import fuse_linears, fuse_projections_
@@ -78,8 +79,28 @@ def test_fuse_linears_leaves_what_it_cannot_stack():
         assert [lin.weight.data_ptr() for lin in linears] == pointers
 
 
-def test_batch_invariant_model_is_not_fused():
+def invariant(dtype: torch.dtype):
     config = resolve_model_config(ModelConfig(name="llama3", flavor="debug", batch_invariant=True))
     model = build_model(config)
     model.init_weights(0)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batch_invariant_stacking_changes_no_bit(dtype):
+    """Batch-invariant mode stacks where its matmul gives every column the same bits whatever
+    the weight's width (the CPU references: each output is its own fixed-order sum), so the
+    stacked forward equals the separate one bit for bit, not merely closely. The GPU side:
+    tests/generate/test_batch_invariant.py's generators stack on sm_90 and match the trainer."""
+    model, separate = invariant(dtype), invariant(dtype)
+    assert fuse_projections_(model) == len(model.layers) * 2
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(model(ids), separate(ids))
+
+
+def test_batch_invariant_model_is_not_stacked_where_bits_would_change(monkeypatch):
+    monkeypatch.setattr(batch_invariant, "stacking_keeps_bits", lambda weight: False)
+    model = invariant(torch.float32)
     assert fuse_projections_(model) == 0
+    assert all(m.fused_in is None for m in model.modules() if isinstance(m, Attention))

@@ -145,7 +145,8 @@ class Generator:
     replays decode steps from CUDA graphs captured here, once per batch-size bucket;
     ``compile`` compiles those steps with inductor first (a minute or so, once per process),
     and runs q/k/v and gate/up as one matmul each (their weights become views of one stacked
-    tensor: ``fuse_projections_``).
+    tensor: ``fuse_projections_``); so do CUDA graphs in batch-invariant mode, where stacking
+    changes no bit (``batch_invariant.stacking_keeps_bits``).
     A tensor-parallel model (DTensor weights, see torchloom/generate/run.py) works too: each
     rank's layers hold their own share of the state and every rank gets the whole logits, so
     all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
@@ -194,10 +195,13 @@ class Generator:
                 "eager forward, so the log-probabilities would no longer match it bit for bit. "
                 "Drop compile (CUDA graphs still replay the decode steps)."
             )
-        if compile:
+        if compile or (cuda_graphs and self.config.batch_invariant):
             # Decode reads every weight once a token; the small q/k/v ones stream far faster
             # stacked (models/components/fused_linear.py). Forwards with autograd keep the
-            # separate matmuls, so a trainer sharing the model still trains every weight.
+            # separate matmuls, so a trainer sharing the model still trains every weight. In
+            # batch-invariant mode only where stacking changes no bit (on sm_90 GPUs and the CPU
+            # references), and only from CUDA graphs: RL's eager decode shares the trainer's
+            # modules and leaves them as they are.
             fuse_projections_(model)
         self.graphs = None
         if cuda_graphs or compile:

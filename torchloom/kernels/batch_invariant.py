@@ -151,6 +151,17 @@ def linear(x_ND: torch.Tensor, weight_MD: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x_ND.shape[:-1], weight_MD.shape[0])
 
 
+def stacking_keeps_bits(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` over ``weight`` stacked by rows with others gives its columns bit for
+    bit as ``linear`` over it alone (generation stacks q/k/v and gate/up into one matmul:
+    models/components/fused_linear.py). The references compute every output as its own
+    fixed-order sum, so yes; the Triton kernel's tiling follows the weight's width, which
+    changes no bit only where every tiling agrees (sm_90)."""
+    if (kernels := _triton_kernels(weight)) is None:
+        return True
+    return kernels.tilings_agree(weight.device)
+
+
 def make_linears_batch_invariant(model: torch.nn.Module) -> None:
     """Route every nn.Linear of ``model`` through ``linear`` (forward patched in place, so the
     parameter names stay)."""

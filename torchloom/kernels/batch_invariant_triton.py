@@ -90,6 +90,13 @@ def _tiling_follows_rows(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def tilings_agree(device: torch.device) -> bool:
+    """Whether every tiling of the matmul kernel gives the same bits on ``device`` (a CUDA
+    device): then neither M nor the weight's width N changes an output element."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _tiling_follows_rows(index)
+
+
 @functools.cache
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -258,11 +258,12 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> bool:
         """From now on run q/k/v (and gate_proj) as one matmul over their stacked weights
-        (fused_linear.py); whether it did. Not in batch-invariant mode, whose matmul tiling
-        follows the weight's width and would round differently from the trainer's."""
-        if self.backend == "batch_invariant" or self.fused_in is not None:
+        (fused_linear.py); whether it did. In batch-invariant mode only where that changes no
+        bit of q/k/v (``batch_invariant.stacking_keeps_bits``)."""
+        if self.fused_in is not None:
             return False
-        self.fused_in = fuse_linears(self._in_projections())
+        invariant = self.backend == "batch_invariant"
+        self.fused_in = fuse_linears(self._in_projections(), invariant)
         return self.fused_in is not None
 
     def _in_projections(self) -> list[nn.Linear]:
@@ -278,7 +279,8 @@ class Attention(nn.Module):
             gate_BTX = self.gate_proj(x_BTD) if self.gate_proj is not None else None
             return self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD), gate_BTX
         widths = [p.weight.shape[0] for p in self._in_projections()]
-        parts = F.linear(x_BTD, self.fused_in).split(widths, -1)
+        matmul = batch_invariant.linear if self.backend == "batch_invariant" else F.linear
+        parts = matmul(x_BTD, self.fused_in).split(widths, -1)
         return parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else None
 
     def forward(

@@ -17,17 +17,23 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchloom.kernels import batch_invariant
 
-def fuse_linears(linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+
+def fuse_linears(linears: Sequence[nn.Linear], invariant: bool = False) -> torch.Tensor | None:
     """The linears' weights stacked by rows (output features) into one new tensor, each linear's
     weight now a view of its rows (the same Parameter objects). None, changing nothing, unless
     every one is an ``nn.Linear`` without bias whose weight is a plain (not sharded) tensor
-    sharing one device and dtype, and there are at least two."""
+    sharing one device and dtype, and there are at least two. ``invariant``: the linears run
+    batch-invariant mode's matmul; then only where stacking changes no bit of their outputs
+    (``batch_invariant.stacking_keeps_bits``), so the generator still matches the trainer."""
     weights = [linear.weight for linear in linears]
     plain = all(type(linear) is nn.Linear and linear.bias is None for linear in linears)
     if len(linears) < 2 or not plain or any(isinstance(w, DTensor) for w in weights):
         return None
     if len({(w.device, w.dtype, w.shape[1]) for w in weights}) != 1:
+        return None
+    if invariant and not batch_invariant.stacking_keeps_bits(weights[0]):
         return None
     with torch.no_grad():
         stacked = torch.cat([w.detach() for w in weights])

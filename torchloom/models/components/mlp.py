@@ -57,16 +57,19 @@ class SwiGLU(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or torch.is_grad_enabled():  # gate_up is no parameter
             return self.down_proj(self.gated(self.gate_proj(x_BTD), self.up_proj(x_BTD)))
-        gate_BTF, up_BTF = F.linear(x_BTD, self.gate_up).chunk(2, -1)
+        invariant = self.gated is MLP_IMPLS["batch_invariant"]
+        matmul = batch_invariant.linear if invariant else F.linear
+        gate_BTF, up_BTF = matmul(x_BTD, self.gate_up).chunk(2, -1)
         return self.down_proj(self.gated(gate_BTF, up_BTF))
 
     def fuse_projections(self) -> bool:
         """From now on run gate and up as one matmul over their stacked weights
-        (fused_linear.py); whether it did. Not in batch-invariant mode (its matmul tiling
-        follows the weight's width, so the rounding would differ from the trainer's)."""
-        if self.gated is MLP_IMPLS["batch_invariant"] or self.gate_up is not None:
+        (fused_linear.py); whether it did. In batch-invariant mode only where that changes no
+        bit of gate and up (``batch_invariant.stacking_keeps_bits``)."""
+        if self.gate_up is not None:
             return False
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        invariant = self.gated is MLP_IMPLS["batch_invariant"]
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj], invariant)
         return self.gate_up is not None
 
     def init_weights(self, init: ParamInit) -> None:
