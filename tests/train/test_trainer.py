@@ -1,4 +1,6 @@
 import json
+import re
+import time
 
 import pytest
 import torch
@@ -7,6 +9,7 @@ from torchloom.checkpoint.model_io import load_model
 from torchloom.cli import resolve_job
 from torchloom.config import ConfigError, from_dict
 from torchloom.train.job import JobConfig
+from torchloom.train.metrics import StepWindow
 from torchloom.train.plot import plot_metrics
 from torchloom.train.trainer import Trainer, TrainingError
 
@@ -94,6 +97,42 @@ def test_nonfinite_loss_stops_or_skips(tmp_path):
                     "--lr_schedule.warmup_steps", "0", "--training.max_norm", "0",
                     "--training.skip_nonfinite", "true", name="skip")  # fmt: skip
     assert result.steps == 8
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nonfinite_loss_checked_late_names_its_step_and_is_never_saved(tmp_path, device):
+    """Off logged steps the trainer checks each loss one step late (the host queues the next
+    step first; on CUDA it waits on the step before's event). The error names the same step as
+    a check on every step does, and a save due after the bad step checks first: no checkpoint
+    holds it (step-1 is saved, step-2 is not)."""
+    bad = ["--training.steps", "8", "--optimizer.lr", "1e30", "--lr_schedule.warmup_steps", "0",
+           "--training.max_norm", "0", "--training.device", device]  # fmt: skip
+    named = {}
+    for interval, save in (("1", "0"), ("100", "0"), ("100", "3"), ("100", "1")):
+        name = f"log{interval}_save{save}"
+        with pytest.raises(TrainingError, match=r"loss became \S+ at step \d+\.") as error:
+            run(tmp_path, *bad, "--metrics.log_interval", interval, "--checkpoint.interval", save,
+                name=name)  # fmt: skip
+        named[name] = int(re.search(r"at step (\d+)", str(error.value)).group(1))
+        if save != "0":
+            saved = [p.name for p in (tmp_path / name / "checkpoints").glob("step-*")]
+            assert all(int(s.split("-")[1]) < named[name] for s in saved), (saved, named)
+    assert set(named.values()) == {2}, named  # step 1 starts from finite weights
+    assert (tmp_path / "log100_save1" / "checkpoints" / "step-1" / "COMPLETE.json").exists()
+
+
+def test_step_window_averages_between_syncs(monkeypatch):
+    clock = iter([10.0, 13.0, 20.0])  # begin, synced after 2 steps; begin again
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    window = StepWindow()
+    window.begin()
+    window.add_step(0.5)
+    window.begin()  # already running: no new start
+    window.add_step(0.1)
+    window.synced()
+    window.begin()  # a validation or save between: not counted
+    assert window.take() == (1.5, 0.3)
+    assert window.steps == 0 and window.seconds == 0.0
 
 
 def test_vocab_mismatch_is_refused(tmp_path):

@@ -7,6 +7,7 @@ every token but the first is a label exactly once per epoch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,14 @@ __all__ = ["IGNORE_INDEX", "Batch"]
 IGNORE_INDEX = -100
 """The label of a token with nothing to predict (padding, prompts under an assistant-only loss,
 a document's last token): every loss and count skips it. -100, as PyTorch's and HF's losses."""
+
+
+def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """``t`` on ``device``; a non-blocking copy from the CPU to a GPU goes through pinned memory
+    (torch's pinned allocator keeps the block until the copy has run)."""
+    if non_blocking and device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
 
 
 @dataclass
@@ -56,12 +65,14 @@ class Batch:
         return self._num_label_tokens
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """This batch on ``device``."""
+        """This batch on ``device``. ``non_blocking`` to a GPU copies from pinned host memory:
+        from pageable memory the copy may wait for the GPU's queued work, and the host would
+        no longer run ahead of it."""
         count = self.num_label_tokens  # count on the source device: free on CPU
-        moved = self.map_tokens(lambda t: t.to(device, non_blocking=non_blocking))
-        moved.row_extras = {k: v.to(device, non_blocking=non_blocking)
-                            for k, v in self.row_extras.items()}  # fmt: skip
-        moved.media = {k: v.to(device, non_blocking=non_blocking) for k, v in self.media.items()}
+        move = functools.partial(to_device, device=torch.device(device), non_blocking=non_blocking)
+        moved = self.map_tokens(move)
+        moved.row_extras = {k: move(v) for k, v in self.row_extras.items()}
+        moved.media = {k: move(v) for k, v in self.media.items()}
         moved._num_label_tokens = count
         return moved
 

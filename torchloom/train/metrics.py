@@ -74,6 +74,41 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+class StepWindow:
+    """The wall time and data wait per step over the steps since the last ``take()``, timed
+    between host syncs: the host queues steps ahead of the GPU and waits for it only at some
+    (``synced()``), so a step's own wall time is not known, only a window's. Time between
+    ``synced()`` and the next ``begin()`` (validation, a save, writing a trace) is left out."""
+
+    def __init__(self) -> None:
+        self.seconds = self.data_seconds = 0.0
+        self.steps = 0
+        self._since: float | None = None
+
+    def begin(self) -> None:
+        """A step starts; the clock runs from here unless it runs already."""
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def add_step(self, data_seconds: float) -> None:
+        self.steps += 1
+        self.data_seconds += data_seconds
+
+    def synced(self) -> None:
+        """The host has waited for every step queued so far: stop the clock."""
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def take(self) -> tuple[float, float]:
+        """(seconds, data-wait seconds) per step since the last take; after ``synced()``."""
+        steps = max(self.steps, 1)
+        per_step = (self.seconds / steps, self.data_seconds / steps)
+        self.seconds = self.data_seconds = 0.0
+        self.steps = 0
+        return per_step
+
+
 class MetricsLogger:
     """Writes one record per logged step to metrics.jsonl, TensorBoard and the console."""
 

@@ -59,6 +59,10 @@ class StepProfiler:
         self._profile: profile | None = None
         self.written: list[Path] = []
 
+    def covers(self, step: int) -> bool:
+        """Whether ``step`` is traced (the trainer syncs after each, so its time is its own)."""
+        return self.first <= step <= self.last
+
     def step_begins(self, step: int) -> None:
         if step != self.first:
             return

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchloom.data.packing import Batch
+from torchloom.data.packing import Batch, to_device
 from torchloom.parallel import as_local, loss_context, max_over_data_ranks, sum_over_data_ranks
 from torchloom.parallel.context_parallel import shard_sequence
 from torchloom.parallel.mesh import ParallelDims
@@ -85,7 +85,7 @@ class StepParts:
         """The global batch's normalizer: this rank's micro-batches' shares, summed over the
         data ranks (an int64 tensor on the device)."""
         local = sum(self.objective.normalizer(b) for b in batches)
-        count = torch.as_tensor(local, dtype=torch.int64, device=self.device)
+        count = to_device(torch.as_tensor(local, dtype=torch.int64), self.device, non_blocking=True)
         return sum_over_data_ranks(count, self.dims)
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,9 @@ class TrainStep:
     ``before_update`` runs right before the optimizer changes the weights (the checkpointer
     waits there for an async save still copying them). With ``skip_nonfinite`` a step whose
     loss is nan/inf is skipped (a host sync before the update); otherwise the update is queued
-    first, so its launches overlap the backward on the GPU, and the check after it raises.
+    first, so its launches overlap the backward on the GPU, and a check after it raises: at
+    once, or with ``check_late`` when ``check()`` is called (a host sync the caller places,
+    so the host can queue the next step while the GPU finishes this one).
     With ``cuda_graph`` the whole step is captured after a few eager steps and replayed.
     """
 
@@ -149,10 +151,13 @@ class TrainStep:
         before_update: Callable[[], object],
         skip_nonfinite: bool = False,
         cuda_graph: bool = False,
+        check_late: bool = False,
     ) -> None:
         self.parts, self.before_update, self.skip_nonfinite = parts, before_update, skip_nonfinite
         self.graph = StepGraph(self._captured, parts.optimizer) if cuda_graph else None
+        self.check_late = check_late
         self.step = 0
+        self._unchecked: list[tuple[int, torch.Tensor]] = []  # (step, its loss) to check
 
     def __call__(
         self, batches: list[Batch]
@@ -165,16 +170,36 @@ class TrainStep:
         if self.graph is not None:
             self.before_update()
             loss, norm = self.graph(batches, normalizer)
-            self._finite(loss)  # after the step: a captured step cannot skip it
-            return loss, norm, parts.after_update()
-        loss, norm, metrics = backward_and_clip(parts, batches, normalizer)
-        if not self.skip_nonfinite or self._finite(loss):
-            self.before_update()
-            optimizer.step()
-        if not self.skip_nonfinite:
-            self._finite(loss)
-        optimizer.zero_grad(set_to_none=True)
+            metrics = {}
+        else:
+            loss, norm, metrics = backward_and_clip(parts, batches, normalizer)
+            if not self.skip_nonfinite or self._finite(loss):
+                self.before_update()
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not self.skip_nonfinite:  # checked after the update (a captured step cannot skip)
+            # A captured step's loss is the graph's output buffer, rewritten by the next replay.
+            kept = loss.clone() if self.graph is not None and self.check_late else loss
+            self._unchecked.append((self.step, kept))
+            if not self.check_late:
+                self.check()
         return loss, norm, metrics | parts.after_update()
+
+    def check(self, through: int | None = None) -> None:
+        """Raise for the first non-finite loss of the steps not yet checked, up to step
+        ``through`` (default all): a host sync that waits for their losses."""
+        unchecked = [(s, loss) for s, loss in self._unchecked if through is None or s <= through]
+        if not unchecked:
+            return
+        self._unchecked = self._unchecked[len(unchecked) :]
+        finite = torch.stack([loss for _, loss in unchecked]).isfinite().tolist()
+        for (step, loss), ok in zip(unchecked, finite):
+            if not ok:
+                raise TrainingError(
+                    f"The loss became {loss.item()} at step {step}. Lower --optimizer.lr, "
+                    "lengthen --lr_schedule.warmup_steps or check the data; "
+                    "--training.skip_nonfinite true skips such steps instead."
+                )
 
     def _captured(
         self, batches: list[Batch], normalizer: torch.Tensor
@@ -185,16 +210,8 @@ class TrainStep:
         return loss, norm
 
     def _finite(self, loss: torch.Tensor) -> bool:
-        """True for a finite loss; otherwise raise, or False with skip_nonfinite."""
-        if torch.isfinite(loss):
-            return True
-        if not self.skip_nonfinite:
-            raise TrainingError(
-                f"The loss became {loss.item()} at step {self.step}. Lower --optimizer.lr, "
-                "lengthen --lr_schedule.warmup_steps or check the data; "
-                "--training.skip_nonfinite true skips such steps instead."
-            )
-        return False
+        """Whether the loss is finite (a host sync before the update: skip_nonfinite)."""
+        return bool(torch.isfinite(loss))
 
 
 def rank_batch(batch: Batch, dims: ParallelDims, device: torch.device) -> Batch:

@@ -30,7 +30,7 @@ from torchloom.train.builders import (
 from torchloom.train.cuda_graph import check_cuda_graph_runtime
 from torchloom.train.expert_balance import expert_balance
 from torchloom.train.job import JobConfig
-from torchloom.train.metrics import MetricsLogger
+from torchloom.train.metrics import MetricsLogger, StepWindow
 from torchloom.train.output import (
     check_writable,
 )
@@ -118,7 +118,11 @@ class Trainer:
             compute_dtype = self.step_parts.autocast_dtype or next(self.model.parameters()).dtype
             check_cuda_graph_runtime(self.device, self.dims.world_size, self.model, compute_dtype)
         self.train_step = TrainStep(
-            self.step_parts, self.checkpointer.wait_for_staging, t.skip_nonfinite, t.cuda_graph
+            self.step_parts,
+            self.checkpointer.wait_for_staging,
+            t.skip_nonfinite,
+            t.cuda_graph,
+            check_late=True,
         )
         self.run = RunScaffold(job, self.checkpointer, self.is_rank0)
         self.step = 0
@@ -180,9 +184,12 @@ class Trainer:
         self.model.train()
         tokens_per_step = t.global_batch_sequences * t.seq_len
         profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
+        window = StepWindow()
+        previous: torch.cuda.Event | None = None  # the end of the last step queued unsynced
         try:
             while self.step < t.steps:
                 profiler.step_begins(self.step + 1)
+                window.begin()
                 start = time.perf_counter()
                 loaded = self.train_loader.next_step()
                 logged = metrics.should_log(self.step + 1)
@@ -193,22 +200,40 @@ class Trainer:
                 loss, grad_norm, step_metrics = self.train_step(batches)
                 self.scheduler.step()
                 self.step += 1
-                last_loss = loss.item()  # syncs, so the step time below is honest
+                window.add_step(data_seconds)
+                val_due = bool(t.val_interval) and self.step % t.val_interval == 0
+                val_due = val_due and self.step < t.steps
+                # The host waits for the GPU only where it needs a value (a logged step, a
+                # validation, a save: a checkpoint never holds a step whose loss went
+                # non-finite, a profiled step); elsewhere it queues the next step first.
+                if (
+                    logged
+                    or math.isnan(first_loss)  # TrainResult's first loss (a resumed run's too)
+                    or val_due
+                    or self.checkpointer.should_save(self.step, t.steps)
+                    or profiler.covers(self.step)
+                ):
+                    self.train_step.check()
+                    last_loss = loss.item()
+                    window.synced()
+                    previous = None
+                else:
+                    previous = self._wait_for_step_before(previous)
                 profiler.step_ends(self.step)
                 for path in profiler.written:
                     metrics.print(f"wrote {path}")
                 profiler.written.clear()
                 first_loss = last_loss if math.isnan(first_loss) else first_loss
                 if logged:
-                    seconds = time.perf_counter() - start
+                    seconds, data_wait = window.take()
                     record = metrics.step_record(
                         self.step, last_loss, grad_norm.item(), lr, tokens_per_step, seconds,
-                        data_seconds, num_devices=self.dims.world_size, media_flops=media.item(),
+                        data_wait, num_devices=self.dims.world_size, media_flops=media.item(),
                     )  # fmt: skip
                     metrics.log(record | {k: v.item() for k, v in step_metrics.items()})
                 else:
                     metrics.advance(self.step)
-                if t.val_interval and self.step % t.val_interval == 0 and self.step < t.steps:
+                if val_due:
                     metrics.log({"step": self.step, "val_loss": self.validate()})
                 self.run.save_if_due(metrics, self.step, self.train_loader.tokens_seen)
             self.run.finish(metrics)
@@ -218,6 +243,19 @@ class Trainer:
         finally:
             metrics.close()
         return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
+
+    def _wait_for_step_before(self, previous: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """With this step queued, wait for the one before it and check its loss: the host runs
+        at most one step ahead of the GPU. Returns the event this step's end records (on CUDA;
+        elsewhere every op has finished already, and the check is as late all the same)."""
+        if previous is not None:
+            previous.synchronize()
+        self.train_step.check(through=self.step - 1)
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _media_flops(self, batches: list[Batch]) -> torch.Tensor:
         """The media encoders' FLOPs on this step's images (and clips), summed over the data
