@@ -10,7 +10,8 @@ load the GPU), forward then backward, with each kernel torch can run:
 ``sdpa`` (torch's own choice), ``sdpa-flash``, ``sdpa-cudnn`` and ``sdpa-efficient`` (one SDPA
 kernel forced with torch.nn.attention.sdpa_kernel; GQA through enable_gqa where the kernel takes
 it, else kv heads repeated first, which the row's note says), and ``flex`` (FlexAttention,
-compiled, causal block mask). ``flex-docs`` packs --docs documents of equal length in each row
+compiled, causal block mask), and ``fa4`` (FlashAttention 4, the `flash-attn-4` package's
+CuTe DSL kernels, where installed: not a dependency). ``flex-docs`` packs --docs documents of equal length in each row
 and masks across them: its work is a fraction of the causal one, and the table gives its time
 against ``flex`` to show the block mask skips the masked blocks. Flex rows build their block
 mask once, outside the timed calls, as the model does (once per forward for all layers); the
@@ -39,7 +40,7 @@ FORCED = {
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-ROWS = ("sdpa", *FORCED, "flex", "flex-docs")
+ROWS = ("sdpa", *FORCED, "flex", "flex-docs", "fa4")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,6 +67,17 @@ def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
         return flex_attention_backend(q, k, v, block_mask)
 
     return attend, mask_s
+
+
+def _fa4() -> Attend:
+    """FlashAttention 4's causal GQA kernel (it takes [B, T, heads, d]: the model's layout)."""
+    from flash_attn.cute import flash_attn_func
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return attend
 
 
 def matmul_load(count: int) -> Callable[[], None] | None:
@@ -120,6 +132,8 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
                 record["note"] = f"mask built in {1e3 * mask_s:.2f} ms"
                 if row == "flex-docs":
                     record["note"] += f"; {args.docs} documents per row"
+            elif row == "fa4":
+                attend = _fa4()
             else:
                 attend = _sdpa(FORCED.get(row), True)
                 try:

@@ -15,12 +15,14 @@ random words, longer than a sequence; torchloom runs with --data.document_mask f
 attend plain causal. Each side runs as its users run it:
 
 - TorchTitan: compile of model and loss, fused AdamW, bf16 autocast over fp32 weights (its
-  mixed precision on one GPU), logging every 10 steps (its default; it reads the loss back to
-  the host only on logged steps). Tokens/s: the mean of its logged windows after the first (the
-  first holds the compile).
+  mixed precision on one GPU).
 - torchloom: the fast settings of docs/performance.md (compile, chunked loss, Triton AdamW; bf16
-  autocast over fp32 weights) and an untied head, as TorchTitan's llama3 has. Tokens/s: the
-  median of the steps after --warmup.
+  autocast over fp32 weights) and an untied head, as TorchTitan's llama3 has.
+
+Both log every --log-interval steps (10: TorchTitan's default), and both read the loss back to
+the host only there, so each logged tokens/s covers the steps since the previous log. Tokens/s:
+the mean of the logged windows after the first two (step 1, and the window holding the compile),
+the same rule for both.
 
 --model deepseek_v3 is the 16B flavor (DeepSeek-V2-Lite's shape) cut to --layers layers, without
 multi-token prediction, on both sides. --titan-args and --torchloom-args add flags to either
@@ -69,9 +71,10 @@ def titan_windows(log: str) -> list[dict]:
     ]
 
 
-def titan_tokens_per_s(windows: list[dict]) -> float | None:
-    """The mean of the windows after the first two logged steps (step 1, and the window holding
-    the compile), or None with fewer than three."""
+def windows_tokens_per_s(windows: list[dict]) -> float | None:
+    """The mean tokens/s of the logged windows after the first two (step 1, and the window
+    holding the compile), or None with fewer than three. Both trainers log every
+    ``--log-interval`` steps and each logged tps covers the steps since the previous log."""
     timed = windows[2:]
     return statistics.mean(w["tps"] for w in timed) if timed else None
 
@@ -120,7 +123,7 @@ def titan_command(args: argparse.Namespace) -> list[str]:
         "--docs", str(args.docs), "--words", str(args.words), "--",
         "--compile.enable", "--training.seq_len", str(args.seq),
         "--training.local_batch_size", str(args.batch), "--training.steps", str(args.steps),
-        "--metrics.log_freq", "10", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", str(args.log_interval), "--lr_scheduler.warmup_steps", "2",
         "--activation_checkpoint.mode", recompute, "--job.dump_folder", str(args.workdir / "tt"),
     ]  # fmt: skip
     if args.float8:
@@ -140,6 +143,7 @@ def torchloom_command(args: argparse.Namespace) -> list[str]:
         "--data.tokenizer", str(args.workdir / "tokenizer"), "--data.format", "text",
         "--data.streaming", "true", "--data.document_mask", "false", "--data.val_fraction", "0",
         "--metrics.tensorboard", "false", "--metrics.progress_bar", "false",
+        "--metrics.log_interval", str(args.log_interval),
         "--checkpoint.save_final_model", "false", "--training.sample_tokens", "0",
         "--output.dir", str(args.workdir / "torchloom"), "--output.overwrite", "true",
     ]  # fmt: skip
@@ -173,7 +177,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5, help="torchloom steps left out")
+    parser.add_argument("--log-interval", type=int, default=10,
+                        help="both trainers log (and read the loss back) every this many steps")
     parser.add_argument("--recompute", default="none", choices=["none", "every_2nd"])
     parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
     parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
@@ -213,7 +218,7 @@ def main() -> None:
     if "torchtitan" in args.sides:
         side = run(titan_command(args), args.workdir / "torchtitan.log", args.timeout)
         windows = titan_windows(Path(side["log"]).read_text(errors="replace"))
-        side |= {"windows": windows, "tokens_per_s": titan_tokens_per_s(windows),
+        side |= {"windows": windows, "tokens_per_s": windows_tokens_per_s(windows),
                  "own_memory_gib": max((w["reserved_gib"] for w in windows), default=None),
                  "own_memory": "allocator reserved peak"}  # fmt: skip
         report["sides"]["torchtitan"] = side
@@ -221,9 +226,7 @@ def main() -> None:
         side = run(torchloom_command(args), args.workdir / "torchloom.log", args.timeout)
         metrics = args.workdir / "torchloom" / "metrics.jsonl"
         steps = [r for r in read_records(metrics) if "tps" in r] if metrics.exists() else []
-        timed = [r for r in steps if r["step"] > args.warmup]
-        side |= {"steps": steps,
-                 "tokens_per_s": statistics.median(r["tps"] for r in timed) if timed else None,
+        side |= {"steps": steps, "tokens_per_s": windows_tokens_per_s(steps),
                  "own_memory_gib": max((r["mem_gib"] for r in steps), default=None),
                  "own_memory": "allocator allocated peak"}  # fmt: skip
         report["sides"]["torchloom"] = side
