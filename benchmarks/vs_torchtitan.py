@@ -177,8 +177,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--log-interval", type=int, default=10,
-                        help="both trainers log (and read the loss back) every this many steps")
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="both trainers log (and read the loss back) every this many steps",
+    )
     parser.add_argument("--recompute", default="none", choices=["none", "every_2nd"])
     parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
     parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
