@@ -19,6 +19,10 @@ attend plain causal. Each side runs as its users run it:
 - torchloom: the fast settings of docs/performance.md (compile, chunked loss, Triton AdamW; bf16
   autocast over fp32 weights) and an untied head, as TorchTitan's llama3 has.
 
+Both run with PYTORCH_ALLOC_CONF=expandable_segments:True (--allocator), as TorchTitan's own
+launcher (run_train.sh) sets it: the CUDA allocator then maps memory in growable segments and
+holds less that it cannot reuse, which the nvidia-smi figure below counts.
+
 Both log every --log-interval steps (10: TorchTitan's default), and both read the loss back to
 the host only there, so each logged tokens/s covers the steps since the previous log. Tokens/s:
 the mean of the logged windows after the first two (step 1, and the window holding the compile),
@@ -94,10 +98,12 @@ def gpu_memory_gib() -> float:
         return 0.0
 
 
-def run(command: list[str], log: Path, timeout: float) -> dict:
+def run(command: list[str], log: Path, timeout: float, allocator: str = "") -> dict:
     """``command`` with its output to ``log``; the most GPU memory in use while it ran, less what
     was in use before it started."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    if allocator:
+        env["PYTORCH_ALLOC_CONF"] = allocator
     print("run: " + " ".join(command), flush=True)
     idle = gpu_memory_gib()
     started, peak, error = time.time(), 0.0, None
@@ -183,6 +189,12 @@ def main() -> None:
         default=10,
         help="both trainers log (and read the loss back) every this many steps",
     )
+    parser.add_argument(
+        "--allocator",
+        default="expandable_segments:True",
+        help="PYTORCH_ALLOC_CONF for both trainers (TorchTitan's run_train.sh sets this one); "
+        "'' leaves the environment's",
+    )
     parser.add_argument("--recompute", default="none", choices=["none", "every_2nd"])
     parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
     parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
@@ -217,17 +229,21 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__, "model": args.model, "flavor": args.flavor, "batch": args.batch, "seq": args.seq,
-        "recompute": args.recompute, "float8": args.float8, "sides": {},
+        "recompute": args.recompute, "float8": args.float8, "allocator": args.allocator, "sides": {},
     }  # fmt: skip
     if "torchtitan" in args.sides:
-        side = run(titan_command(args), args.workdir / "torchtitan.log", args.timeout)
+        side = run(
+            titan_command(args), args.workdir / "torchtitan.log", args.timeout, args.allocator
+        )
         windows = titan_windows(Path(side["log"]).read_text(errors="replace"))
         side |= {"windows": windows, "tokens_per_s": windows_tokens_per_s(windows),
                  "own_memory_gib": max((w["reserved_gib"] for w in windows), default=None),
                  "own_memory": "allocator reserved peak"}  # fmt: skip
         report["sides"]["torchtitan"] = side
     if "torchloom" in args.sides:
-        side = run(torchloom_command(args), args.workdir / "torchloom.log", args.timeout)
+        side = run(
+            torchloom_command(args), args.workdir / "torchloom.log", args.timeout, args.allocator
+        )
         metrics = args.workdir / "torchloom" / "metrics.jsonl"
         steps = [r for r in read_records(metrics) if "tps" in r] if metrics.exists() else []
         side |= {"steps": steps, "tokens_per_s": windows_tokens_per_s(steps),
