@@ -1,0 +1,173 @@
+"""FlashAttention 4 as a torchloom attention backend, to measure what it does to a training step
+before it becomes one of the model's slots (issue 35; prototype: benchmarks only).
+
+    python3 benchmarks/fa4_attention.py train --recipe ... --model.attn_backend fa4 \\
+        --data.document_mask false ...          # `torchloom train` with the "fa4" backend added
+
+Two torch.library custom ops, ``torchloom_bench::fa4_fwd`` (q, k, v as [B, T, heads, d], causal
+GQA -> the output [B, T, H, d] and the log-sum-exp [B, H, T] in fp32) and ``fa4_bwd``, wrap
+flash-attn-4's forward and backward (its CuTe DSL kernels; sm_90 and newer), so torch.compile
+traces them as opaque ops with a fake (meta) form and the backward registered. On the CPU they
+run a PyTorch reference that returns the same values, so the wiring (schemas, fake forms,
+autograd) is tested here without a GPU (tests/test_benchmarks.py). ``register()`` adds the
+backend "fa4" to ATTENTION_BACKENDS: plain causal attention over one document only (the issue's
+speed rows train with --data.document_mask false); anything else is refused.
+
+flash-attn-4 is not a dependency; `bash benchmarks/fa4_wheels.sh` carries it to the lent H200.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from torchloom.config.errors import ConfigError
+from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
+from torchloom.models.components.attention import ATTENTION_BACKENDS
+
+LIBRARY = "torchloom_bench"
+
+
+def _expand_kv(k_BTKd: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, T, K, d] kv heads repeated to [B, heads, T, d] fp32 (query head h reads h // group)."""
+    return k_BTKd.transpose(1, 2).repeat_interleave(heads // k_BTKd.shape[2], dim=1).float()
+
+
+def reference_forward(
+    q_BTHd: torch.Tensor, k_BTKd: torch.Tensor, v_BTKd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA attention in fp32: (the output in q's dtype [B, T, H, d], the log-sum-exp of
+    each query's scaled scores [B, H, T])."""
+    T, H, d = q_BTHd.shape[1], q_BTHd.shape[2], q_BTHd.shape[3]
+    scores_BHTS = q_BTHd.transpose(1, 2).float() @ _expand_kv(k_BTKd, H).transpose(-1, -2)
+    scores_BHTS = scores_BHTS * d**-0.5
+    future = torch.ones(T, T, dtype=torch.bool, device=q_BTHd.device).triu(1)
+    scores_BHTS = scores_BHTS.masked_fill(future, float("-inf"))
+    lse_BHT = scores_BHTS.logsumexp(-1)
+    out_BHTd = (scores_BHTS - lse_BHT[..., None]).exp() @ _expand_kv(v_BTKd, H)
+    return out_BHTd.transpose(1, 2).to(q_BTHd.dtype).contiguous(), lse_BHT
+
+
+def reference_backward(
+    dout_BTHd: torch.Tensor,
+    q_BTHd: torch.Tensor,
+    k_BTKd: torch.Tensor,
+    v_BTKd: torch.Tensor,
+    out_BTHd: torch.Tensor,
+    lse_BHT: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``reference_forward`` in fp32, written out (an op's body runs below
+    autograd): P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale
+    dS K, dK = scale dS^T Q; a kv head's gradients summed over the query heads that read it."""
+    B, T, H, d = q_BTHd.shape
+    K, scale = k_BTKd.shape[2], d**-0.5
+    q_BHTd, k_BHTd, v_BHTd = (
+        q_BTHd.transpose(1, 2).float(),
+        _expand_kv(k_BTKd, H),
+        _expand_kv(v_BTKd, H),
+    )
+    do_BHTd, o_BHTd = dout_BTHd.transpose(1, 2).float(), out_BTHd.transpose(1, 2).float()
+    future = torch.ones(T, T, dtype=torch.bool, device=q_BTHd.device).triu(1)
+    scores_BHTS = (q_BHTd @ k_BHTd.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))
+    p_BHTS = (scores_BHTS - lse_BHT[..., None]).exp()
+    dv_BHTd = p_BHTS.transpose(-1, -2) @ do_BHTd
+    dp_BHTS = do_BHTd @ v_BHTd.transpose(-1, -2)
+    ds_BHTS = p_BHTS * (dp_BHTS - (do_BHTd * o_BHTd).sum(-1, keepdim=True))
+    dq_BHTd = ds_BHTS @ k_BHTd * scale
+    dk_BHTd = ds_BHTS.transpose(-1, -2) @ q_BHTd * scale
+
+    def per_kv_head(g_BHTd: torch.Tensor) -> torch.Tensor:
+        return g_BHTd.view(B, K, H // K, T, d).sum(2).transpose(1, 2).contiguous()
+
+    dq = dq_BHTd.transpose(1, 2).contiguous()
+    return (
+        dq.to(q_BTHd.dtype),
+        per_kv_head(dk_BHTd).to(k_BTKd.dtype),
+        per_kv_head(dv_BHTd).to(v_BTKd.dtype),
+    )
+
+
+@torch.library.custom_op(f"{LIBRARY}::fa4_fwd", mutates_args=())
+def fa4_fwd(
+    q_BTHd: torch.Tensor, k_BTKd: torch.Tensor, v_BTKd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_BTHd.is_cuda:
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        out, lse, *_ = _flash_attn_fwd(q_BTHd, k_BTKd, v_BTKd, causal=True, return_lse=True)
+        return out.contiguous(), lse.contiguous()  # the strides the fake form promises
+    return reference_forward(q_BTHd, k_BTKd, v_BTKd)
+
+
+@fa4_fwd.register_fake
+def _(q_BTHd, k_BTKd, v_BTKd):
+    B, T, H, _ = q_BTHd.shape
+    out = q_BTHd.new_empty(B, T, H, v_BTKd.shape[-1])
+    return out, q_BTHd.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIBRARY}::fa4_bwd", mutates_args=())
+def fa4_bwd(
+    dout_BTHd: torch.Tensor,
+    q_BTHd: torch.Tensor,
+    k_BTKd: torch.Tensor,
+    v_BTKd: torch.Tensor,
+    out_BTHd: torch.Tensor,
+    lse_BHT: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q_BTHd.is_cuda:
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        dq, dk, dv = _flash_attn_bwd(
+            q_BTHd, k_BTKd, v_BTKd, out_BTHd, dout_BTHd, lse_BHT, causal=True
+        )[:3]
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return reference_backward(dout_BTHd, q_BTHd, k_BTKd, v_BTKd, out_BTHd, lse_BHT)
+
+
+@fa4_bwd.register_fake
+def _(dout_BTHd, q_BTHd, k_BTKd, v_BTKd, out_BTHd, lse_BHT):
+    return tuple(t.new_empty(t.shape) for t in (q_BTHd, k_BTKd, v_BTKd))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _backward(ctx, dout_BTHd: torch.Tensor, _dlse: torch.Tensor | None):
+    q_BTHd, k_BTKd, v_BTKd, out_BTHd, lse_BHT = ctx.saved_tensors
+    return fa4_bwd(dout_BTHd.contiguous(), q_BTHd, k_BTKd, v_BTKd, out_BTHd, lse_BHT)
+
+
+fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fa4_attention(
+    q_BHTd: torch.Tensor,
+    k_BKTd: torch.Tensor,
+    v_BKTd: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None,
+    mask: AttentionMask = CAUSAL,
+) -> torch.Tensor:
+    """The "fa4" backend: causal GQA through ``fa4_fwd`` (it takes the model's [B, T, heads, d]
+    layout, of which the backend's [B, heads, T, d] inputs are transposed views)."""
+    if doc_ids_BT is not None or not mask.plain:
+        raise ConfigError(
+            "attn_backend 'fa4' (benchmarks/fa4_attention.py) runs plain causal attention over "
+            "one document only; set --data.document_mask false, or use attn_backend sdpa or flex."
+        )
+    out_BTHd, _ = fa4_fwd(q_BHTd.transpose(1, 2), k_BKTd.transpose(1, 2), v_BKTd.transpose(1, 2))
+    return out_BTHd.transpose(1, 2)
+
+
+def register() -> None:
+    """Add "fa4" to the model's attention backends (--model.attn_backend fa4)."""
+    ATTENTION_BACKENDS["fa4"] = fa4_attention
+
+
+if __name__ == "__main__":
+    from torchloom.cli import main
+
+    register()
+    sys.exit(main())
