@@ -2,6 +2,7 @@
 GPU numbers are in benchmarks/RESULTS.md): each writes its JSON, rows agree where they must.
 The GPU-only step floor is checked for its memory model and its refusal without a GPU."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -227,19 +228,19 @@ memory: 78.93GiB(56.46%)  tps: 61,938  tflops: 559.02  mfu: 56.52%
 """
 
 
-def _vs_torchtitan():
+def _benchmark(name: str):
+    """The module benchmarks/<name>.py, imported (benchmarks/ is no package)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import vs_torchtitan
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return vs_torchtitan
 
 
 def test_vs_torchtitan_reads_torchtitan_logs():
     """benchmarks/vs_torchtitan.py: TorchTitan's log lines (from its 0.2.2 trainer on an H200,
     colours included) give its windows and their mean after the compile window."""
-    bench = _vs_torchtitan()
+    bench = _benchmark("vs_torchtitan")
     windows = bench.titan_windows(TITAN_LOG)
     assert [(w["step"], w["reserved_gib"], w["tps"]) for w in windows] == [
         (1, 63.27, 2511), (10, 78.93, 55977), (20, 78.93, 61393), (30, 78.93, 61938)]  # fmt: skip
@@ -267,15 +268,6 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model):
     assert config["model"]["name"] == model and config["model"]["overrides"] == want
 
 
-def _fa4_attention():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import fa4_attention
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return fa4_attention
-
-
 def test_fa4_ops_are_well_formed_and_match_sdpa_on_cpu():
     """benchmarks/fa4_attention.py's custom ops on the CPU, where they run the PyTorch reference:
     torch.library.opcheck (schema, fake forms, the registered backward, compile's view), and the
@@ -284,7 +276,7 @@ def test_fa4_ops_are_well_formed_and_match_sdpa_on_cpu():
 
     from torchloom.models.components.attention import sdpa_attention
 
-    fa4 = _fa4_attention()
+    fa4 = _benchmark("fa4_attention")
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 7, heads, 8, generator=gen)
                for heads in (4, 2, 2))  # fmt: skip
