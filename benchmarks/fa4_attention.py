@@ -88,14 +88,27 @@ def reference_backward(
     )
 
 
+def flash_interface():
+    """flash-attn-4's kernel entry points (its forward and backward), or one error saying how to
+    get them."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as err:
+        raise RuntimeError(
+            "attn_backend 'fa4' on a GPU needs flash-attn-4 and its CuTe DSL (pip install "
+            "flash-attn-4; on the lent H200: bash benchmarks/fa4_wheels.sh install)"
+        ) from err
+    return interface
+
+
 @torch.library.custom_op(f"{LIBRARY}::fa4_fwd", mutates_args=())
 def fa4_fwd(
     q_BTHd: torch.Tensor, k_BTKd: torch.Tensor, v_BTKd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q_BTHd.is_cuda:
-        from flash_attn.cute.interface import _flash_attn_fwd
-
-        out, lse, *_ = _flash_attn_fwd(q_BTHd, k_BTKd, v_BTKd, causal=True, return_lse=True)
+        out, lse, *_ = flash_interface()._flash_attn_fwd(
+            q_BTHd, k_BTKd, v_BTKd, causal=True, return_lse=True
+        )
         return out.contiguous(), lse.contiguous()  # the strides the fake form promises
     return reference_forward(q_BTHd, k_BTKd, v_BTKd)
 
@@ -117,9 +130,7 @@ def fa4_bwd(
     lse_BHT: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q_BTHd.is_cuda:
-        from flash_attn.cute.interface import _flash_attn_bwd
-
-        dq, dk, dv = _flash_attn_bwd(
+        dq, dk, dv = flash_interface()._flash_attn_bwd(
             q_BTHd, k_BTKd, v_BTKd, out_BTHd, dout_BTHd, lse_BHT, causal=True
         )[:3]
         return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -290,6 +291,9 @@ def test_fa4_ops_are_well_formed_and_match_sdpa_on_cpu():
                                torch.autograd.grad(want, views, grad))  # fmt: skip
     with pytest.raises(ConfigError, match="fa4.*document_mask false"):
         fa4.fa4_attention(*views, torch.zeros(2, 7, dtype=torch.long))
+    missing = mock.patch.dict(sys.modules, {"flash_attn": None})  # not installed
+    with missing, pytest.raises(RuntimeError, match="needs flash-attn-4.*fa4_wheels.sh install"):
+        fa4.flash_interface()
 
 
 def test_fa4_backend_trains_through_torchloom_train_on_cpu(tmp_path):
