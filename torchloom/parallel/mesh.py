@@ -68,7 +68,9 @@ def destroy(barrier: bool = True) -> None:
     """Leave the process group (safe to call when none was joined), all ranks together unless
     ``barrier`` is False (after an error, when a peer may never arrive): a rank tearing gloo
     down while a peer is still finishing (rank 0 writing or printing) was seen to abort with
-    "terminate called without an active exception" on the CPU."""
+    "terminate called without an active exception" on the CPU. (The same abort at interpreter
+    teardown, from groups that DTensor's caches keep alive past this call, is why a torchrun rank
+    of `python -m torchloom` ends with ``os._exit``: see ``torchloom/__main__.py``.)"""
     if dist.is_initialized():
         if barrier:
             dist.barrier()
