@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchloom.data import DataConfig, build_tokenizer
 from torchloom.data.build import streaming_loader
+from torchloom.parallel import leave
 
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, SEED = 16, 8, 2, 5
 
@@ -57,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

@@ -18,6 +18,7 @@ from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.generate.run import tensor_parallel
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.models.components.param_init import local_tensor
+from torchloom.parallel import leave
 from torchloom.parallel.mesh import destroy, init_distributed
 
 CONFIG = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
@@ -67,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

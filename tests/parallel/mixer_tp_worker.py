@@ -31,6 +31,7 @@ from torchloom.parallel import (
     destroy,
     global_label_count,
     init_distributed,
+    leave,
     loss_context,
     parallelize,
 )
@@ -118,3 +119,4 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

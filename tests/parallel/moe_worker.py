@@ -38,6 +38,7 @@ from torchloom.parallel import (
     build_parallel_dims,
     destroy,
     init_distributed,
+    leave,
     parallelize,
 )
 from torchloom.parallel.context_parallel import shard_sequence
@@ -230,3 +231,4 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

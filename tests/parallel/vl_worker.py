@@ -33,6 +33,7 @@ from torchloom.parallel import (
     build_parallel_dims,
     destroy,
     init_distributed,
+    leave,
     parallelize,
 )
 from torchloom.parallel.pipeline import build_pipeline
@@ -217,3 +218,4 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

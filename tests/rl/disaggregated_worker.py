@@ -17,7 +17,7 @@ import torch.distributed as dist
 from common import BASE  # this folder is the script's: on sys.path
 
 from torchloom.cli import resolve_job
-from torchloom.parallel import destroy
+from torchloom.parallel import destroy, leave
 from torchloom.parallel.state import full_state_items
 from torchloom.rl.loop import RLRunner
 
@@ -44,3 +44,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank

@@ -8,7 +8,13 @@ from torchloom.parallel.loss_reduction import (
     max_over_data_ranks,
     sum_over_data_ranks,
 )
-from torchloom.parallel.mesh import ParallelDims, build_parallel_dims, destroy, init_distributed
+from torchloom.parallel.mesh import (
+    ParallelDims,
+    build_parallel_dims,
+    destroy,
+    init_distributed,
+    leave,
+)
 from torchloom.parallel.parallelize import parallelize
 from torchloom.parallel.tensor_parallel import loss_context
 
@@ -23,6 +29,7 @@ __all__ = [
     "global_label_count",
     "grad_norm",
     "init_distributed",
+    "leave",
     "loss_context",
     "max_over_data_ranks",
     "parallelize",
