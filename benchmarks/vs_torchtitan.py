@@ -30,7 +30,8 @@ the same rule for both.
 
 --model deepseek_v3 is the 16B flavor (DeepSeek-V2-Lite's shape) cut to --layers layers, without
 multi-token prediction, on both sides. --titan-args and --torchloom-args add flags to either
-trainer (one string each), to try a side's other settings.
+trainer (one string each), to try a side's other settings. --fa4 runs torchloom's attention
+through FlashAttention 4 (benchmarks/fa4_attention.py, installed by benchmarks/fa4_wheels.sh).
 
 --recompute every_2nd is TorchTitan's default `selective` mode (its option "2": every second
 block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
@@ -139,8 +140,10 @@ def titan_command(args: argparse.Namespace) -> list[str]:
 
 
 def torchloom_command(args: argparse.Namespace) -> list[str]:
+    # --fa4: the same CLI with FlashAttention 4 registered as the "fa4" attention backend.
+    launcher = [str(ROOT / "benchmarks" / "fa4_attention.py")] if args.fa4 else ["-m", "torchloom"]
     command = [
-        sys.executable, "-m", "torchloom", "train", "--recipe", "debug",
+        sys.executable, *launcher, "train", "--recipe", "debug",
         "--model.name", args.model, "--model.flavor", args.flavor,
         "--model.overrides", json.dumps(model_overrides(args)),
         "--training.seq_len", str(args.seq), "--training.global_batch_size", str(args.batch),
@@ -160,6 +163,8 @@ def torchloom_command(args: argparse.Namespace) -> list[str]:
         command += ["--remat.mode", "every_k", "--remat.every_k", "2"]
     if args.float8:
         command += ["--model.float8", "tensorwise"]
+    if args.fa4:
+        command += ["--model.attn_backend", "fa4"]
     return command + shlex.split(args.torchloom_args)
 
 
@@ -197,6 +202,9 @@ def main() -> None:
     )
     parser.add_argument("--recompute", default="none", choices=["none", "every_2nd"])
     parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
+    parser.add_argument("--fa4", action="store_true",
+                        help="torchloom's attention through FlashAttention 4 "
+                             "(benchmarks/fa4_attention.py; bash benchmarks/fa4_wheels.sh)")  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
                         choices=["torchtitan", "torchloom"])  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -229,7 +237,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__, "model": args.model, "flavor": args.flavor, "batch": args.batch, "seq": args.seq,
-        "recompute": args.recompute, "float8": args.float8, "allocator": args.allocator, "sides": {},
+        "recompute": args.recompute, "float8": args.float8, "fa4": args.fa4, "allocator": args.allocator, "sides": {},
     }  # fmt: skip
     if "torchtitan" in args.sides:
         side = run(

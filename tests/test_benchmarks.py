@@ -249,15 +249,20 @@ def test_vs_torchtitan_reads_torchtitan_logs():
     assert bench.windows_tokens_per_s(windows[:2]) is None
 
 
-@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
-def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model):
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [("llama3", []), ("deepseek_v3", []), ("llama3", ["--fa4"])],
+    ids=["llama3", "deepseek_v3", "llama3-fa4"],
+)
+def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
     """The torchloom side runs `torchloom train` on the inputs written for both trainers (the
-    CPU check; TorchTitan's trainer needs CUDA), the model matched to TorchTitan's."""
+    CPU check; TorchTitan's trainer needs CUDA), the model matched to TorchTitan's; with --fa4
+    through benchmarks/fa4_attention.py's backend (its PyTorch reference on the CPU)."""
     out = tmp_path / "anchor.json"
     stdout = _run("vs_torchtitan.py", "--model", model, "--flavor", "debug", "--seq", "64",
                   "--batch", "2", "--steps", "4", "--log-interval", "2", "--sides", "torchloom",
                   "--device", "cpu", "--words", "500", "--workdir", str(tmp_path / "work"),
-                  "--json", str(out))  # fmt: skip
+                  "--json", str(out), *extra)  # fmt: skip
     report = json.loads(out.read_text())
     side = report["sides"]["torchloom"]
     assert side["error"] is None and side["tokens_per_s"] > 0, stdout
@@ -267,6 +272,8 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model):
             "deepseek_v3": {"num_layers": 6, "mtp_layers": 0}}[model]  # fmt: skip
     config = json.loads((tmp_path / "work" / "torchloom" / "config.json").read_text())
     assert config["model"]["name"] == model and config["model"]["overrides"] == want
+    assert config["model"]["attn_backend"] == ("fa4" if extra else "sdpa")
+    assert report["fa4"] == bool(extra)
 
 
 def test_fa4_ops_are_well_formed_and_match_sdpa_on_cpu():
