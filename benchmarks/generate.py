@@ -16,11 +16,18 @@ Weights are random (speed does not depend on them); torchloom
 and HF get the same architecture through torchloom's HF adapter. A compiled row stacks its
 model's q/k/v and gate/up weights (docs/generate.md), and every later row on that model decodes
 with them stacked: list the compiled rows last to time the default decode as it ships.
+
+ours-tuned is ours-compiled with inductor's coordinate-descent tuning on while it compiles
+(gpt-fast's setting): on a GPU inductor then turns a matmul of one row (batch 1's decode) into
+a Triton reduction tuned for memory bandwidth, fused with its neighbours, instead of a cuBLAS
+call; larger batches keep their matmuls. A candidate for the batch-1 decode (issue 35), not
+yet what the Generator ships.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -28,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
@@ -39,8 +47,8 @@ from torchloom.train.loss import CrossEntropy
 from torchloom.train.profiling import format_kernel_summary, kernel_summary
 
 SHAPES = {"tiny": "debug", "1B": "1B", "8B": "8B"}
-ROWS = ("ours", "ours-fused", "ours-compiled", "ours-fused-compiled", "ours-eager", "ours-bi",
-        "hf-eager", "hf-compiled")  # fmt: skip
+ROWS = ("ours", "ours-fused", "ours-compiled", "ours-fused-compiled", "ours-tuned", "ours-eager",
+        "ours-bi", "hf-eager", "hf-compiled")  # fmt: skip
 TRITON = {"norm_impl": "triton", "rope_impl": "triton", "mlp_impl": "triton"}
 
 
@@ -202,12 +210,16 @@ def main() -> None:
                     run = lambda p, n, m=target: hf(m, p, n)  # noqa: E731
                 else:
                     options = {"cuda_graphs": False} if row == "ours-eager" else {}
-                    if row.endswith("-compiled"):
+                    if row.endswith("-compiled") or row == "ours-tuned":
                         options = {"compile": True}
                     m = models.get(row.removesuffix("-compiled"), model)
                     length = args.prompt_len + args.new_tokens
                     run = lambda p, n, m=m, o=options, L=length: ours(m, p, n, L, **o)  # noqa: E731
-                run(prompts, args.new_tokens)  # warm-up (compiles)
+                tuning = contextlib.nullcontext()
+                if row == "ours-tuned":  # read while compiling: in force for the warm-up call
+                    tuning = inductor_config.patch(coordinate_descent_tuning=True)
+                with tuning:
+                    run(prompts, args.new_tokens)  # warm-up (compiles)
                 seconds = run(prompts, args.new_tokens)
                 record["tokens_per_s"] = round(batch * args.new_tokens / seconds, 1)
                 if args.profile_steps and device.type == "cuda" and rank0:

@@ -72,6 +72,17 @@ def test_generate_benchmark_runs(tmp_path):
     assert {r["row"] for r in rows} == {"ours", "hf-eager"}
 
 
+@pytest.mark.slow  # an inductor compile
+def test_generate_benchmark_tuned_row_runs(tmp_path):
+    """The ours-tuned row compiles the decode step with coordinate-descent tuning in force (on
+    the CPU inductor keeps the matmuls: only the row's wiring is checked here)."""
+    out = tmp_path / "generate.json"
+    _run("generate.py", "--shape", "tiny", "--device", "cpu", "--batches", "1", "--new-tokens",
+         "4", "--prompt-len", "8", "--rows", "ours-tuned", "--train-seq", "0", "--json", str(out))  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["row"] == "ours-tuned" and row["tokens_per_s"] > 0, row
+
+
 def test_hybrid_benchmark_rows(tmp_path):
     """benchmarks/hybrid.py at the tiny shape: the 3:1 hybrid and its all-attention twin, our
     Gated DeltaNet layer and transformers' of the same shape, each against its baseline."""
