@@ -72,6 +72,30 @@ def test_generate_benchmark_runs(tmp_path):
     assert {r["row"] for r in rows} == {"ours", "hf-eager"}
 
 
+def test_tuning_turns_one_row_linears_into_reductions_on_cuda():
+    """The premise of generate.py's ours-tuned row, traced with fake CUDA tensors (no GPU
+    needed): with coordinate-descent tuning, inductor's decompositions lower a decode step's
+    linear of one row ([1, 1, D]) to a product and a sum, not a matmul; two rows keep it."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def traced_ops(rows: int, tuning: bool) -> list[str]:
+        x = torch.empty(rows, 1, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(128, 64, dtype=torch.bfloat16, device="cuda")
+        with inductor_config.patch(coordinate_descent_tuning=tuning):
+            graph = make_fx(torch.nn.functional.linear, select_decomp_table(), "fake")(x, w)
+        return [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+
+    with FakeTensorMode():
+        assert "aten.mm.default" in traced_ops(1, tuning=False)
+        tuned = traced_ops(1, tuning=True)
+        assert "aten.mm.default" not in tuned and "aten.sum.dim_IntList" in tuned, tuned
+        assert "aten.mm.default" in traced_ops(2, tuning=True)
+
+
 @pytest.mark.slow  # an inductor compile
 def test_generate_benchmark_tuned_row_runs(tmp_path):
     """The ours-tuned row compiles the decode step with coordinate-descent tuning in force (on
