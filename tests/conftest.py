@@ -24,6 +24,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """In-process tests on one-rank gloo groups (--parallel.fsdp_always, RL's weight sync) leave
+    gloo's threads running to the end, their groups kept alive by DTensor's caches; at teardown
+    such a thread can abort the interpreter after every result was reported (see
+    torchloom.parallel.leave). Then pytest leaves as a torchrun rank does, with its own code."""
+    tasks = "/proc/self/task"
+    names = []
+    for task in os.listdir(tasks) if os.path.isdir(tasks) else ():
+        try:
+            with open(f"{tasks}/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    if any(name.startswith(("gloo", "pt_gloo")) for name in names):
+        from torchloom.parallel import leave
+
+        leave(config.stash.get(_EXIT_STATUS, 0))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_cache_dir(tmp_path_factory):
     """One cache (built-in corpus, tokenizer, tokenized data) for the whole test session."""
