@@ -19,10 +19,18 @@ def test_leave_keeps_the_code_and_the_buffered_output():
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out", "err")
 
 
-def test_a_rank_of_python_m_torchloom_leaves_with_its_result():
+def test_a_rank_of_python_m_torchloom_leaves_with_its_result(tmp_path):
     """Under torchrun (WORLD_SIZE > 1) `python -m torchloom` ends through leave: the command's
-    output and exit code come through (here its usage, and 2 for an unknown command)."""
-    ok = _python("-m", "torchloom", "--help", WORLD_SIZE="2")
+    output and exit code come through (here its usage, and 2 for an unknown command), and the
+    interpreter's teardown (an atexit probe) is skipped; a single process still runs it."""
+    probe = "import atexit, sys\natexit.register(lambda: sys.stderr.write('teardown ran'))\n"
+    (tmp_path / "sitecustomize.py").write_text(probe)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    ok = _python("-m", "torchloom", "--help", WORLD_SIZE="2", PYTHONPATH=path)
     assert ok.returncode == 0 and ok.stdout.startswith("usage: torchloom"), ok.stderr
-    bad = _python("-m", "torchloom", "tarin", WORLD_SIZE="2")
+    assert "teardown ran" not in ok.stderr
+    bad = _python("-m", "torchloom", "tarin", WORLD_SIZE="2", PYTHONPATH=path)
     assert bad.returncode == 2 and "unknown command 'tarin'" in bad.stderr
+    assert "teardown ran" not in bad.stderr
+    single = _python("-m", "torchloom", "--help", WORLD_SIZE="1", PYTHONPATH=path)
+    assert single.returncode == 0 and single.stderr.endswith("teardown ran"), single.stderr
