@@ -34,16 +34,20 @@ def _expand_kv(k_BTKd: torch.Tensor, heads: int) -> torch.Tensor:
     return k_BTKd.transpose(1, 2).repeat_interleave(heads // k_BTKd.shape[2], dim=1).float()
 
 
+def _causal_scores(q_BHTd: torch.Tensor, k_BHTd: torch.Tensor) -> torch.Tensor:
+    """Scaled scores [B, H, T, S] with the future masked to -inf (fp32 inputs)."""
+    T, d = q_BHTd.shape[2], q_BHTd.shape[3]
+    future = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).triu(1)
+    return (q_BHTd @ k_BHTd.transpose(-1, -2) * d**-0.5).masked_fill(future, float("-inf"))
+
+
 def reference_forward(
     q_BTHd: torch.Tensor, k_BTKd: torch.Tensor, v_BTKd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal GQA attention in fp32: (the output in q's dtype [B, T, H, d], the log-sum-exp of
     each query's scaled scores [B, H, T])."""
-    T, H, d = q_BTHd.shape[1], q_BTHd.shape[2], q_BTHd.shape[3]
-    scores_BHTS = q_BTHd.transpose(1, 2).float() @ _expand_kv(k_BTKd, H).transpose(-1, -2)
-    scores_BHTS = scores_BHTS * d**-0.5
-    future = torch.ones(T, T, dtype=torch.bool, device=q_BTHd.device).triu(1)
-    scores_BHTS = scores_BHTS.masked_fill(future, float("-inf"))
+    H = q_BTHd.shape[2]
+    scores_BHTS = _causal_scores(q_BTHd.transpose(1, 2).float(), _expand_kv(k_BTKd, H))
     lse_BHT = scores_BHTS.logsumexp(-1)
     out_BHTd = (scores_BHTS - lse_BHT[..., None]).exp() @ _expand_kv(v_BTKd, H)
     return out_BHTd.transpose(1, 2).to(q_BTHd.dtype).contiguous(), lse_BHT
@@ -68,9 +72,7 @@ def reference_backward(
         _expand_kv(v_BTKd, H),
     )
     do_BHTd, o_BHTd = dout_BTHd.transpose(1, 2).float(), out_BTHd.transpose(1, 2).float()
-    future = torch.ones(T, T, dtype=torch.bool, device=q_BTHd.device).triu(1)
-    scores_BHTS = (q_BHTd @ k_BHTd.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))
-    p_BHTS = (scores_BHTS - lse_BHT[..., None]).exp()
+    p_BHTS = (_causal_scores(q_BHTd, k_BHTd) - lse_BHT[..., None]).exp()
     dv_BHTd = p_BHTS.transpose(-1, -2) @ do_BHTd
     dp_BHTS = do_BHTd @ v_BHTd.transpose(-1, -2)
     ds_BHTS = p_BHTS * (dp_BHTS - (do_BHTd * o_BHTd).sum(-1, keepdim=True))
