@@ -107,6 +107,29 @@ def test_generate_benchmark_tuned_row_runs(tmp_path):
     assert row["row"] == "ours-tuned" and row["tokens_per_s"] > 0, row
 
 
+@pytest.mark.slow  # inductor compiles
+def test_block_memory_benchmark_splits_the_weight_copies(tmp_path):
+    """block_memory.py at the debug shape: keep's kept block holds a bf16 copy of every block
+    matrix, recompute's none, and otherwise the same bytes; a recomputed block holds the same
+    under both; fewer recomputed blocks keep more."""
+    out = tmp_path / "block_memory.json"
+    _run("block_memory.py", "--flavor", "debug", "--batch", "2", "--seq", "256",
+         "--probe-tokens", "48", "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    keep, recompute = report["blocks"]["keep"], report["blocks"]["recompute"]
+    cfg = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
+    d, kv = cfg.dim, cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
+    matrices = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim)  # q, o, k, v, gate, up, down
+    assert keep["kept"]["weight_copies"] == matrices and recompute["kept"]["weight_copies"] == 0
+    assert keep["kept"]["per_token"] == recompute["kept"]["per_token"]
+    assert keep["recomputed"] == recompute["recomputed"]
+    for casts in ("keep", "recompute"):
+        rows = [r for r in report["rows"] if r["weight_casts"] == casts]
+        by_recomputed = sorted(rows, key=lambda r: r["recomputed"])
+        sizes = [r["activations_bytes"] for r in by_recomputed]
+        assert sizes == sorted(sizes, reverse=True)
+
+
 def test_hybrid_benchmark_rows(tmp_path):
     """benchmarks/hybrid.py at the tiny shape: the 3:1 hybrid and its all-attention twin, our
     Gated DeltaNet layer and transformers' of the same shape, each against its baseline."""

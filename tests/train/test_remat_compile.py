@@ -1,5 +1,6 @@
 """Recomputation policies and regional compile change memory and speed, never the numbers."""
 
+import json
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.loss import cross_entropy_sum
-from torchloom.train.remat import RematConfig, apply_remat, memory_budget
+from torchloom.train.remat import RematConfig, apply_remat, memory_budget, recompute_weight_casts
 
 
 def tiny(num_layers: int = 4) -> nn.Module:
@@ -257,3 +258,124 @@ def test_hybrid_blocks_compile_once_around_opaque_fla(monkeypatch):
     (loss, grads, _), (loss_c, grads_c, _) = results
     assert abs(loss - loss_c) < 1e-5
     assert max((grads_c[n] - g).abs().max().item() for n, g in grads.items()) < 1e-5
+
+
+def _saved_under_autocast(model: nn.Module) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Gradients of a bf16-autocast step, and what autograd kept for its backward: bytes of
+    activations (tensors that are not parameters), and bytes of bf16 tensors shaped like a
+    parameter (the forward's casts of the weights)."""
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 64), generator=gen)
+    saved = weight_copies = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved, weight_copies
+        if not isinstance(t, nn.Parameter):
+            saved += t.numel() * t.element_size()
+            if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                weight_copies += t.numel() * t.element_size()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    (cross_entropy_sum(logits.float(), tokens) / tokens.numel()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}, saved, weight_copies
+
+
+def _block_matrix_bytes_bf16(model: nn.Module) -> int:
+    return sum(2 * p.numel() for p in model.layers.parameters() if p.dim() == 2)
+
+
+def test_recompute_weight_casts_pass_frees_the_bf16_copies():
+    """The joint-graph pass behind --remat.weight_casts recompute, run before the min-cut
+    partitioner that inductor uses (without inductor's code generation, so fast): the compiled
+    blocks stop keeping bf16 copies of their weights (every matrix's copy, 2 bytes an element,
+    is gone from what the backward holds), and the gradients do not change by a bit."""
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from torchloom.train.weight_casts import RecomputeInputCasts
+
+    def backend(recompute: bool):
+        def partition(joint, inputs, **kwargs):
+            if recompute:
+                RecomputeInputCasts()(joint.graph)
+            return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+        return aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
+
+    results = []
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        model = tiny(2)
+        for block in model.layers.values():
+            block.compile(backend=backend(recompute), fullgraph=True)
+        results.append(_saved_under_autocast(model))
+    (grads, saved, copies), (grads_r, saved_r, copies_r) = results
+    matrices = _block_matrix_bytes_bf16(model)
+    print(f"kept {saved} -> {saved_r} bytes; bf16 weight copies {copies} -> {copies_r} "
+          f"(block matrices in bf16: {matrices})")  # fmt: skip
+    assert copies == matrices and copies_r == 0
+    assert saved - saved_r == matrices
+    assert all(torch.equal(grads_r[n], g) for n, g in grads.items())
+
+
+@pytest.mark.slow
+def test_recompute_weight_casts_with_inductor():
+    """The option through compile_regions with inductor (its CPU code here)."""
+    results = []
+    for casts in ("keep", "recompute"):
+        torch._dynamo.reset()
+        model = tiny(2)
+        remat = RematConfig(weight_casts=casts)
+        apply_remat(model.layers, remat, compile_enabled=True)
+        compile_regions(model, CompileConfig(enabled=True),
+                        recompute_casts=recompute_weight_casts(remat))  # fmt: skip
+        results.append(_saved_under_autocast(model))
+    (grads, saved, copies), (grads_r, saved_r, copies_r) = results
+    print(f"kept {saved} -> {saved_r} bytes; bf16 weight copies {copies} -> {copies_r}")
+    assert copies == _block_matrix_bytes_bf16(model) and copies_r == 0
+    assert saved - saved_r == copies
+    assert all(torch.equal(grads_r[n], g) for n, g in grads.items())
+    # The pass was set for these regions' compilation only.
+    assert torch._inductor.config.joint_custom_pre_pass is None
+
+
+@pytest.mark.slow
+def test_trainer_recomputes_weight_casts_with_the_same_losses(tmp_path, monkeypatch):
+    """`torchloom train --remat.weight_casts recompute` (bf16 autocast, compiled blocks, every
+    other block recomputed): the pass runs on the compiled blocks' graphs, and the losses are
+    keep's, bit for bit."""
+    from torchloom.cli import resolve_job
+    from torchloom.train.trainer import Trainer
+    from torchloom.train.weight_casts import RecomputeInputCasts
+
+    calls = []
+    original = RecomputeInputCasts.__call__
+    monkeypatch.setattr(RecomputeInputCasts, "__call__",
+                        lambda self, graph: calls.append(graph) or original(self, graph))  # fmt: skip
+    losses = {}
+    for casts in ("keep", "recompute"):
+        torch._dynamo.reset()
+        _, job = resolve_job(
+            ["--recipe", "debug", "--output.dir", str(tmp_path / casts), "--training.steps", "3",
+             "--training.mixed_precision", "bf16", "--compile.enabled", "true",
+             "--remat.mode", "every_k", "--remat.weight_casts", casts,
+             "--metrics.tensorboard", "false", "--training.sample_tokens", "0"]
+        )  # fmt: skip
+        Trainer(job).train()
+        lines = (tmp_path / casts / "metrics.jsonl").read_text().splitlines()
+        losses[casts] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+        assert bool(calls) == (casts == "recompute")
+    print(losses)
+    assert len(losses["keep"]) == 3 and losses["keep"] == losses["recompute"]
+
+
+def test_weight_casts_config_errors():
+    with pytest.raises(ConfigError, match="--remat.weight_casts must be one of keep, recompute"):
+        RematConfig(weight_casts="drop").validate()
+    with pytest.raises(ConfigError, match="weight_casts recompute .* needs --compile.enabled true"):
+        apply_remat(tiny().layers, RematConfig(weight_casts="recompute"), compile_enabled=False)

@@ -42,7 +42,7 @@ from torchloom.train.compile import compile_regions
 from torchloom.train.job import JobConfig
 from torchloom.train.loss import CrossEntropy, Objective
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
-from torchloom.train.remat import apply_remat, memory_budget
+from torchloom.train.remat import apply_remat, memory_budget, recompute_weight_casts
 
 
 @dataclass
@@ -177,6 +177,7 @@ def block_wrapper(job: JobConfig, dims: ParallelDims) -> Callable[[nn.Module], N
         fla = fla_runs(dims.device_type)
         compile_regions(model, job.compile, eager_types=("RMSNorm",) if fsdp_tp else (),
                         memory_budget=memory_budget(job.remat),
+                        recompute_casts=recompute_weight_casts(job.remat),
                         graph_break_types=DELTA_RULE_MIXERS if fla else ())  # fmt: skip
 
     return wrap

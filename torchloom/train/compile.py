@@ -9,6 +9,7 @@ blocks share one compiled graph: parameters are graph inputs, not constants.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from collections.abc import Callable
@@ -74,6 +75,7 @@ def compile_regions(
     eager_types: tuple[str, ...] = (),
     memory_budget: float | None = None,
     graph_break_types: tuple[str, ...] = (),
+    recompute_casts: bool = False,
 ) -> list[str]:
     """Compile ``config.regions`` of ``model`` in place; returns the compiled module names.
 
@@ -86,6 +88,8 @@ def compile_regions(
     code: Dynamo runs a compiled checkpoint with a graph break inside all eagerly. ``memory_budget``
     (remat mode budget): the fraction of activation memory the min-cut partitioner keeps when
     it compiles these regions (set for their compilation only, not for the whole process).
+    ``recompute_casts`` (``--remat.weight_casts recompute``): inductor's partitioner casts the
+    regions' weights again in backward instead of keeping the forward's copies.
     """
     if not config.enabled:
         return []
@@ -121,8 +125,8 @@ def compile_regions(
                 fullgraph=fullgraph,
                 mode=mode,
             )
-            if memory_budget is not None:
-                region = _budgeted(region, memory_budget)
+            if memory_budget is not None or recompute_casts:
+                region = _partitioned(region, memory_budget, recompute_casts)
             module.forward = region if recomputes is None else recomputing(region, recomputes[1])
             compiled.append(name)
             return
@@ -133,13 +137,28 @@ def compile_regions(
     return compiled
 
 
-def _budgeted(forward: Callable[..., Any], budget: float) -> Callable[..., Any]:
-    """``forward`` compiled (at its first call) and run with the partitioner's activation
-    memory budget set to ``budget``, only for the duration of each call."""
+def _partitioned(
+    forward: Callable[..., Any], budget: float | None, recompute_casts: bool
+) -> Callable[..., Any]:
+    """``forward`` compiled (at its first call, where the forward and backward are split) with
+    the partitioner's activation memory budget set to ``budget`` and, with
+    ``recompute_casts``, inductor's pass that recomputes casts of the graph's inputs; both
+    only for the duration of each call, not for the process."""
+    settings: list[tuple[Any, dict[str, Any]]] = []
+    if budget is not None:
+        settings.append((torch._functorch.config, {"activation_memory_budget": budget}))
+    if recompute_casts:
+        from torch._inductor import config as inductor
+
+        from torchloom.train.weight_casts import RecomputeInputCasts
+
+        settings.append((inductor, {"joint_custom_pre_pass": RecomputeInputCasts()}))
 
     @functools.wraps(forward)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        with contextlib.ExitStack() as stack:
+            for config, values in settings:
+                stack.enter_context(config.patch(values))
             return forward(*args, **kwargs)
 
     return call

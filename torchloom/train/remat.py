@@ -24,6 +24,7 @@ from torch.utils.checkpoint import (
 from torchloom.config.errors import ConfigError, did_you_mean
 
 RematMode = Literal["none", "full", "selective", "every_k", "budget"]
+WeightCasts = Literal["keep", "recompute"]
 
 DEFAULT_SAVE_OPS = [
     "mm",
@@ -54,6 +55,12 @@ class RematConfig:
     memory_budget: float = 0.5
     """With mode budget: fraction of the no-recompute activation memory to keep, in (0, 1]
     (0 would recompute everything, 1 nothing); the compiler's min-cut partitioner picks ops."""
+    weight_casts: WeightCasts = "keep"
+    """Under bf16 autocast over fp32 weights (one GPU without FSDP), what compiled blocks do
+    with the bf16 copies of their weights that the forward's matmuls read. keep: the backward
+    reuses them, which holds 2 bytes per block parameter from each block's forward until its
+    backward. recompute: the backward casts the weights again (one more read of them), and
+    that memory is free for activations; needs --compile.enabled true with inductor."""
 
     def validate(self) -> None:
         if self.mode not in get_args(RematMode):
@@ -62,6 +69,11 @@ class RematConfig:
             )
         if self.every_k < 1:
             raise ConfigError(f"--remat.every_k must be >= 1; got {self.every_k}.")
+        if self.weight_casts not in get_args(WeightCasts):
+            raise ConfigError(
+                f"--remat.weight_casts must be one of {', '.join(get_args(WeightCasts))}; "
+                f"got {self.weight_casts!r}."
+            )
         if not 0.0 < self.memory_budget <= 1.0:
             raise ConfigError(f"--remat.memory_budget must be in (0, 1]; got {self.memory_budget}.")
         save_ops(self.save_ops)  # unknown op names are refused here, before any model is built
@@ -114,6 +126,11 @@ def apply_remat(layers: nn.ModuleDict, config: RematConfig, compile_enabled: boo
     """Apply ``config`` to the transformer blocks ``layers`` (keyed by layer index, as in the
     model or a pipeline stage, so every_k picks the same blocks on every layout), in place."""
     config.validate()
+    if config.weight_casts == "recompute" and not compile_enabled:
+        raise ConfigError(
+            "--remat.weight_casts recompute tells the compiler's partitioner to cast the "
+            "weights again in backward, so it needs --compile.enabled true; or leave it at keep."
+        )
     if config.mode == "budget":
         if not compile_enabled:
             raise ConfigError(
@@ -134,3 +151,8 @@ def apply_remat(layers: nn.ModuleDict, config: RematConfig, compile_enabled: boo
 def memory_budget(config: RematConfig) -> float | None:
     """The activation-memory budget compiled regions partition with (mode budget), else None."""
     return config.memory_budget if config.mode == "budget" else None
+
+
+def recompute_weight_casts(config: RematConfig) -> bool:
+    """Whether compiled regions recompute their weights' casts (``--remat.weight_casts``)."""
+    return config.weight_casts == "recompute"
