@@ -15,8 +15,8 @@
 #       markdown werkzeug grpcio protobuf
 # Usage: bash benchmarks/gpu_vs_torchtitan.sh [LOG_DIR] [ROW...]   (rows: 1B 8B 8B-fp8 moe, and
 # torchloom alone in other settings, against the TorchTitan figure of its base row in the same
-# call: 8B-casts3 / 8B-casts2 (--remat.weight_casts recompute, every 3rd / 2nd block
-# recomputed; benchmarks/block_memory.py), 1B-fa4 / 8B-fa4 (FlashAttention 4, after
+# call: 8B-castsK (--remat.weight_casts recompute, every K-th block recomputed:
+# benchmarks/block_memory.py estimates each K's activations), 1B-fa4 / 8B-fa4 (FlashAttention 4, after
 # `bash benchmarks/fa4_wheels.sh install`))
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,12 +46,12 @@ for r in $ROWS; do
     8B) row 8B 190 --flavor 8B --batch 2 --recompute every_2nd --steps 20 --timeout 90 ;;
     8B-fp8) row 8B-fp8 190 --flavor 8B --batch 2 --recompute every_2nd --float8 --steps 20 --timeout 90 ;;
     moe) row moe 250 --model deepseek_v3 --batch 4 --steps 30 --timeout 120 ;;
-    8B-casts3 | 8B-casts2)
+    8B-casts[0-9]*)  # every K-th block recomputed, K from the row's name
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
-        --timeout 100 --torchloom-args "--remat.weight_casts recompute --remat.every_k ${r: -1}" ;;
+        --timeout 100 --torchloom-args "--remat.weight_casts recompute --remat.every_k ${r#8B-casts}" ;;
     1B-fa4) row 1B-fa4 100 --sides torchloom --flavor 1B --batch 8 --steps 40 --timeout 90 --fa4 ;;
     8B-fa4) row 8B-fa4 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
       --timeout 100 --fa4 ;;
-    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-casts3 8B-casts2 1B-fa4 8B-fa4)" ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 1B-fa4 8B-fa4)" ;;
   esac
 done
