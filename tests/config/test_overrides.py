@@ -26,6 +26,7 @@ class Inner:
     """A switch."""
     mode: Literal["a", "b"] = "a"
     items: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     maybe: int | None = None
 
@@ -60,12 +61,13 @@ def test_overrides_parse_every_type():
             "--training.extra", '{"num_layers": 4}',
             "--training.maybe", "none",
             "--other.items", "u,v",
+            "--other.weights", "0.6, 0.4",
         ],
     )  # fmt: skip
     t = cfg.training
     assert (t.steps, t.lr, t.name, t.flag, t.mode) == (20, 3e-4, "hello", True, "b")
     assert t.items == ["p", "q"] and t.extra == {"num_layers": 4} and t.maybe is None
-    assert cfg.other.items == ["u", "v"]
+    assert cfg.other.items == ["u", "v"] and cfg.other.weights == [0.6, 0.4]
     assert Outer().training.steps == 10  # the input is not modified
 
 
@@ -84,6 +86,12 @@ def test_unknown_field_names_near_matches():
         (["--training.flag", "maybe"], "true or false"),
         (["--training.mode", "c"], "must be one of a, b"),
         (["--training.extra", "nope"], "JSON object"),
+        (
+            ["--training.weights", "a,b"],
+            r"expects a list of float.*Example: --training.weights '\[0.6, 0.4\]'",
+        ),
+        (["--training.weights", "[0.7, 0.3"], "expects a JSON list .*at character"),
+        (["--training.items", '["p"'], "expects a JSON list"),
         (["--training.steps"], "needs a value"),
         (["training.steps", "3"], "Unexpected argument"),
     ],

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from torchloom.config.errors import ConfigError
 from torchloom.data import DataConfig, build_dataloaders, build_tokenizer
 
 
@@ -39,3 +42,11 @@ def test_user_jsonl_with_own_tokenizer(tmp_path: Path, tiny_tokenizer) -> None:
     (batch,) = train.next_step()
     assert batch.doc_ids is None
     assert tokenizer.decode(batch.tokens[0].tolist()).startswith("doc 0 doc 0")
+
+
+def test_an_empty_chat_template_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty.jinja").write_text("\n")
+    cfg = DataConfig(format="chat", sources=["builtin:chat_tasks"],
+                     chat_template=str(tmp_path / "empty.jinja"), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    with pytest.raises(ConfigError, match="empty.jinja' is empty, so every conversation"):
+        build_tokenizer(cfg)

@@ -98,6 +98,17 @@ def test_resume_refuses_changed_seed_naming_it() -> None:
         make_loader(tokens, seed=2).load_state_dict(state)
 
 
+def test_resume_refuses_another_tokenizer_and_reads_states_from_before_the_check() -> None:
+    tokens = random_stream()
+    state = make_loader(tokens, tokenizer="aaaa").state_dict()
+    with pytest.raises(ConfigError, match="trained with another tokenizer .*aaaa.*bbbb"):
+        make_loader(tokens, tokenizer="bbbb").load_state_dict(state)
+    del state["tokenizer"]  # a checkpoint written before the loader recorded its tokenizer
+    resumed = make_loader(tokens, tokenizer="bbbb")
+    resumed.load_state_dict(state)
+    assert resumed.step == 0
+
+
 def test_every_window_once_per_epoch_and_epochs_reshuffle() -> None:
     loader = make_loader(index_stream(num_windows=12), global_batch_size=4, micro_batch_size=4)
     seen = window_indices([b for _ in range(6) for b in loader.next_step()])  # 24 = 2 epochs

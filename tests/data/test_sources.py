@@ -12,6 +12,7 @@ import pytest
 from tests.data.stream_files import write_arrow, write_hf_dataset, write_npy, write_parquet
 from torchloom.config.errors import ConfigError
 from torchloom.data import DataConfig, build_dataloaders
+from torchloom.data.readers import load_token_array
 from torchloom.data.sources import iter_documents, resolve_sources
 
 
@@ -145,3 +146,66 @@ def test_a_streamed_source_without_documents_fails(tmp_path: Path, tiny_tokenize
     _, train, _ = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
     with pytest.raises(ConfigError, match="empty.parquet' contains no documents"):
         train.next_step()
+
+
+def test_sources_named_wrong_get_one_line_with_the_fix(tmp_path: Path) -> None:
+    """Inputs a sweep of bad data found unclear, each now refused in one line naming it."""
+    with pytest.raises(ConfigError, match="entry is an empty string"):
+        documents([""], tmp_path)  # Path("") would be the working directory
+    write_jsonl(tmp_path / "list.jsonl", [{"text": "ok"}, ["a", "b"]])
+    with pytest.raises(ConfigError, match=r"list.jsonl:2: the line is a list, not a JSON object"):
+        documents([str(tmp_path / "list.jsonl")], tmp_path)
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    for field in ("text", "messages"):  # the missing field, then the list where text should be
+        with pytest.raises(ConfigError, match="holds chat 'messages'.*--data.format chat"):
+            documents([str(chat)], tmp_path, text_field=field)
+    (tmp_path / "c.npy").write_bytes(b"not a numpy file" * 10)
+    with pytest.raises(ConfigError, match=r"c.npy: not a NumPy .npy file .*numpy.save"):
+        load_token_array(tmp_path / "c.npy")
+
+
+def test_datasets_folder_missing_a_listed_shard(tmp_path: Path) -> None:
+    folder = write_hf_dataset(tmp_path / "hf", ["a", "b", "c", "d"], num_shards=2)
+    shards = sorted(folder.glob("*.arrow"))
+    shards[1].unlink()
+    with pytest.raises(ConfigError, match=rf"state.json lists {shards[1].name}, which is missing"):
+        documents([str(folder)], tmp_path)
+
+
+def test_hidden_files_and_folders_are_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    write_jsonl(root / "a.jsonl", [{"text": "kept"}])
+    write_jsonl(root / ".ipynb_checkpoints" / "a-checkpoint.jsonl", [{"text": "a copy"}])
+    (root / ".notes.txt").write_text("hidden", encoding="utf-8")
+    assert documents([str(root)], tmp_path) == ["kept"]
+
+
+def test_dictionary_encoded_text_column_reads_as_strings(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = ["one", "two", "one", "three"]
+    table = pa.table({"text": pa.array(docs).dictionary_encode()})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert documents([str(tmp_path / "d.parquet")], tmp_path) == docs
+
+
+def test_a_streamed_corpus_shorter_than_one_sequence_is_refused(tmp_path, tiny_tokenizer) -> None:
+    """As the cached loader refuses it, instead of serving rows of a few tokens repeated."""
+    (tmp_path / "tiny.txt").write_text("hi", encoding="utf-8")
+    cfg = DataConfig(sources=[str(tmp_path / "tiny.txt")], streaming=True, val_fraction=0.0,
+                     tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    _, train, _ = build_dataloaders(cfg, seq_len=64, global_batch_size=2, micro_batch_size=2)
+    with pytest.raises(ConfigError, match=r"hold \d+ tokens in all.*seq_len=64 needs 65"):
+        train.next_step()
+    # Enough text for a row, fewer tokens than a whole step: a small corpus repeats, as before.
+    _, train, _ = build_dataloaders(cfg, seq_len=1, global_batch_size=2, micro_batch_size=2)
+    assert len(train.next_step()) == 1
+
+
+def test_validation_fraction_that_starves_training_is_named(tmp_path, tiny_tokenizer) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "word " * 30 + str(i)} for i in range(10)])
+    cfg = DataConfig(sources=[str(path)], tokenizer=str(tiny_tokenizer.path),
+                     cache_dir=str(tmp_path / "c"), val_fraction=0.9)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--data.val_fraction 0.9 holds out \d+ tokens"):
+        build_dataloaders(cfg, seq_len=256, global_batch_size=2, micro_batch_size=2)

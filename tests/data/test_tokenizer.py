@@ -122,3 +122,18 @@ def test_tokenizer_config_naming_unknown_token(tiny_tokenizer: Tokenizer, tmp_pa
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     with pytest.raises(ConfigError, match="eos token '</s>' is not in its vocabulary"):
         Tokenizer.from_file(tmp_path)
+
+
+def test_a_file_that_is_no_tokenizer_and_one_that_cannot_encode(tmp_path: Path) -> None:
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(ConfigError, match="other.json is not a Hugging Face tokenizer.json"):
+        Tokenizer.from_file(tmp_path / "other.json")
+    import tokenizers
+
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({"</s>": 0, "zzz": 1}))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    word_level.add_special_tokens(["</s>"])
+    word_level.save(str(tmp_path / "no_unk.json"))  # no [UNK]: unknown words cannot encode
+    tokenizer = Tokenizer.from_file(tmp_path / "no_unk.json")
+    with pytest.raises(ConfigError, match="no_unk.json could not encode the data's text .*UNK"):
+        tokenizer.encode_batch(["hello world"])

@@ -1,4 +1,5 @@
 import json
+import math
 import re
 import time
 
@@ -148,3 +149,15 @@ def test_chunked_loss_trains_like_full_logits(tmp_path):
     assert diff < 1e-5
     with pytest.raises(ConfigError, match="loss_impl chunked"):
         run(tmp_path, "--model.loss_impl", "chunked", "--parallel.pp", "2", name="pp")
+
+
+def test_no_validation_split_writes_no_val_loss(tmp_path, capsys):
+    """With --data.val_fraction 0 there is nothing to validate: no val_loss records (they
+    were nan, which reads like divergence), neither in metrics.jsonl nor on the console."""
+    _, result = run(tmp_path, "--training.steps", "2", "--training.val_interval", "1",
+                    "--data.val_fraction", "0")  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert not any("val_loss" in r for r in records)
+    assert "val_loss" not in capsys.readouterr().out
+    assert math.isnan(result.val_loss_before) and math.isnan(result.val_loss_after)

@@ -137,11 +137,19 @@ def parse_value(text: str, hint: Any, path: str) -> Any:
     if origin in (list, tuple, dict):
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             if origin is dict:
                 raise bad(f"a JSON object such as {_example(hint)}") from None
-            # A bare comma-separated list is accepted for lists of strings: a,b,c
+            if text.lstrip().startswith("["):
+                raise bad(f"a JSON list ({e.msg} at character {e.pos})") from None
+            # A bare comma-separated list is accepted too: a,b,c or 0.6,0.4
             value = [v for v in text.split(",") if v]
+            element = next(iter(get_args(hint)), str)
+            if element not in (str, Any, Ellipsis):
+                try:
+                    value = [parse_value(v.strip(), element, path) for v in value]
+                except ConfigError:
+                    raise bad(f"a list of {type_name(element)}") from None
         return check_type(value, hint, path)
     raise ConfigError(f"--{path} has a type ({type_name(hint)}) the command line cannot set.")
 
@@ -204,6 +212,9 @@ def _example(hint: Any) -> str:
     if origin is Literal:
         return str(get_args(hint)[0])
     if origin in (list, tuple):
+        element = next(iter(get_args(hint)), str)
+        if element in (int, float):
+            return "'[0.6, 0.4]'" if element is float else "'[1, 2]'"
         return '\'["a", "b"]\''
     if origin is dict:
         return "'{\"key\": 1}'"

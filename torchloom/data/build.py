@@ -51,7 +51,14 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
                 f"--data.chat_template '{cfg.chat_template}' is not a file: give a .jinja file "
                 "holding a chat template, or leave it empty to use the tokenizer's own."
             )
-        tokenizer.set_chat_template(path.read_text(encoding="utf-8"))
+        source = path.read_text(encoding="utf-8")
+        if not source.strip():
+            raise ConfigError(
+                f"--data.chat_template '{cfg.chat_template}' is empty, so every conversation "
+                "would render as nothing: put a chat template in it, or leave the option empty "
+                "to use the tokenizer's own."
+            )
+        tokenizer.set_chat_template(source)
     return tokenizer
 
 
@@ -89,6 +96,7 @@ def build_dataloaders(
         dp_size=dp_size,
         seed=seed,
         shuffle=cfg.shuffle,
+        tokenizer=tokenizer.fingerprint()[:16],
     )
     val = None
     if cfg.val_fraction > 0:
@@ -103,6 +111,12 @@ def _text_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[Row
     dataset = TokenDataset.build(files, tokenizer, cfg.val_fraction, cache_dir)
     train = TokenWindows(dataset.train_tokens, dataset.eos_id, seq_len, cfg.document_mask)
     val = TokenWindows(dataset.val_tokens, dataset.eos_id, seq_len, cfg.document_mask)
+    if train.num_rows == 0 and len(dataset.train_tokens) + len(dataset.val_tokens) > seq_len:
+        raise ConfigError(
+            f"The training split is too small for one sequence: {train.describe()}, while "
+            f"--data.val_fraction {cfg.val_fraction} holds out {len(dataset.val_tokens)} tokens "
+            "for validation. Lower --data.val_fraction, add data or lower seq_len."
+        )
     return train, val
 
 
@@ -137,7 +151,7 @@ def streaming_loader(
         "tokenizer": tokenizer.fingerprint()[:16],
     }
     return StreamingLoader(
-        PackedStream(streams, cfg.mix or None, tokenizer, seed),
+        PackedStream(streams, cfg.mix or None, tokenizer, seed, row_tokens=seq_len + 1),
         seq_len=seq_len,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,

@@ -54,6 +54,7 @@ class TrainLoader:
         dp_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        tokenizer: str | None = None,
     ) -> None:
         check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, rows.seq_len)
         if rows.num_rows == 0:
@@ -69,6 +70,8 @@ class TrainLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.tokenizer = tokenizer
+        """The tokenizer's fingerprint (its first 16 hex digits), checked on resume."""
         self.step = 0
         """Optimizer steps already served; the next call to next_step serves this one."""
         self._permutations: dict[int, np.ndarray] = {}
@@ -107,9 +110,18 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the step ``state`` was saved at; refuse if the data changed."""
+        identity = self._identity()
+        if "tokenizer" not in state:  # saved before the loader recorded it
+            identity.pop("tokenizer")
+        if state.get("tokenizer", identity.get("tokenizer")) != identity.get("tokenizer"):
+            raise ConfigError(
+                f"The checkpoint was trained with another tokenizer (fingerprint "
+                f"{state['tokenizer']}, this run's is {identity['tokenizer']}): its ids mean "
+                "other text. Resume with the run's original --data.tokenizer."
+            )
         changed = [
             f"{name} was {state.get(name)!r} in the checkpoint and is {value!r} now"
-            for name, value in self._identity().items()
+            for name, value in identity.items()
             if state.get(name) != value
         ]
         if changed:
@@ -129,6 +141,7 @@ class TrainLoader:
             "shuffle": self.shuffle,
             "global_batch_size": self.global_batch_size,
             "seq_len": self.seq_len,
+            "tokenizer": self.tokenizer,
             **self.rows.identity(),
         }
 

@@ -123,19 +123,31 @@ def _count_lines(f: Any, end: int) -> int:
 
 def record_text(where: str, record: object, text_field: str) -> str:
     """The document text of a parsed JSONL ``record``; ConfigError naming ``where`` if absent."""
-    if not isinstance(record, dict) or text_field not in record:
-        keys = list(record) if isinstance(record, dict) else []
+    if not isinstance(record, dict):
+        kind = "null" if record is None else f"a {type(record).__name__}"
         raise ConfigError(
-            f"{where}: no field '{text_field}' (found {keys or type(record).__name__})."
-            f"{did_you_mean(text_field, keys)} Set --data.text_field to the field "
-            "holding the text."
+            f"{where}: the line is {kind}, not a JSON object; each line of a .jsonl source must "
+            f'be an object such as {{"{text_field}": "..."}}.'
+        )
+    chat = CHAT_HINT if "messages" in record else ""
+    if text_field not in record:
+        keys = list(record)
+        raise ConfigError(
+            f"{where}: no field '{text_field}' (found {keys}).{did_you_mean(text_field, keys)}"
+            f" Set --data.text_field to the field holding the text.{chat}"
         )
     text = record[text_field]
     if not isinstance(text, str):
         raise ConfigError(
-            f"{where}: field '{text_field}' is a {type(text).__name__}, not a string."
+            f"{where}: field '{text_field}' is a {type(text).__name__}, not a string.{chat}"
         )
     return text
+
+
+CHAT_HINT = (
+    " The line holds chat 'messages': to train on conversations, use --data.format chat "
+    "(docs/sft.md)."
+)
 
 
 def check_text_column(path: Path, schema: Any, text_field: str) -> None:
@@ -149,6 +161,8 @@ def check_text_column(path: Path, schema: Any, text_field: str) -> None:
             "the text."
         )
     kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):  # dictionary-encoded strings read as the strings
+        kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or pa.types.is_string_view(kind)):  # fmt: skip
         raise ConfigError(
@@ -268,8 +282,18 @@ def token_arrays(docs: list[Document], tokenizer: Any) -> list[np.ndarray]:
     ]
 
 
+NPY_MAGIC = b"\x93NUMPY"
+
+
 def load_token_array(path: Path) -> np.ndarray:
     """A .npy token source memory-mapped; ConfigError unless it is 1-D integer token ids."""
+    with path.open("rb") as f:
+        header = f.read(len(NPY_MAGIC))
+    if header != NPY_MAGIC:
+        raise ConfigError(
+            f"{path}: not a NumPy .npy file (it does not start with the .npy header); write "
+            "token ids with numpy.save."
+        )
     try:
         tokens = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:

@@ -107,7 +107,13 @@ def _check_builtin(source: str, builtins: dict[str, object]) -> None:
 
 
 def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
-    """``source`` itself, or the sorted files with one of ``suffixes`` under the directory."""
+    """``source`` itself, or the sorted files with one of ``suffixes`` under the directory
+    (hidden ones, whose name or a folder's on the way starts with '.', left out)."""
+    if not source.strip():
+        raise ConfigError(
+            "A --data.sources entry is an empty string; give a file, a directory or a builtin "
+            "source."
+        )
     path = Path(source).expanduser()
     if not path.exists():
         raise ConfigError(
@@ -124,7 +130,13 @@ def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
         )
     if ".arrow" in suffixes and (path / HF_DATASET_STATE).is_file():
         return _dataset_shards(path)
-    found = sorted(p for p in path.rglob("*") if p.suffix in suffixes and p.is_file())
+    found = sorted(
+        p
+        for p in path.rglob("*")
+        if p.suffix in suffixes
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     if not found:
         raise ConfigError(
             f"Data source directory '{source}' contains no {' or '.join(suffixes)} files."
@@ -142,7 +154,15 @@ def _dataset_shards(path: Path) -> list[Path]:
             f"{state_path}: not a datasets save_to_disk state file ({e!r}); remove it to read "
             "the folder's .arrow/.parquet files in sorted order."
         ) from None
-    return [path / name for name in names]
+    shards = [path / name for name in names]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise ConfigError(
+            f"{state_path} lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'}"
+            " missing from the folder; save the dataset again (Dataset.save_to_disk), or remove "
+            "state.json to read the .arrow files that are there in sorted order."
+        )
+    return shards
 
 
 def _source_file(path: Path, text_field: str) -> SourceFile:

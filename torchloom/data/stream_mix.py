@@ -95,10 +95,14 @@ class PackedStream:
         weights: list[float] | None,
         tokenizer: Tokenizer,
         seed: int,
+        row_tokens: int = 1,
     ) -> None:
         if weights is None and len(streams) != 1:
             raise ValueError("several streams need mix weights")
         self.streams = streams
+        self.row_tokens = row_tokens
+        """Tokens one row needs (seq_len + 1): a corpus whose every pass holds fewer is refused."""
+        self._first_pass: list[int | None] = []  # tokens of each stream's first pass, if seen
         self.probabilities = None if weights is None else np.asarray(weights) / sum(weights)
         self.tokenizer = tokenizer
         self.seed = seed
@@ -108,6 +112,7 @@ class PackedStream:
         """Tokens read but not yet served (a served row's last token is the next one's first)."""
         self._choices: tuple[int, np.ndarray] | None = None
         self._read_counts = [0, 0]  # documents and tokens read by this process: sizes reads
+        self._watch_first_passes()
 
     def take(self, num_tokens: int) -> np.ndarray:
         """The carry extended by whole documents to at least ``num_tokens`` tokens."""
@@ -142,14 +147,46 @@ class PackedStream:
             )
         for stream, position in zip(self.streams, positions):
             stream.restore(position)
+        self._watch_first_passes()
         self.documents = int(state["documents"])
         self.carry = np.asarray(state["carry"], dtype=np.int64)
 
     def _read(self, count: int) -> list[np.ndarray]:
         """The next ``count`` documents of the mix as token arrays ending with eos."""
-        docs = [self.streams[self._source_of(self.documents + i)].next() for i in range(count)]
+        picks = [self._source_of(self.documents + i) for i in range(count)]
+        docs, passes = [], []
+        for i in picks:
+            docs.append(self.streams[i].next())
+            passes.append(self.streams[i].position[0])
         self.documents += count
-        return token_arrays(docs, self.tokenizer)
+        arrays = token_arrays(docs, self.tokenizer)
+        self._count_first_passes(picks, passes, arrays)
+        return arrays
+
+    def _watch_first_passes(self) -> None:
+        """Count the tokens of each stream's first pass, for those standing at their start."""
+        self._first_pass = [0 if s.position == [0, 0, 0, 0] else None for s in self.streams]
+
+    def _count_first_passes(
+        self, picks: list[int], passes: list[int], arrays: list[np.ndarray]
+    ) -> None:
+        """ConfigError once every stream has gone round and, together, their first passes
+        hold fewer tokens than one row: the rows would repeat a few tokens over and over
+        (the cached loader refuses such data before it starts)."""
+        for i, done, array in zip(picks, passes, arrays):
+            if done == 0 and self._first_pass[i] is not None:
+                self._first_pass[i] += len(array)
+        if any(count is None for count in self._first_pass):
+            return
+        if all(stream.position[0] >= 1 for stream in self.streams):
+            total = sum(self._first_pass)
+            if total < self.row_tokens:
+                raise ConfigError(
+                    f"The data sources hold {total} tokens in all (each document followed by "
+                    f"eos), and one sequence of seq_len={self.row_tokens - 1} needs "
+                    f"{self.row_tokens}. Add data or lower seq_len."
+                )
+            self._first_pass = [None] * len(self.streams)  # checked: nothing more to count
 
     def _source_of(self, document: int) -> int:
         if self.probabilities is None:

@@ -110,7 +110,10 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(json_path))
         except Exception as e:  # the Rust side raises a bare Exception on malformed files
-            raise ConfigError(f"Could not load tokenizer {json_path}: {e}") from None
+            raise ConfigError(
+                f"{json_path} is not a Hugging Face tokenizer.json (the tokenizers library's "
+                f"format: {e}); give the tokenizer.json a model was saved with, or its folder."
+            ) from None
         config_path = json_path.parent / "tokenizer_config.json"
         config = _read_tokenizer_config(config_path)
         _add_declared_tokens(backend, config, config_path)
@@ -149,7 +152,14 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each document (no special tokens added), encoded in parallel."""
-        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+        try:
+            encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        except Exception as e:  # the Rust side raises a bare Exception, e.g. no [UNK] token
+            raise ConfigError(
+                f"Tokenizer {self.path} could not encode the data's text ({e}); use a "
+                "tokenizer that can encode any text, such as a byte-level BPE."
+            ) from None
+        return [e.ids for e in encodings]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept visible unless skipped."""

@@ -175,10 +175,11 @@ class Trainer:
         metrics.print(self._banner(metrics))
         if (resumed := self.run.resumed_line(self.step)) is not None:
             metrics.print(resumed)
+        validating = self.val_loader is not None  # no held-out split: no val_loss records
         val_before = self.validate()
-        if self.step == 0:
+        if validating and self.step == 0:
             metrics.log({"step": 0, "val_loss": val_before})
-        else:  # printed only: metrics.jsonl reads as the uninterrupted run's did
+        elif validating:  # printed only: metrics.jsonl reads as the uninterrupted run's did
             metrics.print(f"step {self.step}  val_loss {val_before:.4g} (resumed weights)")
         first_loss = last_loss = float("nan")
         self.model.train()
@@ -201,7 +202,7 @@ class Trainer:
                 self.scheduler.step()
                 self.step += 1
                 window.add_step(data_seconds)
-                val_due = bool(t.val_interval) and self.step % t.val_interval == 0
+                val_due = validating and bool(t.val_interval) and self.step % t.val_interval == 0
                 val_due = val_due and self.step < t.steps
                 # The host waits for the GPU only where it needs a value (a logged step, a
                 # validation, a save: a checkpoint never holds a step whose loss went
@@ -238,7 +239,8 @@ class Trainer:
                 self.run.save_if_due(metrics, self.step, self.train_loader.tokens_seen)
             self.run.finish(metrics)
             val_after = self.validate()  # the run trained at least one step (NothingToTrain)
-            metrics.log({"step": self.step, "val_loss": val_after})
+            if validating:
+                metrics.log({"step": self.step, "val_loss": val_after})
             model_dir = self._export(metrics)
         finally:
             metrics.close()
