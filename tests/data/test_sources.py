@@ -209,3 +209,17 @@ def test_validation_fraction_that_starves_training_is_named(tmp_path, tiny_token
                      cache_dir=str(tmp_path / "c"), val_fraction=0.9)  # fmt: skip
     with pytest.raises(ConfigError, match=r"--data.val_fraction 0.9 holds out \d+ tokens"):
         build_dataloaders(cfg, seq_len=256, global_batch_size=2, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_source_entry_without_documents_is_named(tmp_path, tiny_tokenizer, streaming) -> None:
+    """Cached, and streamed without a mix (one stream over the entries, one after the other):
+    an entry with no text beside one with text is refused, as the mix refuses it."""
+    text = write_jsonl(tmp_path / "d.jsonl", [{"text": "word " * 5 + str(i)} for i in range(20)])
+    empty = write_parquet(tmp_path / "nulls.parquet", ["", None])
+    cfg = DataConfig(sources=[str(text), str(empty)], streaming=streaming, val_fraction=0.0,
+                     tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    with pytest.raises(ConfigError, match="nulls.parquet' contains no documents"):
+        _, train, _ = build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+        for _ in range(200):  # streamed: found when the stream goes round
+            train.next_step()

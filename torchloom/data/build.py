@@ -107,8 +107,10 @@ def build_dataloaders(
 def _text_rows(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int) -> tuple[RowSource, RowSource]:
     """Pre-training: windows of the train and validation token streams."""
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    files = resolve_sources(cfg.sources, cfg.text_field, cache_dir)
-    dataset = TokenDataset.build(files, tokenizer, cfg.val_fraction, cache_dir)
+    groups = [resolve_sources([source], cfg.text_field, cache_dir) for source in cfg.sources]
+    files = [file for group in groups for file in group]
+    entries = [(source, len(group)) for source, group in zip(cfg.sources, groups)]
+    dataset = TokenDataset.build(files, tokenizer, cfg.val_fraction, cache_dir, entries)
     train = TokenWindows(dataset.train_tokens, dataset.eos_id, seq_len, cfg.document_mask)
     val = TokenWindows(dataset.val_tokens, dataset.eos_id, seq_len, cfg.document_mask)
     if train.num_rows == 0 and len(dataset.train_tokens) + len(dataset.val_tokens) > seq_len:
@@ -142,7 +144,8 @@ def streaming_loader(
                    for name, files in zip(cfg.sources, groups)]  # fmt: skip
     else:  # one after the other, as the cached path concatenates them
         all_files = [file for files in groups for file in files]
-        streams = [DocumentStream(", ".join(cfg.sources), all_files, eos, vocab)]
+        entries = [(source, len(files)) for source, files in zip(cfg.sources, groups)]
+        streams = [DocumentStream(", ".join(cfg.sources), all_files, eos, vocab, entries)]
     identity = {
         "seed": seed,
         "sources": json.dumps(cfg.sources),

@@ -16,7 +16,7 @@ import numpy as np
 from torchloom.config.errors import ConfigError
 from torchloom.data.cache import atomic_write, atomic_write_text
 from torchloom.data.readers import token_arrays
-from torchloom.data.sources import SourceFile, iter_documents
+from torchloom.data.sources import SourceFile, check_entries_have_documents, iter_documents
 from torchloom.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,19 @@ class TokenDataset:
         tokenizer: Tokenizer,
         val_fraction: float,
         cache_dir: Path,
+        sources: list[tuple[str, int]] | None = None,
     ) -> TokenDataset:
-        """Load the token arrays for ``files`` from the cache, tokenizing them first if needed."""
+        """Load the token arrays for ``files`` from the cache, tokenizing them first if needed.
+        ``sources``: the --data.sources entries the files came from, (entry, its number of
+        files) in order; an entry without a document is refused, naming it."""
         key = _cache_key(files, tokenizer, val_fraction)
         stem = cache_dir / "tokens" / key[:20]
         meta_path = stem.with_suffix(".json")
         train_path, val_path = stem.with_suffix(".train.npy"), stem.with_suffix(".val.npy")
         if not meta_path.exists():
-            _tokenize_to_cache(files, tokenizer, val_fraction, train_path, val_path, meta_path)
+            _tokenize_to_cache(
+                files, tokenizer, val_fraction, train_path, val_path, meta_path, sources
+            )
         meta = json.loads(meta_path.read_text())
         return cls(
             train_tokens=np.load(train_path, mmap_mode="r"),
@@ -99,11 +104,15 @@ def _tokenize_to_cache(
     train_path: Path,
     val_path: Path,
     meta_path: Path,
+    sources: list[tuple[str, int]] | None = None,
 ) -> None:
     start = time.perf_counter()
     # Two passes over the files (count, then tokenize) keep only one chunk of text in memory.
     eos, vocab = tokenizer.eos_id, tokenizer.vocab_size
-    num_docs = sum(1 for _ in iter_documents(files, eos, vocab))
+    docs_per_file = [sum(1 for _ in iter_documents([f], eos, vocab)) for f in files]
+    if sources is not None:
+        check_entries_have_documents(sources, docs_per_file)
+    num_docs = sum(docs_per_file)
     if num_docs == 0:
         raise ConfigError(f"The data sources {[str(f.path) for f in files]} contain no text.")
     is_val = held_out_mask(num_docs, val_fraction)

@@ -177,6 +177,16 @@ def _source_file(path: Path, text_field: str) -> SourceFile:
     )
 
 
+def check_entries_have_documents(sources: list[tuple[str, int]], docs_per_file: list[int]) -> None:
+    """ConfigError naming the first source entry (entry, its number of files) whose files
+    hold no document, given each file's document count."""
+    first = 0
+    for name, count in sources:
+        if sum(docs_per_file[first : first + count]) == 0:
+            raise ConfigError(f"The data source '{name}' contains no documents.")
+        first += count
+
+
 def iter_documents(
     files: list[SourceFile], eos_id: int | None = None, vocab_size: int | None = None
 ) -> Iterator[Document]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.readers import Document, Position, read_documents, token_arrays
-from torchloom.data.sources import SourceFile
+from torchloom.data.sources import SourceFile, check_entries_have_documents
 from torchloom.data.tokenizer import Tokenizer
 
 MIX_BLOCK = 4096
@@ -35,9 +35,19 @@ class DocumentStream:
     position after the last document returned (readers.py says what ``a, b`` mean per format).
     """
 
-    def __init__(self, name: str, files: list[SourceFile], eos_id: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        files: list[SourceFile],
+        eos_id: int,
+        vocab_size: int,
+        sources: list[tuple[str, int]] | None = None,
+    ) -> None:
         self.name = name
         self.files = files
+        self.sources = sources or [(name, len(files))]
+        """The --data.sources entries the files came from: (entry, its number of files), in
+        order; a full pass in which one of them gave no document is refused, naming it."""
         self.eos_id = eos_id
         self.vocab_size = vocab_size
         self.restore([0, 0, 0, 0])
@@ -55,9 +65,11 @@ class DocumentStream:
             )
         self._epoch, self._file, self._after = epoch, file, (a, b)
         self._reader: Iterator[tuple[Document, Position]] | None = None
-        # Documents returned since the stream last stood at its very beginning (None: it has
-        # not, as after a resume mid-source); a full pass with none means the source is empty.
-        self._since_start: int | None = 0 if (file, a, b) == (0, 0, 0) else None
+        # Documents of each file since the stream last stood at its very beginning (None: it
+        # has not, as after a resume mid-source), to find a source entry with none in a pass.
+        self._pass_docs: list[int] | None = (
+            [0] * len(self.files) if (file, a, b) == (0, 0, 0) else None
+        )
 
     def next(self) -> Document:
         """The next document (text, or token ids ending with eos)."""
@@ -70,15 +82,16 @@ class DocumentStream:
             found = next(self._reader, None)
             if found is not None:
                 doc, self._after = found
-                if self._since_start is not None:
-                    self._since_start += 1
+                if self._pass_docs is not None:
+                    self._pass_docs[self._file] += 1
                 return doc
             self._reader, self._after = None, (0, 0)
             self._file += 1
             if self._file == len(self.files):
-                if self._since_start == 0:
-                    raise ConfigError(f"The data source '{self.name}' contains no documents.")
-                self._file, self._epoch, self._since_start = 0, self._epoch + 1, 0
+                if self._pass_docs is not None:
+                    check_entries_have_documents(self.sources, self._pass_docs)
+                self._file, self._epoch = 0, self._epoch + 1
+                self._pass_docs = [0] * len(self.files)
 
 
 class PackedStream:
