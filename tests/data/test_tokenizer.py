@@ -137,3 +137,22 @@ def test_a_file_that_is_no_tokenizer_and_one_that_cannot_encode(tmp_path: Path) 
     tokenizer = Tokenizer.from_file(tmp_path / "no_unk.json")
     with pytest.raises(ConfigError, match="no_unk.json could not encode the data's text .*UNK"):
         tokenizer.encode_batch(["hello world"])
+
+
+def test_a_tokenizer_that_makes_most_text_unknown_warns_once(tmp_path: Path, capsys) -> None:
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"</s>": 0, "[UNK]": 1, "fox": 2}, unk_token="[UNK]")
+    )
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["</s>"])
+    backend.save(str(tmp_path / "unk.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "unk.json")
+    assert tokenizer.encode_batch(["the quick brown fox"]) == [[1, 1, 1, 2]]
+    tokenizer.encode_batch(["jumps over"])
+    err = capsys.readouterr().err
+    assert err.count("75% of the first 4 tokens of the data are the unknown token [UNK]") == 1
+    fitting = Tokenizer.from_file(tmp_path / "unk.json")
+    fitting.encode_batch(["fox fox fox"])
+    assert "unknown token" not in capsys.readouterr().err

@@ -13,7 +13,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError, did_you_mean, warn
 from torchloom.data.cache import atomic_write_text
 from torchloom.data.chat import (
     CHATML_TEMPLATE,
@@ -48,6 +48,8 @@ TEMPLATE_TOKEN_ROLES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # Used when no tokenizer_config.json names the special tokens: common spellings, best first.
 KNOWN_EOS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 KNOWN_BOS = (BOS_TOKEN, "<s>", "<bos>", "<|bos|>")
+UNKNOWN_WARNING_FRACTION = 0.5
+"""More of the first encoded text than this as the unknown token: the tokenizer does not fit."""
 
 
 class Tokenizer:
@@ -90,6 +92,9 @@ class Tokenizer:
         # A second backend that matches added tokens in text; the flag is per backend object.
         self._chat_backend = tokenizers.Tokenizer.from_str(backend.to_str())
         self._chat_backend.encode_special_tokens = False
+        unk = getattr(backend.model, "unk_token", None)
+        self._unk_id: int | None = backend.token_to_id(unk) if unk else None
+        """The unknown token's id, until the first batch of text has been checked against it."""
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -159,7 +164,24 @@ class Tokenizer:
                 f"Tokenizer {self.path} could not encode the data's text ({e}); use a "
                 "tokenizer that can encode any text, such as a byte-level BPE."
             ) from None
-        return [e.ids for e in encodings]
+        ids = [e.ids for e in encodings]
+        if self._unk_id is not None and texts:
+            self._warn_if_mostly_unknown(ids)
+        return ids
+
+    def _warn_if_mostly_unknown(self, ids: list[list[int]]) -> None:
+        """Warn once if most of the first batch of text became the unknown token: the
+        tokenizer does not fit the text, and the model would learn nothing from it."""
+        total = sum(len(doc) for doc in ids)
+        unknown = sum(doc.count(self._unk_id) for doc in ids)
+        if total and unknown / total > UNKNOWN_WARNING_FRACTION:
+            token = self.backend.id_to_token(self._unk_id)
+            warn(
+                f"{unknown / total:.0%} of the first {total} tokens of the data are the unknown "
+                f"token {token}: tokenizer {self.path} does not fit this text. Use a tokenizer "
+                "made for it (or a byte-level one, which has no unknown token)."
+            )
+        self._unk_id = None  # checked once
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept visible unless skipped."""
