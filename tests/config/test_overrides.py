@@ -129,3 +129,23 @@ def test_help_lists_paths_types_defaults_and_docs():
     assert "--training.steps int  (default: 10)" in text
     assert "How many steps." in text
     assert "--other.mode a|b" in text
+
+
+def test_the_right_field_in_another_section_is_suggested_first():
+    @dataclass
+    class Training:
+        seed: int = 0
+        seq_len: int = 8
+        steps: int = 1
+
+    @dataclass
+    class Optimizer:
+        lr: float = 1e-3
+
+    @dataclass
+    class Job:
+        training: Training = field(default_factory=Training)
+        optimizer: Optimizer = field(default_factory=Optimizer)
+
+    with pytest.raises(ConfigError, match=r"--training\.lr\. Did you mean '--optimizer\.lr'"):
+        apply_overrides(Job(), ["--training.lr", "0.1"])

@@ -26,12 +26,12 @@ def near_matches(name: str, options: Iterable[str], n: int = 3) -> list[str]:
     """Options that look like ``name`` (typos, wrong separators), best first."""
     options = list(options)
     by_lower = {o.lower(): o for o in options}
-    hits = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
-    # A dotted path whose leaf is right but whose section is wrong: match on the leaf too.
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
+    # A dotted path whose leaf is right but whose section is wrong (--training.lr for
+    # --optimizer.lr): the surest guess, so it comes first.
     leaf = name.rsplit(".", 1)[-1].lower()
-    for lower in by_lower:
-        if lower.rsplit(".", 1)[-1] == leaf and lower not in hits:
-            hits.append(lower)
+    same_leaf = [o for o in by_lower if "." in o and o.rsplit(".", 1)[-1] == leaf]
+    hits = same_leaf + [h for h in close if h not in same_leaf]
     return [by_lower[h] for h in hits][:n]
 
 
