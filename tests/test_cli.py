@@ -33,6 +33,10 @@ def test_print_config_and_help(capsys):
     assert main(["train", "--recipe", "debug", "--training.steps", "7", "--print-config"]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config["recipe"] == "debug" and config["training"]["steps"] == 7
+    # A model override the run would refuse is refused here too, not printed as if valid.
+    argv = ["train", "--recipe", "debug", "--print-config", "--model.overrides", '{"num_layer": 3}']
+    assert main(argv) == 2
+    assert "Unknown model override 'num_layer'" in capsys.readouterr().err
     assert main(["train", "--recipe", "debug", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--training.global_batch_size int" in text and "Optimizer steps to run." in text

@@ -94,17 +94,22 @@ def cmd_train(argv: list[str]) -> int:
     print_config = _pop_flag(argv, "--print-config")
     dry = _pop_flag(argv, "--dry-run")
     world = _pop_option(argv, "--world-size")
-    if world is not None and (not dry or not world.isdigit()):
+    if world is not None and not dry:
         raise ConfigError(
-            f"--world-size {world}: give a number of ranks, with --dry-run (it simulates that "
-            "many ranks in one process), e.g. --dry-run --world-size 32."
+            f"--world-size {world} applies only with --dry-run (it simulates that many ranks in "
+            "one process); launch real ranks with torchrun --nproc-per-node N."
         )
+    if world is not None and not world.isdigit():
+        raise ConfigError(f"--world-size {world}: give a number of ranks, e.g. --world-size 32.")
     name, job = resolve_job(argv)
     if type(job) is not JobConfig:  # an RL recipe (RLJobConfig) carries its own loop
         raise ConfigError(
             f"Recipe '{name}' is an RL recipe; run it with `torchloom rl --recipe {name}`."
         )
     if print_config:
+        from torchloom.models import resolve_model_config
+
+        resolve_model_config(job.model)  # --model.overrides are checked as a run checks them
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0
     if dry:

@@ -203,4 +203,6 @@ def test_simulated_pipeline_reports_every_stage(capsys):
 def test_world_size_needs_the_dry_run(capsys):
     assert main(["train", "--recipe", "debug", "--world-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --world-size 2:") and "--dry-run" in err, err
+    assert err.startswith("error: --world-size 2 applies only with --dry-run"), err
+    assert main(["train", "--recipe", "debug", "--dry-run", "--world-size", "two"]) == 2
+    assert "give a number of ranks" in capsys.readouterr().err
