@@ -121,7 +121,7 @@ ERRORS = {
     "typo": (["--from_hf", "{tmp}/hf", "--to", "{tmp}/o"], "Unexpected argument '--from_hf'.*'--from-hf'"),
     "size": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--max-shard-size", "big"], "2GB or 500MB"),
     "tokenizer": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--tokenizer", "{tmp}"], "--tokenizer goes with --to-hf"),
-    "not ours": (["--from", "{tmp}/hf", "--to-hf", "{tmp}/o"], "was not written by torchloom.*--from-hf"),
+    "not ours": (["--from", "{tmp}/hf", "--to-hf", "{tmp}/o"], "hf is a Hugging Face model folder .*; pass it with --from-hf"),
     "value": (["--from-hf"], "--from-hf needs a value"),
 }  # fmt: skip
 

@@ -1,7 +1,8 @@
 """`torchloom convert` never deletes or changes its input: an output folder that is, holds or lies
 inside the source (or the tokenizer folder), symlinks resolved, or whose staging folder is the
 source, is refused with one line and exit 2 before anything is written; so is an output that
-cannot be created. Every file under the test folder is byte-compared before and after."""
+cannot be created, and a tokenizer with more tokens than the model's vocabulary. Every file
+under the test folder is byte-compared before and after."""
 
 from __future__ import annotations
 
@@ -129,6 +130,30 @@ def test_a_sibling_output_still_converts(tmp_path, hf_source, capsys) -> None:
     assert main(["convert", "--from", str(beside), "--to-hf", str(other)]) == 0
     capsys.readouterr()
     assert files_of(hf_source) == before
+
+
+def write_tokenizer_of(folder: Path, num_tokens: int) -> Path:
+    """A word-level tokenizer.json of ``num_tokens`` ids (the last one </s>) in ``folder``."""
+    import tokenizers
+
+    vocab = {f"w{i}": i for i in range(num_tokens - 1)} | {"</s>": num_tokens - 1}
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_tokenizer_bigger_than_the_vocabulary_is_refused(
+    tmp_path, hf_source, model_source, capsys
+) -> None:
+    """Its ids past the embedding would break the export in transformers: refused up front."""
+    tokenizer = write_tokenizer_of(tmp_path / "work" / "tok", 600)
+    refused(capsys, tmp_path, re.escape(f"The tokenizer in {tokenizer} has 600 tokens but the "
+            "model's vocabulary holds only 64; pass the model's own --tokenizer."),
+            "--from", model_source, "--to-hf", tmp_path / "out", "--tokenizer", tokenizer)  # fmt: skip
+    write_tokenizer_of(hf_source, 600)
+    refused(capsys, tmp_path, "has 600 tokens but the model's vocabulary holds only 512; replace "
+            "the folder's tokenizer files", "--from-hf", hf_source, "--to", tmp_path / "out")  # fmt: skip
 
 
 @pytest.mark.parametrize("size", ["0", "0.5"])

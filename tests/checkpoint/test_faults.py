@@ -1,7 +1,9 @@
 """Resume faults end with one line and a non-zero exit, and leave the user's files as they were:
 validation on resume, a finished run without checkpoints, a damaged marker, another model or
 data settings, a missing step, too few steps, a torn metrics line, a renamed step folder, a
-full disk or a per-file size limit during a save, and another run's checkpoint folder."""
+full disk or a per-file size limit during a save, another run's checkpoint folder, a restarted
+step count, a checkpoint folder that is a file; and `generate` or `convert` given a step that is
+incomplete or damaged, or a run's output folder."""
 
 import errno
 import json
@@ -117,6 +119,19 @@ def test_plot_skips_a_torn_metrics_line(run, capsys):
     assert f"warning: skipping line 9 of {run / 'metrics.jsonl'}" in err and err.count("\n") == 1
 
 
+def test_plot_draws_the_curves_there_are_and_skips_non_numbers(tmp_path, capsys):
+    """Records without tps (a hand-written or older file) and a loss that is a string or null:
+    the numeric curves are drawn; with none, one line."""
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": "abc"}, {"step": 3, "loss": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": "abc"}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "holds no numeric loss, val_loss or tps to plot" in err and "--metric NAME" in err
+
+
 def test_resume_into_a_finished_run_without_checkpoints_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--training.steps", "1", "--checkpoint.save_final_model", "true") == 0
@@ -129,6 +144,18 @@ def test_resume_into_a_finished_run_without_checkpoints_is_refused(tmp_path, cap
     assert snapshot(out) == before
     # A new folder has nothing to lose: resume starts afresh there, as documented.
     assert train(tmp_path / "new", "--training.steps", "1", *RESUME) == 0
+
+
+def test_resume_without_train_state_into_the_same_folder_is_refused(run, capsys):
+    """Excluding train_state restarts the step count: refused before metrics.jsonl or a
+    checkpoint is touched, not at the first save of a step that exists."""
+    before = snapshot(run)
+    exclude = ["--checkpoint.exclude_from_loading", '["train_state"]']
+    assert train(run, "--training.steps", "4", "--checkpoint.interval", "2", *RESUME, *exclude) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "train_state restarts the step count at 1" in err and "up to step 4" in err
+    assert "new --output.dir" in err
+    assert snapshot(run) == before
 
 
 def test_garbage_marker_is_damage_not_an_interrupted_save(run, capsys):
@@ -169,6 +196,51 @@ def test_step_folder_under_another_name_converts(saved, tmp_path):
     assert source.family == "llama3" and len(list(source.tensors)) > 0
     assert main(["convert", "--from", str(copy), "--to-hf", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf/config.json").is_file()
+
+
+def test_generate_and_convert_name_a_step_they_cannot_read(run, tmp_path, capsys):
+    """An interrupted save, a damaged file and a run's output folder, given to `generate
+    --checkpoint` or `convert --from`: one line naming what it is and a folder to pass instead
+    (with the command's own flag, not train's), and nothing written."""
+    step_2, step_4 = run / "checkpoints/step-2", run / "checkpoints/step-4"
+    generate = ["generate", "--prompt", "hi", "--device", "cpu", "--checkpoint"]
+    out = tmp_path / "hf"
+
+    def refused(code: int, args: list[str], expected: str) -> None:
+        before = snapshot(run)
+        assert main(args) == code
+        err = one_line(capsys.readouterr().err)
+        assert expected in err and "--checkpoint.fallback" not in err, err
+        assert snapshot(run) == before and not out.exists()
+
+    (step_4 / "__0_1.distcp").unlink()
+    damaged = f"Checkpoint file {step_4}/__0_1.distcp is missing; use an older step folder, e.g."
+    refused(1, [*generate, str(step_4)], f"{damaged} --checkpoint {step_2}.")
+    refused(
+        1, ["convert", "--from", str(step_4), "--to-hf", str(out)], f"{damaged} --from {step_2}."
+    )
+    altered = step_2 / "__0_0.distcp"
+    altered.write_bytes(bytes(altered.stat().st_size))  # same size: only reading finds out
+    refused(1, [*generate, str(step_2)], f"from the checkpoint {step_2} failed (")
+    (step_4 / MARKER).unlink()
+    refused(1, ["convert", "--from", str(step_4), "--to-hf", str(out)],
+            f"{step_4} is an incomplete checkpoint (no {MARKER}: an interrupted save); use an "
+            f"older step folder, e.g. --from {step_2}.")  # fmt: skip
+    refused(
+        2,
+        [*generate, str(run)],
+        f"{run} is a training run's output folder; pass a checkpoint step (--checkpoint {step_2}).",
+    )  # fmt: skip (no model/: not saved)
+
+
+def test_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "afile").write_text("mine")
+    flags = ["--training.steps", "2", "--checkpoint.interval", "1"]
+    assert train(tmp_path / "run", *flags, "--checkpoint.folder", str(tmp_path / "afile")) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"--checkpoint.folder {tmp_path / 'afile'} is a file, not a folder" in err
+    assert (tmp_path / "afile").read_text() == "mine"
+    assert not (tmp_path / "run/metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

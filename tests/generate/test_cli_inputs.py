@@ -293,3 +293,34 @@ def test_chat_needs_a_chat_template(models, capsys) -> None:
     code, _, err = generate(capsys, "--checkpoint", models["bare"], "--chat", "--prompt", "Hi")
     assert code == 2
     assert_one_error(err, "--chat needs the model's tokenizer, and the model folder has no")
+
+
+def test_a_folder_of_the_other_kind_names_the_flag_that_reads_it(
+    models, tmp_path, hf_checkpoint, capsys
+) -> None:
+    """A torchloom model folder given to --from-hf (generate, convert, train's
+    --checkpoint.initial_load_hf) and a Hugging Face folder given to --checkpoint: one line
+    saying which flag reads it; a config.json without model_type says so."""
+    ours = models["plain"]
+    says = f"{ours} is a torchloom model folder, not a Hugging Face one: generate reads it with "
+    code, _, err = generate(capsys, "--from-hf", ours, "--prompt", "hi", "--device", "cpu")
+    assert code == 2
+    assert_one_error(err, re.escape(f"{says}--checkpoint {ours}, and `torchloom convert --from"))
+    assert main(["convert", "--from-hf", str(ours), "--to", str(tmp_path / "out")]) == 2
+    assert_one_error(capsys.readouterr().err, re.escape(says))
+    train = ["train", "--recipe", "debug", "--checkpoint.initial_load_hf", str(ours),
+             "--output.dir", str(tmp_path / "run")]  # fmt: skip
+    assert main(train) == 2
+    assert_one_error(capsys.readouterr().err, re.escape(says))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run/config.json").exists()
+    hf, _ = hf_checkpoint("llama")
+    code, _, err = generate(capsys, "--checkpoint", hf, "--prompt", "hi", "--device", "cpu")
+    assert code == 2
+    assert_one_error(err, re.escape(f"{hf} is a Hugging Face model folder (model_type 'llama'); "
+                                    f"pass it with --from-hf {hf}."))  # fmt: skip
+    config = json.loads((hf / "config.json").read_text())
+    del config["model_type"]
+    (hf / "config.json").write_text(json.dumps(config))
+    code, _, err = generate(capsys, "--from-hf", hf, "--prompt", "hi", "--device", "cpu")
+    assert code == 2
+    assert_one_error(err, re.escape(f"{hf / 'config.json'} has no model_type"))

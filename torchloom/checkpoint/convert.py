@@ -7,6 +7,7 @@ input file's touched pages plus one output shard.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchloom.checkpoint.hf import HFReader, hf_architecture, save_hf
-from torchloom.checkpoint.model_io import parameter_shapes, read_model_folder, write_model_folder
+from torchloom.checkpoint.model_io import (
+    MODEL_FORMAT,
+    parameter_shapes,
+    read_model_folder,
+    write_model_folder,
+)
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsFolder,
@@ -25,8 +32,14 @@ from torchloom.checkpoint.safetensors_io import (
     parse_dtype,
     stream,
 )
-from torchloom.checkpoint.storage import MARKER, CheckpointError, CheckpointStorage
-from torchloom.checkpoint.tokenizer_files import SIDE_FILES
+from torchloom.checkpoint.storage import (
+    DCP_METADATA,
+    MARKER,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStorage,
+)
+from torchloom.checkpoint.tokenizer_files import SIDE_FILES, check_tokenizer_fits
 from torchloom.config.errors import ConfigError
 from torchloom.config.paths import check_can_create
 from torchloom.models import DecoderConfig
@@ -53,14 +66,16 @@ class ModelSource:
         return stream(self.reader, parameter_shapes(self.family, self.config), self.name)
 
 
-def open_model_source(path: Path) -> ModelSource:
+def open_model_source(path: Path, option: str = "--from") -> ModelSource:
     """The one place that reads a model to export: a torchloom model folder, or one step of a
-    training checkpoint (``<output_dir>/checkpoints/step-N``)."""
+    training checkpoint (``<output_dir>/checkpoints/step-N``). ``option``: the command's flag
+    that named ``path``, for the errors' hints."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"Model folder {path} does not exist.")
     if (path / MARKER).is_file():
-        return _checkpoint_source(path)
+        return _checkpoint_source(path, option)
+    _check_not_another_folder(path, option)
     family, config = read_model_folder(path)
     tokenizer = path if _has_tokenizer(path) else None
     return ModelSource(family, config, SafetensorsFolder(path), tokenizer, str(path))
@@ -69,8 +84,8 @@ def open_model_source(path: Path) -> ModelSource:
 class _CheckpointReader:
     """The model part of a complete training checkpoint (DCP), one tensor at a time."""
 
-    def __init__(self, step_dir: Path) -> None:
-        self.step_dir = step_dir
+    def __init__(self, step_dir: Path, damaged_hint: str) -> None:
+        self.step_dir, self.damaged_hint = step_dir, damaged_hint
         metadata = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
         self.saved = {key.removeprefix("model."): value for key, value in metadata.items()
                       if key.startswith("model.")}  # fmt: skip
@@ -84,15 +99,92 @@ class _CheckpointReader:
     def read(self, name: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         meta = self.saved[name]
         tensor = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(str(self.step_dir)))
+        try:
+            dcp.load({"model": {name: tensor}}, storage_reader=FileSystemReader(str(self.step_dir)))
+        except (CheckpointException, RuntimeError, OSError) as err:  # a file altered in place
+            raise CheckpointError(
+                f"Reading {name} from the checkpoint {self.step_dir} failed ({_root_line(err)}): "
+                f"its files are damaged; {self.damaged_hint}."
+            ) from None
         return tensor if not box else tensor[box]
 
 
-def _checkpoint_source(step_dir: Path) -> ModelSource:
+def _root_line(err: BaseException) -> str:
+    """The first sentence of the first rank's error inside DCP's CheckpointException."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    lines = str(err).strip().splitlines()
+    return lines[0].split(". ")[0].rstrip(".") if lines else type(err).__name__
+
+
+def _check_not_another_folder(path: Path, option: str) -> None:
+    """Refuse, saying what it is and what to pass instead, a folder without a torchloom model's
+    config.json that is a checkpoint step cut short, a training run's output folder, or a
+    Hugging Face model folder."""
+    try:
+        meta = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and meta.get("format") == MODEL_FORMAT:
+        return
+    if meta is None and _looks_like_a_step(path):
+        raise CheckpointError(
+            f"{path} is an incomplete checkpoint (no {MARKER}: an interrupted save); "
+            f"{_older_step_hint(path, option, _step_of(path))}."
+        )
+    if (path / "checkpoints").is_dir() or (path / "model" / "config.json").is_file():
+        steps = CheckpointStorage.for_path(path / "checkpoints").complete_steps()
+        step = path / "checkpoints" / (f"step-{steps[-1]}" if steps else "step-N")
+        model = path / "model"
+        final = f"its final model ({option} {model}) or " if model.is_dir() else ""
+        raise ConfigError(
+            f"{path} is a training run's output folder; pass {final}a checkpoint step "
+            f"({option} {step})."
+        )
+    if isinstance(meta, dict) and "model_type" in meta:
+        raise ConfigError(
+            f"{path} is a Hugging Face model folder (model_type {meta['model_type']!r}); pass it "
+            f"with --from-hf {path}."
+        )
+
+
+def _step_of(path: Path) -> int | None:
+    """N of a folder named step-N."""
+    name = path.name
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+def _looks_like_a_step(path: Path) -> bool:
+    """A step folder by its name or by DCP's files."""
+    return (
+        _step_of(path) is not None or any(path.glob("*.distcp")) or (path / DCP_METADATA).exists()
+    )
+
+
+def _older_step_hint(step_dir: Path, option: str, step: int | None) -> str:
+    """What to pass instead of a step folder that cannot be read: the newest complete step
+    beside it, older than ``step`` if one is."""
+    steps = CheckpointStorage.for_path(step_dir.parent).complete_steps()
+    others = [s for s in steps if s != step and step_dir.name != f"step-{s}"]
+    older = [s for s in others if step is not None and s < step]
+    if not others:
+        return (
+            "no other complete step is beside it, so use the run's model folder "
+            "(<output_dir>/model)"
+        )
+    suggested = step_dir.parent / f"step-{(older or others)[-1]}"
+    return f"use {'an older' if older else 'another'} step folder, e.g. {option} {suggested}"
+
+
+def _checkpoint_source(step_dir: Path, option: str) -> ModelSource:
     """The model part of a complete training checkpoint, read one tensor at a time."""
     # The step comes from the marker, so a step folder copied under another name works too.
     storage, step = CheckpointStorage.for_step_folder(step_dir)
-    storage.verify(step)
+    hint = _older_step_hint(step_dir, option, step)
+    try:
+        storage.verify(step)
+    except CheckpointCorruptError as err:  # its hint names train's flags
+        raise CheckpointError(f"Checkpoint file {err.path} {err.reason}; {hint}.") from None
     extra = storage.read_marker(step)["extra"]
     if "family" not in extra or "model_config" not in extra:
         raise CheckpointError(
@@ -102,7 +194,9 @@ def _checkpoint_source(step_dir: Path) -> ModelSource:
     family, config = extra["family"], config_from_dict(extra["family"], extra["model_config"])
     tokenizer = step_dir.parent.parent / "model"  # the run's final model folder, if written
     tokenizer_dir = tokenizer if _has_tokenizer(tokenizer) else None
-    return ModelSource(family, config, _CheckpointReader(step_dir), tokenizer_dir, str(step_dir))
+    return ModelSource(
+        family, config, _CheckpointReader(step_dir, hint), tokenizer_dir, str(step_dir)
+    )
 
 
 def convert_from_hf(
@@ -116,10 +210,13 @@ def convert_from_hf(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_output_folder({"source folder": hf_dir}, out_dir, overwrite)
     spec, config = hf_architecture(hf_dir)
+    tokenizer = hf_dir if _has_tokenizer(hf_dir) else None
+    check_tokenizer_fits(
+        tokenizer, config.vocab_size, "replace the folder's tokenizer files with the model's own"
+    )
     shapes = parameter_shapes(spec.name, config)
     reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config)
     tensors = stream(reader, shapes, str(hf_dir), spec.hf_adapter.to_hf_name)
-    tokenizer = hf_dir if _has_tokenizer(hf_dir) else None
     return write_model_folder(
         out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, parse_dtype(dtype)
     )
@@ -140,6 +237,7 @@ def convert_to_hf(
     tokenizer = tokenizer_dir if tokenizer_dir is not None else source.tokenizer_dir
     inputs = {"source folder": model_dir, "tokenizer folder": tokenizer}
     check_output_folder(inputs, hf_dir, overwrite)
+    check_tokenizer_fits(tokenizer, source.config.vocab_size, "pass the model's own --tokenizer")
     return save_hf(
         hf_dir, source.family, source.config, source.tensors, tokenizer, dtype, max_shard_bytes
     )

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from torchloom.checkpoint.model_io import MODEL_FORMAT
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     NamedTensors,
@@ -54,6 +55,17 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{config_file} is not valid JSON ({err}).") from None
     if not isinstance(hf_config, dict):
         raise ConfigError(f"{config_file} does not hold a JSON object.")
+    if hf_config.get("format") == MODEL_FORMAT:
+        raise ConfigError(
+            f"{hf_dir} is a torchloom model folder, not a Hugging Face one: generate reads it "
+            f"with --checkpoint {hf_dir}, and `torchloom convert --from {hf_dir} --to-hf OUT` "
+            "makes a Hugging Face folder of it."
+        )
+    if "model_type" not in hf_config:
+        raise ConfigError(
+            f"{config_file} has no model_type, which names the architecture; add the one its "
+            'weights are (e.g. "model_type": "llama").'
+        )
     return hf_config
 
 

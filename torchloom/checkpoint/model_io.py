@@ -32,7 +32,8 @@ from torchloom.models import DecoderConfig, build_model
 from torchloom.models.registry import config_from_dict
 
 _CONFIG = "config.json"
-_FORMAT = "torchloom-model"
+MODEL_FORMAT = "torchloom-model"
+"""The ``format`` of a torchloom model folder's config.json."""
 
 
 def save_model(
@@ -63,7 +64,7 @@ def write_model_folder(
     """
     with staged_folder(path) as tmp:
         summary = write_tensors(tmp, named_tensors, max_shard_bytes, dtype)
-        meta = {"format": _FORMAT, "version": 1, "family": family, "config": to_dict(config)}
+        meta = {"format": MODEL_FORMAT, "version": 1, "family": family, "config": to_dict(config)}
         (tmp / _CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
         write_tokenizer(tmp, tokenizer)
     return summary
@@ -82,7 +83,7 @@ def read_model_folder(path: Path) -> tuple[str, DecoderConfig]:
         meta = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{config_file} is not valid JSON ({err}).") from None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
         raise ConfigError(
             f"{config_file} was not written by torchloom's save_model (a Hugging Face folder? "
             "use torchloom.from_hf or `torchloom convert --from-hf`)."

@@ -51,3 +51,21 @@ def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | Non
     except ConfigError:  # no recognizable special tokens: the ids are then just not recorded
         return None, None
     return loaded.bos_id, loaded.eos_id
+
+
+def check_tokenizer_fits(folder: Path | None, vocab_size: int, fix: str) -> None:
+    """Refuse the tokenizer in ``folder`` (if it has a tokenizer.json) when its ids reach past
+    the model's ``vocab_size`` embedding rows; ``fix`` says what to do instead."""
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+        return
+    from torchloom.data.tokenizer import Tokenizer
+
+    try:
+        tokens = Tokenizer.from_file(folder).vocab_size
+    except ConfigError:  # not loadable as a training tokenizer: copied as it is, unchecked
+        return
+    if tokens > vocab_size:
+        raise ConfigError(
+            f"The tokenizer in {folder} has {tokens} tokens but the model's vocabulary holds "
+            f"only {vocab_size}; {fix}."
+        )

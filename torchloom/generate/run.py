@@ -49,7 +49,7 @@ def load_model_and_tokenizer(
         spec, config = hf_architecture(Path(from_hf))
         family, folder, source = spec.name, Path(from_hf), None
     else:
-        source = open_model_source(Path(checkpoint))
+        source = open_model_source(Path(checkpoint), "--checkpoint")
         family, config, folder = source.family, source.config, source.tokenizer_dir
     if batch_invariant:
         config = batch_invariant_config(config)

@@ -15,28 +15,45 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return read_records(path)
 
 
+def _numeric(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _curve(records: list[dict], name: str) -> tuple[list[int], list[float]]:
+    """The steps and values of the records whose ``name`` is a number (a string or a null is
+    skipped)."""
+    rows = [r for r in records if _numeric(r.get(name))]
+    return [r["step"] for r in rows], [r[name] for r in rows]
+
+
 def plot_metrics(output_dir: Path) -> Path:
-    """Draw loss (train and validation) and tokens/s against step into <output_dir>/metrics.png."""
+    """Draw loss (train and validation) and tokens/s against step into <output_dir>/metrics.png;
+    a curve the records lack is left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(output_dir)
-    train = [r for r in records if "loss" in r and r["loss"] is not None]
-    val = [r for r in records if r.get("val_loss") is not None]
-    if not train:
-        raise ConfigError(f"{output_dir / 'metrics.jsonl'} holds no training steps yet.")
-    fig, (ax_loss, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    if val:
-        ax_loss.plot(
-            [r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation"
+    train, val, tps = (_curve(records, name) for name in ("loss", "val_loss", "tps"))
+    panels = (["loss"] if train[0] or val[0] else []) + (["tps"] if tps[0] else [])
+    if not panels:
+        raise ConfigError(
+            f"{output_dir / 'metrics.jsonl'} holds no numeric loss, val_loss or tps to plot; "
+            "train a step first, or plot another metric with --metric NAME."
         )
-    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
-    ax_loss.legend()
-    ax_tps.plot([r["step"] for r in train], [r["tps"] for r in train])
-    ax_tps.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "loss":
+            if train[0]:
+                ax.plot(*train, label="train")
+            if val[0]:
+                ax.plot(*val, "o-", label="validation")
+            ax.set(xlabel="step", ylabel="loss", title="loss")
+            ax.legend()
+        else:
+            ax.plot(*tps)
+            ax.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
     fig.suptitle(str(output_dir))
     fig.tight_layout()
     png = output_dir / "metrics.png"
@@ -55,17 +72,16 @@ def plot_named(output_dir: Path, names: list[str]) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(output_dir)
-    missing = [n for n in names if not any(r.get(n) is not None for r in records)]
+    missing = [n for n in names if not _curve(records, n)[0]]
     if missing:
-        known = sorted({k for r in records for k, v in r.items() if isinstance(v, int | float)})
+        known = sorted({k for r in records for k, v in r.items() if _numeric(v)} - {"step"})
         raise ConfigError(
             f"{output_dir / 'metrics.jsonl'} has no metric {', '.join(missing)}; it has "
             f"{', '.join(known)}."
         )
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
-        rows = [r for r in records if r.get(name) is not None]
-        ax.plot([r["step"] for r in rows], [r[name] for r in rows], "o-")
+        ax.plot(*_curve(records, name), "o-")
         ax.set(xlabel="step", ylabel=name, title=name)
         ax.grid(alpha=0.3)
     fig.suptitle(str(output_dir))

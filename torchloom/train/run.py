@@ -19,7 +19,9 @@ import torch
 from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.manager import CheckpointManager, on_rank0
 from torchloom.checkpoint.model_io import write_model_folder
+from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
+from torchloom.config.paths import check_can_create
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
@@ -51,7 +53,7 @@ class RunScaffold:
                 f"Nothing to train: the checkpoint to resume ({ckpt.storage.step_dir(step)}) is "
                 f"already at --training.steps {step}; raise --training.steps to train further."
             )
-        replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step is not None))
+        replaced = on_rank0(self.is_rank0, lambda: self._check_folders(step, continues))
         if self.is_rank0:
             remove_outputs(self.output_dir, replaced)
         if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
@@ -65,10 +67,16 @@ class RunScaffold:
             (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
         return step or 0
 
-    def _check_folders(self, resuming: bool) -> list[str]:
-        """Rank 0: refuse an output or checkpoint folder this run may not write into; returns
-        the earlier run's outputs that --output.overwrite replaces."""
+    def _check_folders(self, step: int | None, continues: bool) -> list[str]:
+        """Rank 0: refuse an output or checkpoint folder this run may not write into (``step``:
+        the checkpoint to load, if any; ``continues``: its step count too); returns the earlier
+        run's outputs that --output.overwrite replaces."""
         job, storage = self.job, self.checkpointer.storage
+        if job.checkpoint.interval or job.checkpoint.resume:
+            _check_checkpoint_folder(storage.root_url)
+        resuming = step is not None
+        if resuming and not continues:
+            self._check_restart()
         replaced = check_output_dir(
             self.output_dir, job.output.overwrite, resuming, job.checkpoint.resume, storage.root_url
         )
@@ -77,6 +85,18 @@ class RunScaffold:
         if job.checkpoint.interval and not job.checkpoint.resume and not own:
             self.checkpointer.check_unused()
         return replaced
+
+    def _check_restart(self) -> None:
+        """Rank 0: a checkpoint loaded without its train_state restarts the step count; refuse
+        it where the steps counted again would collide with that run's checkpoints or metrics."""
+        storage = self.checkpointer.storage
+        if self.job.checkpoint.interval or (self.output_dir / "metrics.jsonl").exists():
+            raise ConfigError(
+                "--checkpoint.exclude_from_loading train_state restarts the step count at 1, "
+                f"while {storage.root_url} holds checkpoints up to step "
+                f"{max(storage.marked_steps())}; use a new --output.dir (or --checkpoint.folder) "
+                "for a run that counts from 1."
+            )
 
     def resumed_line(self, step: int) -> str | None:
         """What to print after a resume (None when the run started fresh)."""
@@ -119,6 +139,18 @@ class RunScaffold:
         """The final model folder and Hugging Face export (``export_final_model``)."""
         return export_final_model(self.job, self.output_dir, config, tokenizer, self.is_rank0,
                                   metrics.print, state_items)  # fmt: skip
+
+
+def _check_checkpoint_folder(root: str) -> None:
+    """Refuse a local --checkpoint.folder that is a file or cannot be created, before the first
+    save would find out."""
+    if "://" in root:
+        return
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(
+            f"--checkpoint.folder {root} is a file, not a folder; choose another path."
+        )
+    check_can_create(Path(root))
 
 
 def export_final_model(
