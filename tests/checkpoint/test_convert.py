@@ -114,6 +114,7 @@ def test_bf16_export_writes_bf16(tmp_path, capsys) -> None:
 
 ERRORS = {
     "missing source": (["--from-hf", "{tmp}/nope", "--to", "{tmp}/out"], "{tmp}/nope does not exist"),
+    "a file": (["--from-hf", "{tmp}/hf/config.json", "--to", "{tmp}/out"], "config.json is a file, not a folder; pass the folder that holds it \\({tmp}/hf\\)"),
     "no direction": (["--from-hf", "{tmp}/hf"], "convert needs either --from-hf HF_DIR --to OUT_DIR"),
     "mixed": (["--from", "{tmp}/m", "--to-hf", "{tmp}/o", "--to", "{tmp}/x"], "convert needs either"),
     "not empty": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/busy"], "busy is not empty; .*--overwrite"),

@@ -238,6 +238,11 @@ def test_missing_prompts_file(models, tmp_path, capsys) -> None:
                             tmp_path / "nope.jsonl")  # fmt: skip
     assert code == 2
     assert_one_error(err, "nope.jsonl does not exist or is not a file")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompts-file",
+                            tmp_path / "blank.jsonl")  # fmt: skip
+    assert code == 2
+    assert_one_error(err, "blank.jsonl holds no prompts")
 
 
 def test_chat_prompts_are_the_template_rendering(models, tmp_path, capsys, monkeypatch) -> None:

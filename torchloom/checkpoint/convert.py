@@ -41,7 +41,7 @@ from torchloom.checkpoint.storage import (
 )
 from torchloom.checkpoint.tokenizer_files import SIDE_FILES, check_tokenizer_fits
 from torchloom.config.errors import ConfigError
-from torchloom.config.paths import check_can_create
+from torchloom.config.paths import check_can_create, require_folder
 from torchloom.models import DecoderConfig
 from torchloom.models.registry import config_from_dict
 
@@ -71,8 +71,7 @@ def open_model_source(path: Path, option: str = "--from") -> ModelSource:
     training checkpoint (``<output_dir>/checkpoints/step-N``). ``option``: the command's flag
     that named ``path``, for the errors' hints."""
     path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"Model folder {path} does not exist.")
+    require_folder(path, "model folder")
     if (path / MARKER).is_file():
         return _checkpoint_source(path, option)
     _check_not_another_folder(path, option)

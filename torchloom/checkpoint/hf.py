@@ -28,6 +28,7 @@ from torchloom.checkpoint.safetensors_io import (
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.paths import require_folder
 from torchloom.models import (
     DecoderConfig,
     HFAdapter,
@@ -44,8 +45,7 @@ from torchloom.models.hf_adapter import FusedExperts, RowSlice
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     """The parsed config.json of a Hugging Face model folder."""
     hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise ConfigError(f"Hugging Face model folder {hf_dir} does not exist.")
+    require_folder(hf_dir, "Hugging Face model folder")
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model folder: it has no config.json.")

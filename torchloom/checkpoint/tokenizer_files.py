@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.config.errors import ConfigError
+from torchloom.config.paths import require_folder
 
 # Copied verbatim when present: the tokenizer in its HF forms, its chat template, and the
 # generation defaults (eos ids and sampling settings) that belong to the same release.
@@ -35,8 +36,7 @@ def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | Non
         tokenizer.save(folder / "tokenizer.json")
         return tokenizer.bos_id, tokenizer.eos_id
     source = Path(tokenizer)
-    if not source.is_dir():
-        raise ConfigError(f"Tokenizer folder {source} does not exist.")
+    require_folder(source, "tokenizer folder")
     copied = [name for name in SIDE_FILES if (source / name).is_file()]
     if not copied:
         raise ConfigError(f"{source} holds no tokenizer files (such as tokenizer.json).")

@@ -1,4 +1,5 @@
-"""Checks on a path a command will write, made before the command's work rather than after."""
+"""Checks on a path a command will read or write, made before the command's work rather than
+after."""
 
 from __future__ import annotations
 
@@ -22,3 +23,17 @@ def check_can_create(path: Path) -> None:
         raise ConfigError(
             f"Cannot create {path}: the folder {parent} is not writable; choose another path."
         )
+
+
+def require_folder(path: Path, what: str) -> None:
+    """Refuse ``path`` unless it is a folder: ``what`` (e.g. "Hugging Face model folder")
+    names it; a file gets the hint to pass the folder that holds it."""
+    path, what = Path(path), what[:1].upper() + what[1:]
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(
+            f"{what} {path} is a file, not a folder; pass the folder that holds it "
+            f"({path.parent})."
+        )
+    raise ConfigError(f"{what} {path} does not exist.")

@@ -140,6 +140,11 @@ def read_prompts(
         records = iter_jsonl_records(path, _EXAMPLE)
         items += [replace(_parse_prompt(record, where, chat), folder=path.parent)
                   for where, record in records]  # fmt: skip
+    if not items and prompts_file:
+        raise ConfigError(
+            f"--prompts-file {prompts_file} holds no prompts (only blank lines); put one JSON "
+            f"object per line, such as {_EXAMPLE}."
+        )
     if not items:
         raise ConfigError("No prompts: pass --prompt TEXT (repeatable) or --prompts-file F.jsonl.")
     return items
