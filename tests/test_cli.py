@@ -11,6 +11,8 @@ def test_recipes_lists_one_line_each(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("debug ") for line in lines)
     assert any("(default)" in line for line in lines)
+    assert main(["recipes", "--foo"]) == 2
+    assert "torchloom recipes takes no arguments (got --foo)" in capsys.readouterr().err
 
 
 def test_typo_in_a_field_is_refused_with_a_suggestion(capsys):
@@ -59,3 +61,12 @@ def test_plot_help_is_help_not_a_folder(capsys):
     assert main(["plot", "--help"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: torchloom plot OUTPUT_DIR") and captured.err == ""
+
+
+def test_plot_names_an_unknown_option_and_takes_the_metrics_file(tmp_path, capsys):
+    records = [{"step": s, "loss": 3.0 / s, "tps": 100.0} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["plot", str(tmp_path), "--out", "x.png"]) == 2
+    assert "Unknown option --out for plot" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "metrics.jsonl")]) == 0  # its folder is meant
+    assert (tmp_path / "metrics.png").is_file()

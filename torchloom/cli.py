@@ -575,6 +575,14 @@ def _report_generation(records: list[dict[str, Any]], where: list[str], output: 
 
 
 def cmd_recipes(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):
+        print("usage: torchloom recipes (lists the registered recipes, one line each)")
+        return 0
+    if argv:
+        raise ConfigError(
+            f"torchloom recipes takes no arguments (got {' '.join(argv)}); it lists the "
+            "recipes. See one's options with torchloom train --recipe NAME --help."
+        )
     recipes = list_recipes()
     width = max(len(r.name) for r in recipes)
     for recipe in recipes:
@@ -594,8 +602,13 @@ def cmd_plot(argv: list[str]) -> int:
         return 0
     while (name := _pop_option(argv, "--metric")) is not None:
         names.append(name)
-    if len(argv) != 1 or argv[0].startswith("-"):
+    unknown = [a for a in argv if a.startswith("-")]
+    if unknown:
+        raise ConfigError(f"Unknown option {unknown[0]} for plot. {usage}")
+    if len(argv) != 1:
         raise ConfigError(usage)
+    if Path(argv[0]).is_file():  # metrics.jsonl itself: its folder is meant
+        argv[0] = str(Path(argv[0]).parent)
     from torchloom.train.plot import plot_metrics, plot_named
 
     png = plot_named(Path(argv[0]), names) if names else plot_metrics(Path(argv[0]))

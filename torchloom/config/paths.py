@@ -33,7 +33,6 @@ def require_folder(path: Path, what: str) -> None:
         return
     if path.exists():
         raise ConfigError(
-            f"{what} {path} is a file, not a folder; pass the folder that holds it "
-            f"({path.parent})."
+            f"{what} {path} is a file, not a folder; pass the folder that holds it ({path.parent})."
         )
     raise ConfigError(f"{what} {path} does not exist.")
