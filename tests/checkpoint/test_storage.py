@@ -98,10 +98,14 @@ def test_garbage_marker_counts_as_incomplete(storage):
         storage.verify(7)
 
 
-def test_verify_names_a_truncated_file(storage):
+def test_verify_names_a_truncated_file(storage, capsys):
     save(storage, 9)
     storage.verify(9)
-    storage.verify(9, checksums=True)  # no checksums recorded: sizes only
+    assert capsys.readouterr().err == ""
+    storage.verify(9, checksums=True)  # no checksums recorded: sizes only, and a warning
+    assert "was saved without checksums: only its files' sizes are checked" in (
+        capsys.readouterr().err
+    )
     rewrite(storage, 9, DATA_FILE, lambda data: data[: len(data) // 2])
     with pytest.raises(CheckpointCorruptError) as caught:
         storage.verify(9)
@@ -110,7 +114,8 @@ def test_verify_names_a_truncated_file(storage):
     assert caught.value.path == f"{storage.step_dir(9)}/{DATA_FILE}"
 
 
-def test_flipped_byte_is_caught_only_with_checksums(storage):
+def test_flipped_byte_is_caught_by_the_recorded_checksums(storage):
+    """Recorded at save, checked by every load (the loader need not ask for them again)."""
     save(storage, 10, checksums=True)
     marker = storage.read_marker(10)
     print(f"crc32 recorded: {marker['crc32']}")
@@ -121,11 +126,11 @@ def test_flipped_byte_is_caught_only_with_checksums(storage):
         return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
 
     rewrite(storage, 10, DATA_FILE, flip_middle_byte)
-    storage.verify(10)  # same size: passes without checksums
-    with pytest.raises(CheckpointCorruptError, match="crc32") as caught:
-        storage.verify(10, checksums=True)
-    print(caught.value)
-    assert DATA_FILE in str(caught.value)
+    for checksums in (True, False):  # same size: only the crc32 finds it
+        with pytest.raises(CheckpointCorruptError, match="crc32") as caught:
+            storage.verify(10, checksums=checksums)
+        print(caught.value)
+        assert DATA_FILE in str(caught.value)
 
 
 def test_mark_complete_refuses_a_step_missing_a_dcp_file(storage):

@@ -43,8 +43,9 @@ class CheckpointConfig:
     """With resume: if the chosen checkpoint is damaged (a file missing, truncated or, with
     checksums, altered), load the newest older complete one instead of stopping."""
     checksums: bool = False
-    """Record a crc32 of every file in the marker and check it before loading (reads every
-    byte once more on both sides); sizes are always checked."""
+    """Record a crc32 of every file in the marker (reads every byte once more); a checkpoint
+    that has them is checked against them before loading, with or without this flag. Sizes
+    are always checked."""
     writer_threads: int = 4
     """Threads each rank writes its checkpoint files with."""
     save_final_model: bool = True

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchloom.config.errors import warn
+
 # A single process saves and loads without a process group, which is what DCP warns about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
 
@@ -329,8 +331,10 @@ class CheckpointStorage:
     def verify(self, step: int, checksums: bool = False) -> None:
         """Raise CheckpointCorruptError naming the first file that does not match the marker.
 
-        Checks sizes, and that every file DCP's metadata names is there; ``checksums`` also
-        compares crc32s when ``mark_complete`` recorded them (reading every byte).
+        Checks sizes, that every file DCP's metadata names is there, and the crc32s when
+        ``mark_complete`` recorded them (reading every byte): a checkpoint saved with checksums
+        is checked whoever loads it. ``checksums`` (asked for by the loader) warns when the
+        step has none to check.
         """
         url = self.step_dir(step)
         marker = self._marker_or_none(step)
@@ -361,9 +365,11 @@ class CheckpointStorage:
         if unlisted:
             reason = f"is named by {DCP_METADATA} but not by {MARKER}"
             raise CheckpointCorruptError(f"{url}/{unlisted[0]}", reason)
-        if not checksums:
+        if "crc32" not in marker:
+            if checksums:
+                warn(f"{url} was saved without checksums: only its files' sizes are checked.")
             return
-        for name, expected in marker.get("crc32", {}).items():
+        for name, expected in marker["crc32"].items():
             actual = self._crc32(f"{self._fs_dir(step)}/{name}")
             if actual != expected:
                 reason = f"has crc32 {actual:#010x} where {MARKER} recorded {expected:#010x}"
