@@ -206,3 +206,12 @@ def test_world_size_needs_the_dry_run(capsys):
     assert err.startswith("error: --world-size 2 applies only with --dry-run"), err
     assert main(["train", "--recipe", "debug", "--dry-run", "--world-size", "two"]) == 2
     assert "give a number of ranks" in capsys.readouterr().err
+
+
+def test_a_tp_that_splits_heads_is_named_before_the_seq_len(capsys):
+    """tp 3 over 4 heads: the heads are the problem (a seq_len divisible by 3 would not help),
+    so that is the error, not a seq_len suggestion."""
+    argv = ["train", "--recipe", "debug", "--dry-run", "--world-size", "3", "--parallel.tp", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--parallel.tp 3 does not divide the model's num_heads (4)" in err, err

@@ -49,10 +49,12 @@ def parallelize(
         assert cp_mesh is not None
         apply_context_parallel(model, cp_mesh)
     if dims.tp_enabled:
+        # The plan first: it refuses a tp that splits heads, which no seq_len would mend.
+        plan = tp_plan(model, config.tp, config.loss_parallel)
         check_sequence_parallel(seq_len // config.cp, config.tp)
         tp_mesh = dims.mesh("tp")
         assert tp_mesh is not None
-        apply_tensor_parallel(model, tp_mesh, tp_plan(model, config.tp, config.loss_parallel))
+        apply_tensor_parallel(model, tp_mesh, plan)
     if moe_layers(model):
         install_sequence_sums(model, dims)
         if config.ep > 1:
