@@ -383,3 +383,8 @@ def test_weight_casts_config_errors():
         RematConfig(weight_casts="drop").validate()
     with pytest.raises(ConfigError, match="weight_casts recompute .* needs --compile.enabled true"):
         apply_remat(tiny().layers, RematConfig(weight_casts="recompute"), compile_enabled=False)
+    from torchloom.cli import resolve_job
+
+    argv = ["--remat.weight_casts", "recompute", "--compile.enabled", "true"]
+    with pytest.raises(ConfigError, match="is an inductor pass; --compile.backend aot_eager"):
+        resolve_job([*argv, "--compile.backend", "aot_eager"])

@@ -67,6 +67,12 @@ class JobConfig:
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
                 "--parallel.tp, --parallel.cp and --parallel.pp to 1 (data parallelism is fine)."
             )
+        if self.remat.weight_casts == "recompute" and self.compile.backend != "inductor":
+            raise ConfigError(
+                f"--remat.weight_casts recompute is an inductor pass; --compile.backend "
+                f"{self.compile.backend} would ignore it. Use --compile.backend inductor, or "
+                "leave --remat.weight_casts at keep."
+            )
         if self.model.batch_invariant and self.compile.enabled:
             raise ConfigError(
                 "--model.batch_invariant true and --compile.enabled true do not mix: inductor "

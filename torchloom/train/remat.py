@@ -60,7 +60,8 @@ class RematConfig:
     with the bf16 copies of their weights that the forward's matmuls read. keep: the backward
     reuses them, which holds 2 bytes per block parameter from each block's forward until its
     backward. recompute: the backward casts the weights again (one more read of them), and
-    that memory is free for activations; needs --compile.enabled true with inductor."""
+    that memory is free for activations; needs --compile.enabled true with inductor (refused
+    otherwise)."""
 
     def validate(self) -> None:
         if self.mode not in get_args(RematMode):
