@@ -69,8 +69,20 @@ def test_removed_and_nonsense_values_end_in_one_exact_line(capsys) -> None:
         "reply scores 0, a correct one 1); got nan.",
         ("--rl.format_reward", "-0.5"): "--rl.format_reward must be in [0, 1] (an unparsable "
         "reply scores 0, a correct one 1); got -0.5.",
-        ("--rl.is_low", "nan"): "--rl.is_low must be >= 0; got nan.",
-        ("--rl.is_low", "-1"): "--rl.is_low must be >= 0; got -1.0.",
+        ("--rl.is_low", "nan"): "--rl.is_low must be a finite number >= 0; got nan.",
+        ("--rl.is_low", "-1"): "--rl.is_low must be a finite number >= 0; got -1.0.",
+        ("--rl.kl_coef", "inf"): "--rl.kl_coef must be a finite number >= 0; got inf.",
+        ("--rl.overlong_penalty", "inf"): "--rl.overlong_penalty must be a finite number >= 0; "
+        "got inf.",
+        ("--rl.temperature", "inf"): "--rl.temperature must be a finite number > 0 for rollouts "
+        "(greedy rollouts of a group are all alike; an infinite one samples uniform noise); got "
+        "inf.",
+        ("--rl.clip_high", "inf"): "--rl.clip_high must be a finite number >= 0; got inf.",
+        ("--rl.clip_low", "1"): "--rl.clip_low must be in [0, 1); got 1.0.",
+        ("--rl.group_size", "0"): "--rl.group_size must be at least 2: advantages are relative "
+        "within a group; got 0.",
+        ("--rl.group_size", "1"): "--rl.group_size must be at least 2: advantages are relative "
+        "within a group; got 1.",
         ("--rl.is_high", "nan"): "--rl.is_high must be a finite number above --rl.is_low (0.0); "
         "got nan.",
         ("--rl.is_high", "-1"): "--rl.is_high must be a finite number above --rl.is_low (0.0); "

@@ -4,6 +4,7 @@ the ``rl`` section below. ``--training.steps`` counts policy updates."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -122,7 +123,12 @@ class RLConfig:
     folder) when --checkpoint.initial_load_hf does not exist yet; e.g. pre-training, then SFT."""
 
     def validate(self) -> None:
-        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_turns",
+        if self.group_size < 2:
+            raise ConfigError(
+                f"--rl.group_size must be at least 2: advantages are relative within a group; "
+                f"got {self.group_size}."
+            )
+        for name in ("prompts_per_step", "max_new_tokens", "max_turns",
                      "micro_batch_size", "generator_slots", "generator_ranks",
                      "sync_bucket_mb"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -133,18 +139,15 @@ class RLConfig:
                 f"{self.max_offpolicy_steps}."
             )
         low, high = self.clip_range()
-        if not (0 <= low < 1 and 0 <= high < float("inf")):
+        if not 0 <= low < 1:  # nan too
+            raise ConfigError(f"--rl.clip_low must be in [0, 1); got {low}.")
+        if not 0 <= high < math.inf:
+            raise ConfigError(f"--rl.clip_high must be a finite number >= 0; got {high}.")
+        if not 0 < self.temperature < math.inf:
             raise ConfigError(
-                f"--rl.clip_low must be in [0, 1) and --rl.clip_high >= 0; got {low} and {high}."
-            )
-        if not self.temperature > 0:
-            raise ConfigError(
-                f"--rl.temperature must be > 0 for rollouts (greedy rollouts of a group are all "
-                f"alike); got {self.temperature}."
-            )
-        if self.group_size < 2:
-            raise ConfigError(
-                "--rl.group_size must be at least 2: advantages are relative within a group."
+                f"--rl.temperature must be a finite number > 0 for rollouts (greedy rollouts of "
+                f"a group are all alike; an infinite one samples uniform noise); got "
+                f"{self.temperature}."
             )
         for name in ("ppo_epochs", "minibatches"):
             if getattr(self, name) < 1:
@@ -157,8 +160,8 @@ class RLConfig:
         for name in ("kl_coef", "max_refill_rounds", "overlong_buffer", "overlong_penalty",
                      "is_low"):  # fmt: skip
             value = getattr(self, name)
-            if not value >= 0:  # nan too
-                raise ConfigError(f"--rl.{name} must be >= 0; got {value}.")
+            if not 0 <= value < math.inf:  # nan too
+                raise ConfigError(f"--rl.{name} must be a finite number >= 0; got {value}.")
         if not 0 <= self.format_reward <= 1:  # nan too
             raise ConfigError(
                 f"--rl.format_reward must be in [0, 1] (an unparsable reply scores 0, a correct "
