@@ -71,7 +71,7 @@ def open_model_source(path: Path, option: str = "--from") -> ModelSource:
     training checkpoint (``<output_dir>/checkpoints/step-N``). ``option``: the command's flag
     that named ``path``, for the errors' hints."""
     path = Path(path)
-    require_folder(path, "model folder")
+    require_folder(path, "model folder", "config.json")
     if (path / MARKER).is_file():
         return _checkpoint_source(path, option)
     _check_not_another_folder(path, option)

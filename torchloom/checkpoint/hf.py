@@ -45,7 +45,7 @@ from torchloom.models.hf_adapter import FusedExperts, RowSlice
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     """The parsed config.json of a Hugging Face model folder."""
     hf_dir = Path(hf_dir)
-    require_folder(hf_dir, "Hugging Face model folder")
+    require_folder(hf_dir, "Hugging Face model folder", "config.json")
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model folder: it has no config.json.")

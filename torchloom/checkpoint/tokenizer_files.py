@@ -36,7 +36,7 @@ def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | Non
         tokenizer.save(folder / "tokenizer.json")
         return tokenizer.bos_id, tokenizer.eos_id
     source = Path(tokenizer)
-    require_folder(source, "tokenizer folder")
+    require_folder(source, "tokenizer folder", "tokenizer.json")
     copied = [name for name in SIDE_FILES if (source / name).is_file()]
     if not copied:
         raise ConfigError(f"{source} holds no tokenizer files (such as tokenizer.json).")

@@ -25,14 +25,18 @@ def check_can_create(path: Path) -> None:
         )
 
 
-def require_folder(path: Path, what: str) -> None:
+def require_folder(path: Path, what: str, holds: str) -> None:
     """Refuse ``path`` unless it is a folder: ``what`` (e.g. "Hugging Face model folder")
-    names it; a file gets the hint to pass the folder that holds it."""
+    names it, ``holds`` is a file such a folder has (e.g. config.json): given a file inside
+    one, the error names the folder."""
     path, what = Path(path), what[:1].upper() + what[1:]
     if path.is_dir():
         return
-    if path.exists():
-        raise ConfigError(
-            f"{what} {path} is a file, not a folder; pass the folder that holds it ({path.parent})."
-        )
-    raise ConfigError(f"{what} {path} does not exist.")
+    if not path.exists():
+        raise ConfigError(f"{what} {path} does not exist.")
+    hint = (
+        f"pass the folder that holds it ({path.parent})"
+        if (path.parent / holds).is_file()
+        else f"pass a folder holding {holds}"
+    )
+    raise ConfigError(f"{what} {path} is a file, not a folder; {hint}.")
