@@ -95,6 +95,14 @@ def test_removed_and_nonsense_values_end_in_one_exact_line(capsys) -> None:
         assert capsys.readouterr().err == f"error: {message}\n", argv
 
 
+def test_an_unknown_init_recipe_names_its_option(capsys, tmp_path) -> None:
+    code = main(["rl", "--recipe", "rl_debug", "--rl.init_recipes", '["sft_tny"]',
+                 "--output.dir", str(tmp_path / "run")])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --rl.init_recipes: Unknown recipe 'sft_tny'. Did you mean"), err
+
+
 def test_a_missing_start_model_is_named_before_any_recipe_runs(capsys, tmp_path) -> None:
     """rl_debug's init recipes build outputs/sft_tiny/hf, which cannot stand in for another
     path: the error names the user's path (not the recipe's tokenizer) and nothing trains."""

@@ -521,6 +521,11 @@ def prepare_initial_model(job: RLJobConfig) -> dict[str, float]:
     Returns the seconds each recipe that ran took."""
     from torchloom.config.recipes import get_recipe
 
+    for name in job.rl.init_recipes:
+        try:
+            get_recipe(name)
+        except ConfigError as err:
+            raise ConfigError(f"--rl.init_recipes: {err}") from None
     start = job.checkpoint.initial_load_hf
     seconds: dict[str, float] = {}
     if not start or Path(start).exists():
