@@ -302,3 +302,16 @@ def test_another_runs_checkpoint_folder_is_refused_at_start(saved, tmp_path, cap
     assert "--checkpoint.resume true" in err
     assert snapshot(saved / "checkpoints") == before
     assert not (tmp_path / "other/metrics.jsonl").exists()
+
+
+def test_a_damaged_only_step_says_how_to_start_afresh(run, capsys):
+    """No older step to load: the hints of a damaged step (load_step, fallback) cannot help, so
+    the error says how to start again instead; with fallback, the same."""
+    shutil.rmtree(run / "checkpoints/step-2")
+    (run / "checkpoints/step-4/.metadata").unlink()
+    flags = ["--training.steps", "6", "--checkpoint.interval", "2", *RESUME]
+    for extra in ([], ["--checkpoint.fallback", "true"]):
+        assert train(run, *flags, *extra) == 1
+        err = one_line(capsys.readouterr().err)
+        assert "--checkpoint.load_step" not in err
+        assert "afresh with --output.overwrite true and no --checkpoint.resume" in err, err

@@ -256,6 +256,11 @@ class CheckpointManager:
             try:
                 self.storage.verify(step, checksums=self.config.checksums)
             except CheckpointCorruptError as err:
+                if not self.config.fallback and step == steps[0]:  # nothing older to load
+                    raise CheckpointError(
+                        f"Checkpoint file {err.path} {err.reason}, and no older step is there "
+                        f"to fall back to. {self._afresh()}"
+                    ) from None
                 if not self.config.fallback:
                     raise
                 name = err.path.rsplit("/", 1)[-1]
@@ -267,9 +272,17 @@ class CheckpointManager:
             return step
         if steps:
             raise CheckpointError(
-                f"No undamaged checkpoint in {self.storage.root_url} (tried steps {steps})."
+                f"No undamaged checkpoint in {self.storage.root_url} (tried steps {steps}). "
+                f"{self._afresh()}"
             )
         return None
+
+    def _afresh(self) -> str:
+        return (
+            "Start the run afresh with --output.overwrite true and no --checkpoint.resume (it "
+            "removes the run's files and "
+            f"{self.storage.root_url}), or in a new --output.dir."
+        )
 
     def _check_model(self, step: int) -> None:
         """Refuse a checkpoint whose marker records another architecture than this run's."""
