@@ -124,3 +124,20 @@ def test_a_missing_start_model_is_named_before_any_recipe_runs(capsys, tmp_path)
         f"error: --checkpoint.initial_load_hf {missing} does not exist; point it at a Hugging "
         "Face model folder.\n"
     )
+
+
+def test_resume_with_another_task_or_prompt_count_is_refused(tmp_path, capsys) -> None:
+    """The prompts are addressed by (task, seed, step, group): a resume that changes the task,
+    the seed or the prompts per step would train on other prompts than the run it continues.
+    A new group size draws more rollouts of the same prompts and resumes."""
+
+    def rl(steps: int, *extra: str) -> int:
+        return main(["rl", *BASE, "--output.dir", str(tmp_path), "--training.steps", str(steps),
+                     "--checkpoint.interval", "1", "--training.device", "cpu", *extra])  # fmt: skip
+
+    assert rl(1) == 0
+    capsys.readouterr()
+    assert rl(2, "--checkpoint.resume", "true", "--rl.task", "sort") == 1
+    err = capsys.readouterr().err
+    assert "continues another run: --rl.task was" in err and "is 'sort' now" in err, err
+    assert rl(2, "--checkpoint.resume", "true", "--rl.group_size", "2") == 0

@@ -269,6 +269,7 @@ class CheckpointManager:
                 )
                 continue
             self._check_model(step)
+            self._check_settings(step)
             return step
         if steps:
             raise CheckpointError(
@@ -297,6 +298,26 @@ class CheckpointManager:
                 f"{'; '.join(differences)}. Resume with the checkpoint's --model settings, or "
                 f"start a new run from its weights (torchloom convert --from {step_dir} --to-hf "
                 "DIR, then --checkpoint.initial_load_hf DIR)."
+            )
+
+    def _check_settings(self, step: int) -> None:
+        """Refuse a checkpoint whose marker records other values of the settings this run's
+        ``marker_extra["settings"]`` names ({flag: value}, e.g. RL's task), unless the run
+        restarts its step count (train_state excluded). Markers without them pass."""
+        saved = self.storage.read_marker(step).get("extra", {}).get("settings")
+        now = self.marker_extra.get("settings")
+        if not saved or not now or "train_state" in self._excluded:
+            return
+        changed = [
+            f"{flag} was {saved[flag]!r} there and is {value!r} now"
+            for flag, value in now.items()
+            if flag in saved and saved[flag] != value
+        ]
+        if changed:
+            raise CheckpointError(
+                f"The checkpoint {self.storage.step_dir(step)} continues another run: "
+                f"{'; '.join(changed)}. Resume with its settings, or start a new run from its "
+                "weights in a new --output.dir."
             )
 
     # -- save -------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ class RLRunner:
         self.checkpointer = CheckpointManager(
             job.checkpoint, self.output_dir, device=self.device, is_rank0=self.dims.is_rank0,
             parts=state, marker_extra={"family": job.model.name,
-                                       "model_config": to_dict(self.parts.saved_config)},
+                                       "model_config": to_dict(self.parts.saved_config),
+                                       "settings": resume_settings(job)},
         )  # fmt: skip
         # Batch-invariant mode computes in the parameters' dtype, as the generator does.
         autocast = (
@@ -513,6 +514,15 @@ def _summary(steps: int, rewards: list[float]) -> dict[str, float]:
     fifth = max(1, len(rewards) // 5)
     return {"steps": steps, "reward_first": sum(rewards[:fifth]) / fifth,
             "reward_last": sum(rewards[-fifth:]) / fifth}  # fmt: skip
+
+
+def resume_settings(job: RLJobConfig) -> dict[str, Any]:
+    """What a resumed RL run must share with the checkpoint's run: what its prompts are (task,
+    seed) and how steps address them (prompts per step), so that it neither repeats nor skips
+    one. (--rl.group_size may change: it draws more or fewer rollouts of the same prompts.)"""
+    r = job.rl
+    return {"--rl.task": r.task, "--training.seed": job.training.seed,
+            "--rl.prompts_per_step": r.prompts_per_step}  # fmt: skip
 
 
 def prepare_initial_model(job: RLJobConfig) -> dict[str, float]:
