@@ -141,3 +141,18 @@ def test_resume_with_another_task_or_prompt_count_is_refused(tmp_path, capsys) -
     err = capsys.readouterr().err
     assert "continues another run: --rl.task was" in err and "is 'sort' now" in err, err
     assert rl(2, "--checkpoint.resume", "true", "--rl.group_size", "2") == 0
+
+
+def test_turning_on_the_kl_term_at_a_resume_names_the_missing_reference(tmp_path, capsys):
+    """A run saved with --rl.kl_coef 0 has no reference model in its checkpoint: the error
+    says so (not that the reference has another shape) and how to resume without it."""
+    args = ["rl", *BASE, "--output.dir", str(tmp_path), "--checkpoint.interval", "1",
+            "--training.device", "cpu"]  # fmt: skip
+    assert main([*args, "--training.steps", "1"]) == 0
+    capsys.readouterr()
+    resume = [*args, "--training.steps", "2", "--checkpoint.resume", "true"]
+    assert main([*resume, "--rl.kl_coef", "0.1"]) == 1
+    err = capsys.readouterr().err
+    assert "The checkpoint holds no reference state: the run that saved it had none" in err, err
+    assert main([*resume, "--rl.kl_coef", "0.1",
+                 "--checkpoint.exclude_from_loading", '["reference"]']) == 0  # fmt: skip

@@ -183,6 +183,15 @@ class CheckpointManager:
             )
         return step
 
+    def _saved_parts(self, step: int) -> set[str] | None:
+        """The parts (first key components) the checkpoint of ``step`` holds; None if its
+        metadata cannot be read."""
+        try:
+            keys = self.storage.reader(step).read_metadata().state_dict_metadata
+        except Exception:  # the load's own error is the one to report
+            return None
+        return {key.split(".", 1)[0] for key in keys}
+
     def load(self, step: int) -> int:
         """Load ``step`` (every rank); returns the step to continue from."""
         parts = [p for p in self.parts if p not in self._excluded]
@@ -194,7 +203,8 @@ class CheckpointManager:
         except (Exception, CheckpointException) as err:  # one line instead of pages
             raise CheckpointError(
                 f"Loading the checkpoint {self.storage.step_dir(step)} failed: "
-                f"{_one_line(_root_error(err))}{_missing_key_hint(_root_error(err), parts)}"
+                f"{_one_line(_root_error(err))}"
+                f"{_missing_key_hint(_root_error(err), parts, self._saved_parts(step))}"
             ) from err
         self.load_seconds = time.perf_counter() - start
         self.loaded_step = step
@@ -521,19 +531,28 @@ def _file_at_size_limit(folder: str | Path) -> Path | None:
 
 
 _STATE_SHAPED_BY = {"dataloader": " (it changes with --data.streaming and --data.format)"}
+_STATE_KEPT_WHEN = {"reference": " (a run keeps a reference model with --rl.kl_coef > 0)"}
 
 
-def _missing_key_hint(err: BaseException, parts: list[str]) -> str:
-    """For a key of one part that the checkpoint lacks (this run keeps that part's state in
-    another shape than the saved run did): which part, and how to resume anyway."""
+def _missing_key_hint(err: BaseException, parts: list[str], saved: set[str] | None) -> str:
+    """For a key of one part that the checkpoint lacks: which part, whether the checkpoint
+    has none of it (``saved``: its parts, None when unknown) or keeps it in another shape
+    than this run, and how to resume anyway."""
     found = re.search(r"Missing key in checkpoint state_dict: (\w+)\.", str(err))
     if found is None or found.group(1) not in parts:
         return ""
     part = found.group(1)
+    without = f"--checkpoint.exclude_from_loading '[\"{part}\"]'"
+    if saved is not None and part not in saved:
+        return (
+            f". The checkpoint holds no {part} state: the run that saved it had none"
+            f"{_STATE_KEPT_WHEN.get(part, '')}. Resume with its settings, or without that "
+            f"state: {without}."
+        )
     return (
         f". The checkpoint's {part} state has another shape than this run's"
         f"{_STATE_SHAPED_BY.get(part, '')}: resume with the saved run's settings, or without "
-        f"that state: --checkpoint.exclude_from_loading '[\"{part}\"]'."
+        f"that state: {without}."
     )
 
 
