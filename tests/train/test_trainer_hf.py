@@ -41,3 +41,19 @@ def test_train_from_hf_starts_at_its_loss_and_exports_for_transformers(tmp_path,
     hf_config = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
     assert hf_config["eos_token_id"] == trainer.tokenizer.eos_id
     assert (tmp_path / "run" / "hf" / "tokenizer.json").exists()
+
+
+def test_a_seq_len_past_a_loaded_models_context_says_to_lower_it(tmp_path, hf_checkpoint):
+    """The fix offered for a model built here (raise max_seq_len by an override) is refused
+    for a model loaded from Hugging Face; only a lower seq_len is offered then."""
+    import pytest
+
+    from torchloom.config.errors import ConfigError
+
+    path, _ = hf_checkpoint("llama", vocab_size=4100)
+    max_len = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    _, job = resolve_job(["--recipe", "debug", "--checkpoint.initial_load_hf", str(path),
+                          "--training.seq_len", str(2 * max_len),
+                          "--output.dir", str(tmp_path / "run")])  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"lower seq_len \(a model loaded from {path} keeps"):
+        Trainer(job)

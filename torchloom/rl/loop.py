@@ -100,7 +100,7 @@ class RLRunner:
                 f"The tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
                 f"holds {self.model_config.vocab_size}; use the tokenizer the model was trained with."
             )
-        check_seq_len(self.model_config, t.seq_len)
+        check_seq_len(self.model_config, t.seq_len, job.checkpoint.initial_load_hf)
         self.link = None
         if self.trainers:
             if self.dims.world_mesh is not None:

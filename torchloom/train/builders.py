@@ -202,13 +202,18 @@ def autocast_dtype(job: JobConfig, dims: ParallelDims, device: torch.device) -> 
     return torch.bfloat16 if wanted and dims.fsdp_mesh is None else None
 
 
-def check_seq_len(config: DecoderConfig, seq_len: int) -> None:
-    """Sequences must fit the model's context."""
+def check_seq_len(config: DecoderConfig, seq_len: int, loaded_from: str = "") -> None:
+    """Sequences must fit the model's context. ``loaded_from``: the Hugging Face folder the
+    model comes from (its config cannot be overridden), if any."""
     if seq_len > config.max_seq_len:
+        fix = (
+            f"lower seq_len (a model loaded from {loaded_from} keeps its own context)"
+            if loaded_from
+            else f"lower seq_len or set --model.overrides '{{\"max_seq_len\": {seq_len}}}'"
+        )
         raise ConfigError(
             f"--training.seq_len {seq_len} exceeds the model's max_seq_len "
-            f"{config.max_seq_len}; lower seq_len or set "
-            f"--model.overrides '{{\"max_seq_len\": {seq_len}}}'."
+            f"{config.max_seq_len}; {fix}."
         )
 
 

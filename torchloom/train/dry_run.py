@@ -150,7 +150,7 @@ def check_rank(
     t = job.training
     dims = build_parallel_dims(job.parallel, device.type)
     config = build_model_config(job)
-    check_seq_len(config, t.seq_len)
+    check_seq_len(config, t.seq_len, job.checkpoint.initial_load_hf)
     micro = micro_batch_size(job, dims)
     check_batch_layout(t.global_batch_sequences, micro, dims.dp_size, dims.dp_rank, t.seq_len)
     objective = build_objective(job)

@@ -139,7 +139,7 @@ class Trainer:
                 f"--model.overrides '{{\"vocab_size\": {self.tokenizer.vocab_size}}}' or use a "
                 "tokenizer that matches the model."
             )
-        check_seq_len(config, self.job.training.seq_len)
+        check_seq_len(config, self.job.training.seq_len, self.job.checkpoint.initial_load_hf)
         check_media_fits(config, self.tokenizer, self.job.data)
 
     def _local(self, batch: Batch) -> Batch:
