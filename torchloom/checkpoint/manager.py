@@ -278,8 +278,9 @@ class CheckpointManager:
                     f"checkpoint step {step} is damaged ({name} {err.reason}): trying an older one"
                 )
                 continue
-            self._check_model(step)
-            self._check_settings(step)
+            saved = self.storage.read_marker(step).get("extra", {})
+            self._check_model(step, saved)
+            self._check_settings(step, saved)
             return step
         if steps:
             raise CheckpointError(
@@ -295,11 +296,11 @@ class CheckpointManager:
             f"{self.storage.root_url}), or in a new --output.dir."
         )
 
-    def _check_model(self, step: int) -> None:
-        """Refuse a checkpoint whose marker records another architecture than this run's."""
+    def _check_model(self, step: int, saved: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose marker (its ``saved`` extra) records another architecture
+        than this run's."""
         if "model" in self._excluded:
             return
-        saved = self.storage.read_marker(step).get("extra", {})
         differences = model_differences(saved, self.marker_extra)
         if differences:
             step_dir = self.storage.step_dir(step)
@@ -310,12 +311,12 @@ class CheckpointManager:
                 "DIR, then --checkpoint.initial_load_hf DIR)."
             )
 
-    def _check_settings(self, step: int) -> None:
-        """Refuse a checkpoint whose marker records other values of the settings this run's
-        ``marker_extra["settings"]`` names ({flag: value}, e.g. RL's task), unless the run
-        restarts its step count (train_state excluded). Markers without them pass."""
-        saved = self.storage.read_marker(step).get("extra", {}).get("settings")
-        now = self.marker_extra.get("settings")
+    def _check_settings(self, step: int, extra: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose marker (its ``extra``) records other values of the
+        settings this run's ``marker_extra["settings"]`` names ({flag: value}, e.g. RL's task),
+        unless the run restarts its step count (train_state excluded). Markers without them
+        pass."""
+        saved, now = extra.get("settings"), self.marker_extra.get("settings")
         if not saved or not now or "train_state" in self._excluded:
             return
         changed = [

@@ -112,8 +112,8 @@ class TrainLoader:
         """Continue exactly after the step ``state`` was saved at; refuse if the data changed."""
         identity = self._identity()
         if "tokenizer" not in state:  # saved before the loader recorded it
-            identity.pop("tokenizer")
-        if state.get("tokenizer", identity.get("tokenizer")) != identity.get("tokenizer"):
+            del identity["tokenizer"]
+        elif state["tokenizer"] != identity["tokenizer"]:
             raise ConfigError(
                 f"The checkpoint was trained with another tokenizer (fingerprint "
                 f"{state['tokenizer']}, this run's is {identity['tokenizer']}): its ids mean "

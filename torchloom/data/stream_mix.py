@@ -115,7 +115,9 @@ class PackedStream:
         self.streams = streams
         self.row_tokens = row_tokens
         """Tokens one row needs (seq_len + 1): a corpus whose every pass holds fewer is refused."""
-        self._first_pass: list[int | None] = []  # tokens of each stream's first pass, if seen
+        self._first_pass: int | None = None
+        """Tokens of the streams' first passes so far; None when not counting (a stream did
+        not start at its beginning, or the check is done)."""
         self.probabilities = None if weights is None else np.asarray(weights) / sum(weights)
         self.tokenizer = tokenizer
         self.seed = seed
@@ -166,40 +168,36 @@ class PackedStream:
 
     def _read(self, count: int) -> list[np.ndarray]:
         """The next ``count`` documents of the mix as token arrays ending with eos."""
-        picks = [self._source_of(self.documents + i) for i in range(count)]
         docs, passes = [], []
-        for i in picks:
-            docs.append(self.streams[i].next())
-            passes.append(self.streams[i].position[0])
+        for n in range(count):
+            stream = self.streams[self._source_of(self.documents + n)]
+            docs.append(stream.next())
+            passes.append(stream.position[0])  # 0: the document is of a first pass
         self.documents += count
         arrays = token_arrays(docs, self.tokenizer)
-        self._count_first_passes(picks, passes, arrays)
+        self._count_first_passes(passes, arrays)
         return arrays
 
     def _watch_first_passes(self) -> None:
-        """Count the tokens of each stream's first pass, for those standing at their start."""
-        self._first_pass = [0 if s.position == [0, 0, 0, 0] else None for s in self.streams]
+        """Count the first passes' tokens if every stream stands at its very beginning."""
+        at_start = all(s.position == [0, 0, 0, 0] for s in self.streams)
+        self._first_pass = 0 if at_start else None
 
-    def _count_first_passes(
-        self, picks: list[int], passes: list[int], arrays: list[np.ndarray]
-    ) -> None:
+    def _count_first_passes(self, passes: list[int], arrays: list[np.ndarray]) -> None:
         """ConfigError once every stream has gone round and, together, their first passes
         hold fewer tokens than one row: the rows would repeat a few tokens over and over
         (the cached loader refuses such data before it starts)."""
-        for i, done, array in zip(picks, passes, arrays):
-            if done == 0 and self._first_pass[i] is not None:
-                self._first_pass[i] += len(array)
-        if any(count is None for count in self._first_pass):
+        if self._first_pass is None:
             return
+        self._first_pass += sum(len(a) for a, done in zip(arrays, passes) if done == 0)
         if all(stream.position[0] >= 1 for stream in self.streams):
-            total = sum(self._first_pass)
-            if total < self.row_tokens:
+            if self._first_pass < self.row_tokens:
                 raise ConfigError(
-                    f"The data sources hold {total} tokens in all (each document followed by "
-                    f"eos), and one sequence of seq_len={self.row_tokens - 1} needs "
+                    f"The data sources hold {self._first_pass} tokens in all (each document "
+                    f"followed by eos), and one sequence of seq_len={self.row_tokens - 1} needs "
                     f"{self.row_tokens}. Add data or lower seq_len."
                 )
-            self._first_pass = [None] * len(self.streams)  # checked: nothing more to count
+            self._first_pass = None  # checked
 
     def _source_of(self, document: int) -> int:
         if self.probabilities is None:

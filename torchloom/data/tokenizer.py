@@ -92,6 +92,7 @@ class Tokenizer:
         # A second backend that matches added tokens in text; the flag is per backend object.
         self._chat_backend = tokenizers.Tokenizer.from_str(backend.to_str())
         self._chat_backend.encode_special_tokens = False
+        self._fingerprint: str | None = None
         unk = getattr(backend.model, "unk_token", None)
         self._unk_id: int | None = backend.token_to_id(unk) if unk else None
         """The unknown token's id, until the first batch of text has been checked against it."""
@@ -298,9 +299,13 @@ class Tokenizer:
         atomic_write_text(path.parent / "tokenizer_config.json", json.dumps(config, indent=1))
 
     def fingerprint(self) -> str:
-        """Hash of everything that decides a document's ids: the tokenizer json and eos."""
-        content = f"{self.backend.to_str()}\neos={self.eos_id}"
-        return hashlib.sha256(content.encode("utf-8")).hexdigest()
+        """Hash of everything that decides a document's ids: the tokenizer json and eos.
+        Computed once (the backend is complete when the Tokenizer is made, as ``vocab_size``
+        assumes): the token cache's key and the loader's state both ask for it."""
+        if self._fingerprint is None:
+            content = f"{self.backend.to_str()}\neos={self.eos_id}"
+            self._fingerprint = hashlib.sha256(content.encode("utf-8")).hexdigest()
+        return self._fingerprint
 
     def _template_source(self, name: str | None) -> str:
         key = name or DEFAULT_TEMPLATE_NAME
