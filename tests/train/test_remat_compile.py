@@ -323,8 +323,19 @@ def test_recompute_weight_casts_pass_frees_the_bf16_copies():
     assert all(torch.equal(grads_r[n], g) for n, g in grads.items())
 
 
+@pytest.fixture
+def no_compile_cache():
+    """Inductor's and AOTAutograd's caches off: a graph compiled before (an earlier run of
+    these tests, kept on disk) would come back already partitioned, without the pass running,
+    so a broken pass would go unseen. (The configs' own patch: monkeypatch's undo deletes a
+    config module's entry.)"""
+    inductor = torch._inductor.config.patch(fx_graph_cache=False)
+    with inductor, torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 @pytest.mark.slow
-def test_recompute_weight_casts_with_inductor():
+def test_recompute_weight_casts_with_inductor(no_compile_cache):
     """The option through compile_regions with inductor (its CPU code here)."""
     results = []
     for casts in ("keep", "recompute"):
@@ -345,7 +356,9 @@ def test_recompute_weight_casts_with_inductor():
 
 
 @pytest.mark.slow
-def test_trainer_recomputes_weight_casts_with_the_same_losses(tmp_path, monkeypatch):
+def test_trainer_recomputes_weight_casts_with_the_same_losses(
+    tmp_path, monkeypatch, no_compile_cache
+):
     """`torchloom train --remat.weight_casts recompute` (bf16 autocast, compiled blocks, every
     other block recomputed): the pass runs on the compiled blocks' graphs, and the losses are
     keep's, bit for bit."""
@@ -353,10 +366,6 @@ def test_trainer_recomputes_weight_casts_with_the_same_losses(tmp_path, monkeypa
     from torchloom.train.trainer import Trainer
     from torchloom.train.weight_casts import RecomputeInputCasts
 
-    # Caches off: a graph compiled before (this test run earlier, with its warm on-disk cache)
-    # comes back already partitioned, and the pass is then rightly not run again.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     calls = []
     original = RecomputeInputCasts.__call__
     monkeypatch.setattr(RecomputeInputCasts, "__call__",
