@@ -16,7 +16,9 @@
 # Usage: bash benchmarks/gpu_vs_torchtitan.sh [LOG_DIR] [ROW...]   (rows: 1B 8B 8B-fp8 moe, and
 # torchloom alone in other settings, against the TorchTitan figure of its base row in the same
 # call: 8B-castsK (--remat.weight_casts recompute, every K-th block recomputed:
-# benchmarks/block_memory.py estimates each K's activations), 1B-fa4 / 8B-fa4 (FlashAttention 4, after
+# benchmarks/block_memory.py estimates each K's activations), 8B-fp8-everyK (float8 tensorwise,
+# every K-th block recomputed: float8 keeps no weight copies, so the headroom under TorchTitan's
+# float8 memory goes to recomputing fewer blocks), 1B-fa4 / 8B-fa4 (FlashAttention 4, after
 # `bash benchmarks/fa4_wheels.sh install`))
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,9 +51,12 @@ for r in $ROWS; do
     8B-casts[0-9]*)  # every K-th block recomputed, K from the row's name
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
         --timeout 100 --torchloom-args "--remat.weight_casts recompute --remat.every_k ${r#8B-casts}" ;;
+    8B-fp8-every[0-9]*)  # float8, every K-th block recomputed, K from the row's name
+      row "$r" 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --float8 --steps 20 \
+        --timeout 100 --torchloom-args "--remat.every_k ${r#8B-fp8-every}" ;;
     1B-fa4) row 1B-fa4 100 --sides torchloom --flavor 1B --batch 8 --steps 40 --timeout 90 --fa4 ;;
     8B-fa4) row 8B-fa4 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
       --timeout 100 --fa4 ;;
-    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 1B-fa4 8B-fa4)" ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 1B-fa4 8B-fa4)" ;;
   esac
 done

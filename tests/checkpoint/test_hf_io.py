@@ -131,6 +131,16 @@ def test_weights_that_disagree_with_config_json_are_refused(hf_checkpoint) -> No
     with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape "
                                           r"\[160, 64\].*needs \[128, 64\]"):  # fmt: skip
         torchloom.from_hf(path)
+    # A config.json whose vocab_size is not its embedding's: named as the config's fault before
+    # a training run compares the model's vocabulary with its tokenizer's.
+    rows = config["vocab_size"]
+    (path / "config.json").write_text(json.dumps(config | {"vocab_size": rows - 8}))
+    wrong = (f"config.json gives vocab_size {rows - 8}, but the embedding "
+             f"'model.embed_tokens.weight' in its weights has {rows} rows.*set its vocab_size to {rows}")  # fmt: skip
+    with pytest.raises(ConfigError, match=wrong):
+        torchloom.from_hf(path)
+    with pytest.raises(ConfigError, match=wrong):
+        model_config_from_hf(path, ModelConfig(name="llama3"))
     (path / "config.json").write_text(json.dumps(config | {"model_type": "mistral"}))
     with pytest.raises(ConfigError, match="config.json: Hugging Face model_type 'mistral'"):
         torchloom.from_hf(path)

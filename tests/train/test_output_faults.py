@@ -47,6 +47,13 @@ def test_output_folder_that_is_a_file_or_cannot_be_created(tmp_path, capsys):
     assert file.read_text() == "the user's notes\n"
 
 
+def test_a_run_refused_before_training_leaves_no_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "run"
+    assert train(out, "--training.steps", "1", "--data.sources", '["missing.txt"]') == 2
+    assert "Data source 'missing.txt' does not exist" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_output_folder_that_is_not_writable(tmp_path, capsys):
     folder = tmp_path / "locked"

@@ -75,9 +75,33 @@ def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
     try:
         spec = get_hf_model_spec(hf_config.get("model_type"))
         config = spec.hf_adapter.config_from_hf(hf_config)
-        return spec, spec.hf_adapter.config_for_tensors(config, lambda: weight_map(hf_dir))
+        config = spec.hf_adapter.config_for_tensors(config, lambda: weight_map(hf_dir))
     except ConfigError as err:
         raise ConfigError(f"{Path(hf_dir) / 'config.json'}: {err}") from None
+    _check_vocab_rows(Path(hf_dir), spec, config)
+    return spec, config
+
+
+def _check_vocab_rows(hf_dir: Path, spec: ModelSpec, config: DecoderConfig) -> None:
+    """ConfigError when config.json's vocab_size is not the embedding's row count: checked from
+    the file headers before anything else compares vocabularies, so a wrong config.json is
+    named as such (not as a tokenizer that does not fit the model). A folder without weights,
+    or without the embedding under its usual name, is left to the load's own checks."""
+    try:
+        folder = SafetensorsFolder(hf_dir)
+    except ConfigError:
+        return
+    adapter = spec.hf_adapter
+    name = adapter.held_name(adapter.to_hf_name("embed_tokens.weight"), set(folder.names()))
+    if name not in folder.files:
+        return
+    rows = folder.shape(name)[0]
+    if rows != config.vocab_size:
+        raise ConfigError(
+            f"{hf_dir / 'config.json'} gives vocab_size {config.vocab_size}, but the embedding "
+            f"'{name}' in its weights has {rows} rows; config.json does not describe these "
+            f"weights: set its vocab_size to {rows}."
+        )
 
 
 # What a weight may be stored as: casting between these keeps its values (up to rounding).

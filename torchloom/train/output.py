@@ -46,19 +46,14 @@ def check_output_dir(
 
 
 def check_writable(path: Path) -> None:
-    """Create the output folder; refuse a path that is a file or a folder that cannot be
-    created or written to."""
+    """Refuse an output folder that is a file, or that cannot be created or written to. Creates
+    nothing: a run refused later, before training, leaves no empty folder behind (the folder is
+    made once the run's checks pass, ``RunScaffold.start``)."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--output.dir {path} is a file, not a folder; choose another path.")
     if not path.exists():
         check_can_create(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(
-            f"Cannot create the output folder {path} ({err.strerror or err}); choose another "
-            "--output.dir."
-        ) from None
+        return
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"The output folder {path} is not writable; choose another --output.dir.")
 
