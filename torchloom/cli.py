@@ -68,6 +68,18 @@ def _pop_option(argv: list[str], option: str) -> str | None:
     return None
 
 
+def _unexpected(command: str, arg: str, known: list[str]) -> ConfigError:
+    """The error for an argument ``command`` did not take: a known option left over was given
+    twice (each is read once), anything else is unknown."""
+    option = arg.split("=", 1)[0]
+    if option in known:
+        return ConfigError(f"{option} is given twice for {command}; give it once.")
+    return ConfigError(
+        f"Unexpected argument {arg!r} for {command}.{did_you_mean(arg, known)} "
+        f"Run `torchloom {command} --help`."
+    )
+
+
 def resolve_job(argv: list[str]) -> tuple[str, JobConfig]:
     """(recipe name, job config) from ``--recipe NAME`` and dotted overrides, validated."""
     argv = list(argv)
@@ -318,10 +330,7 @@ def cmd_convert(argv: list[str]) -> int:
     overwrite = _pop_flag(argv, "--overwrite")
     if argv:
         known = [f"--{name}" for name in options] + ["--overwrite"]
-        raise ConfigError(
-            f"Unexpected argument {argv[0]!r} for convert.{did_you_mean(argv[0], known)} "
-            "Run `torchloom convert --help`."
-        )
+        raise _unexpected("convert", argv[0], known)
     from_hf, from_gguf, to, source, to_hf = (
         options[k] for k in ("from-hf", "from-gguf", "to", "from", "to-hf")
     )
@@ -440,25 +449,11 @@ def _generate_device(name: str | None) -> torch.device:
     """The torch device of ``--device``, refused when this machine has no such device."""
     import torch
 
+    from torchloom.config.devices import checked_device
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ConfigError(
-            f"--device must be cpu, cuda or cuda:N; got {name!r}."
-            f"{did_you_mean(name, ['cpu', 'cuda'])}"
-        )
-    if name != "cpu" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {name}: this machine has no CUDA device (torch.cuda.is_available() is "
-            "False); use --device cpu."
-        )
-    device = torch.device(name)
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}."
-        )
-    return device
+    return checked_device(name, "--device")
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -475,10 +470,7 @@ def cmd_generate(argv: list[str]) -> int:
     flags = {name: _pop_flag(argv, f"--{name}") for name in _GENERATE_FLAGS}
     if argv:
         known = [f"--{n}" for n in (*_GENERATE_OPTIONS, "prompt", "image", *_GENERATE_FLAGS)]
-        raise ConfigError(
-            f"Unexpected argument {argv[0]!r} for generate.{did_you_mean(argv[0], known)} "
-            "Run `torchloom generate --help`."
-        )
+        raise _unexpected("generate", argv[0], known)
     if bool(options["from-hf"]) == bool(options["checkpoint"]):
         raise ConfigError("generate needs exactly one of --from-hf HF_DIR or --checkpoint DIR.")
 

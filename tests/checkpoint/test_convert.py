@@ -120,6 +120,7 @@ ERRORS = {
     "not empty": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/busy"], "busy is not empty; .*--overwrite"),
     "dtype": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--dtype", "fp8"], "Unknown dtype 'fp8'"),
     "typo": (["--from_hf", "{tmp}/hf", "--to", "{tmp}/o"], "Unexpected argument '--from_hf'.*'--from-hf'"),
+    "twice": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--to={tmp}/p"], "--to is given twice for convert; give it once"),
     "size": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--max-shard-size", "big"], "2GB or 500MB"),
     "tokenizer": (["--from-hf", "{tmp}/hf", "--to", "{tmp}/o", "--tokenizer", "{tmp}"], "--tokenizer goes with --to-hf"),
     "not ours": (["--from", "{tmp}/hf", "--to-hf", "{tmp}/o"], "hf is a Hugging Face model folder .*; pass it with --from-hf"),

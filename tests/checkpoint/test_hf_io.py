@@ -4,6 +4,7 @@ that name what is wrong."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -169,3 +170,33 @@ def test_training_config_from_hf_keeps_slots_and_transforms(hf_checkpoint) -> No
     tied_cfg = model_config_from_hf(untied_path, ModelConfig(name="qwen3", transforms=["tie_embeddings"]))  # fmt: skip
     with pytest.raises(ConfigError, match="own lm_head.weight.*Drop the tie_embeddings"):
         load_hf_weights(build_model(tied_cfg), untied_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"device": None}, "device= must be cpu, cuda or cuda:N; got None"),
+        ({"device": "gpu"}, "device= must be cpu, cuda or cuda:N; got 'gpu'"),
+        ({"device": "mps"}, "device= must be cpu, cuda or cuda:N"),
+        ({"device": 0}, "device= must be cpu, cuda or cuda:N; got 0"),
+        ({"dtype": torch.int64}, "dtype torch.int64 cannot hold a model's weights"),
+        ({"dtype": torch.float8_e4m3fn}, "dtype torch.float8_e4m3fn cannot hold"),
+        ({"dtype": 16}, "dtype must be 'bf16' or 'fp32' or a torch dtype; got 16"),
+        ({"dtype": "float16"}, "Unknown dtype 'float16'"),
+    ],
+)
+def test_from_hf_refuses_bad_arguments_before_reading(hf_checkpoint, kwargs, message) -> None:
+    path, _ = hf_checkpoint("llama")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        torchloom.from_hf(path, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_from_hf_on_cuda_without_a_gpu_says_so(hf_checkpoint) -> None:
+    path, _ = hf_checkpoint("llama")
+    with pytest.raises(ConfigError, match="device= cuda: this machine has no CUDA device"):
+        torchloom.from_hf(path, device="cuda")
+    with pytest.raises(ConfigError, match="from_hf takes a folder path"):
+        torchloom.from_hf(None)
+    model = torchloom.from_hf(path, dtype=torch.float16)  # a floating type: allowed
+    assert next(model.parameters()).dtype == torch.float16

@@ -27,6 +27,7 @@ from torchloom.checkpoint.safetensors_io import (
     write_tensors,
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
+from torchloom.config.devices import checked_device
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.config.paths import require_folder
 from torchloom.models import (
@@ -261,10 +262,13 @@ def from_hf(
     Built on ``meta`` and materialized with ``to_empty``, so no time or memory goes into a
     random initialization; fp32 unless ``dtype`` ('bf16', 'fp32' or a torch dtype) is given.
     """
+    if not isinstance(hf_dir, str | Path):
+        raise ConfigError(f"from_hf takes a folder path (str or Path); got {hf_dir!r}.")
+    target_dtype = parse_dtype(dtype)
+    device = checked_device(device, "device=")
     _, config = hf_architecture(Path(hf_dir))
     with torch.device("meta"):
         model = build_model(config)
-    target_dtype = parse_dtype(dtype)
     if target_dtype is not None:
         model.to(target_dtype)
     model.to_empty(device=device)

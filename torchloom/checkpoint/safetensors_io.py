@@ -42,10 +42,25 @@ _STORED_DTYPES = {
 }  # fmt: skip
 
 
+# The torch dtypes a model's weights may be given (Python API): floating types that run.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """None, a torch dtype, or one of DTYPES' names ('bf16', 'fp32')."""
-    if dtype is None or isinstance(dtype, torch.dtype):
+    """None, a torch dtype of WEIGHT_DTYPES, or one of DTYPES' names ('bf16', 'fp32')."""
+    if dtype is None:
         return dtype
+    if isinstance(dtype, torch.dtype):
+        if dtype not in WEIGHT_DTYPES:
+            allowed = ", ".join(str(d) for d in WEIGHT_DTYPES)
+            raise ConfigError(
+                f"dtype {dtype} cannot hold a model's weights; give one of {allowed}."
+            )
+        return dtype
+    if not isinstance(dtype, str):
+        raise ConfigError(
+            f"dtype must be {' or '.join(repr(d) for d in DTYPES)} or a torch dtype; got {dtype!r}."
+        )
     if dtype not in DTYPES:
         raise ConfigError(
             f"Unknown dtype '{dtype}'.{did_you_mean(dtype, DTYPES)} Choose {' or '.join(DTYPES)}."
