@@ -420,9 +420,10 @@ _GENERATE_FLAGS = ("greedy", "batch-invariant", "compile", "chat")
 _GENERATE_NUMBERS: dict[str, tuple[type, Any, Callable[[Any], bool], str]] = {
     "max-new-tokens": (int, 64, lambda v: v >= 1, "an integer >= 1"),
     "temperature": (float, 1.0, lambda v: 0 <= v < math.inf, "a number >= 0 (0 is greedy)"),
-    "top-k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 keeps every token)"),
+    "top-k": (int, 0, lambda v: 0 <= v < 2**31, "an integer in [0, 2**31) (0 keeps every token)"),
     "top-p": (float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (int, None, lambda v: 0 <= v < 2**63, "an integer >= 0"),
+    # Request i samples with seed + i: the bound leaves room for any number of prompts.
+    "seed": (int, None, lambda v: 0 <= v < 2**62, "an integer in [0, 2**62)"),
     "max-batch": (int, 8, lambda v: v >= 1, "an integer >= 1"),
     "tp": (int, 1, lambda v: v >= 1, "an integer >= 1"),
 }
