@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from torchloom.config.errors import ConfigError
 from torchloom.data import DataConfig, build_dataloaders, build_tokenizer
+from torchloom.data.chat import CHATML_TEMPLATE
+from torchloom.data.tokenizer import Tokenizer
 
 
 def test_builtin_corpus_end_to_end(builtin_cache: Path) -> None:
@@ -50,3 +53,70 @@ def test_an_empty_chat_template_file_is_refused(tmp_path: Path) -> None:
                      chat_template=str(tmp_path / "empty.jinja"), cache_dir=str(tmp_path / "c"))  # fmt: skip
     with pytest.raises(ConfigError, match="empty.jinja' is empty, so every conversation"):
         build_tokenizer(cfg)
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_refused(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe\x00\x01garbage")
+    cfg = DataConfig(format="chat", sources=["builtin:chat_tasks"], tokenizer=str(tiny_tokenizer.path),
+                     chat_template=str(tmp_path / "binary.jinja"), cache_dir=str(tmp_path / "c"))  # fmt: skip
+    with pytest.raises(ConfigError, match="binary.jinja is not UTF-8 text.*save the chat template"):
+        build_tokenizer(cfg)
+
+
+def chat_config(tmp_path: Path, tokenizer: str, template: str = "") -> DataConfig:
+    """Chat data of 30 short exchanges in tmp_path, with ``template`` as --data.chat_template."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"Say {i}."},
+                                 {"role": "assistant", "content": f"{i}"}]}) + "\n"
+        for i in range(30)
+    ))  # fmt: skip
+    if template:
+        (tmp_path / "t.jinja").write_text(template)
+    return DataConfig(format="chat", sources=[str(chats)], tokenizer=tokenizer, val_fraction=0.0,
+                      chat_template=str(tmp_path / "t.jinja") if template else "",
+                      cache_dir=str(tmp_path / "cache"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        '{"chat_template": "x"}',  # a JSON file given as the template: constant text
+        "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}",
+    ],
+)
+def test_a_template_without_the_replies_is_refused_before_tokenizing(
+    tmp_path: Path, tiny_tokenizer: Tokenizer, template: str
+) -> None:
+    cfg = chat_config(tmp_path, str(tiny_tokenizer.path), template)
+    with pytest.raises(ConfigError) as caught:
+        build_dataloaders(cfg, seq_len=64, global_batch_size=2, micro_batch_size=2)
+    error = str(caught.value)
+    print(error)
+    assert error.startswith(f"{tmp_path / 'chats.jsonl'}:1: the chat template (from ")
+    assert f"--data.chat_template {tmp_path / 't.jinja'}) renders this conversation as " in error
+    assert "without its assistant messages" in error
+    assert not (tmp_path / "cache" / "tokens").exists()  # refused before the set was tokenized
+    # A tokenizer folder whose own template is empty: refused at once too, naming the folder.
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(Path(str(tiny_tokenizer.path)).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
+    with pytest.raises(ConfigError, match=re.escape(f"chat template (from tokenizer {folder}) is")):
+        build_dataloaders(chat_config(tmp_path, str(folder)), seq_len=64, global_batch_size=2,
+                          micro_batch_size=2)  # fmt: skip
+    assert not (tmp_path / "cache" / "tokens").exists()
+
+
+def test_chat_data_that_fits_no_sequence_says_why(
+    tmp_path: Path, tiny_tokenizer: Tokenizer
+) -> None:
+    cfg = chat_config(tmp_path, str(tiny_tokenizer.path), CHATML_TEMPLATE)
+    with pytest.raises(ConfigError) as caught:
+        build_dataloaders(cfg, seq_len=8, global_batch_size=2, micro_batch_size=2)
+    error = str(caught.value)
+    print(error)
+    assert error.startswith("All 30 training conversations were left out")
+    assert "30 longer than seq_len + 1 = 9 tokens" in error and "raise --training.seq_len" in error

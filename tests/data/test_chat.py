@@ -4,6 +4,7 @@ Llama-3-style templates, template sources, sandboxing, special tokens in chats v
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,44 @@ def test_template_rendering_turns_differently_later_is_refused(folders: dict[str
     )
     with pytest.raises(ConfigError, match=r"f\.jsonl:3: .*assistant message 1 inconsistently"):
         tokenize_conversations(tok, [Conversation("f.jsonl:3", TWO_TURNS[1:])])
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError: maximum recursion"),
+        ("{{ messages + 1 }}", "TypeError: can only concatenate list"),
+        ("{{ raise_exception('no system allowed') }}", "failed on this conversation: no system "
+                                                      "allowed. Fix the template"),
+    ],
+)  # fmt: skip
+def test_any_error_while_a_template_runs_names_template_and_line(
+    folders: dict[str, Path], template: str, message: str
+) -> None:
+    tok = Tokenizer.from_file(folders["chatml"])
+    tok.set_chat_template(template, "from --data.chat_template t.jinja")
+    with pytest.raises(ConfigError) as caught:
+        tokenize_conversations(tok, [Conversation("f.jsonl:3", TWO_TURNS)])
+    error = str(caught.value)
+    print(error[:300])
+    assert error.startswith(
+        "f.jsonl:3: The chat template (from --data.chat_template t.jinja) failed on this "
+        "conversation: "
+    )
+    assert message in error and "\n" not in error
+
+
+def test_empty_or_non_utf8_templates_of_a_tokenizer_folder(tmp_path: Path) -> None:
+    folder = write_folder(tmp_path / "t", "", EOS_TOKEN, [])
+    tok = Tokenizer.from_file(folder)
+    with pytest.raises(ConfigError, match=re.escape(f"chat template (from tokenizer {folder}) is")):
+        tok.apply_chat_template(TWO_TURNS)
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(ConfigError, match=r"chat_template.jinja is not UTF-8 text \(byte 0xff at "
+                                          r"offset 0\); save the chat template as UTF-8"):  # fmt: skip
+        Tokenizer.from_file(folder)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").write_bytes(b'{"chat_template": "\xff"}')
+    with pytest.raises(ConfigError, match="tokenizer_config.json is not UTF-8 text"):
+        Tokenizer.from_file(folder)

@@ -30,6 +30,7 @@ from torchloom.data.packing import IGNORE_INDEX
 from torchloom.data.shapes_chat import generate_shapes_chat
 from torchloom.data.sources import SourceFile
 from torchloom.data.tokenizer import (
+    EOS_TOKEN,
     MEDIA_SPECIAL_TOKENS,
     Tokenizer,
     builtin_tokenizer_path,
@@ -119,6 +120,7 @@ def test_jsonl_paths_are_relative_to_the_file(vl_tokenizer: Tokenizer, image_fol
 
 BAD_CASES = {
     "missing": ([sample(["img/nope.png"])], "does not exist"),
+    "folder": ([sample(["img"])], "image {folder}/img is a folder, not an image file"),
     "undecodable": ([sample(["junk.png"])], "cannot be decoded"),
     "truncated": ([sample(["cut.png"])], "cannot be decoded"),
     "too large": ([sample(["img/4.png"])], "above the limit of 10000"),
@@ -126,6 +128,13 @@ BAD_CASES = {
                              {"role": "assistant", "content": "hi"}]}], "has no audio encoder"),
     "no path": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]},
                                {"role": "assistant", "content": "hi"}]}], "needs a 'path'"),
+    "path typo": ([{"messages": [{"role": "user", "content": [{"type": "image", "pth": "x"}]},
+                                 {"role": "assistant", "content": "hi"}]}],
+                  "found ['pth']. Rename 'pth' to 'path'."),
+    "path not text": ([{"messages": [{"role": "user", "content": [{"type": "image", "path": 5}]},
+                                     {"role": "assistant", "content": "hi"}]}],
+                      "'path' must be a non-empty string, the file's path relative to the JSONL "
+                      "file; got 5."),
     "bad type": ([{"messages": [{"role": "user", "content": [{"type": "imag", "path": "x"}]},
                                 {"role": "assistant", "content": "hi"}]}], "Did you mean 'image'"),
     "forged token": ([sample([], question="look <|image_pad|>")], "only a media part"),
@@ -151,7 +160,25 @@ def test_bad_media_is_one_line_naming_file_and_line(
         list(iter_samples([SourceFile(path, "messages")], media, processing))
     error = str(caught.value)
     print(error)
-    assert "\n" not in error and f"{path}:2" in error and message in error
+    assert "\n" not in error and f"{path}:2" in error
+    assert message.format(folder=image_folder) in error
+
+
+def test_samples_that_fit_no_row_or_a_template_without_replies(
+    vl_tokenizer: Tokenizer, image_folder: Path
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build_rows(vl_tokenizer, image_folder, [sample(["img/4.png"])] * 3, seq_len=16)
+    error = str(caught.value)
+    print(error)
+    assert error.startswith("All 3 training conversations were left out")
+    assert "raise --training.seq_len" in error and "truncate" not in error  # media are never cut
+    constant = Tokenizer(vl_tokenizer.backend, EOS_TOKEN, chat_templates={"default": "x"})
+    path = write_sample(image_folder, [sample(["img/0.png"])] * 2, "constant.jsonl")
+    media = MediaTokens.from_tokenizer(constant)
+    with pytest.raises(ConfigError, match=f"{path}:1: the chat template renders this "
+                                          "conversation as 'x', without its assistant"):  # fmt: skip
+        load_multimodal_splits([SourceFile(path, "messages")], constant, media, PROCESSING, 0.0)
 
 
 def build_rows(

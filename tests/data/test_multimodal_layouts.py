@@ -177,6 +177,7 @@ def media_folder(tmp_path: Path) -> Path:
     write_wav(tmp_path / "slow.wav", sine(0.1, 440.0, 16000), 16000)
     write_wav(tmp_path / "long.wav", sine(1.5, 440.0), RATE)
     (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wave file")
+    (tmp_path / "cut.wav").write_bytes((tmp_path / "clips" / "1.wav").read_bytes()[:60])
     drawn(60, 40).save(tmp_path / "a.png")
     return tmp_path
 
@@ -186,7 +187,11 @@ BAD_AUDIO = {
     "undecodable": ("junk.wav", "cannot be decoded as a PCM WAV"),
     "other rate": ("slow.wav", "16000 Hz, but the audio encoder expects 24000 Hz"),
     "too long": ("long.wav", "longer than --data.max_audio_seconds=1"),
-}
+    # The header alone looks fine: caught when the data is read, not when its batch is built.
+    "truncated": ("cut.wav", "is truncated: its header promises 6000 frames (12000 bytes of "
+                             "samples), but the file holds only 60 bytes"),
+    "folder": ("clips", "is a folder, not a WAV file"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", [*BAD_AUDIO, "no audio encoder", "assistant audio"])

@@ -98,8 +98,49 @@ def test_overlong_conversations_dropped_or_truncated(caplog: pytest.LogCaptureFi
     long_row = int(np.flatnonzero([2 in truncated.conversations_of(r) for r in range(2)])[0])
     assert batch.tokens[long_row].tolist() == (3000 + np.arange(T)).tolist()
     assert batch.doc_ids[long_row].tolist() == [0] * T
-    with pytest.raises(ConfigError, match="training split is too small.*3 conversations, 3 of"):
-        TrainLoader(PackedConversations(conversations, 2, PAD), 2, 2)
+    with pytest.raises(ConfigError, match="All 3 training conversations were left out"):
+        PackedConversations(conversations, 2, PAD)
+
+
+def left_out(lengths: list[int], seq_len: int, answers: bool = True, **kwargs: object) -> str:
+    """The error when packing conversations of ``lengths`` leaves none (one-line checked)."""
+    conversations = synthetic_conversations(lengths)
+    if not answers:
+        conversations.is_assistant[:] = False
+    with pytest.raises(ConfigError) as caught:
+        PackedConversations(conversations, seq_len, PAD, **kwargs)  # type: ignore[arg-type]
+    error = str(caught.value)
+    print(error)
+    assert "\n" not in error and "lower seq_len" not in error
+    return error
+
+
+def test_when_every_conversation_is_left_out_the_error_names_why_and_the_fix() -> None:
+    # Too long: raising seq_len (or truncating) helps; lowering it, as the loader said, would not.
+    error = left_out([30, 40, 25], T)
+    assert "All 3 training conversations were left out" in error
+    assert "3 longer than seq_len + 1 = 17 tokens (the longest has 40)" in error
+    assert "raise --training.seq_len (to 39 to keep them all)" in error
+    assert "--data.overlong_conversations truncate" in error
+    # Multimodal samples cannot be truncated, so that fix is not offered.
+    counts = np.zeros((3, 2), np.int64)
+    assert "truncate" not in left_out(
+        [30, 40, 25], T, media_counts=counts, max_media_per_row=(1, 0)
+    )
+    # Truncated, but every reply lies past the cut.
+    conversations = synthetic_conversations([30, 40])
+    conversations.is_assistant[:] = False
+    conversations.is_assistant[[25, 30 + 35]] = True
+    with pytest.raises(ConfigError) as caught:
+        PackedConversations(conversations, T, PAD, overlong="truncate", split="validation")
+    assert re.search(r"All 2 validation conversations .*2 without an assistant token in their "
+                     r"first 17 tokens.*raise --training.seq_len so that their replies fit",
+                     str(caught.value))  # fmt: skip
+    # No assistant token anywhere, long or short: the chat template is the cause.
+    error = left_out([5, 40], T, answers=False)
+    assert "2 without any assistant token after chat templating" in error
+    assert "check that the chat template renders the assistant messages" in error
+    assert "longer than" not in error
 
 
 def make_loader(rows: PackedConversations, **overrides: object) -> TrainLoader:
@@ -160,7 +201,10 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "a"},
     ("line", "message"),
     [
         ("{not json", "not a valid JSON line"),
-        ('{"text": "hi"}', "no field 'messages' (found ['text'])"),
+        ('{"text": "hi"}', "no field 'messages' (found ['text'])."),
+        ('{"msgs": []}', "no field 'messages' (found ['msgs']). Rename 'msgs' to 'messages'."),
+        ('[{"messages": []}]', "the line is a JSON array, not an object; a .jsonl file holds one "
+                               "JSON object per line"),
         ('{"messages": []}', "'messages' must be a non-empty list"),
         ('{"messages": ["hi"]}', "message 0 must be an object with 'role' and 'content'"),
         ('{"messages": [{"role": "asistant", "content": "x"}]}',
@@ -175,6 +219,19 @@ def test_bad_chat_lines_name_file_line_and_problem(tmp_path: Path, line: str, me
     path = write_lines(tmp_path / "chats.jsonl", [GOOD, "", line])
     with pytest.raises(ConfigError, match=re.escape(f"{path}:3: ") + ".*" + re.escape(message)):
         list(iter_conversations(resolve_chat_sources([str(path)], tmp_path)))
+
+
+def test_chat_files_not_in_utf8_are_refused_saying_so(tmp_path: Path) -> None:
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_text(GOOD + "\n", encoding="utf-16")  # with a byte order mark, as editors save
+    with pytest.raises(ConfigError, match=re.escape(f"{utf16} is UTF-16 text; save it as UTF-8")):
+        list(iter_conversations(resolve_chat_sources([str(utf16)], tmp_path)))
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(GOOD.encode() + b"\n" + GOOD.replace('"a"', '"\xe9"').encode("latin-1"))
+    with pytest.raises(ConfigError, match=re.escape(f"{latin1}:2: not UTF-8 text (byte 0xe9")):
+        list(iter_conversations(resolve_chat_sources([str(latin1)], tmp_path)))
+    bom = write_lines(tmp_path / "bom.jsonl", ["\ufeff" + GOOD, GOOD])  # a UTF-8 BOM is fine
+    assert len(list(iter_conversations(resolve_chat_sources([str(bom)], tmp_path)))) == 2
 
 
 def test_chat_sources_must_be_jsonl(tmp_path: Path) -> None:

@@ -41,11 +41,23 @@ class AudioProcessing:
 
 
 def wav_info(path: Path, where: str, processing: AudioProcessing) -> int:
-    """The number of samples of the WAV file at ``path``, checked without reading them: a
-    ConfigError naming ``where`` (the JSONL line), the file and the fix when it is missing, not
-    a PCM WAV, at another rate, or longer than ``processing.max_seconds``."""
+    """The number of samples of the WAV file at ``path``, checked without reading them (only
+    the last one): a ConfigError naming ``where`` (the JSONL line), the file and the fix when it
+    is missing, not a PCM WAV, shorter than its header says, at another rate, or longer than
+    ``processing.max_seconds``."""
     with _open(path, where) as reader:
         rate, frames = reader.getframerate(), reader.getnframes()
+        frame_bytes = reader.getnchannels() * reader.getsampwidth()
+        complete = True
+        if frames:  # the header's count, checked by reading the last frame it promises
+            reader.setpos(frames - 1)
+            complete = len(reader.readframes(1)) == frame_bytes
+    if not complete:
+        raise ConfigError(
+            f"{where}: audio {path} is truncated: its header promises {frames} frames "
+            f"({frames * frame_bytes} bytes of samples), but the file holds only "
+            f"{path.stat().st_size} bytes. Fix or replace the file, or remove the line."
+        )
     if rate != processing.sampling_rate:
         raise ConfigError(
             f"{where}: audio {path} is sampled at {rate} Hz, but the audio encoder expects "
@@ -97,6 +109,11 @@ def write_wav(file: Path | BinaryIO, samples: np.ndarray, rate: int) -> None:
 
 
 def _open(path: Path, where: str) -> wave.Wave_read:
+    if path.is_dir():
+        raise ConfigError(
+            f"{where}: audio {path} is a folder, not a WAV file. Give the path of the WAV file "
+            "in it, or remove the line."
+        )
     if not path.is_file():
         raise ConfigError(
             f"{where}: audio {path} does not exist. Audio paths are relative to the JSONL "

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.cache import resolve_cache_dir
+from torchloom.data.chat import read_template_file
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
 from torchloom.data.loader import RowSource, TrainLoader, ValLoader
@@ -51,14 +52,14 @@ def build_tokenizer(cfg: DataConfig) -> Tokenizer:
                 f"--data.chat_template '{cfg.chat_template}' is not a file: give a .jinja file "
                 "holding a chat template, or leave it empty to use the tokenizer's own."
             )
-        source = path.read_text(encoding="utf-8")
+        source = read_template_file(path)
         if not source.strip():
             raise ConfigError(
                 f"--data.chat_template '{cfg.chat_template}' is empty, so every conversation "
                 "would render as nothing: put a chat template in it, or leave the option empty "
                 "to use the tokenizer's own."
             )
-        tokenizer.set_chat_template(source)
+        tokenizer.set_chat_template(source, f"from --data.chat_template {path}")
     return tokenizer
 
 

@@ -81,26 +81,32 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=32)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The compiled template (cached: SFT renders the same template thousands of times)."""
+def compile_chat_template(source: str, origin: str = "") -> jinja2.Template:
+    """The compiled template (cached: SFT renders the same template thousands of times);
+    ``origin`` names where it comes from in the error for a syntax error."""
     try:
         return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"The chat template has a syntax error on line {e.lineno}: {e}") from None
+        named = f" ({origin})" if origin else ""
+        raise ConfigError(
+            f"The chat template{named} has a syntax error on line {e.lineno}: {e}"
+        ) from None
 
 
 def render_chat(
     source: str,
     messages: Sequence[Message],
     add_generation_prompt: bool = False,
+    origin: str = "",
     **variables: Any,
 ) -> str:
     """``messages`` rendered by the template ``source``; ``variables`` are e.g. ``bos_token``.
 
-    A template's own ``raise_exception`` (say, roles that do not alternate) or a failing
-    expression becomes a ConfigError quoting the template's message.
+    A template's own ``raise_exception`` (say, roles that do not alternate) or any other error
+    raised while it runs (an overflowing ``range``, endless recursion, a type error) becomes a
+    ConfigError quoting it; ``origin`` names where the template comes from.
     """
-    template = compile_chat_template(source)
+    template = compile_chat_template(source, origin)
     try:
         return template.render(
             messages=list(messages),
@@ -110,7 +116,25 @@ def render_chat(
             **variables,
         )
     except jinja2.TemplateError as e:
-        raise ConfigError(f"The chat template failed on this conversation: {e}") from None
+        error = str(e).rstrip(".")
+    except Exception as e:  # the template is a program: it can raise anything while it runs
+        error = f"{type(e).__name__}: {str(e).rstrip('.')}"
+    named = f" ({origin})" if origin else ""
+    raise ConfigError(
+        f"The chat template{named} failed on this conversation: {error}. Fix the template "
+        "(--data.chat_template FILE.jinja) or the conversation."
+    ) from None
+
+
+def read_template_file(path: Path) -> str:
+    """The chat template in ``path``, or a ConfigError when the file is not UTF-8 text."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save "
+            "the chat template as UTF-8."
+        ) from None
 
 
 def read_chat_templates(folder: Path, tokenizer_config: dict[str, Any]) -> dict[str, str]:
@@ -139,11 +163,11 @@ def read_chat_templates(folder: Path, tokenizer_config: dict[str, Any]) -> dict[
         )
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        templates[DEFAULT_TEMPLATE_NAME] = jinja_file.read_text(encoding="utf-8")
+        templates[DEFAULT_TEMPLATE_NAME] = read_template_file(jinja_file)
     named_dir = folder / "chat_templates"
     if named_dir.is_dir():
         for path in sorted(named_dir.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
+            templates[path.stem] = read_template_file(path)
     return templates
 
 

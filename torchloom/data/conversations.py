@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError, did_you_mean, near_matches
 from torchloom.data.chat import Message, assistant_spans
 from torchloom.data.sources import MESSAGES_FIELD, SourceFile, iter_jsonl_records
 from torchloom.data.tokenizer import Tokenizer
@@ -36,11 +36,16 @@ def iter_conversations(files: list[SourceFile]) -> Iterator[Conversation]:
 
 def parse_messages(record: Any, where: str) -> list[Message]:
     """The messages of one chat JSONL record, or a ConfigError naming ``where`` and the fix."""
+    if isinstance(record, list):
+        raise ConfigError(
+            f"{where}: the line is a JSON array, not an object; a .jsonl file holds one JSON "
+            f"object per line (not one array of them), each like {_EXAMPLE}."
+        )
     if not isinstance(record, dict) or MESSAGES_FIELD not in record:
-        keys = list(record) if isinstance(record, dict) else []
+        keys = [str(key) for key in record] if isinstance(record, dict) else []
         raise ConfigError(
             f"{where}: no field '{MESSAGES_FIELD}' (found {keys or type(record).__name__})."
-            f"{did_you_mean(MESSAGES_FIELD, keys)} A chat line looks like {_EXAMPLE}."
+            f"{rename_hint(MESSAGES_FIELD, keys)} A chat line looks like {_EXAMPLE}."
         )
     messages = record[MESSAGES_FIELD]
     if not isinstance(messages, list) or not messages:
@@ -71,6 +76,12 @@ def parse_messages(record: Any, where: str) -> list[Message]:
             "from it. Remove the line or add the assistant's reply."
         )
     return messages
+
+
+def rename_hint(field: str, keys: list[str]) -> str:
+    """' Rename 'msgs' to 'messages'.' when one of ``keys`` looks like the missing ``field``."""
+    hits = near_matches(field, keys, n=1)
+    return f" Rename '{hits[0]}' to '{field}'." if hits else ""
 
 
 def render_with_spans(
@@ -105,3 +116,27 @@ def tokenize_conversations(
             is_assistant_N |= (offsets_N2[:, 1] > start) & (offsets_N2[:, 0] < end)
         result.append((np.asarray(ids, dtype=np.int64), is_assistant_N))
     return result
+
+
+def check_template_marks_replies(tokenizer: Tokenizer, conversations: list[Conversation]) -> None:
+    """Refuse, before a whole data set is tokenized, a chat template that renders no text of the
+    assistant's messages (a constant, or one that drops them): SFT would find nothing to train
+    on. Tried on the first of ``conversations`` with a non-empty reply, else the first."""
+    if not conversations:
+        return
+    probe = next(
+        (c for c in conversations
+         if any(m["role"] == "assistant" and m["content"] for m in c.messages)),
+        conversations[0],
+    )  # fmt: skip
+    ((_, is_assistant_N),) = tokenize_conversations(tokenizer, [probe])
+    if is_assistant_N[1:].any():  # token 0 is never a label
+        return
+    text = tokenizer.apply_chat_template(probe.messages)
+    origin = tokenizer.chat_template_origin
+    rendering = f"as {text[:60]!r}, without its assistant messages" if text else "as nothing"
+    raise ConfigError(
+        f"{probe.where}: the chat template{f' ({origin})' if origin else ''} renders this "
+        f"conversation {rendering}, so there is nothing to train on: give a template that "
+        "renders every message with --data.chat_template FILE.jinja."
+    )

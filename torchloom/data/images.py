@@ -155,6 +155,11 @@ def load_image(path: Path, where: str, processing: ImageProcessing) -> Image.Ima
     """The decoded image at ``path``, or a ConfigError naming ``where`` (the JSONL line), the
     file and the fix: missing, not an image, truncated, too large, or too thin to resize."""
     fix = "Fix or replace the file, or remove the line."
+    if path.is_dir():
+        raise ConfigError(
+            f"{where}: image {path} is a folder, not an image file. Give the path of the image "
+            "file in it, or remove the line."
+        )
     if not path.is_file():
         raise ConfigError(
             f"{where}: image {path} does not exist. Image paths are relative to the JSONL "

@@ -32,14 +32,14 @@ import torch
 from torchloom.config.errors import ConfigError
 from torchloom.data.audio import AudioProcessing, audio_features, load_wav
 from torchloom.data.config import BUILTIN_VL_TOKENIZER, DataConfig
-from torchloom.data.conversations import tokenize_conversations
+from torchloom.data.conversations import check_template_marks_replies, tokenize_conversations
 from torchloom.data.dataset import chunked, held_out_mask
 from torchloom.data.images import ImageProcessing, image_patches, load_image
 from torchloom.data.media_layout import MediaLayout, media_layout
 from torchloom.data.mrope import mrope_positions
 from torchloom.data.multimodal_format import MediaTokens, MultimodalSample, iter_samples
 from torchloom.data.packing import Batch
-from torchloom.data.sft import Conversations, PackedConversations
+from torchloom.data.sft import PROBE_CONVERSATIONS, Conversations, PackedConversations
 from torchloom.data.sources import SourceFile
 from torchloom.data.tokenizer import Tokenizer
 
@@ -201,6 +201,7 @@ def load_multimodal_splits(
     samples = list(iter_samples(files, media, processing, audio))
     if not samples:
         raise ConfigError(f"The multimodal sources {[str(f.path) for f in files]} hold no sample.")
+    check_template_marks_replies(tokenizer, [s.conversation for s in samples[:PROBE_CONVERSATIONS]])
     is_val = held_out_mask(len(samples), val_fraction)
     splits = [
         MultimodalSamples.tokenize([s for s, v in zip(samples, is_val) if v == held_out],

@@ -23,7 +23,7 @@ from typing import Any
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.data.audio import AudioProcessing, wav_info
 from torchloom.data.chat import Message
-from torchloom.data.conversations import Conversation, parse_messages
+from torchloom.data.conversations import Conversation, parse_messages, rename_hint
 from torchloom.data.images import ImageProcessing, image_grid, load_image
 from torchloom.data.media_layout import MEDIA_LAYOUTS, MediaLayout
 from torchloom.data.sources import MESSAGES_FIELD, SourceFile, iter_jsonl_records
@@ -240,10 +240,15 @@ def _image(
 
 def _path(part: dict[str, Any], at: str, kind: str) -> str:
     path_text = part.get("path")
-    if not isinstance(path_text, str) or not path_text:
-        keys = [k for k in part if k != "type"]
+    if "path" in part and not (isinstance(path_text, str) and path_text):
+        raise ConfigError(
+            f"{at}: an {kind} part's 'path' must be a non-empty string, the file's path relative "
+            f"to the JSONL file; got {path_text!r}."
+        )
+    if path_text is None:
+        keys = [str(k) for k in part if k != "type"]
         raise ConfigError(
             f"{at}: an {kind} part needs a 'path' (relative to the JSONL file); found "
-            f"{keys}.{did_you_mean('path', keys)}"
+            f"{keys}.{rename_hint('path', keys)}"
         )
     return path_text

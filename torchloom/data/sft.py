@@ -9,6 +9,7 @@ import logging
 import time
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,11 @@ import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.cache import atomic_write
-from torchloom.data.conversations import iter_conversations, tokenize_conversations
+from torchloom.data.conversations import (
+    check_template_marks_replies,
+    iter_conversations,
+    tokenize_conversations,
+)
 from torchloom.data.dataset import SPLIT_SEED, chunked, held_out_mask
 from torchloom.data.packing import IGNORE_INDEX, Batch
 from torchloom.data.sources import SourceFile
@@ -28,6 +33,8 @@ log = logging.getLogger(__name__)
 # Bump when rendering, masking or the split change, so old caches are not reused.
 SFT_DATASET_VERSION = 1
 TOKENIZE_CHUNK = 256
+PROBE_CONVERSATIONS = 16
+"""Conversations the chat template is tried on before the whole set is tokenized."""
 
 
 @dataclass
@@ -74,6 +81,11 @@ class ChatDataset:
         cls, files: list[SourceFile], tokenizer: Tokenizer, val_fraction: float, cache_dir: Path
     ) -> ChatDataset:
         """Load the tokenized conversations of ``files`` from the cache, tokenizing if needed."""
+        # The first conversations try the chat template (missing, failing, or dropping the
+        # replies) before the whole set is read, and even when it is cached.
+        check_template_marks_replies(
+            tokenizer, list(islice(iter_conversations(files), PROBE_CONVERSATIONS))
+        )
         path = cache_dir / "tokens" / f"{_cache_key(files, tokenizer, val_fraction)[:20]}.chat.npz"
         if not path.exists():
             _tokenize_to_cache(files, tokenizer, val_fraction, path)
@@ -110,7 +122,6 @@ def _tokenize_to_cache(
     num_conversations = sum(1 for _ in iter_conversations(files))
     if num_conversations == 0:
         raise ConfigError(f"The chat sources {[str(f.path) for f in files]} hold no conversation.")
-    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # fail early without one
     is_val = held_out_mask(num_conversations, val_fraction)
     splits: dict[bool, list[tuple[np.ndarray, np.ndarray]]] = {False: [], True: []}
     index = 0
@@ -217,6 +228,12 @@ class PackedConversations:
         self.num_dropped = int((~usable_N).sum())
         """Conversations left out: too long (unless truncating) or without assistant tokens."""
         self.num_truncated = int((usable_N & is_long_N).sum())
+        if len(lengths_N) and not usable_N.any():
+            has_labels_N = assistant_cumsum[starts_N + lengths_N] > assistant_cumsum[first_label_N]
+            raise ConfigError(
+                _none_usable(lengths_N, is_long_N, has_labels_N, truncate, seq_len, split,
+                             can_truncate=media_counts is None)
+            )  # fmt: skip
         self._report(lengths_N, is_long_N, usable_N, truncate, split, media_counts is None)
         usable = np.flatnonzero(usable_N)
         counts = None if media_counts is None else media_counts[usable]
@@ -302,3 +319,41 @@ class PackedConversations:
                 "%d tokens: there is nothing to train on in them.",
                 unlabelled, total, split, limit,
             )  # fmt: skip
+
+
+def _none_usable(
+    lengths_N: np.ndarray,
+    is_long_N: np.ndarray,
+    has_labels_N: np.ndarray,
+    truncate: bool,
+    seq_len: int,
+    split: str,
+    can_truncate: bool,
+) -> str:
+    """Why every conversation of a split was left out, and the fix that helps: too long for a
+    sequence, assistant tokens only beyond the truncation, or none at all (the template)."""
+    limit = seq_len + 1
+    unlabelled_N = ~has_labels_N  # no assistant token anywhere: the chat template's doing
+    long_N = is_long_N & has_labels_N & (not truncate)
+    cut_N = is_long_N & has_labels_N & truncate  # their assistant tokens all lie past the cut
+    causes, fixes = [], []
+    if long_N.any():
+        longest = int(lengths_N[long_N].max())
+        causes.append(f"{int(long_N.sum())} longer than seq_len + 1 = {limit} tokens (the "
+                      f"longest has {longest})")  # fmt: skip
+        fixes.append(f"raise --training.seq_len (to {longest - 1} to keep them all)"
+                     + (", or keep their start with --data.overlong_conversations truncate"
+                        if can_truncate else ""))  # fmt: skip
+    if cut_N.any():
+        causes.append(f"{int(cut_N.sum())} without an assistant token in their first {limit} "
+                      f"tokens (the longest has {int(lengths_N[cut_N].max())})")  # fmt: skip
+        fixes.append("raise --training.seq_len so that their replies fit")
+    if unlabelled_N.any():
+        causes.append(f"{int(unlabelled_N.sum())} without any assistant token after chat "
+                      "templating")  # fmt: skip
+        fixes.append("check that the chat template renders the assistant messages (or give "
+                     "one with --data.chat_template FILE.jinja)")  # fmt: skip
+    return (
+        f"All {len(lengths_N)} {split} conversations were left out, so there is nothing to "
+        f"train on: {' and '.join(causes)}; {', and '.join(fixes)}."
+    )

@@ -35,6 +35,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".npy")
 HF_DATASET_STATE = "state.json"
 """The file ``datasets.Dataset.save_to_disk`` writes beside its arrow shards, listing them."""
 HF_DATASET_DICT = "dataset_dict.json"
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 MESSAGES_FIELD = "messages"
 """The JSONL field of a chat source that holds a conversation's messages."""
 # Each builtin source: the function that returns its file in the cache, generating it if needed.
@@ -205,10 +206,18 @@ def iter_jsonl_records(path: Path, example: str) -> Iterator[tuple[str, object]]
             if not raw.strip():
                 continue
             where = f"{path}:{line_number}"
+            if line_number == 1 and raw.startswith(UTF16_BOMS):
+                raise ConfigError(f"{path} is UTF-16 text; save it as UTF-8 (JSON Lines is UTF-8).")
             try:
-                yield where, json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                record = json.loads(raw.decode("utf-8-sig"))  # a BOM may open the file
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start} of "
+                    "the line); save the file as UTF-8."
+                ) from None
+            except json.JSONDecodeError as e:
                 raise ConfigError(
                     f"{where}: not a valid JSON line ({e}). Each line of a .jsonl source must "
                     f"be one JSON object such as {example}."
                 ) from None
+            yield where, record

@@ -82,6 +82,8 @@ class Tokenizer:
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self.chat_templates: dict[str, str] = dict(chat_templates or {})
         """Jinja chat templates by name; ``default`` is the one ``apply_chat_template`` uses."""
+        self.chat_template_origin = f"from tokenizer {path}" if path else ""
+        """Where the default template comes from, for error messages."""
         self.template_tokens: dict[str, str] = template_tokens or {
             f"{role}_token": token
             for role, token in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token))
@@ -193,9 +195,11 @@ class Tokenizer:
         """The default chat template's source, or None when the tokenizer has none."""
         return self.chat_templates.get(DEFAULT_TEMPLATE_NAME)
 
-    def set_chat_template(self, source: str) -> None:
-        """Use ``source`` as the default chat template (also what ``save`` writes)."""
+    def set_chat_template(self, source: str, origin: str = "") -> None:
+        """Use ``source`` as the default chat template (also what ``save`` writes); ``origin``
+        names where it comes from (e.g. its file) in error messages."""
         self.chat_templates[DEFAULT_TEMPLATE_NAME] = source
+        self.chat_template_origin = origin
 
     def apply_chat_template(
         self,
@@ -209,6 +213,7 @@ class Tokenizer:
             self._template_source(template_name),
             messages,
             add_generation_prompt,
+            self._template_origin(template_name),
             **self.template_tokens,
         )
 
@@ -307,10 +312,23 @@ class Tokenizer:
             self._fingerprint = hashlib.sha256(content.encode("utf-8")).hexdigest()
         return self._fingerprint
 
+    def _template_origin(self, name: str | None) -> str:
+        if (name or DEFAULT_TEMPLATE_NAME) == DEFAULT_TEMPLATE_NAME:
+            return self.chat_template_origin
+        return f"'{name}' from tokenizer {self.path}"
+
     def _template_source(self, name: str | None) -> str:
         key = name or DEFAULT_TEMPLATE_NAME
         if key in self.chat_templates:
-            return self.chat_templates[key]
+            source = self.chat_templates[key]
+            if not source.strip():
+                origin = self._template_origin(name)
+                raise ConfigError(
+                    f"The chat template{f' ({origin})' if origin else ''} is empty, so every "
+                    "conversation would render as nothing: give one with --data.chat_template "
+                    "FILE.jinja."
+                )
+            return source
         if not self.chat_templates:
             raise ConfigError(
                 f"Tokenizer {self.path} has no chat template (none in tokenizer_config.json, no "
@@ -400,6 +418,8 @@ def _read_tokenizer_config(config_path: Path) -> dict[str, Any]:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{config_path}: not valid JSON ({e}).") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{config_path} is not UTF-8 text ({e}); save it as UTF-8.") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path}: expected a JSON object, got {type(config).__name__}.")
     return config
