@@ -480,6 +480,7 @@ def cmd_generate(argv: list[str]) -> int:
     from torchloom.generate.engine import SamplingParams
     from torchloom.generate.run import (
         check_output,
+        check_sampling,
         encode_image_prompts,
         encode_prompts,
         generate_records,
@@ -494,6 +495,12 @@ def cmd_generate(argv: list[str]) -> int:
         top_p=_number(options, "top-p"),
         seed=_number(options, "seed"),
     )
+    if flags["greedy"] and options["temperature"] is not None:
+        raise ConfigError(
+            f"--greedy takes the most likely token, so --temperature {options['temperature']} "
+            "would be ignored; drop one of the two."
+        )
+    check_sampling(params)  # before the model is loaded
     device = _generate_device(options["device"])
     tp, max_batch = _number(options, "tp"), _number(options, "max-batch")
     chat, compile_decode = flags["chat"], flags["compile"]

@@ -71,14 +71,14 @@ NUMBERS = {
     "max-batch x": (["--max-batch", "two"], "--max-batch must be an integer >= 1"),
     "max-new-tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     "tp": (["--tp", "0"], "--tp must be an integer >= 1"),
-    "top-k": (["--top-k", "-1"], r"--top-k must be an integer >= 0 \(0 keeps every token\)"),
+    "top-k": (["--top-k", "-1"], r"--top-k must be an integer .*\(0 keeps every token\)"),
     "top-p 0": (["--top-p", "0"], r"--top-p must be a number in \(0, 1\]; got '0'"),
     "top-p 1.5": (["--top-p", "1.5"], r"--top-p must be a number in \(0, 1\]"),
     "top-p nan": (["--top-p", "nan"], r"--top-p must be a number in \(0, 1\]; got 'nan'"),
     "temperature": (["--temperature", "-0.5"], "--temperature must be a number >= 0"),
     "temperature inf": (["--temperature", "inf"], "--temperature must be a number >= 0"),
-    "seed": (["--seed", "-3"], "--seed must be an integer >= 0; got '-3'"),
-    "seed float": (["--seed", "1.5"], "--seed must be an integer >= 0"),
+    "seed": (["--seed", "-3"], "--seed must be an integer .*; got '-3'"),
+    "seed float": (["--seed", "1.5"], "--seed must be an integer"),
     "device": (["--device", "gpu"], "--device must be cpu, cuda or cuda:N; got 'gpu'"),
 }
 
@@ -126,6 +126,11 @@ BAD_LINES = {
     "not JSON": ('{"prompt": "a"', "not a valid JSON line"),
     "messages without --chat": ('{"messages": [{"role": "user", "content": "Hi"}]}',
                                 'a "messages" line is a chat .* add --chat'),
+    "settings on a line": ('{"prompt": "a", "max_new_tokens": 3, "temperature": 0}',
+                           'unknown keys "max_new_tokens", "temperature"; a line holds exactly one '
+                           'of "prompt", "prompt_ids" or "messages" and nothing else \\(sampling '
+                           "settings are options: --max-new-tokens, --temperature"),
+    "unknown key": ('{"text": "a"}', 'unknown key "text"; a line holds exactly one of "prompt"'),
 }  # fmt: skip
 
 
@@ -142,6 +147,38 @@ def test_bad_prompt_lines_name_file_and_line(case, models, tmp_path, capsys) -> 
     assert code == 2
     assert_one_error(err, re.escape(f"{prompts}:2: ") + message)
     assert files_of(tmp_path) == before
+
+
+SAMPLING = {
+    "temperature 1e-45": (["--temperature", "1e-45", "--seed", "0"],
+                          r"--temperature: temperature must be 0 \(greedy\) or a finite number "
+                          r">= 0.0001 \(got 1e-45\).*use 0 for greedy"),
+    "greedy with top-k": (["--greedy", "--top-k", "5"],
+                          r"--greedy \(or --temperature 0\) takes the most likely token, so "
+                          "--top-k would be ignored; drop one or the other"),
+    "temperature 0 with top-p": (["--temperature", "0", "--top-p", "0.9"],
+                                 "so --top-p would be ignored"),
+    "greedy with a temperature": (["--greedy", "--temperature", "0.7"],
+                                  "--greedy takes the most likely token, so --temperature 0.7 "
+                                  "would be ignored; drop one of the two"),
+    "top-k past int64": (["--top-k", "9223372036854775808"],
+                         r"--top-k must be an integer in \[0, 2\*\*31\)"),
+    "seed + i past int64": (["--prompt", "Ho", "--seed", "9223372036854775807"],
+                            r"--seed must be an integer in \[0, 2\*\*62\)"),
+    "given twice": (["--max-new-tokens", "4", "--max-new-tokens", "1"],
+                    "--max-new-tokens is given twice for generate; give it once"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SAMPLING))
+def test_sampling_settings_the_generator_cannot_honour(case, models, tmp_path, capsys) -> None:
+    args, message = SAMPLING[case]
+    output = tmp_path / "out.jsonl"
+    code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi", *args,
+                            "--output", output)  # fmt: skip
+    assert code == 2
+    assert_one_error(err, message)
+    assert not output.exists()
 
 
 BAD_CHATS = {

@@ -243,7 +243,11 @@ def test_sampling_settings():
         return generator.generate([Request([3, 1, 4], SamplingParams(max_new_tokens=12, **kw))])[0]
 
     greedy = run(temperature=0.0)
-    assert run(top_k=1, seed=1).tokens == greedy.tokens  # one candidate: the argmax
+    top_1 = run(top_k=1, seed=1)
+    assert top_1.tokens == greedy.tokens  # one candidate: the argmax
+    # A sampled token's logprob is its sampling distribution's (one candidate: certain); a
+    # greedy token's is the model's own.
+    assert top_1.logprobs == [0.0] * 12 and all(lp < 0 for lp in greedy.logprobs)
     assert run(seed=5).tokens == run(seed=5).tokens  # per-request seeds reproduce
     assert run(seed=5).tokens != run(seed=6).tokens
     assert run(top_p=1e-6, seed=2).tokens == greedy.tokens  # top-p keeps the most likely one

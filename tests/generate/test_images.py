@@ -105,6 +105,40 @@ def test_requests_whose_images_do_not_fit_fail_alone(model) -> None:
     assert "no images" in bad[1].error
 
 
+def test_malformed_media_are_refused_at_submit(model) -> None:
+    """Wrong types raise TypeError naming the key; wrong shapes, grids below one patch and nan
+    pixels end the request alone with the reason, before any forward."""
+    prompt, media = image_prompt(7, [(1, 4, 4)])
+    pixels, grid = media["pixel_values"], media["image_grid_thw"]
+    generator = Generator(model, max_batch=2, max_len=64)
+    wrong_types = {
+        r"\['pixel_values'\] must be a torch tensor \(numpy: torch.from_numpy\)":
+            {**media, "pixel_values": pixels.numpy()},
+        r"\['image_grid_thw'\] must be an integer tensor .* got torch.float32":
+            {**media, "image_grid_thw": grid.float()},
+        "Request.media must be a dict of tensors": [pixels, grid],
+    }  # fmt: skip
+    for message, bad in wrong_types.items():
+        with pytest.raises(TypeError, match=message):
+            generator.submit(Request(prompt, GREEDY, media=bad))
+    assert generator.idle
+    nan_pixels = torch.full_like(pixels, torch.nan)
+    bad_values = {
+        "image_grid_thw must hold each image's t, h, w in patches, all >= 1; got [[1, -4, -4]]":
+            {**media, "image_grid_thw": torch.tensor([[1, -4, -4]])},
+        "pixel_values must be [images, patches, patch values] (3 dims); got shape [1, 1, 16,":
+            {**media, "pixel_values": pixels[None]},
+        "image_grid_thw must be [images, 3], a row per image of pixel_values (1); got shape [3]":
+            {**media, "image_grid_thw": grid[0]},
+        "pixel_values hold nan or inf": {**media, "pixel_values": nan_pixels},
+    }  # fmt: skip
+    done = generator.generate([Request(prompt, GREEDY, media=m) for m in bad_values.values()])
+    for message, completion in zip(bad_values, done, strict=True):
+        assert completion.finish_reason == "error" and completion.error.startswith(message), (
+            completion.error
+        )
+
+
 def test_a_text_model_refuses_images() -> None:
     text_model = build_model(resolve_model_config(ModelConfig(name="qwen3", flavor="debug")))
     text_model.init_weights(0)

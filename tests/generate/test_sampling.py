@@ -146,3 +146,18 @@ def test_noise_streams_are_uniform_and_distinct():
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
     again = uniform_noise(torch.tensor([0]), torch.tensor([0]), 4096)
     assert torch.equal(again[0], noise[0])  # a pure function of (seed, counter, token)
+
+
+def test_a_nan_row_draws_a_nan_log_prob_and_leaves_the_others_alone():
+    """nan logits under top-k and top-p: the row's reported log-probability is nan (which the
+    generator turns into an error), never an index past the row; the row beside it draws what
+    it draws alone."""
+    torch.manual_seed(2)
+    logprobs_BV = torch.randn(2, 20).log_softmax(-1)
+    logprobs_BV[0] = float("nan")
+    settings = (torch.tensor([1.0, 1.0]), torch.tensor([5, 5]), torch.tensor([0.5, 0.5]),
+                torch.tensor([1, 2]), torch.tensor([0, 0]))  # fmt: skip
+    tokens, picked = sample_rows(logprobs_BV, *settings)
+    alone, alone_lp = sample_rows(logprobs_BV[1:], *(s[1:] for s in settings))
+    assert picked[0].isnan() and 0 <= tokens[0] < 20
+    assert tokens[1] == alone[0] and picked[1] == alone_lp[0]

@@ -74,9 +74,12 @@ def test_removed_and_nonsense_values_end_in_one_exact_line(capsys) -> None:
         ("--rl.kl_coef", "inf"): "--rl.kl_coef must be a finite number >= 0; got inf.",
         ("--rl.overlong_penalty", "inf"): "--rl.overlong_penalty must be a finite number >= 0; "
         "got inf.",
-        ("--rl.temperature", "inf"): "--rl.temperature must be a finite number > 0 for rollouts "
-        "(greedy rollouts of a group are all alike; an infinite one samples uniform noise); got "
-        "inf.",
+        ("--rl.temperature", "inf"): "--rl.temperature must be a finite number >= 0.0001 for "
+        "rollouts (greedy rollouts of a group are all alike, a smaller one overflows the "
+        "sampler's division, an infinite one samples uniform noise); got inf.",
+        ("--rl.temperature", "1e-45"): "--rl.temperature must be a finite number >= 0.0001 for "
+        "rollouts (greedy rollouts of a group are all alike, a smaller one overflows the "
+        "sampler's division, an infinite one samples uniform noise); got 1e-45.",
         ("--rl.clip_high", "inf"): "--rl.clip_high must be a finite number >= 0; got inf.",
         ("--rl.clip_low", "1"): "--rl.clip_low must be in [0, 1); got 1.0.",
         ("--rl.group_size", "0"): "--rl.group_size must be at least 2: advantages are relative "

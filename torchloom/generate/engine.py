@@ -24,8 +24,9 @@ finds no free slot, the oldest kept one is evicted (its continuation is then pre
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ from torch.distributed.tensor import DTensor
 from torchloom.config.errors import ConfigError
 from torchloom.data.mrope import mrope_positions
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
+from torchloom.generate.requests import Completion, Request, media_problem, outside
+from torchloom.generate.requests import SamplingParams as SamplingParams  # the API, here too
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.models.components.fused_linear import fuse_projections_
@@ -49,66 +52,6 @@ MIXED_PREFILL_PADDING = 1024
 tokens. Past it the active requests take their own decode step (a graph replay on the GPU)
 after the prefill: with 512 decoding rows and a 50-token prompt, riding along would compute
 25,000 token positions to advance 512 (an H200 countdown RL run spent ~60 ms a step so)."""
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 64
-    """Most tokens to generate (the stop token, when one ends the request, is included)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only (0: all)."""
-    top_p: float = 1.0
-    """Sample among the most likely tokens whose probabilities add up to p (1: all)."""
-    seed: int | None = None
-    """This request's own random stream (None: drawn from torch's global generator)."""
-    stop_ids: tuple[int, ...] = ()
-    """Token ids that end the request (included in its output)."""
-
-    def problem(self) -> str | None:
-        """Why these values cannot be used, or None."""
-        if self.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1 (got {self.max_new_tokens})"
-        if not self.temperature >= 0:
-            return f"temperature must be >= 0 (0 is greedy; got {self.temperature})"
-        if self.top_k < 0:
-            return f"top_k must be >= 0 (0 keeps every token; got {self.top_k})"
-        if not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1] (got {self.top_p})"
-        return None
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    keep_slot: bool = False
-    """Keep the cache slot (every layer's state of this sequence) when the request finishes,
-    for a request that ``continues`` it; ``Generator.release(id)`` gives it back."""
-    continues: int | None = None
-    """The id of a finished request that kept its slot: ``prompt_ids`` extend its prompt and
-    completion, and only the tokens past them are prefilled, from its slot. Where that slot is
-    no longer kept (released, evicted for room, or never kept) the whole prompt is prefilled,
-    which gives the same result."""
-    media: dict[str, torch.Tensor] | None = None
-    """The prompt's images for a vision-language model: ``pixel_values [N, L, P]`` and
-    ``image_grid_thw [N, 3]`` (one slot per image, in the order of their placeholders; the
-    layout of a data batch's row, data/multimodal.py). A request with media is prefilled
-    whole (not from a kept slot) and shares its prefill only with requests given the same
-    media object."""
-
-
-@dataclass
-class Completion:
-    tokens: list[int] = field(default_factory=list)
-    """Generated token ids (not the prompt)."""
-    logprobs: list[float] = field(default_factory=list)
-    """log p(token | everything before it) under the model, one per generated token."""
-    finish_reason: str = ""
-    """'stop' (a stop id), 'length' (max_new_tokens or the context), or 'error'."""
-    error: str | None = None
-    """What was wrong with the request, when finish_reason is 'error'."""
 
 
 @dataclass
@@ -167,15 +110,29 @@ class Generator:
         compile: bool = False,
         admit_batch: int | None = None,
     ) -> None:
+        if not (isinstance(model, nn.Module) and hasattr(model, "config")
+                and hasattr(model, "new_cache")):  # fmt: skip
+            raise TypeError(
+                "model must be a torchloom decoder (an nn.Module with .config and .new_cache, "
+                f"from build_model or torchloom.from_hf); got {type(model).__name__}"
+            )
         # Without a cache slot no request is ever admitted: generate() would loop forever.
         if not _is_positive_int(max_batch):
             raise ValueError(f"max_batch (cache slots) must be an integer >= 1; got {max_batch!r}")
         if max_len is not None and not _is_positive_int(max_len):
             raise ValueError(f"max_len must be None or an integer >= 1; got {max_len!r}")
         self.model, self.config = model, model.config
+        context = self.config.max_seq_len
+        if max_len is not None and max_len > context:
+            # As `torchloom generate` does: its cache never outgrows the model's context.
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's context of {context} tokens "
+                "(config.max_seq_len), past which it was never trained; pass at most "
+                f"{context}, or None for the whole context (torchloom generate caps it there too)"
+            )
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        self.max_len = max_len or self.config.max_seq_len
+        self.max_len = max_len or context
         self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
         host_reads = _host_reads(model, self.dtype)
         if cuda_graphs is None:
@@ -224,7 +181,12 @@ class Generator:
 
     def submit(self, request: Request) -> int:
         """Queue ``request``; returns its id. A request that cannot run is reported by the next
-        ``step()`` with finish_reason 'error' and its reason."""
+        ``step()`` with finish_reason 'error' and its reason; one with a field of the wrong
+        type raises TypeError here, and nothing is queued (torchloom/generate/requests.py)."""
+        _check_types(request)
+        return self._queue(request)
+
+    def _queue(self, request: Request) -> int:
         request_id, self._next_id = self._next_id, self._next_id + 1
         problem = self._problem(request)
         if problem is None:
@@ -241,16 +203,25 @@ class Generator:
         its rows are short, or else advance every active request by one token (one forward;
         a no-op when idle).
         Returns (id, Completion) of the requests that finished in it, and of those refused by
-        ``submit`` or ended by ``update_weights`` since the last step."""
+        ``submit`` or ended by ``update_weights`` since the last step.
+        Should a forward raise, the requests it admitted end with finish_reason 'error' (the
+        next step reports them) and the exception propagates; running requests stay active."""
         with torch.no_grad():
             admitted = {}
             if self._admitting():
                 self._settle()  # the step launched ahead comes before the new rows
                 admitted = self._admit()
             if admitted:
-                if not self._prefill(admitted) and self._active:
-                    self._decode()  # the requests already running, in their own step
-                self._active.update(admitted)
+                try:
+                    mixed = self._prefill(admitted)
+                except BaseException as error:  # an interrupt too: nothing vanishes
+                    self._end_admitted(admitted, error)
+                    raise
+                try:
+                    if not mixed and self._active:
+                        self._decode()  # the requests already running, in their own step
+                finally:
+                    self._active.update(admitted)
             elif self._active:
                 self._decode()
             self._release()
@@ -294,19 +265,29 @@ class Generator:
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """One Completion per request, in order. A bad request gets finish_reason 'error' and
-        its reason; the others run normally. Requests submitted before keep running alongside;
-        those that finish meanwhile are reported by the next ``step()``."""
-        ids = [self.submit(request) for request in requests]
+        its reason; the others run normally (a field of the wrong type: TypeError, and none is
+        queued). Requests submitted before keep running alongside; those that finish meanwhile
+        are reported by the next ``step()``."""
+        if isinstance(requests, Request):
+            raise TypeError("generate takes a list of Requests; got one Request: pass [request]")
+        for request in requests:  # before any is queued: all or none
+            _check_types(request)
+        ids = [self._queue(request) for request in requests]
         wanted = set(ids)
         results: dict[int, Completion] = {}
         others: list[tuple[int, Completion]] = []
-        while len(results) < len(ids):
-            for request_id, completion in self.step():
-                if request_id in wanted:
-                    results[request_id] = completion
-                else:
-                    others.append((request_id, completion))
-        self._finished += others
+        try:
+            while len(results) < len(ids):
+                for request_id, completion in self.step():
+                    if request_id in wanted:
+                        results[request_id] = completion
+                    else:
+                        others.append((request_id, completion))
+        except BaseException:
+            others += results.items()  # nothing is lost: the next step() reports them
+            raise
+        finally:
+            self._finished += others
         return [results[i] for i in ids]
 
     def update_weights(self, weights: Weights, partial: bool = False) -> None:
@@ -333,12 +314,12 @@ class Generator:
             return problem
         if not prompt:
             return "the prompt is empty"
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            return (
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                f"{self.config.vocab_size})"
-            )
+        vocab = self.config.vocab_size
+        if bad := outside(prompt, vocab):
+            return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+        if bad := outside(list(params.stop_ids), vocab):
+            return (f"stop_ids {bad[:5]} are outside the vocabulary [0, {vocab}): the request "
+                    "could never stop on them")  # fmt: skip
         if (problem := self._media_problem(request)) is not None:
             return problem
         if len(prompt) + params.max_new_tokens > self.max_len:
@@ -361,7 +342,10 @@ class Generator:
                 f"the prompt holds {placeholders} image placeholder tokens but no images"
             )  # fmt: skip
         if set(media) != set(MEDIA_KEYS):
-            return f"media must hold {' and '.join(MEDIA_KEYS)}; got {', '.join(media)}"
+            got = ", ".join(media) or "nothing"
+            return f"media must hold {' and '.join(MEDIA_KEYS)}; got {got}"
+        if (problem := media_problem(media)) is not None:
+            return problem
         patch_dim = getattr(cfg.vision, "patch_dim", None)
         if patch_dim is not None and media["pixel_values"].shape[-1] != patch_dim:
             return (f"pixel_values hold patches of {media['pixel_values'].shape[-1]} values; "
@@ -427,14 +411,22 @@ class Generator:
         """Give the slots of requests that have finished back (or keep them); report them."""
         for slot in [s for s, a in self._active.items() if a.completion.finish_reason]:
             state = self._active.pop(slot)
-            if state.keep:
-                tokens = state.request.prompt_ids + state.completion.tokens
+            if state.keep and state.completion.finish_reason != "error":
+                tokens = [*state.request.prompt_ids, *state.completion.tokens]
                 self._kept[state.id] = _Kept(slot, tokens)
             else:
                 heapq.heappush(self._free, slot)
             self._finished.append((state.id, state.completion))
         if not self._active:
             self._ahead = None  # launched for rows that have stopped since: nothing to read
+
+    def _end_admitted(self, admitted: dict[int, _Active], error: BaseException) -> None:
+        """End the requests admitted into a step that raised (the next step reports them):
+        their slots are free again, and none is dropped without a word."""
+        for slot, state in admitted.items():
+            heapq.heappush(self._free, slot)
+            why = f"the step that prefilled it raised {type(error).__name__}: {error}"
+            self._finished.append((state.id, Completion(finish_reason="error", error=why)))
 
     # -- forwards -------------------------------------------------------------------------------
 
@@ -559,6 +551,14 @@ class Generator:
                 token, logprob = int(best_tokens[row]), best_logprobs[row]
             else:
                 token, logprob = drawn[i]
+            if not math.isfinite(logprob):  # nan or inf logits: the token means nothing
+                completion.finish_reason = "error"
+                completion.error = (
+                    f"the model's log-probabilities for generated token {len(completion.tokens)} "
+                    f"are not finite ({logprob}): its logits hold nan or inf (check the "
+                    "weights, the dtype and the inputs)"
+                )
+                continue
             completion.tokens.append(token)
             completion.logprobs.append(logprob)
             state.position = len(state.request.prompt_ids) + len(completion.tokens) - 1
@@ -591,8 +591,16 @@ def _to(media: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 def _extends(prompt: list[int], tokens: list[int]) -> bool:
-    """Whether ``prompt`` starts with ``tokens``."""
-    return len(prompt) >= len(tokens) and prompt[: len(tokens)] == tokens
+    """Whether ``prompt`` (a list or a tuple) starts with ``tokens``."""
+    return len(prompt) >= len(tokens) and list(prompt[: len(tokens)]) == tokens
+
+
+def _check_types(request: object) -> None:
+    """TypeError unless ``request`` is a Request whose fields have the right types."""
+    if not isinstance(request, Request):
+        raise TypeError(f"expected a Request(prompt_ids, SamplingParams(...)); got "
+                        f"{type(request).__name__}")  # fmt: skip
+    request.check_types()
 
 
 def _is_positive_int(value: object) -> bool:
@@ -623,8 +631,10 @@ def _draw(
 
     params = [states[i].request.params for i in sampling]
     logprobs_SV = logprobs_BV[column([index[i] for i in sampling])]
+    V = logprobs_SV.shape[-1]  # a top_k past the vocabulary keeps it all (and fits in int64)
     tokens_S, picked_S = sample_rows(
-        logprobs_SV, column([p.temperature for p in params]), column([p.top_k for p in params]),
+        logprobs_SV, column([p.temperature for p in params]),
+        column([min(p.top_k, V) for p in params]),
         column([p.top_p for p in params]), column([states[i].seed for i in sampling]),
         column([len(states[i].completion.tokens) for i in sampling]),
         filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),

@@ -151,6 +151,16 @@ def read_prompts(
 
 
 def _parse_prompt(record: Any, where: str, chat: bool) -> Prompt:
+    unknown = [key for key in record if key not in _PROMPT_KEYS] if isinstance(record, dict) else []
+    if unknown:
+        # Sampling settings are the command's options, the same for every line.
+        raise ConfigError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(json.dumps, unknown))}; a line holds exactly "
+            f'one of "prompt", "prompt_ids" or "{MESSAGES_FIELD}" and nothing else (sampling '
+            "settings are options: --max-new-tokens, --temperature, --top-k, --top-p, --seed)."
+            f"{did_you_mean(unknown[0], _PROMPT_KEYS)}"
+        )
     keys = [key for key in _PROMPT_KEYS if isinstance(record, dict) and key in record]
     if len(keys) != 1:
         raise ConfigError(
@@ -329,6 +339,7 @@ def generate_records(
     """Run every prompt (request i gets seed + i when a seed is given; ``media[i]`` its
     images) and return one record each. Requests stop at ``params.stop_ids``, else at the tokenizer's eos (and, after
     ``chat`` prompts, the template's end-of-turn token)."""
+    check_sampling(params)
     stop = params.stop_ids or (tokenizer.stop_ids(chat) if tokenizer is not None else ())
     requests = [
         Request(
@@ -366,6 +377,23 @@ def generate_records(
         print(f"{len(requests)} request(s), {generated} tokens in {seconds:.2f} s "
               f"({generated / max(seconds, 1e-9):,.0f} tokens/s)")  # fmt: skip
     return records
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """Refuse sampling settings the generator cannot use (a temperature so small it overflows
+    the division of the logits) or that greedy decoding would ignore (top-k, top-p)."""
+    if (problem := params.problem()) is not None:
+        flag = "--" + problem.split(" ", 1)[0].replace("_", "-")  # it starts with the field
+        raise ConfigError(f"{flag}: {problem}.")
+    if params.temperature == 0 and (params.top_k > 0 or params.top_p < 1):
+        ignored = " and ".join(
+            flag for flag, given in (("--top-k", params.top_k > 0), ("--top-p", params.top_p < 1))
+            if given
+        )  # fmt: skip
+        raise ConfigError(
+            f"--greedy (or --temperature 0) takes the most likely token, so {ignored} would be "
+            "ignored; drop one or the other."
+        )
 
 
 def write_records(output: Path, records: list[dict[str, Any]]) -> None:

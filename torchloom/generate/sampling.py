@@ -66,7 +66,9 @@ def kept_tokens(
     probs_BV = torch.softmax(scores_BV.masked_fill(~kept_BV, float("-inf")), dim=-1)
     sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
     # Sorted descending, ties are contiguous: a tie counts the mass before its first member.
-    first_of_tie_BV = torch.searchsorted(-sorted_BV, -sorted_BV, side="left")
+    # (A nan row, from nan logits, finds no place: clamped, it yields a nan draw that the
+    # generator reports, not an index past the row.)
+    first_of_tie_BV = torch.searchsorted(-sorted_BV, -sorted_BV, side="left").clamp(max=V - 1)
     before_BV = (sorted_BV.cumsum(-1) - sorted_BV).gather(1, first_of_tie_BV)
     nucleus_sorted_BV = (before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
     nucleus_BV = torch.zeros_like(kept_BV).scatter(1, order_BV, nucleus_sorted_BV)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from torchloom.config.errors import ConfigError
+from torchloom.generate.requests import MIN_TEMPERATURE
 from torchloom.rl.evaluate import EvalConfig
 from torchloom.train.job import JobConfig
 
@@ -143,10 +144,11 @@ class RLConfig:
             raise ConfigError(f"--rl.clip_low must be in [0, 1); got {low}.")
         if not 0 <= high < math.inf:
             raise ConfigError(f"--rl.clip_high must be a finite number >= 0; got {high}.")
-        if not 0 < self.temperature < math.inf:
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
             raise ConfigError(
-                f"--rl.temperature must be a finite number > 0 for rollouts (greedy rollouts of "
-                f"a group are all alike; an infinite one samples uniform noise); got "
+                f"--rl.temperature must be a finite number >= {MIN_TEMPERATURE:g} for rollouts "
+                "(greedy rollouts of a group are all alike, a smaller one overflows the "
+                f"sampler's division, an infinite one samples uniform noise); got "
                 f"{self.temperature}."
             )
         for name in ("ppo_epochs", "minibatches"):
