@@ -24,6 +24,7 @@ from torchloom.config import (
     to_dict,
     validate_tree,
 )
+from torchloom.config.overrides import split_overrides
 from torchloom.recipes import get_recipe, list_recipes
 from torchloom.train.job import JobConfig
 
@@ -84,9 +85,30 @@ def resolve_job(argv: list[str]) -> tuple[str, JobConfig]:
     """(recipe name, job config) from ``--recipe NAME`` and dotted overrides, validated."""
     argv = list(argv)
     name = _pop_option(argv, "--recipe") or DEFAULT_RECIPE
+    while (again := _pop_option(argv, "--recipe")) is not None:
+        if again != name:  # the same name twice changes nothing (cmd_rl may add it again)
+            raise ConfigError(f"--recipe is given twice ({name}, {again}); give it once.")
     job = apply_overrides(get_recipe(name).build(), argv)
     validate_tree(job)
+    _check_batch_options(job, {path.replace("-", "_") for path, _ in split_overrides(argv)})
     return name, job
+
+
+def _check_batch_options(job: JobConfig, given: set[str]) -> None:
+    """Refuse a --training.global_batch_size given on the command line that the global batch
+    in tokens (which wins) contradicts."""
+    t = job.training
+    if (
+        "training.global_batch_size" in given
+        and t.global_batch_tokens
+        and t.global_batch_size != t.global_batch_sequences
+    ):
+        raise ConfigError(
+            f"--training.global_batch_size {t.global_batch_size} and "
+            f"--training.global_batch_tokens {t.global_batch_tokens} (= "
+            f"{t.global_batch_sequences} sequences of {t.seq_len} tokens) disagree; give one of "
+            "the two."
+        )
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -105,7 +127,11 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     print_config = _pop_flag(argv, "--print-config")
     dry = _pop_flag(argv, "--dry-run")
+    while _pop_flag(argv, "--print-config") or _pop_flag(argv, "--dry-run"):
+        pass  # a switch given twice is still on
     world = _pop_option(argv, "--world-size")
+    if _pop_option(argv, "--world-size") is not None:
+        raise ConfigError("--world-size is given twice for train; give it once.")
     if world is not None and not dry:
         raise ConfigError(
             f"--world-size {world} applies only with --dry-run (it simulates that many ranks in "
@@ -156,8 +182,9 @@ def cmd_train(argv: list[str]) -> int:
             if math.isnan(result.val_loss_before) and math.isnan(result.val_loss_after)
             else f", validation loss {result.val_loss_before:.3f} -> {result.val_loss_after:.3f}"
         )  # no held-out split (--data.val_fraction 0, streaming): no validation to report
+        skipped = f" ({result.skipped} skipped as non-finite)" if result.skipped else ""
         print(
-            f"done: {result.steps} steps, train loss {result.first_loss:.3f} -> "
+            f"done: {result.steps} steps{skipped}, train loss {result.first_loss:.3f} -> "
             f"{result.last_loss:.3f}{validation}"
         )
         _print_sample(trainer, result.model_dir)

@@ -149,3 +149,34 @@ def test_the_right_field_in_another_section_is_suggested_first():
 
     with pytest.raises(ConfigError, match=r"--training\.lr\. Did you mean '--optimizer\.lr'"):
         apply_overrides(Job(), ["--training.lr", "0.1"])
+
+
+def test_an_option_given_twice_keeps_the_last_and_warns(capsys):
+    """Scripts append the user's flags to their own (benchmarks/vs_torchtitan.py
+    --torchloom-args), so the last value wins; the warning names both, and that a dict is
+    replaced, not merged. The same value twice changes nothing and says nothing."""
+    cfg = apply_overrides(Outer(), ["--training.steps", "3", "--training.steps=1"])
+    assert cfg.training.steps == 1
+    assert capsys.readouterr().err == (
+        "warning: --training.steps is given twice (3, then 1); the last one is used.\n"
+    )
+    cfg = apply_overrides(Outer(), ["--other.extra", '{"a": 1}', "--other.extra", '{"b": 2}'])
+    assert cfg.other.extra == {"b": 2}
+    assert "the last one is used, not merged with the first." in capsys.readouterr().err
+    apply_overrides(Outer(), ["--training.flag", "--training.flag", "true"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_choice_typed_under_another_name_suggests_that_choice():
+    @dataclass
+    class Training:
+        device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @dataclass
+    class Job:
+        training: Training = field(default_factory=Training)
+
+    with pytest.raises(ConfigError, match=r"got 'gpu'\. Did you mean 'cuda'\?$"):
+        apply_overrides(Job(), ["--training.device", "gpu"])
+    with pytest.raises(ConfigError, match=r"got 'cpux'\. Did you mean 'cpu'\?$"):
+        apply_overrides(Job(), ["--training.device", "cpux"])

@@ -176,11 +176,38 @@ def test_ctrl_c_before_the_first_marker_is_the_same_case(tmp_path, capsys, monke
     "flags, message",
     [
         (["--training.max_norm", "nan"],
-         "--training.max_norm must be >= 0 (0 disables clipping); got nan."),
+         "--training.max_norm must be a finite number >= 0 (0 disables clipping); got nan."),
+        (["--training.max_norm", "inf"],
+         "--training.max_norm must be a finite number >= 0 (0 disables clipping); got inf."),
         (["--training.seed", "-1"], "--training.seed must be in [0, 2**63); got -1."),
+        (["--training.steps", "99999999999999999999"],
+         "--training.steps must be below 2**31; got 99999999999999999999."),
+        (["--training.global_batch_tokens", "-128"], "--training.global_batch_tokens must be >= 0 "
+         "(0: use --training.global_batch_size); got -128."),
+        (["--training.global_batch_tokens", "1024", "--training.global_batch_size", "4"],
+         "--training.global_batch_size 4 and --training.global_batch_tokens 1024 (= 8 sequences "
+         "of 128 tokens) disagree; give one of the two."),
+        (["--training.device", "gpu"],
+         "--training.device must be one of auto, cpu, cuda; got 'gpu'. Did you mean 'cuda'?"),
+        (["--training.sample_prompt", "", "--training.sample_tokens", "4"],
+         "--training.sample_prompt is empty, so the 4-token sample would have nothing to "
+         "continue; give a prompt, e.g. --training.sample_prompt The, or --training.sample_tokens "
+         "0 for no sample."),
+        (["--profiling.steps", "[5, 6]", "--training.steps", "5"],
+         "--profiling.steps [5, 6] lies beyond --training.steps 5, so the trace would never be "
+         "written; pick steps within 1..5."),
+        (["--training.mixed_precision", "fp32", "--parallel.mixed_precision_param", "bf16"],
+         "--training.mixed_precision fp32 contradicts --parallel.mixed_precision_param bf16 (the "
+         "dtype FSDP computes in); set both to fp32, or leave mixed_precision_param at auto to "
+         "follow training.mixed_precision."),
+        (["--recipe", "qwen3_tiny"], "--recipe is given twice (debug, qwen3_tiny); give it once."),
+        (["--model.overrides", '{"init_std": Infinity}'],
+         "model init_std must be a finite number > 0, got inf."),
         (["--optimizer.lr", "nan"], "--optimizer.lr must be a positive number; got nan."),
         (["--optimizer.eps", "-1"],
-         "--optimizer.eps must be a number >= 0 (1e-8 is usual); got -1.0."),
+         "--optimizer.eps must be a number > 0 (1e-8 is usual); got -1.0."),
+        (["--optimizer.eps", "0"],
+         "--optimizer.eps must be a number > 0 (1e-8 is usual); got 0.0."),
         (["--optimizer.weight_decay", "-0.1"],
          "--optimizer.weight_decay must be a number >= 0 (0: no decay); got -0.1."),
         (["--model.loss_impl", "magic"], "Unknown --model.loss_impl 'magic'. Available: full, "
@@ -217,6 +244,35 @@ def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path, capsys):
         (["--training.steps", "3", "--lr_schedule.warmup_steps", "11"],
          "--lr_schedule.warmup_steps 11 exceeds --training.steps 3: the learning rate ends the "
          "run at 25% of --optimizer.lr, never reaching it; lower warmup_steps to reach the peak."),
+        (["--remat.every_k", "3"], "--remat.every_k 3 has no effect until --remat.mode every_k."),
+        (["--remat.memory_budget", "0.3"],
+         "--remat.memory_budget 0.3 has no effect until --remat.mode budget."),
+        (["--remat.save_ops", '["mm"]'],
+         '--remat.save_ops ["mm"] has no effect until --remat.mode selective.'),
+        (["--checkpoint.keep_latest_k", "2"],
+         "--checkpoint.keep_latest_k 2 has no effect until --checkpoint.interval > 0."),
+        (["--checkpoint.mode", "async"],
+         "--checkpoint.mode async has no effect until --checkpoint.interval > 0."),
+        (["--checkpoint.fallback", "true"],
+         "--checkpoint.fallback true has no effect until --checkpoint.resume true."),
+        (["--checkpoint.exclude_from_loading", '["optimizer"]'],
+         '--checkpoint.exclude_from_loading ["optimizer"] has no effect until '
+         "--checkpoint.resume true."),
+        (["--lr_schedule.decay_fraction", "0.5"],
+         "--lr_schedule.decay_fraction 0.5 has no effect until --lr_schedule.decay wsd."),
+        (["--lr_schedule.decay", "constant", "--lr_schedule.min_lr_ratio", "0.5"],
+         "--lr_schedule.min_lr_ratio 0.5 has no effect until --lr_schedule.decay is cosine, "
+         "linear or wsd."),
+        (["--profiling.record_shapes", "false"],
+         "--profiling.record_shapes false has no effect until --profiling.steps names steps to "
+         "trace."),
+        (["--parallel.loss_parallel", "false"],
+         "--parallel.loss_parallel false has no effect until --parallel.tp > 1."),
+        (["--training.val_interval", "3", "--training.val_interval", "1"],
+         "--training.val_interval is given twice (3, then 1); the last one is used."),
+        (["--model.overrides", '{"num_layers": 3}', "--model.overrides", '{"dim": 128}'],
+         '--model.overrides is given twice ({"num_layers": 3}, then {"dim": 128}); the last one '
+         "is used, not merged with the first."),
     ],
 )  # fmt: skip
 def test_valid_options_that_do_nothing_are_accepted_with_a_warning(capsys, flags, warning):

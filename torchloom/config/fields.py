@@ -79,6 +79,9 @@ def type_name(hint: Any) -> str:
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+_ALIASES = {"gpu": "cuda"}
+"""Words users type for a choice under another name: the hint suggests the choice (gpu ->
+cuda), which spelling distance would miss (it picks cpu)."""
 
 
 def parse_value(text: str, hint: Any, path: str) -> Any:
@@ -112,9 +115,14 @@ def parse_value(text: str, hint: Any, path: str) -> Any:
         for choice in choices:
             if str(choice) == text:
                 return choice
+        alias = _ALIASES.get(text.lower())
+        hint = (
+            f" Did you mean '{alias}'?"
+            if alias in map(str, choices)
+            else did_you_mean(text, map(str, choices))
+        )
         raise ConfigError(
-            f"--{path} must be one of {', '.join(map(str, choices))}; got {text!r}."
-            + did_you_mean(text, map(str, choices))
+            f"--{path} must be one of {', '.join(map(str, choices))}; got {text!r}." + hint
         )
     if hint is bool:
         if text.lower() in _TRUE:

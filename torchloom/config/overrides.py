@@ -6,7 +6,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError, did_you_mean, warn
 from torchloom.config.fields import field_types, leaf_paths, parse_value, type_name
 
 
@@ -36,9 +36,14 @@ def split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
 
 
 def apply_overrides(cfg: Any, argv: list[str]) -> Any:
-    """A copy of ``cfg`` with every ``--dotted.path value`` in ``argv`` applied, type-checked."""
+    """A copy of ``cfg`` with every ``--dotted.path value`` in ``argv`` applied, type-checked.
+
+    An option given twice keeps its last value (scripts append the user's flags to their own),
+    with a warning naming both values when they differ: a dict such as --model.overrides is
+    replaced, not merged."""
     cfg = copy.deepcopy(cfg)
     paths = {path: hint for path, hint, _, _ in leaf_paths(cfg)}
+    given: dict[str, tuple[str | None, Any]] = {}  # path -> (text, value) as first given
     for path, text in split_overrides(argv):
         path = path.replace("-", "_")
         if path not in paths:
@@ -60,8 +65,21 @@ def apply_overrides(cfg: Any, argv: list[str]) -> Any:
             value: Any = True
         else:
             value = parse_value(text, hint, path)
+        if path in given and given[path][1] != value:
+            warn(
+                f"--{path} is given twice ({_shown(given[path][0])}, then {_shown(text)}); the "
+                "last one is used"
+                + (", not merged with the first" if isinstance(value, dict) else "")
+                + "."
+            )
+        given[path] = (text, value)
         set_path(cfg, path, value)
     return cfg
+
+
+def _shown(text: str | None) -> str:
+    """A command-line value as the user typed it (a bare flag: true)."""
+    return "true" if text is None else text
 
 
 def _renamed(cfg: Any, path: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -103,7 +104,23 @@ def apply_component_choices(cfg: DecoderConfig, model_cfg: ModelConfig) -> Decod
         cfg = batch_invariant_config(cfg)
     cfg = apply_transforms(cfg, model_cfg.transforms)
     cfg.validate()
+    _check_buildable(cfg, model_cfg.name)
     return cfg
+
+
+def _check_buildable(cfg: DecoderConfig, family: str) -> None:
+    """What the family's own validation lets through but its model cannot build or train:
+    a non-finite init_std, and hash-routed MoE layers in a family whose blocks do not hand
+    their MoE the token ids (the families that do have hash-routed layers: ``hash_layers``)."""
+    if not math.isfinite(cfg.init_std):
+        raise ConfigError(f"model init_std must be a finite number > 0, got {cfg.init_std}.")
+    moe = getattr(cfg, "moe", None)
+    if getattr(moe, "hash_routing", False) and not hasattr(cfg, "hash_layers"):
+        raise ConfigError(
+            f"model moe.hash_routing needs the token ids in every MoE layer, which {family}'s "
+            "blocks do not pass (deepseek_v4's do: its first hash_layers layers are "
+            "hash-routed); leave moe.hash_routing false."
+        )
 
 
 def batch_invariant_config(cfg: DecoderConfig) -> DecoderConfig:

@@ -18,6 +18,12 @@ _PIPELINE_OPTIONS = (
     "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_layers_per_stage",
     "pp_embedding_weight",
 )  # fmt: skip
+_DATA_PARALLEL_OPTIONS = (
+    "mixed_precision_param",
+    "mixed_precision_reduce",
+    "reshard_after_forward",
+)
+"""What only FSDP reads (``mixed_precision_policy``, ``fully_shard``)."""
 
 ParamDtype = Literal["auto", "bf16", "fp32"]
 ReduceDtype = Literal["fp32", "bf16"]
@@ -52,7 +58,8 @@ class ParallelConfig:
     them by all-to-all."""
     mixed_precision_param: ParamDtype = "auto"
     """Dtype data parallelism (FSDP) gathers parameters in for compute; the sharded master copy
-    and the optimizer stay fp32. auto: bf16 on the GPU, fp32 on the CPU."""
+    and the optimizer stay fp32. auto: --training.mixed_precision when that is bf16 or fp32,
+    else bf16 on the GPU and fp32 on the CPU."""
     mixed_precision_reduce: ReduceDtype = "fp32"
     """Dtype in which data parallelism reduces gradients across ranks."""
     reshard_after_forward: ReshardPolicy = "default"
@@ -95,6 +102,8 @@ class ParallelConfig:
         self._validate_pipeline_options()
         if self.pp == 1:
             warn_unused_options(self, "parallel", _PIPELINE_OPTIONS, "--parallel.pp > 1")
+        if self.tp == 1:
+            warn_unused_options(self, "parallel", ("loss_parallel",), "--parallel.tp > 1")
 
     def _validate_pipeline_options(self) -> None:
         """The pipeline options' own values, whatever pp is: a typo must not wait for the run
@@ -123,24 +132,38 @@ class ParallelConfig:
                 raise ConfigError(
                     f"The world size {world_size} is not divisible by dp_replicate x cp x tp x pp "
                     f"= {self.dp_replicate} x {self.cp} x {self.tp} x {self.pp} = {others}; "
-                    "choose degrees whose product divides the number of processes."
+                    + _launch_hint(world_size, others)
                 )
             dp_shard = world_size // others
         resolved = replace(self, dp_shard=dp_shard)
         product = math.prod(getattr(resolved, a) for a in _AXES)
         if product != world_size:
-            raise ConfigError(
-                "dp_replicate x dp_shard x cp x tp x pp = "
-                + " x ".join(str(getattr(resolved, a)) for a in _AXES)
-                + f" = {product}, but {world_size} processes were launched; make the product "
-                "equal the world size (or set --parallel.dp_shard -1 to fill it)."
+            degrees = " x ".join(str(getattr(resolved, a)) for a in _AXES)
+            fix = (
+                f"this is one process; {_launch_hint(world_size, product)}"
+                if world_size == 1
+                else f"{world_size} processes were launched; make the product equal the world "
+                "size (or set --parallel.dp_shard -1 to fill it)."
             )
+            raise ConfigError(
+                f"dp_replicate x dp_shard x cp x tp x pp = {degrees} = {product}, but {fix}"
+            )
+        if world_size == 1 and not self.fsdp_always:
+            warn_unused_options(
+                self, "parallel", _DATA_PARALLEL_OPTIONS,
+                "FSDP is on (more than one process, or --parallel.fsdp_always true)",
+            )  # fmt: skip
         borrowed = resolved.dp_shard * resolved.cp
         if borrowed % resolved.ep:
             raise ConfigError(
                 f"--parallel.ep {resolved.ep} does not divide dp_shard x cp = {resolved.dp_shard} "
                 f"x {resolved.cp} = {borrowed}: expert parallelism borrows its ranks from those "
-                f"(it adds none). Choose an ep that divides {borrowed}, or raise dp_shard."
+                "(it adds none); "
+                + (
+                    _launch_hint(world_size, resolved.ep)
+                    if world_size == 1
+                    else f"choose an ep that divides {borrowed}, or raise dp_shard."
+                )
             )
         return resolved
 
@@ -148,6 +171,25 @@ class ParallelConfig:
     def dp_size(self) -> int:
         """Ranks that see different data (replicate x shard); valid after resolve()."""
         return self.dp_replicate * self.dp_shard
+
+    def following(self, mixed_precision: str) -> ParallelConfig:
+        """These settings with ``mixed_precision_param auto`` resolved to an explicit
+        ``--training.mixed_precision`` (bf16 or fp32), so FSDP computes in the dtype the run
+        asked for; with auto the device decides (``mixed_precision_policy``)."""
+        if self.mixed_precision_param != "auto" or mixed_precision == "auto":
+            return self
+        return replace(self, mixed_precision_param=mixed_precision)
+
+
+def _launch_hint(world_size: int, needed: int) -> str:
+    """How to get the processes a layout needs: torchrun, when this is a single process."""
+    if world_size == 1:
+        return (
+            f"these degrees need {needed} processes: launch them with torchrun "
+            f"--nproc-per-node {needed} (--dry-run simulates them with --world-size {needed}), "
+            "or set the degrees to 1."
+        )
+    return "choose degrees whose product divides the number of processes."
 
 
 # -- pipeline schedules (the facts the config checks; parallel/pipeline.py runs them) ----------

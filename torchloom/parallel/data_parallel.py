@@ -33,7 +33,9 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def mixed_precision_policy(config: ParallelConfig, device_type: str) -> MixedPrecisionPolicy:
-    """Compute (gathered) parameter dtype and gradient-reduction dtype; auto is bf16 on GPUs."""
+    """Compute (gathered) parameter dtype and gradient-reduction dtype; auto is bf16 on GPUs
+    and fp32 on the CPU (the trainer first resolves auto to an explicit
+    --training.mixed_precision: ``ParallelConfig.following``)."""
     param = config.mixed_precision_param
     if param == "auto":
         param = "bf16" if device_type == "cuda" else "fp32"

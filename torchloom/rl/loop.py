@@ -80,7 +80,9 @@ class RLRunner:
         self.device = init_distributed(t.device)
         # Disaggregated: the first ranks train, over a mesh of their own; the others generate.
         self.trainers = trainer_ranks(r)
-        self.dims = build_parallel_dims(job.parallel, self.device.type, self.trainers or None)
+        self.dims = build_parallel_dims(
+            job.parallel.following(t.mixed_precision), self.device.type, self.trainers or None
+        )
         self.is_generator = bool(self.trainers) and self.dims.rank >= self.trainers
         self.output_dir = Path(job.output.dir)
         if r.task not in TASKS and r.task != "python_tool":

@@ -12,6 +12,7 @@ No rank ever holds the whole model unless its layout gives it the whole model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.checkpoint.hf import load_hf_weights, model_config_from_hf
 from torchloom.checkpoint.stateful import ModelState, OptimizerState, Stateful
@@ -99,14 +101,86 @@ def build_model_parts(
             model, dims, seq_len=seq_len, tp_plan=spec.tp_plan, device=device,
             objective=objective, wrap_blocks=wrap,
         )  # fmt: skip
-        for stage in pipeline.stages:
-            if allocate:
+        if allocate:
+            check_memory(list(pipeline.stages), job, device)
+            for stage in pipeline.stages:
                 materialize(stage, job, device)
         return ModelParts(config, pipeline.stages, pipeline, pipeline.local_model())
     parallelize(model, dims, seq_len=seq_len, tp_plan=spec.tp_plan, wrap_blocks=wrap)
     if allocate:
+        check_memory([model], job, device)
         materialize(model, job, device)
     return ModelParts(config, model)
+
+
+GiB = 2**30
+_TOO_LARGE_FIXES = (
+    "plan a layout that fits with --dry-run, pick a smaller --model.flavor, or shard the model "
+    "with FSDP over more ranks (torchrun --nproc-per-node N)"
+)
+
+
+def local_bytes(param: torch.Tensor) -> int:
+    """Bytes of this rank's shard of ``param`` (the whole tensor when it is not a DTensor)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
+
+
+def surely_trained(name: str) -> bool:
+    """Whether every training step gives the parameter ``name`` (as named in a model or a
+    pipeline stage) a gradient: the embedding, the head and the decoder blocks, except
+    sparse-attention indexers (trained in some phases only). Media encoders (no gradient on
+    text batches) and the rest are left out."""
+    top = name.split(".", 1)[0]
+    return top in ("embed_tokens", "output", "norm", "layers") and ".indexer." not in name
+
+
+def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tuple[int, int]:
+    """(this rank's parameter bytes, the least training adds to them): the gradients of the
+    parameters every step trains (``surely_trained``), shaped like their local shards, and
+    with AdamW the two moments of each (what --dry-run reports for every parameter)."""
+    params = grads = 0
+    for module in modules:
+        for name, param in module.named_parameters():
+            params += local_bytes(param)
+            if param.requires_grad and surely_trained(name):
+                grads += local_bytes(param)
+    moments = 2 * grads if job.optimizer.name == "adamw" else 0
+    return params, grads + moments
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The device's total memory in bytes (the machine's RAM for the CPU); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_memory(modules: list[nn.Module], job: JobConfig, device: torch.device) -> None:
+    """ConfigError, before anything is allocated, when what training surely needs on this rank
+    (``training_bytes_lower_bound``: no activations, no allocator overhead) exceeds the
+    device's total memory: such a run cannot fit, and would otherwise grind or be killed."""
+    total = device_memory(device)
+    if total is None:
+        return
+    params, trained = training_bytes_lower_bound(modules, job)
+    if params + trained > total:
+        raise ConfigError(
+            f"Training this model needs at least {(params + trained) / GiB:.1f} GiB per rank "
+            f"(parameters {params / GiB:.1f} GiB, plus gradients and optimizer state), more "
+            f"than the {total / GiB:.1f} GiB of memory of this {device.type} device; "
+            f"{_TOO_LARGE_FIXES}."
+        )
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    text = str(err).lower()
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError)
+        and ("can't allocate memory" in text or "out of memory" in text)
+    )
 
 
 def check_layout(model: nn.Module, dims: ParallelDims) -> None:
@@ -150,13 +224,23 @@ def check_layout(model: nn.Module, dims: ParallelDims) -> None:
 
 def materialize(model: nn.Module, job: JobConfig, device: torch.device) -> None:
     """Allocate ``model``'s shards on ``device`` and fill them: from the Hugging Face folder of
-    --checkpoint.initial_load_hf (each rank reads only its shards), else from the seed."""
-    model.to_empty(device=device)
+    --checkpoint.initial_load_hf (each rank reads only its shards), else from the seed. Running
+    out of memory is a ConfigError naming the size and the fixes."""
     hf_dir = job.checkpoint.initial_load_hf
-    if hf_dir:
-        load_hf_weights(model, Path(hf_dir))
-    else:
-        model.init_weights(job.training.seed)
+    try:
+        model.to_empty(device=device)
+        if hf_dir:
+            load_hf_weights(model, Path(hf_dir))
+        else:
+            model.init_weights(job.training.seed)
+    except RuntimeError as err:
+        if not _out_of_memory(err):
+            raise
+        size = sum(local_bytes(p) for p in model.parameters()) / GiB
+        raise ConfigError(
+            f"The {device.type} device ran out of memory while allocating the model's "
+            f"parameters ({size:.1f} GiB on this rank); {_TOO_LARGE_FIXES}."
+        ) from None
 
 
 DELTA_RULE_MIXERS = ("GatedDeltaNet", "KimiDeltaAttention")
@@ -217,11 +301,10 @@ def check_seq_len(config: DecoderConfig, seq_len: int, loaded_from: str = "") ->
         )
 
 
-def check_media_fits(config: DecoderConfig, tokenizer: Any, data: DataConfig) -> None:
-    """ConfigError (one line) when multimodal data meets a model without a media encoder, data
-    rendered for another family (--data.media_layout), or a model whose placeholder ids or
-    patch size differ from the data's. A vision model may still train on text (its encoder then
-    gets no gradient)."""
+def check_media_encoder(config: DecoderConfig, data: DataConfig) -> None:
+    """The part of ``check_media_fits`` that needs no tokenizer (the trainer runs it before the
+    data, which may take minutes): multimodal data needs a model with a media encoder, reading
+    the layout the data is rendered in."""
     if data.format != "multimodal":
         return
     family = getattr(config, "media_layout", None)
@@ -235,6 +318,16 @@ def check_media_fits(config: DecoderConfig, tokenizer: Any, data: DataConfig) ->
             f"--data.media_layout {data.media_layout} renders media for {data.media_layout} "
             f"models, but this model reads the {family} layout; set --data.media_layout {family}."
         )
+
+
+def check_media_fits(config: DecoderConfig, tokenizer: Any, data: DataConfig) -> None:
+    """ConfigError (one line) when multimodal data meets a model without a media encoder, data
+    rendered for another family (--data.media_layout), or a model whose placeholder ids or
+    patch size differ from the data's. A vision model may still train on text (its encoder then
+    gets no gradient)."""
+    if data.format != "multimodal":
+        return
+    check_media_encoder(config, data)
     layout = resolve_media_layout(data)
     tokens = MediaTokens.from_tokenizer(tokenizer, layout)
     start_id = getattr(config, "vision_start_token_id", tokens.image_start_token_id)

@@ -25,6 +25,10 @@ from torchloom.train.remat import recomputing
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMMON_BACKENDS = ("inductor", "aot_eager", "eager")
+_BACKEND_PACKAGES = {"tvm": ("tvm", "apache-tvm"), "openxla": ("torch_xla", "torch_xla"),
+                     "openxla_eval": ("torch_xla", "torch_xla")}  # fmt: skip
+"""Backends torch registers whose package is imported only at the first compile: (module,
+what to pip install)."""
 
 
 @dataclass
@@ -64,9 +68,33 @@ class CompileConfig:
                     f"{did_you_mean(self.backend, backends)} Common ones: "
                     f"{', '.join(_COMMON_BACKENDS)}."
                 )
+            if self.enabled:
+                _check_backend_usable(self.backend)
         if not self.enabled:
             options = ("regions", "backend", "fullgraph", "mode")
             warn_unused_options(self, "compile", options, "--compile.enabled true")
+
+
+def _check_backend_usable(name: str) -> None:
+    """ConfigError for a registered backend this environment cannot run: its package is
+    missing, or a plugin's entry point fails to load. Nothing is compiled."""
+    import importlib.util
+
+    import torch._dynamo
+
+    unusable = f"--compile.backend {name} is registered but cannot run here"
+    fix = f"use one of {', '.join(_COMMON_BACKENDS)}"
+    if name in _BACKEND_PACKAGES:
+        module, package = _BACKEND_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{unusable}: it needs {package} (pip install {package}); or {fix}.")
+    try:
+        torch._dynamo.lookup_backend(name)  # loads a plugin backend's entry point
+    except Exception as err:  # whatever a plugin's import raises
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+        raise ConfigError(
+            f"{unusable}: loading it failed ({type(err).__name__}: {reason}); {fix}."
+        ) from None
 
 
 def compile_regions(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,7 +31,9 @@ class TrainingConfig:
     max_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     skip_nonfinite: bool = False
-    """Skip an optimizer step whose loss is nan/inf instead of stopping the run."""
+    """Skip an optimizer step whose loss or gradient norm is nan/inf instead of stopping the
+    run; the end of the run says how many were skipped, and a run that skipped every step or
+    ends with non-finite weights or validation loss still stops with an error."""
     val_interval: int = 0
     """Compute the validation loss every this many steps (0: only before and after training)."""
     val_sequences: int = 32
@@ -42,7 +45,7 @@ class TrainingConfig:
     eager steps and replay it, saving the per-kernel launch cost; losses are bitwise those of
     eager steps. One GPU, static shapes, no skip_nonfinite: see docs/performance.md."""
     sample_prompt: str = "The"
-    """Prompt of the greedy text sample printed at the end of training."""
+    """Prompt of the greedy text sample printed at the end of training (not empty)."""
     sample_tokens: int = 32
     """New tokens in that sample; 0 disables it."""
 
@@ -52,23 +55,37 @@ class TrainingConfig:
                 raise ConfigError(
                     f"--training.{name} must be at least 1; got {getattr(self, name)}."
                 )
+        if self.steps >= 2**31:
+            raise ConfigError(f"--training.steps must be below 2**31; got {self.steps}.")
         if self.micro_batch_size < 0:
             raise ConfigError("--training.micro_batch_size must be >= 0 (0: no accumulation).")
+        if self.global_batch_tokens < 0:
+            raise ConfigError(
+                "--training.global_batch_tokens must be >= 0 (0: use "
+                f"--training.global_batch_size); got {self.global_batch_tokens}."
+            )
         if self.global_batch_tokens and self.global_batch_tokens % self.seq_len:
             raise ConfigError(
                 f"--training.global_batch_tokens {self.global_batch_tokens} is not a multiple of "
                 f"--training.seq_len {self.seq_len}; use "
                 f"{(self.global_batch_tokens // self.seq_len or 1) * self.seq_len}."
             )
-        if not self.max_norm >= 0:  # nan too
+        if not 0 <= self.max_norm < math.inf:  # nan too
             raise ConfigError(
-                f"--training.max_norm must be >= 0 (0 disables clipping); got {self.max_norm}."
+                "--training.max_norm must be a finite number >= 0 (0 disables clipping); got "
+                f"{self.max_norm}."
             )
         if not 0 <= self.seed < 2**63:  # numpy takes no negative seed
             raise ConfigError(f"--training.seed must be in [0, 2**63); got {self.seed}.")
         for name in ("val_interval", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--training.{name} must be >= 0; got {getattr(self, name)}.")
+        if self.sample_tokens and not self.sample_prompt:
+            raise ConfigError(
+                f"--training.sample_prompt is empty, so the {self.sample_tokens}-token sample "
+                "would have nothing to continue; give a prompt, e.g. --training.sample_prompt "
+                "The, or --training.sample_tokens 0 for no sample."
+            )
         if self.val_sequences < 1:
             raise ConfigError(
                 f"--training.val_sequences must be at least 1; got {self.val_sequences} (set "

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -43,19 +42,19 @@ from torchloom.parallel import ParallelDims, build_parallel_dims, destroy, init_
 from torchloom.parallel.data_parallel import mixed_precision_policy
 from torchloom.parallel.pipeline import layers_per_stage, stage_model
 from torchloom.train.builders import (
+    GiB,
     autocast_dtype,
     build_model_config,
     build_model_parts,
     build_objective,
     check_seq_len,
+    local_bytes,
     micro_batch_size,
 )
 from torchloom.train.job import JobConfig
 from torchloom.train.loss import Objective
 from torchloom.train.optim import OPTIMIZER_STATE_BYTES
 from torchloom.train.remat import apply_remat
-
-GiB = 2**30
 
 
 @dataclass
@@ -148,7 +147,7 @@ def check_rank(
 ) -> tuple[DecoderConfig, ParallelDims, int, RankMemory, Activations]:
     """This rank's checks and memory: (model config, dims, micro-batch, memory, activations)."""
     t = job.training
-    dims = build_parallel_dims(job.parallel, device.type)
+    dims = build_parallel_dims(job.parallel.following(t.mixed_precision), device.type)
     config = build_model_config(job)
     check_seq_len(config, t.seq_len, job.checkpoint.initial_load_hf)
     micro = micro_batch_size(job, dims)
@@ -165,12 +164,6 @@ def check_rank(
         rank_memory(dims.rank, parts.model, job, activations.bytes),
         activations,
     )
-
-
-def local_bytes(param: torch.Tensor) -> int:
-    """Bytes of this rank's shard of ``param`` (the whole tensor when it is not a DTensor)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return local.numel() * local.element_size()
 
 
 def rank_memory(rank: int, model: nn.Module, job: JobConfig, activations: int | None) -> RankMemory:

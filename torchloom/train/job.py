@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torchloom.checkpoint.config import CheckpointConfig
 from torchloom.config.errors import ConfigError, warn
+from torchloom.config.fields import warn_unused_options
 from torchloom.data.config import DataConfig
 from torchloom.models.components.transformer import TransformerConfig
 from torchloom.models.config import ModelConfig
@@ -62,6 +63,14 @@ class JobConfig:
             )
         if self.training.cuda_graph:
             _check_cuda_graph_job(self)
+        _check_mixed_precision(self)
+        _check_unused_checkpoint_options(self)
+        traced = self.profiling.steps
+        if traced and max(traced) > steps:
+            raise ConfigError(
+                f"--profiling.steps {traced} lies beyond --training.steps {steps}, so the trace "
+                f"would never be written; pick steps within 1..{steps}."
+            )
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
@@ -104,6 +113,31 @@ class JobConfig:
                 "> 1; keep --model.norm_impl torch and set --model.rope_impl triton --model."
                 "mlp_impl triton instead of the transform."
             )
+
+
+def _check_mixed_precision(job: JobConfig) -> None:
+    """Refuse an FSDP compute dtype that contradicts --training.mixed_precision (with auto,
+    FSDP follows an explicit training.mixed_precision: ``ParallelConfig.following``)."""
+    run, fsdp = job.training.mixed_precision, job.parallel.mixed_precision_param
+    if "auto" not in (run, fsdp) and run != fsdp:
+        raise ConfigError(
+            f"--training.mixed_precision {run} contradicts --parallel.mixed_precision_param "
+            f"{fsdp} (the dtype FSDP computes in); set both to {run}, or leave "
+            "mixed_precision_param at auto to follow training.mixed_precision."
+        )
+
+
+def _check_unused_checkpoint_options(job: JobConfig) -> None:
+    """Warn about checkpoint options that do nothing in this job: saving options without saves,
+    loading options without a resume (the checkpoint section's own rule, checked here where
+    the job is validated)."""
+    c = job.checkpoint
+    if not c.interval:
+        options = ("mode", "keep_latest_k")
+        warn_unused_options(c, "checkpoint", options, "--checkpoint.interval > 0")
+    if not c.resume:
+        options = ("fallback", "exclude_from_loading")
+        warn_unused_options(c, "checkpoint", options, "--checkpoint.resume true")
 
 
 def _check_cuda_graph_job(job: JobConfig) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.fields import warn_unused_options
 from torchloom.kernels.adamw import adamw_step_
 from torchloom.kernels.triton_support import triton
 from torchloom.parallel import clip_coefficient, clip_grad_norm_, grad_norm
@@ -38,7 +39,7 @@ class OptimizerConfig:
     beta2: float = 0.95
     """AdamW beta2."""
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon (> 0: it keeps the update finite where a gradient is zero)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms, biases or embeddings)."""
     implementation: Literal["auto", "fused", "triton", "foreach", "for_loop"] = "auto"
@@ -55,9 +56,9 @@ class OptimizerConfig:
             raise ConfigError(f"--optimizer.lr must be a positive number; got {self.lr}.")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("--optimizer.beta1 and --optimizer.beta2 must lie in [0, 1).")
-        if not 0 <= self.eps < math.inf:
+        if not 0 < self.eps < math.inf:  # 0 divides 0 by 0 where a gradient is zero
             raise ConfigError(
-                f"--optimizer.eps must be a number >= 0 (1e-8 is usual); got {self.eps}."
+                f"--optimizer.eps must be a number > 0 (1e-8 is usual); got {self.eps}."
             )
         if not 0 <= self.weight_decay < math.inf:
             raise ConfigError(
@@ -74,7 +75,7 @@ class LRScheduleConfig:
     """Shape after warm-up: cosine or linear to min_lr_ratio, WSD (constant then linear decay
     over the last decay_fraction of the run), or constant."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """Final learning rate as a fraction of the peak (cosine, linear and wsd)."""
     decay_fraction: float = 0.2
     """WSD only: fraction of all steps spent decaying at the end."""
 
@@ -85,6 +86,11 @@ class LRScheduleConfig:
             raise ConfigError("--lr_schedule.min_lr_ratio must lie in [0, 1].")
         if not 0 < self.decay_fraction <= 1:
             raise ConfigError("--lr_schedule.decay_fraction must lie in (0, 1].")
+        if self.decay != "wsd":
+            warn_unused_options(self, "lr_schedule", ("decay_fraction",), "--lr_schedule.decay wsd")
+        if self.decay == "constant":
+            until = "--lr_schedule.decay is cosine, linear or wsd"
+            warn_unused_options(self, "lr_schedule", ("min_lr_ratio",), until)
 
 
 def build_optimizer(

@@ -12,6 +12,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from torchloom.config.errors import ConfigError
+from torchloom.config.fields import warn_unused_options
 
 
 @dataclass
@@ -36,6 +37,11 @@ class ProfilingConfig:
             raise ConfigError(
                 f"--profiling.steps must be consecutive training steps >= 1, e.g. [5, 6]; "
                 f"got {self.steps}."
+            )
+        if not steps:
+            options = ("folder", "record_shapes", "with_stack", "memory_snapshot")
+            warn_unused_options(
+                self, "profiling", options, "--profiling.steps names steps to trace"
             )
 
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import (
 )
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.fields import warn_unused_options
 
 RematMode = Literal["none", "full", "selective", "every_k", "budget"]
 WeightCasts = Literal["keep", "recompute"]
@@ -78,6 +79,10 @@ class RematConfig:
         if not 0.0 < self.memory_budget <= 1.0:
             raise ConfigError(f"--remat.memory_budget must be in (0, 1]; got {self.memory_budget}.")
         save_ops(self.save_ops)  # unknown op names are refused here, before any model is built
+        for name, mode in (("every_k", "every_k"), ("save_ops", "selective"),
+                           ("memory_budget", "budget")):  # fmt: skip
+            if self.mode != mode:
+                warn_unused_options(self, "remat", (name,), f"--remat.mode {mode}")
 
 
 def save_ops(names: list[str]) -> set:

@@ -10,6 +10,7 @@ parallelism give the loss and gradients of one big batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -137,11 +138,12 @@ class TrainStep:
     """One optimizer step over a step's micro-batches: ``step(batches) -> (loss, grad norm)``.
 
     ``before_update`` runs right before the optimizer changes the weights (the checkpointer
-    waits there for an async save still copying them). With ``skip_nonfinite`` a step whose
-    loss is nan/inf is skipped (a host sync before the update); otherwise the update is queued
-    first, so its launches overlap the backward on the GPU, and a check after it raises: at
-    once, or with ``check_late`` when ``check()`` is called (a host sync the caller places,
-    so the host can queue the next step while the GPU finishes this one).
+    waits there for an async save still copying them). A step is non-finite when its loss or
+    its gradient norm is nan/inf. With ``skip_nonfinite`` such a step is skipped (a host sync
+    before the update) and counted in ``skipped``; otherwise the update is queued first, so
+    its launches overlap the backward on the GPU, and a check after it raises: at once, or
+    with ``check_late`` when ``check()`` is called (a host sync the caller places, so the host
+    can queue the next step while the GPU finishes this one).
     With ``cuda_graph`` the whole step is captured after a few eager steps and replayed.
     """
 
@@ -157,7 +159,9 @@ class TrainStep:
         self.graph = StepGraph(self._captured, parts.optimizer) if cuda_graph else None
         self.check_late = check_late
         self.step = 0
-        self._unchecked: list[tuple[int, torch.Tensor]] = []  # (step, its loss) to check
+        self.skipped = 0  # steps skip_nonfinite skipped
+        # (step, [its loss, its gradient norm]) to check
+        self._unchecked: list[tuple[int, torch.Tensor]] = []
 
     def __call__(
         self, batches: list[Batch]
@@ -173,33 +177,31 @@ class TrainStep:
             metrics = {}
         else:
             loss, norm, metrics = backward_and_clip(parts, batches, normalizer)
-            if not self.skip_nonfinite or self._finite(loss):
+            if not self.skip_nonfinite or self._finite(loss, norm):
                 self.before_update()
                 optimizer.step()
+            else:
+                self.skipped += 1
             optimizer.zero_grad(set_to_none=True)
         if not self.skip_nonfinite:  # checked after the update (a captured step cannot skip)
-            # A captured step's loss is the graph's output buffer, rewritten by the next replay.
-            kept = loss.clone() if self.graph is not None and self.check_late else loss
-            self._unchecked.append((self.step, kept))
+            # One small copy, no sync: it also outlives a captured step's output buffers,
+            # which the next replay rewrites.
+            self._unchecked.append((self.step, torch.stack([loss.float(), norm.float()])))
             if not self.check_late:
                 self.check()
         return loss, norm, metrics | parts.after_update()
 
     def check(self, through: int | None = None) -> None:
-        """Raise for the first non-finite loss of the steps not yet checked, up to step
-        ``through`` (default all): a host sync that waits for their losses."""
-        unchecked = [(s, loss) for s, loss in self._unchecked if through is None or s <= through]
+        """Raise for the first non-finite step (loss or gradient norm) of the steps not yet
+        checked, up to step ``through`` (default all): a host sync that waits for them."""
+        unchecked = [(s, v) for s, v in self._unchecked if through is None or s <= through]
         if not unchecked:
             return
         self._unchecked = self._unchecked[len(unchecked) :]
-        finite = torch.stack([loss for _, loss in unchecked]).isfinite().tolist()
-        for (step, loss), ok in zip(unchecked, finite):
-            if not ok:
-                raise TrainingError(
-                    f"The loss became {loss.item()} at step {step}. Lower --optimizer.lr, "
-                    "lengthen --lr_schedule.warmup_steps or check the data; "
-                    "--training.skip_nonfinite true skips such steps instead."
-                )
+        values = torch.stack([v for _, v in unchecked]).tolist()
+        for (step, _), (loss, norm) in zip(unchecked, values):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise TrainingError(nonfinite_step_message(step, loss, norm))
 
     def _captured(
         self, batches: list[Batch], normalizer: torch.Tensor
@@ -209,9 +211,26 @@ class TrainStep:
         self.parts.optimizer.step()
         return loss, norm
 
-    def _finite(self, loss: torch.Tensor) -> bool:
-        """Whether the loss is finite (a host sync before the update: skip_nonfinite)."""
-        return bool(torch.isfinite(loss))
+    def _finite(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Whether the loss and the gradient norm are finite (a host sync before the update:
+        skip_nonfinite)."""
+        return bool(torch.stack([loss.float(), norm.float()]).isfinite().all())
+
+
+def nonfinite_step_message(step: int, loss: float, norm: float) -> str:
+    """What to change when step ``step`` had a non-finite loss or gradient norm: a gradient
+    that overflows under a finite loss points at the weights' scale, not at the data."""
+    skip = "--training.skip_nonfinite true skips such steps instead."
+    if math.isfinite(loss):
+        return (
+            f"The gradient norm became {norm} at step {step} while the loss was finite "
+            f"({loss:.4g}): the backward pass overflowed, which points at the initialization "
+            "(e.g. --model.overrides init_std) or the model more than at --optimizer.lr; " + skip
+        )
+    return (
+        f"The loss became {loss} at step {step}. Lower --optimizer.lr, lengthen "
+        f"--lr_schedule.warmup_steps or check the data; {skip}"
+    )
 
 
 def rank_batch(batch: Batch, dims: ParallelDims, device: torch.device) -> Batch:

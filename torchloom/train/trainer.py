@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchloom.checkpoint.manager import CheckpointManager, on_rank0
 from torchloom.config.errors import ConfigError
@@ -24,6 +26,7 @@ from torchloom.parallel.state import full_state_items
 from torchloom.train.builders import (
     TrainBuilders,
     autocast_dtype,
+    check_media_encoder,
     check_media_fits,
     check_seq_len,
 )
@@ -69,6 +72,8 @@ class TrainResult:
     val_loss_before: float
     val_loss_after: float
     model_dir: Path | None
+    skipped: int = 0
+    """Steps --training.skip_nonfinite skipped (non-finite loss or gradient norm)."""
 
 
 class Trainer:
@@ -78,7 +83,7 @@ class Trainer:
         b = builders or TrainBuilders()
         self.job, t = job, job.training
         self.device = init_distributed(t.device)
-        self.dims = build_parallel_dims(job.parallel, self.device.type)
+        self.dims = build_parallel_dims(job.parallel.following(t.mixed_precision), self.device.type)
         self.is_rank0 = self.dims.is_rank0
         self.output_dir = Path(job.output.dir)
         # Before the data and the model are built: those may take minutes.
@@ -92,8 +97,9 @@ class Trainer:
                 "there; use --model.attn_backend sdpa on the CPU."
             )
         torch.manual_seed(t.seed)
-        self.tokenizer, self.train_loader, self.val_loader = b.data(job, self.dims)
         self.model_config = b.model_config(job)
+        check_media_encoder(self.model_config, job.data)  # before the data pass (minutes)
+        self.tokenizer, self.train_loader, self.val_loader = b.data(job, self.dims)
         self._check_fits(self.model_config)
         self.objective = b.objective(job)
         self.parts = b.model(job, self.model_config, self.dims, self.device, self.objective)
@@ -166,7 +172,7 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         job, t = self.job, self.job.training
-        self.step = self.run.start()
+        self.step = first = self.run.start()
         self.train_step.step = self.step
         flops = self.model_config.flops_per_token(t.seq_len)
         metrics = MetricsLogger(
@@ -241,10 +247,41 @@ class Trainer:
             val_after = self.validate()  # the run trained at least one step (NothingToTrain)
             if validating:
                 metrics.log({"step": self.step, "val_loss": val_after})
+            self._check_trained(self.step - first, val_after)
             model_dir = self._export(metrics)
         finally:
             metrics.close()
-        return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir)
+        return TrainResult(self.step, first_loss, last_loss, val_before, val_after, model_dir,
+                           self.train_step.skipped)  # fmt: skip
+
+    def _check_trained(self, steps: int, val_after: float) -> None:
+        """TrainingError (on every rank alike) for a run that ends without a model worth
+        exporting: every one of its ``steps`` skipped, non-finite weights, or a non-finite
+        validation loss. One host sync and one collective, at the end only."""
+        skipped = self.train_step.skipped
+        why = f" ({skipped} of {steps} steps were skipped as non-finite)" if skipped else ""
+        fix = (
+            "lower --optimizer.lr, lengthen --lr_schedule.warmup_steps, or check the "
+            "initialization (--model.overrides init_std) and the data."
+        )
+        if steps and skipped == steps:
+            raise TrainingError(
+                f"Every one of the {steps} steps had a non-finite loss or gradient norm and was "
+                f"skipped, so nothing was trained; {fix}"
+            )
+        if not self._weights_finite():
+            raise TrainingError(f"The weights are non-finite after training{why}; {fix}")
+        if self.val_loader is not None and not math.isfinite(val_after):
+            raise TrainingError(f"The validation loss after training is {val_after}{why}; {fix}")
+
+    @torch.no_grad()
+    def _weights_finite(self) -> bool:
+        """Whether every parameter shard of every rank is finite."""
+        shards = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        finite = torch.stack([s.isfinite().all() for s in shards]).all().to(torch.int32)
+        if dist.is_initialized() and self.dims.world_size > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite)
 
     def _wait_for_step_before(self, previous: torch.cuda.Event | None) -> torch.cuda.Event | None:
         """With this step queued, wait for the one before it and check its loss: the host runs

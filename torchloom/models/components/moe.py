@@ -32,6 +32,7 @@ to the objective as the auxiliary term ``balance``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -148,6 +149,11 @@ class MoEConfig:
             )
         if self.swiglu_limit < 0:
             raise ConfigError(f"model moe.swiglu_limit must be >= 0, got {self.swiglu_limit}.")
+        if not 0 < self.route_scale < math.inf:  # 0 would give the experts no gradient; nan too
+            raise ConfigError(
+                f"model moe.route_scale must be a finite number > 0 (1.0: the scores as they "
+                f"are), got {self.route_scale}."
+            )
         if self.bias_update_rate < 0 or (self.bias_update_rate and not self.expert_bias):
             raise ConfigError(
                 "model moe.bias_update_rate must be >= 0 and needs moe.expert_bias true, got "
