@@ -83,17 +83,6 @@ NUMBERS = {
 }
 
 
-@pytest.mark.parametrize("case", list(NUMBERS))
-def test_numeric_options_and_device_are_checked(case, models, tmp_path, capsys) -> None:
-    args, message = NUMBERS[case]
-    output = tmp_path / "out.jsonl"
-    code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi", *args,
-                            "--output", output)  # fmt: skip
-    assert code == 2
-    assert_one_error(err, message)
-    assert not output.exists()
-
-
 def test_cuda_without_a_gpu_says_to_use_cpu(models, capsys, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi",
@@ -170,9 +159,10 @@ SAMPLING = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(SAMPLING))
-def test_sampling_settings_the_generator_cannot_honour(case, models, tmp_path, capsys) -> None:
-    args, message = SAMPLING[case]
+@pytest.mark.parametrize("case", [*NUMBERS, *SAMPLING])
+def test_option_values_are_checked_before_anything_runs(case, models, tmp_path, capsys) -> None:
+    """Numeric options, the device, and sampling settings the generator cannot honour."""
+    args, message = {**NUMBERS, **SAMPLING}[case]
     output = tmp_path / "out.jsonl"
     code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi", *args,
                             "--output", output)  # fmt: skip
