@@ -3,6 +3,7 @@ recast (``--remat.weight_casts``), and what every_k recomputation then leaves fo
 
     python benchmarks/block_memory.py --flavor 8B --batch 2 --seq 4096     # on the CPU, ~2 min
     python benchmarks/block_memory.py --flavor 8B --device cuda
+    python benchmarks/block_memory.py --flavor 1B --float8 --probe-tokens 384   # float8 linears
 
 Two blocks of a llama3 flavor (its widths; a small vocabulary, which no block sees), bf16
 autocast over fp32 weights and each block compiled with inductor, as ``torchloom train
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchloom.kernels.float8 import convert_linears_to_float8
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.compile import CompileConfig, compile_regions
 from torchloom.train.remat import RematConfig, apply_remat, recompute_weight_casts
@@ -37,8 +39,11 @@ from torchloom.train.remat import RematConfig, apply_remat, recompute_weight_cas
 GIB = 2**30
 
 
-def kept_bytes(flavor: str, casts: str, tokens: int, device: str) -> dict[str, dict[str, int]]:
-    """Per block (0: recomputed, 1: kept): bytes of weight copies and of the rest."""
+def kept_bytes(
+    flavor: str, casts: str, tokens: int, device: str, float8: bool = False
+) -> dict[str, dict[str, int]]:
+    """Per block (0: recomputed, 1: kept): bytes of weight copies (any narrower-than-fp32
+    tensor of a weight's shape or its transpose) and of the rest."""
     torch._dynamo.reset()
     config = resolve_model_config(ModelConfig(
         name="llama3", flavor=flavor, overrides={"num_layers": 2, "vocab_size": 256}
@@ -46,11 +51,14 @@ def kept_bytes(flavor: str, casts: str, tokens: int, device: str) -> dict[str, d
     with torch.device(device):
         model = build_model(config)
     model.init_weights(0)
+    if float8:
+        convert_linears_to_float8(model, "tensorwise")
     remat = RematConfig(mode="every_k", every_k=2, weight_casts=casts)
     apply_remat(model.layers, remat, compile_enabled=True)
     compile_regions(model, CompileConfig(enabled=True),
                     recompute_casts=recompute_weight_casts(remat))  # fmt: skip
     shapes = {tuple(p.shape) for p in model.layers.parameters() if p.dim() == 2}
+    shapes |= {shape[::-1] for shape in shapes}  # a copy may be kept transposed (float8)
     if any(tokens in shape for shape in shapes):  # [tokens, width] activations would count
         raise SystemExit(f"--probe-tokens {tokens} is a weight's dimension; pick another")
     counts = {name: {"weight_copies": 0, "rest": 0} for name in model.layers}
@@ -61,7 +69,7 @@ def kept_bytes(flavor: str, casts: str, tokens: int, device: str) -> dict[str, d
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if inside and not isinstance(t, nn.Parameter):
-            copy = t.dtype == torch.bfloat16 and tuple(t.shape) in shapes
+            copy = t.element_size() < 4 and tuple(t.shape) in shapes
             counts[inside[-1]]["weight_copies" if copy else "rest"] += t.numel() * t.element_size()
         return t
 
@@ -81,6 +89,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--probe-tokens", type=int, default=512)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--float8", action="store_true",
+                        help="convert the blocks' linears to torchao's Float8Linear (tensorwise)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/block_memory.json"))
     args = parser.parse_args()
     tokens = args.batch * args.seq
@@ -90,14 +100,17 @@ def main() -> None:
     params = sum(p.numel() for p in build_model_meta(config).parameters())
     blocks = {}
     for casts in ("keep", "recompute"):
-        measured, block_params = kept_bytes(args.flavor, casts, args.probe_tokens, args.device)
+        measured, block_params = kept_bytes(
+            args.flavor, casts, args.probe_tokens, args.device, args.float8
+        )
         blocks[casts] = {
             kind: {"weight_copies": c["weight_copies"], "per_token": c["rest"] / args.probe_tokens,
                    "at_step": c["weight_copies"] + c["rest"] * scale}
             for kind, c in measured.items()
         }  # fmt: skip
     print(f"llama3 {args.flavor}: {layers} blocks of {block_params / 1e6:.1f}M parameters, "
-          f"{params / 1e9:.2f}B in all; {args.batch} x {args.seq} tokens; bf16 autocast, "
+          f"{params / 1e9:.2f}B in all; {args.batch} x {args.seq} tokens; bf16 autocast"
+          f"{', float8 tensorwise linears' if args.float8 else ''}, "
           f"compiled (inductor, {args.device}), probed at {args.probe_tokens} tokens")  # fmt: skip
     print("\nkept for backward, one block (GiB at the step's tokens)")
     print(f"{'weight_casts':<12} {'block':<11} {'weight copies':>14} {'the rest':>10} {'total':>8}")
@@ -128,7 +141,7 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "device": args.device, "command": shlex.join([sys.executable, *sys.argv]),
-        "flavor": args.flavor, "tokens": tokens, "layers": layers, "parameters": params,
+        "flavor": args.flavor, "float8": args.float8, "tokens": tokens, "layers": layers, "parameters": params,
         "blocks": blocks, "rows": rows,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")

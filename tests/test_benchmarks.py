@@ -130,6 +130,23 @@ def test_block_memory_benchmark_splits_the_weight_copies(tmp_path):
         assert sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.slow  # inductor compiles
+def test_block_memory_with_float8_keeps_no_weight_copies(tmp_path):
+    """With torchao's float8 linears (tensorwise), no block keeps a copy of a weight for its
+    backward in any dtype, transposed or not: the float8 row has nothing for
+    --remat.weight_casts to free (benchmarks/RESULTS.md, twenty-sixth session)."""
+    pytest.importorskip("torchao.float8")
+    out = tmp_path / "block_memory.json"
+    _run("block_memory.py", "--flavor", "debug", "--batch", "2", "--seq", "256", "--float8",
+         "--probe-tokens", "48", "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["float8"]
+    for casts in ("keep", "recompute"):
+        for kind in ("kept", "recomputed"):
+            assert report["blocks"][casts][kind]["weight_copies"] == 0, (casts, kind)
+    assert report["blocks"]["keep"]["kept"]["per_token"] > 0
+
+
 def test_hybrid_benchmark_rows(tmp_path):
     """benchmarks/hybrid.py at the tiny shape: the 3:1 hybrid and its all-attention twin, our
     Gated DeltaNet layer and transformers' of the same shape, each against its baseline."""
