@@ -194,6 +194,18 @@ def test_cli_generates_with_images(tmp_path, capsys) -> None:
     assert a["prompt_ids"].count(config.image_token_id) >= 1
 
 
+def test_a_missing_image_is_named_as_the_shells_path(tmp_path) -> None:
+    """`--image` paths are the shell's, not a JSONL's: a missing file or a folder is refused
+    before any model is loaded, naming the option and the current folder."""
+    from torchloom.config.errors import ConfigError
+    from torchloom.generate.run import read_prompts
+
+    for image, what in ((tmp_path / "nope.png", "does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(ConfigError, match=f"--image {image} {what}") as caught:
+            read_prompts(["What colour?"], None, chat=True, images=[str(image)])
+        assert "current folder" in str(caught.value) and "JSONL" not in str(caught.value)
+
+
 @pytest.mark.gpu
 def test_greedy_with_images_on_the_gpu_with_captured_decode(model) -> None:
     """The same on a CUDA device, with the decode steps replayed from captured CUDA graphs (the

@@ -128,6 +128,13 @@ def read_prompts(
             "form one user message); for more, use --prompts-file with image parts."
         )
     items = [Prompt(f"--prompt #{i}", text=text) for i, text in enumerate(prompts, 1)]
+    for image in images:  # --image paths are the shell's (a JSONL's are relative to its folder)
+        if not Path(image).is_file():
+            what = "is a folder" if Path(image).is_dir() else "does not exist"
+            raise ConfigError(
+                f"--image {image} {what}: give the path of an image file, absolute or relative "
+                f"to the current folder ({Path.cwd()})."
+            )
     if images:
         parts = [{"type": "image", "path": str(Path(p).absolute())} for p in images]
         content = [*parts, {"type": "text", "text": prompts[0]}]
