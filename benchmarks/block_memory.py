@@ -4,6 +4,7 @@ recast (``--remat.weight_casts``), and what every_k recomputation then leaves fo
     python benchmarks/block_memory.py --flavor 8B --batch 2 --seq 4096     # on the CPU, ~2 min
     python benchmarks/block_memory.py --flavor 8B --device cuda
     python benchmarks/block_memory.py --flavor 1B --float8 --probe-tokens 384   # float8 linears
+    python benchmarks/block_memory.py --flavor 8B --budgets 0.9 0.5   # and --remat.mode budget
 
 Two blocks of a llama3 flavor (its widths; a small vocabulary, which no block sees), bf16
 autocast over fp32 weights and each block compiled with inductor, as ``torchloom train
@@ -17,6 +18,13 @@ RoPE's tables, attention's log-sum-exp: all linear in tokens), so it is scaled t
 what does not depend on them: fp32 weights and AdamW's two moments, 12 bytes a parameter
 before the backward allocates gradients (the embedding, the head's chunked loss and allocator
 slack are not counted). A table, and JSON to --json.
+
+``--budgets`` adds ``--remat.mode budget`` (the min-cut partitioner keeps a memory budget's worth
+of each block's tensors): one compiled block probed at the step's own tokens, since the
+partitioner weighs activations against the block's inputs (its fp32 weights among them) and so
+chooses differently at other token counts. Its budget is not a fraction of the block's
+activations: at 8B and 2 x 4096 tokens a block keeps 0.41 GiB at 0.5 and 0.66 at 0.9, against
+1.54 GiB with nothing recomputed (benchmarks/RESULTS.md, twenty-seventh session).
 """
 
 from __future__ import annotations
@@ -34,19 +42,25 @@ from torch import nn
 from torchloom.kernels.float8 import convert_linears_to_float8
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.train.compile import CompileConfig, compile_regions
-from torchloom.train.remat import RematConfig, apply_remat, recompute_weight_casts
+from torchloom.train.remat import RematConfig, apply_remat, memory_budget, recompute_weight_casts
 
 GIB = 2**30
 
 
 def kept_bytes(
-    flavor: str, casts: str, tokens: int, device: str, float8: bool = False
+    flavor: str,
+    casts: str,
+    tokens: int,
+    device: str,
+    float8: bool = False,
+    budget: float | None = None,
 ) -> dict[str, dict[str, int]]:
     """Per block (0: recomputed, 1: kept): bytes of weight copies (any narrower-than-fp32
-    tensor of a weight's shape or its transpose) and of the rest."""
+    tensor of a weight's shape or its transpose) and of the rest. With ``budget``: one block
+    under ``--remat.mode budget`` (key "budget")."""
     torch._dynamo.reset()
     config = resolve_model_config(ModelConfig(
-        name="llama3", flavor=flavor, overrides={"num_layers": 2, "vocab_size": 256}
+        name="llama3", flavor=flavor, overrides={"num_layers": 1 if budget else 2, "vocab_size": 256}
     ))  # fmt: skip
     with torch.device(device):
         model = build_model(config)
@@ -54,8 +68,10 @@ def kept_bytes(
     if float8:
         convert_linears_to_float8(model, "tensorwise")
     remat = RematConfig(mode="every_k", every_k=2, weight_casts=casts)
+    if budget is not None:
+        remat = RematConfig(mode="budget", memory_budget=budget, weight_casts=casts)
     apply_remat(model.layers, remat, compile_enabled=True)
-    compile_regions(model, CompileConfig(enabled=True),
+    compile_regions(model, CompileConfig(enabled=True), memory_budget=memory_budget(remat),
                     recompute_casts=recompute_weight_casts(remat))  # fmt: skip
     shapes = {tuple(p.shape) for p in model.layers.parameters() if p.dim() == 2}
     shapes |= {shape[::-1] for shape in shapes}  # a copy may be kept transposed (float8)
@@ -77,9 +93,8 @@ def kept_bytes(
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with hooks, torch.autocast(device, dtype=torch.bfloat16):
         model(tokens_)
-    return {"recomputed": counts["0"], "kept": counts["1"]}, sum(
-        p.numel() for p in model.layers["0"].parameters()
-    )
+    kinds = {"budget": counts["0"]} if budget else {"recomputed": counts["0"], "kept": counts["1"]}
+    return kinds, sum(p.numel() for p in model.layers["0"].parameters())
 
 
 def main() -> None:
@@ -91,6 +106,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--float8", action="store_true",
                         help="convert the blocks' linears to torchao's Float8Linear (tensorwise)")  # fmt: skip
+    parser.add_argument("--budgets", type=float, nargs="*", default=[],
+                        help="also --remat.mode budget with these memory budgets, each probed "
+                             "at the step's tokens (the partitioner's choice depends on them)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/block_memory.json"))
     args = parser.parse_args()
     tokens = args.batch * args.seq
@@ -137,12 +155,27 @@ def main() -> None:
             label = "none" if k == 0 else str(k)
             print(f"{casts:<12} {label:>7} {recomputed:>10} {total / GIB:>12.2f} "
                   f"{(total + fixed) / GIB:>8.2f}")  # fmt: skip
+    budgets = []
+    if args.budgets:
+        print(f"\n--remat.mode budget, every block (probed at {tokens} tokens)")
+        print(f"{'budget':>6} {'weight copies':>14} {'the rest':>10} {'block':>8} "
+              f"{'activations':>12} {'+ fixed':>8}")  # fmt: skip
+    for budget in args.budgets:
+        measured, _ = kept_bytes(args.flavor, "keep", tokens, args.device, args.float8, budget)
+        c = measured["budget"]
+        block = c["weight_copies"] + c["rest"]
+        budgets.append({"budget": budget, "weight_copies": c["weight_copies"], "block_bytes": block,
+                        "activations_bytes": layers * block,
+                        "with_fixed_bytes": layers * block + fixed})  # fmt: skip
+        print(f"{budget:>6} {c['weight_copies'] / GIB:>14.3f} {c['rest'] / GIB:>10.3f} "
+              f"{block / GIB:>8.3f} {layers * block / GIB:>12.2f} "
+              f"{(layers * block + fixed) / GIB:>8.2f}")  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "device": args.device, "command": shlex.join([sys.executable, *sys.argv]),
         "flavor": args.flavor, "float8": args.float8, "tokens": tokens, "layers": layers, "parameters": params,
-        "blocks": blocks, "rows": rows,
+        "blocks": blocks, "rows": rows, "budgets": budgets,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")
 

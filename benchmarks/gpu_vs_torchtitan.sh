@@ -18,8 +18,10 @@
 # call: 8B-castsK (--remat.weight_casts recompute, every K-th block recomputed:
 # benchmarks/block_memory.py estimates each K's activations), 8B-fp8-everyK (float8 tensorwise,
 # every K-th block recomputed: float8 keeps no weight copies, so the headroom under TorchTitan's
-# float8 memory goes to recomputing fewer blocks), 1B-fa4 / 8B-fa4 (FlashAttention 4, after
-# `bash benchmarks/fa4_wheels.sh install`))
+# float8 memory goes to recomputing fewer blocks), 8B-budgetB (--remat.mode budget with memory
+# budget B, e.g. 8B-budget0.5: the compiler picks what each block recomputes; 8B-fp8-budgetB
+# with float8), 1B-fa4 / 8B-fa4
+# (FlashAttention 4, after `bash benchmarks/fa4_wheels.sh install`))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-outputs/vs_torchtitan}
@@ -54,9 +56,15 @@ for r in $ROWS; do
     8B-fp8-every[0-9]*)  # float8, every K-th block recomputed, K from the row's name
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --float8 --steps 20 \
         --timeout 100 --torchloom-args "--remat.every_k ${r#8B-fp8-every}" ;;
+    8B-budget[0-9.]*)  # the compiler's min-cut partitioner picks what to recompute, per block
+      row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 \
+        --torchloom-args "--remat.mode budget --remat.memory_budget ${r#8B-budget}" ;;
+    8B-fp8-budget[0-9.]*)  # the same with float8 tensorwise
+      row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 --float8 \
+        --torchloom-args "--remat.mode budget --remat.memory_budget ${r#8B-fp8-budget}" ;;
     1B-fa4) row 1B-fa4 100 --sides torchloom --flavor 1B --batch 8 --steps 40 --timeout 90 --fa4 ;;
     8B-fa4) row 8B-fa4 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
       --timeout 100 --fa4 ;;
-    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 1B-fa4 8B-fa4)" ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 8B-budgetB 8B-fp8-budgetB 1B-fa4 8B-fa4)" ;;
   esac
 done

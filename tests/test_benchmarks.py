@@ -111,12 +111,15 @@ def test_generate_benchmark_tuned_row_runs(tmp_path):
 def test_block_memory_benchmark_splits_the_weight_copies(tmp_path):
     """block_memory.py at the debug shape: keep's kept block holds a bf16 copy of every block
     matrix, recompute's none, and otherwise the same bytes; a recomputed block holds the same
-    under both; fewer recomputed blocks keep more."""
+    under both; fewer recomputed blocks keep more; a smaller --remat.mode budget keeps less."""
     out = tmp_path / "block_memory.json"
     _run("block_memory.py", "--flavor", "debug", "--batch", "2", "--seq", "256",
-         "--probe-tokens", "48", "--json", str(out))  # fmt: skip
+         "--probe-tokens", "48", "--budgets", "0.9", "0.2", "--json", str(out))  # fmt: skip
     report = json.loads(out.read_text())
     keep, recompute = report["blocks"]["keep"], report["blocks"]["recompute"]
+    # A smaller budget keeps less, and below the kept block (nothing recomputed) either way.
+    high, low = (b["block_bytes"] for b in report["budgets"])
+    assert low < high < keep["kept"]["at_step"]
     cfg = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
     d, kv = cfg.dim, cfg.num_kv_heads * (cfg.dim // cfg.num_heads)
     matrices = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim)  # q, o, k, v, gate, up, down

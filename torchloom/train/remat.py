@@ -54,8 +54,11 @@ class RematConfig:
     """With mode selective: aten op names (e.g. mm, _scaled_dot_product_flash_attention) whose
     outputs are kept; every other op inside a block is recomputed in the backward pass."""
     memory_budget: float = 0.5
-    """With mode budget: fraction of the no-recompute activation memory to keep, in (0, 1]
-    (0 would recompute everything, 1 nothing); the compiler's min-cut partitioner picks ops."""
+    """With mode budget: torch's activation memory budget for each compiled block, in (0, 1]
+    (1 recomputes nothing); the compiler's min-cut partitioner picks the ops. It is measured
+    between saving only the block's inputs (weights included) and saving everything, so it is
+    not a share of the activations: benchmarks/block_memory.py --budgets shows what a block
+    keeps at each value (docs/performance.md)."""
     weight_casts: WeightCasts = "keep"
     """Under bf16 autocast over fp32 weights (one GPU without FSDP), what compiled blocks do
     with the bf16 copies of their weights that the forward's matmuls read. keep: the backward
