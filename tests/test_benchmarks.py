@@ -11,6 +11,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from torchloom.config import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
@@ -397,3 +398,13 @@ def test_fa4_backend_trains_through_torchloom_train_on_cpu(tmp_path):
         assert config["model"]["attn_backend"] == backend  # "fa4": only known once registered
     assert len(losses["fa4"]) == 3
     assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
+
+
+def test_decode_step_needs_a_gpu():
+    """benchmarks/decode_step.py replays CUDA graphs; without a GPU it says so in one line."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py")],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
+    assert "Traceback" not in result.stderr

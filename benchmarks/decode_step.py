@@ -1,0 +1,152 @@
+"""Where a batch-1 decode step's GPU time goes: the compiled Generator's captured step replayed
+alone and profiled kernel by kernel, beside the step's weight matmuls alone (the floor cuBLAS
+sets), and end-to-end `generate` tokens/s; optionally the same compiled with inductor's
+programmatic dependent launch (``--pdl``). Needs a CUDA GPU.
+
+    python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
+    python3 benchmarks/decode_step.py --pdl --json outputs/decode_step.json
+
+Prints one line per setting and writes JSON with each kernel of one step in launch order
+(name, duration, gap since the previous kernel ended, microseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch._inductor.config as inductor_config
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+
+
+def build(flavor: str, device: torch.device) -> tuple[torch.nn.Module, object]:
+    config = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device=device)
+    model.init_weights(0)
+    return model.to(torch.bfloat16).eval(), config
+
+
+def timed_replays(replay, count: int) -> float:
+    """Milliseconds per call of ``replay``, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(count):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / count
+
+
+def matmuls_alone(config, device: torch.device) -> dict:
+    """The decode step's weight matmuls for one row (q/k/v and gate/up stacked, as the compiled
+    Generator runs them, and the head), each weight its own tensor, replayed from one graph."""
+    D, F, V = config.dim, config.ffn_dim, config.vocab_size
+    head_dim = D // config.num_heads
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * head_dim
+    shapes = [(qkv, D), (D, D), (2 * F, D), (D, F)] * config.num_layers + [(V, D)]
+    weights = [torch.randn(o, i, device=device, dtype=torch.bfloat16) for o, i in shapes]
+    inputs = {i: torch.randn(1, i, device=device, dtype=torch.bfloat16) for i in (D, F)}
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    timed_replays(graph.replay, 5)
+    ms = timed_replays(graph.replay, 100)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return {
+        "ms": round(ms, 4),
+        "GB": round(nbytes / 1e9, 3),
+        "TB_per_s": round(nbytes / ms / 1e9, 3),
+    }
+
+
+def decode(model, config, prompt: list[int], new: int, steps: int, patch: dict) -> dict:
+    torch._dynamo.reset()
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+    start = time.perf_counter()
+    with inductor_config.patch(patch):  # read while the step compiles (the first generate)
+        generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True)
+        generator.generate([Request(prompt, params)])
+    compile_s = time.perf_counter() - start
+    tokens_per_s = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        generator.generate([Request(prompt, params)])
+        torch.cuda.synchronize()
+        tokens_per_s.append(round(new / (time.perf_counter() - start), 1))
+    replay = generator.graphs._graphs[1].replay  # the bucket of one row
+    timed_replays(replay, 10)
+    replay_ms = timed_replays(replay, 300)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)  # fmt: skip
+    per_step = len(kernels) // steps
+    one = kernels[per_step * (steps // 2) : per_step * (steps // 2 + 1)]  # a step mid-run
+    rows, previous_end = [], one[0].time_range.start
+    for k in one:
+        rows.append([k.name[:120], round(k.time_range.end - k.time_range.start, 2),
+                     round(k.time_range.start - previous_end, 2)])  # fmt: skip
+        previous_end = k.time_range.end
+    return {"compile_s": round(compile_s, 1), "tokens_per_s": tokens_per_s,
+            "replay_ms": round(replay_ms, 4), "kernels_per_step": per_step,
+            "busy_us": round(sum(r[1] for r in rows), 1), "gaps_us": round(sum(r[2] for r in rows), 1),
+            "kernels": rows}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="1B")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--pdl", action="store_true",
+                        help="also compile with inductor's triton.enable_pdl")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_step.py replays captured CUDA graphs: it needs a CUDA GPU.")
+    device = torch.device("cuda")
+    model, config = build(args.flavor, device)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    report = {"matmuls_alone": matmuls_alone(config, device)}
+    print("matmuls alone", report["matmuls_alone"], flush=True)
+    settings = {"compiled": {}}
+    if args.pdl:
+        settings["compiled_pdl"] = {"triton.enable_pdl": True}
+    for label, patch in settings.items():
+        report[label] = decode(model, config, prompt, args.new_tokens, args.profile_steps, patch)
+        print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(device), "command": " ".join(sys.argv),
+        "flavor": args.flavor, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        **report,
+    }, indent=1) + "\n")  # fmt: skip
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
