@@ -279,6 +279,7 @@ class CheckpointManager:
                 )
                 continue
             saved = self.storage.read_marker(step).get("extra", {})
+            self._check_run(step, saved)
             self._check_model(step, saved)
             self._check_settings(step, saved)
             return step
@@ -295,6 +296,25 @@ class CheckpointManager:
             "removes the run's files and "
             f"{self.storage.root_url}), or in a new --output.dir."
         )
+
+    def _check_run(self, step: int, saved: dict[str, Any]) -> None:
+        """Refuse a checkpoint saved by the other command (``torchloom train`` against
+        ``torchloom rl``): its optimizer, schedule and loader or rollout state belong to a
+        different loop. A marker from before the kind was recorded is an RL run's when it
+        records RL's settings."""
+        now = self.marker_extra.get("run")
+        if now is None:
+            return
+        then = saved.get("run") or ("rl" if saved.get("settings") else "train")
+        if then != now:
+            step_dir = self.storage.step_dir(step)
+            raise CheckpointError(
+                f"The checkpoint {step_dir} was saved by `torchloom {then}`, and `torchloom "
+                f"{now}` does not continue another kind of run (its optimizer, schedule and "
+                f"{'data loader' if then == 'train' else 'rollout'} state belong to that loop). "
+                f"Start from its weights instead, in a new --output.dir: torchloom convert "
+                f"--from {step_dir} --to-hf DIR, then --checkpoint.initial_load_hf DIR."
+            )
 
     def _check_model(self, step: int, saved: dict[str, Any]) -> None:
         """Refuse a checkpoint whose marker (its ``saved`` extra) records another architecture

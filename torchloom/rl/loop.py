@@ -163,7 +163,7 @@ class RLRunner:
             state["reference"] = ModelState(self.reference)
         self.checkpointer = CheckpointManager(
             job.checkpoint, self.output_dir, device=self.device, is_rank0=self.dims.is_rank0,
-            parts=state, marker_extra={"family": job.model.name,
+            parts=state, marker_extra={"run": "rl", "family": job.model.name,
                                        "model_config": to_dict(self.parts.saved_config),
                                        "settings": resume_settings(job)},
         )  # fmt: skip

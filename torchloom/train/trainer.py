@@ -111,7 +111,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             job.checkpoint, self.output_dir, device=self.device, is_rank0=self.is_rank0,
             parts=b.state(self.parts, self.optimizer, self.scheduler, self.train_loader),
-            marker_extra={"family": job.model.name,
+            marker_extra={"run": "train", "family": job.model.name,
                           "model_config": to_dict(self.parts.saved_config)},
         )  # fmt: skip
         self.step_parts = StepParts(
