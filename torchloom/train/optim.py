@@ -320,3 +320,51 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR (so its state saves and restores) following ``lr_multiplier``, in float32."""
     return _Float32LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+# The param-group settings a resume takes from this run's flags, not from the checkpoint.
+_GROUP_FLAGS = {"weight_decay": "--optimizer.weight_decay", "eps": "--optimizer.eps",
+                "betas": "--optimizer.beta1/beta2", "momentum": "--optimizer.momentum"}  # fmt: skip
+
+
+class ResumedSettings:
+    """What a resume must not take from the checkpoint. Loading an optimizer restores its
+    param groups' settings (weight decay, betas, eps), and loading a LambdaLR its base rates,
+    so flags changed for the resumed run would be dropped without a word, and the first resumed
+    step would run at the old schedule's rate. Captured from the freshly built optimizer and
+    schedule before the load; ``reapply`` after it puts this run's settings back (the optimizer
+    state's moments stay the checkpoint's), sets each group's rate from this run's schedule at
+    the resumed step, and returns what changed. A resume with the same flags changes nothing
+    (the same float32 rates)."""
+
+    def __init__(self, optimizers: list[Optimizer], scheduler: Any | None) -> None:
+        self.optimizers, self.scheduler = optimizers, scheduler
+        self._groups = [[{k: v for k, v in g.items() if k in _GROUP_FLAGS} for g in o.param_groups]
+                        for o in optimizers]  # fmt: skip
+        self._base_lrs = list(scheduler.base_lrs) if scheduler is not None else None
+
+    def reapply(self) -> list[str]:
+        changed: dict[str, str] = {}
+        for optimizer, fresh_groups in zip(self.optimizers, self._groups, strict=True):
+            for group, fresh in zip(optimizer.param_groups, fresh_groups, strict=True):
+                for key, value in fresh.items():
+                    if group.get(key) != value:
+                        changed.setdefault(_GROUP_FLAGS[key], f"{group.get(key)} -> {value}")
+                        group[key] = value
+        scheduler = self.scheduler
+        if scheduler is None:
+            return [f"{flag} {change}" for flag, change in changed.items()]
+        if scheduler.base_lrs != self._base_lrs:
+            changed["--optimizer.lr"] = f"{scheduler.base_lrs[0]:.4g} -> {self._base_lrs[0]:.4g}"
+            scheduler.base_lrs = list(self._base_lrs)
+        groups = scheduler.optimizer.param_groups
+        rates = [float(np.float32(base * rate(scheduler.last_epoch)))
+                 for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]  # fmt: skip
+        if any(g["lr"] != r for g, r in zip(groups, rates, strict=True)) and not changed:
+            changed["the schedule's rate (--training.steps, --lr_schedule.*)"] = (
+                f"{groups[0]['lr']:.4g} -> {rates[0]:.4g}"
+            )
+        for group, rate, base in zip(groups, rates, scheduler.base_lrs, strict=True):
+            group["lr"], group["initial_lr"] = rate, base
+        scheduler._last_lr = rates
+        return [f"{flag} {change}" for flag, change in changed.items()]

@@ -19,11 +19,13 @@ import torch
 from torchloom.checkpoint.hf import save_hf
 from torchloom.checkpoint.manager import CheckpointManager, on_rank0
 from torchloom.checkpoint.model_io import write_model_folder
+from torchloom.checkpoint.stateful import OptimizerState
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.config.paths import check_can_create
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
+from torchloom.train.optim import ResumedSettings
 from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
 
 
@@ -39,6 +41,7 @@ class RunScaffold:
     def __init__(self, job: JobConfig, checkpointer: CheckpointManager, is_rank0: bool) -> None:
         self.job, self.checkpointer, self.is_rank0 = job, checkpointer, is_rank0
         self.output_dir = Path(job.output.dir)
+        self.changed_settings: list[str] = []  # set by a resume whose flags differ (start)
 
     def start(self) -> int:
         """Choose the checkpoint and check the folders before any file is written or removed;
@@ -59,13 +62,26 @@ class RunScaffold:
         if job.checkpoint.resume or job.checkpoint.interval:  # else the folder is not this run's
             ckpt.clean_interrupted()
         if step is not None:
+            settings = self._resumed_settings()
             step = ckpt.load(step)
+            self.changed_settings = settings.reapply() if settings is not None else []
             if self.is_rank0:
                 truncate_metrics(self.output_dir / "metrics.jsonl", step)
         if self.is_rank0:  # only now: a refused resume must not replace the run's config
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
         return step or 0
+
+    def _resumed_settings(self) -> ResumedSettings | None:
+        """This run's optimizer and schedule settings, captured before a load overwrites them
+        (None when the checkpoint's optimizer is not loaded: then nothing is overwritten)."""
+        parts, excluded = self.checkpointer.parts, self.job.checkpoint.exclude_from_loading
+        optimizer = parts.get("optimizer")
+        if not isinstance(optimizer, OptimizerState) or "optimizer" in excluded:
+            return None
+        scheduler = parts.get("lr_scheduler")
+        loaded = scheduler is not None and "lr_scheduler" not in excluded
+        return ResumedSettings(optimizer.optimizers, scheduler if loaded else None)
 
     def _check_folders(self, step: int | None, continues: bool) -> list[str]:
         """Rank 0: refuse an output or checkpoint folder this run may not write into (``step``:
@@ -103,10 +119,13 @@ class RunScaffold:
         ckpt = self.checkpointer
         if ckpt.loaded_step is None:
             return None
-        return (
+        line = (
             f"resumed from {ckpt.storage.step_dir(ckpt.loaded_step)} in {ckpt.load_seconds:.2f} s; "
             f"continuing at step {step + 1}"
         )
+        if self.changed_settings:  # the optimizer's moments are the checkpoint's, these are not
+            line += "; with this run's settings: " + ", ".join(self.changed_settings)
+        return line
 
     def save_if_due(
         self,
