@@ -153,3 +153,18 @@ def test_writer_refuses_a_complete_step_and_clears_an_incomplete_one(storage):
     print(f"files after re-save: {sorted(marker['files'])}")
     assert not storage.fs.exists(stale) and "stale.bin" not in marker["files"]
     assert storage.complete_steps() == [2, 6]
+
+
+def test_a_url_fsspec_cannot_open_is_one_error() -> None:
+    """An unknown protocol, or a known one whose package is missing (s3fs on this machine), is
+    one ConfigError naming the folder, not fsspec's traceback."""
+    import importlib.util
+
+    from torchloom.checkpoint.storage import CheckpointStorage
+    from torchloom.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nosuch://b/x: Protocol not known"):
+        CheckpointStorage.for_path("nosuch://b/x")
+    if importlib.util.find_spec("s3fs") is None:
+        with pytest.raises(ConfigError, match="s3://b/x needs a package: Install s3fs"):
+            CheckpointStorage.for_path("s3://b/x")

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from torchloom.config.errors import warn
+from torchloom.config.errors import ConfigError, warn
 
 # A single process saves and loads without a process group, which is what DCP warns about.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
@@ -172,7 +172,17 @@ class CheckpointStorage:
         root = os.fspath(root)
         if "://" not in root:
             return LocalCheckpointStorage(os.path.abspath(root))
-        fs, path = fsspec.core.url_to_fs(root)
+        try:
+            fs, path = fsspec.core.url_to_fs(root)
+        except ImportError as err:  # fsspec knows the protocol; its package is not installed
+            raise ConfigError(
+                f"The checkpoint folder {root} needs a package: {err} (pip install it)."
+            ) from None
+        except ValueError as err:  # a protocol fsspec does not know
+            raise ConfigError(
+                f"The checkpoint folder {root}: {err}. Use a local path, or a URL whose "
+                "protocol fsspec knows (s3://, gs://, memory://) with its package installed."
+            ) from None
         return CheckpointStorage(fs, path, root)
 
     @staticmethod
