@@ -316,3 +316,20 @@ def test_a_damaged_only_step_says_how_to_start_afresh(run, capsys):
         err = one_line(capsys.readouterr().err)
         assert "--checkpoint.load_step" not in err
         assert "afresh with --output.overwrite true and no --checkpoint.resume" in err, err
+
+
+def test_a_save_error_raised_while_unwinding_from_ctrl_c_is_the_interrupt() -> None:
+    """Ctrl-C inside a write can surface as the writer's own error (torch's zip writer:
+    "unexpected pos"), with the KeyboardInterrupt as its context: that is the interruption
+    (exit 130 and the resume line), not a failed save to fix."""
+    from torchloom.checkpoint.manager import _interrupted
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+    except RuntimeError as err:
+        unwound = err
+    assert unwound.__cause__ is None and _interrupted(unwound)
+    assert not _interrupted(RuntimeError("disk full"))

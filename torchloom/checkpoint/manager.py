@@ -393,8 +393,8 @@ class CheckpointManager:
                 pending.done_at = time.perf_counter()
                 self._complete(pending)
             except (Exception, CheckpointException) as err:  # one line instead of pages
-                if isinstance(_root_error(err), KeyboardInterrupt):
-                    raise KeyboardInterrupt from None  # Ctrl-C as the save began: no failure
+                if _interrupted(err):
+                    raise KeyboardInterrupt from None  # Ctrl-C during the save: no failure
                 raise CheckpointError(self._save_failed(step, err)) from err
             return
         response = dcp.async_save(
@@ -484,8 +484,7 @@ class CheckpointManager:
             finished, self._finished = self._finished, []
         records = []
         for pending in finished:
-            if pending.error is not None and isinstance(_root_error(pending.error),
-                                                         KeyboardInterrupt):  # fmt: skip
+            if pending.error is not None and _interrupted(pending.error):
                 raise KeyboardInterrupt
             if pending.error is not None:
                 raise CheckpointError(self._save_failed(pending.step, pending.error)) from (
@@ -583,6 +582,22 @@ def _root_error(err: BaseException) -> BaseException:
     if isinstance(err, CheckpointException) and err.failures:
         return next(iter(err.failures.values()))[0]
     return err
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether a save failed because of Ctrl-C: the KeyboardInterrupt itself, or an error a
+    writer raised while unwinding from one (torch's zip writer: "unexpected pos ...")."""
+    seen: set[int] = set()
+    pending = [_root_error(err), err]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        pending += [error.__context__, error.__cause__]
+    return False
 
 
 def _one_line(err: BaseException) -> str:
