@@ -165,3 +165,96 @@ def test_a_max_shard_size_below_one_byte_is_refused(capsys, tmp_path, size):
         r"size of at least 1 byte, e.g\. 2GB or 500MB\.\n$",
         "--from-hf", tmp_path / "hf", "--to", tmp_path / "out", "--max-shard-size", size,
     )  # fmt: skip
+
+
+def edit_config(folder: Path, **changes: object) -> None:
+    """Change keys of a Hugging Face folder's config.json."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+
+
+def test_an_untied_config_without_a_head_is_refused(tmp_path, hf_source, capsys) -> None:
+    """config.json says the head is its own tensor, but the weights have none: named, not a
+    safetensors traceback about shared memory."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(hf_source / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, str(hf_source / "model.safetensors"), metadata={"format": "pt"})
+    refused(capsys, tmp_path, re.escape(f"{hf_source}/config.json does not set "
+            f"tie_word_embeddings true, but the weights in {hf_source} have no lm_head.weight "
+            "(the output head); set tie_word_embeddings to true if the head is the embedding, "
+            "or add lm_head.weight"), "--from-hf", hf_source, "--to", tmp_path / "out")  # fmt: skip
+
+
+def test_a_tied_config_with_a_distinct_head_is_refused(tmp_path, hf_source, capsys) -> None:
+    """Tying would drop a trained head; a head that is a copy of the embedding still converts."""
+    edit_config(hf_source, tie_word_embeddings=True)
+    refused(capsys, tmp_path, re.escape(f"{hf_source}/config.json sets tie_word_embeddings "
+            f"true, but {hf_source} holds an lm_head.weight that differs from the embedding "
+            "'model.embed_tokens.weight': tying would drop that head. Set tie_word_embeddings "
+            "to false to keep it"), "--from-hf", hf_source, "--to", tmp_path / "out")  # fmt: skip
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(hf_source / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(hf_source / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["convert", "--from-hf", str(hf_source), "--to", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+
+
+def test_fewer_layers_in_the_config_than_the_weights_are_named(tmp_path, hf_source, capsys):
+    edit_config(hf_source, num_hidden_layers=1)
+    refused(capsys, tmp_path, re.escape(f"The weights in {hf_source} hold layers 0-1, but "
+            f"{hf_source}/config.json gives num_hidden_layers 1; config.json does not describe "
+            "these weights: set its num_hidden_layers to 2."), "--from-hf", hf_source, "--to",
+            tmp_path / "out")  # fmt: skip
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused(
+    tmp_path, model_source, hf_source, capsys
+) -> None:
+    """A folder holding only the files that go with a tokenizer (generation_config.json,
+    tokenizer_config.json) would export a model without one."""
+    (hf_source / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    refused(capsys, tmp_path, re.escape(f"--tokenizer {hf_source} holds no tokenizer "
+            "(tokenizer.json, tokenizer.model or vocab.json), only tokenizer_config.json, "
+            "generation_config.json; pass the folder the model's tokenizer is saved in."),
+            "--from", model_source, "--to-hf", tmp_path / "out", "--tokenizer", hf_source)  # fmt: skip
+
+
+def test_a_tokenizer_json_that_is_not_json_is_refused(
+    tmp_path, model_source, hf_source, capsys
+) -> None:
+    """Copied as it is, it would convert fine and fail in generate."""
+    tokenizer = hf_source / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", "model": ')
+    refused(capsys, tmp_path, re.escape(f"{tokenizer} is not valid JSON (") + ".*"
+            + re.escape("so no tokenizer library can load it; replace the folder's tokenizer "
+            "files with the model's own."), "--from-hf", hf_source, "--to", tmp_path / "out")  # fmt: skip
+    refused(capsys, tmp_path, re.escape(f"{tokenizer} is not valid JSON (") + ".*"
+            + re.escape("pass the model's own --tokenizer."), "--from", model_source, "--to-hf",
+            tmp_path / "out", "--tokenizer", hf_source)  # fmt: skip
+
+
+def test_a_stale_staging_path_is_named(tmp_path, hf_source, capsys) -> None:
+    """<out>.partial as a file, or as a folder holding what convert never writes, is refused; a
+    folder an interrupted convert left is removed with one line."""
+    out, staging = tmp_path / "out", tmp_path / "out.partial"
+    staging.write_text("mine")
+    refused(capsys, tmp_path, re.escape(f"{staging} exists and is not a folder, but the output "
+            f"{out} is staged there while it is written; move it away or choose another output "
+            "folder."), "--from-hf", hf_source, "--to", out)  # fmt: skip
+    staging.unlink()
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")
+    (staging / "notes.txt").write_text("mine")
+    refused(capsys, tmp_path, re.escape(f"{staging} holds notes.txt, which writing a model "
+            "folder never puts there"), "--from-hf", hf_source, "--to", out)  # fmt: skip
+    (staging / "notes.txt").unlink()
+    (staging / "shard-00001.safetensors").write_bytes(b"cut short")
+    assert main(["convert", "--from-hf", str(hf_source), "--to", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"removed {staging}: the staging folder of an earlier, interrupted write"
+    assert printed[1].startswith(f"wrote {out}: ") and len(printed) == 2
+    assert not staging.exists() and (out / "model.safetensors").is_file()

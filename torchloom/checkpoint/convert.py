@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchloom.checkpoint.hf import HFReader, hf_architecture, save_hf
+from torchloom.checkpoint.hf import HFReader, check_tied_head, hf_architecture, save_hf
 from torchloom.checkpoint.model_io import (
     MODEL_FORMAT,
     parameter_shapes,
@@ -29,6 +29,7 @@ from torchloom.checkpoint.safetensors_io import (
     SafetensorsFolder,
     TensorReader,
     WriteSummary,
+    check_staging,
     parse_dtype,
     stream,
 )
@@ -39,7 +40,11 @@ from torchloom.checkpoint.storage import (
     CheckpointError,
     CheckpointStorage,
 )
-from torchloom.checkpoint.tokenizer_files import SIDE_FILES, check_tokenizer_fits
+from torchloom.checkpoint.tokenizer_files import (
+    SIDE_FILES,
+    check_tokenizer_fits,
+    check_tokenizer_folder,
+)
 from torchloom.config.errors import ConfigError
 from torchloom.config.paths import check_can_create, require_folder
 from torchloom.models import DecoderConfig
@@ -215,6 +220,7 @@ def convert_from_hf(
     )
     shapes = parameter_shapes(spec.name, config)
     reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config)
+    check_tied_head(hf_dir, spec.hf_adapter, config)  # loading would drop a distinct head
     tensors = stream(reader, shapes, str(hf_dir), spec.hf_adapter.to_hf_name)
     return write_model_folder(
         out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, parse_dtype(dtype)
@@ -230,12 +236,15 @@ def convert_to_hf(
     overwrite: bool = False,
 ) -> WriteSummary:
     """A torchloom model -> a Hugging Face folder. The tokenizer files come from
-    ``tokenizer_dir``, else from the model folder."""
+    ``tokenizer_dir`` (which must hold a tokenizer, not only its companion files), else from
+    the model folder."""
     model_dir, hf_dir = Path(model_dir), Path(hf_dir)
     source = open_model_source(model_dir)  # reads no tensor yet
     tokenizer = tokenizer_dir if tokenizer_dir is not None else source.tokenizer_dir
     inputs = {"source folder": model_dir, "tokenizer folder": tokenizer}
     check_output_folder(inputs, hf_dir, overwrite)
+    if tokenizer_dir is not None:
+        check_tokenizer_folder(tokenizer_dir, "--tokenizer")
     check_tokenizer_fits(tokenizer, source.config.vocab_size, "pass the model's own --tokenizer")
     return save_hf(
         hf_dir, source.family, source.config, source.tensors, tokenizer, dtype, max_shard_bytes
@@ -248,8 +257,9 @@ def _has_tokenizer(folder: Path) -> bool:
 
 def check_output_folder(inputs: dict[str, Path | None], output: Path, overwrite: bool) -> None:
     """Never write over, into or around an input folder (``inputs``: what it is -> folder), nor
-    over a non-empty folder unless asked to; refuse an output folder that cannot be created.
-    All before anything is written."""
+    over a non-empty folder unless asked to; refuse an output folder that cannot be created, or
+    whose staging path (``<output>.partial``) holds what no earlier write left there. All before
+    anything is written."""
     for what, folder in inputs.items():
         if folder is not None:
             _check_apart(Path(folder), output, what)
@@ -261,6 +271,7 @@ def check_output_folder(inputs: dict[str, Path | None], output: Path, overwrite:
             f"The output folder {output} is not empty; choose another or pass --overwrite to "
             "replace it."
         )
+    check_staging(output)
 
 
 def _check_apart(source: Path, output: Path, what: str) -> None:

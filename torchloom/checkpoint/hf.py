@@ -7,6 +7,8 @@ config and the tensor names; weights stream tensor by tensor (see safetensors_io
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -147,6 +149,13 @@ class HFReader:
             else:
                 source = [adapter.held_name(part, available) for part in source]
             if source == "lm_head.weight" and source not in available:
+                if not tied:
+                    raise ConfigError(
+                        f"{Path(hf_dir) / 'config.json'} does not set tie_word_embeddings true, "
+                        f"but the weights in {hf_dir} have no lm_head.weight (the output head); "
+                        "set tie_word_embeddings to true if the head is the embedding, or add "
+                        "lm_head.weight to the weights."
+                    )
                 source = adapter.to_hf_name("embed_tokens.weight")  # untying a tied checkpoint
             self.sources[name] = source
         used = {n for source in self.sources.values() for n in _as_list(source)}
@@ -155,8 +164,11 @@ class HFReader:
                 ours = adapter.from_hf_name(hf_name)
             except ConfigError as err:
                 raise ConfigError(f"{hf_dir}: {err}") from None
-            if ours is None or (tied and ours == "output.weight"):
-                continue  # a buffer old checkpoints saved; a tied checkpoint's head copy
+            if ours is None:
+                continue  # a buffer old checkpoints saved
+            if tied and ours == "output.weight":
+                continue  # a tied checkpoint's head, as transformers ignores it
+            _check_layer_count(Path(hf_dir), adapter, config, ours, available)
             raise ConfigError(
                 f"{hf_dir} has a tensor '{hf_name}' the model does not have."
                 f"{did_you_mean(hf_name, sorted(used))}"
@@ -230,6 +242,68 @@ class HFReader:
         rows = range(len(source))[box[0]] if box else range(len(source))
         inner = box[1:] if box else None
         return torch.stack([self.folder.read(source[i], inner) for i in rows])
+
+
+def check_tied_head(hf_dir: Path, adapter: HFAdapter, config: DecoderConfig) -> None:
+    """ConfigError when config.json ties the head to the embedding but the folder also stores
+    an lm_head.weight with other values: loading ignores it (as transformers does), so a
+    conversion would silently drop a trained head. Compared a block of rows at a time."""
+    if not config.tie_embeddings:
+        return
+    folder = SafetensorsFolder(hf_dir)
+    available = set(folder.names())
+    head = adapter.held_name(adapter.to_hf_name("output.weight"), available)
+    embedding = adapter.held_name(adapter.to_hf_name("embed_tokens.weight"), available)
+    if head not in available or embedding not in available:
+        return  # nothing to drop; a missing embedding is named by the load
+    shape = folder.shape(embedding)
+    same = folder.shape(head) == shape
+    step = max(1, _COMPARE_BYTES // max(1, math.prod(shape[1:]) * 8))
+    for start in range(0, shape[0] if same else 0, step):
+        rows = (slice(start, min(start + step, shape[0])),)
+        a, b = folder.read(head, rows), folder.read(embedding, rows)
+        if not torch.equal(a.double(), b.double()):
+            same = False
+            break
+    if not same:
+        raise ConfigError(
+            f"{hf_dir / 'config.json'} sets tie_word_embeddings true, but {hf_dir} holds an "
+            f"{head} that differs from the embedding '{embedding}': tying would drop that "
+            f"head. Set tie_word_embeddings to false to keep it (or delete {head} to use the "
+            "embedding as the head)."
+        )
+
+
+# How much of a tied checkpoint's head and embedding is compared at once (rows of each, as
+# float64).
+_COMPARE_BYTES = 64 * 2**20
+_OUR_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _check_layer_count(
+    hf_dir: Path, adapter: HFAdapter, config: DecoderConfig, ours: str, available: set[str]
+) -> None:
+    """ConfigError naming both counts when the tensor ``ours`` (torchloom's name of a tensor no
+    parameter uses) belongs to a decoder layer past config.json's num_hidden_layers."""
+    match = _OUR_LAYER_INDEX.match(ours)
+    num_layers = getattr(config, "num_layers", None)
+    if match is None or num_layers is None or int(match[1]) < num_layers:
+        return
+    held: set[int] = set()
+    for hf_name in available:
+        try:
+            layer = _OUR_LAYER_INDEX.match(adapter.from_hf_name(hf_name) or "")
+        except ConfigError:
+            continue
+        if layer:
+            held.add(int(layer[1]))
+    count = max(held) + 1
+    layers = f"layers 0-{count - 1}" if len(held) == count else f"layers up to {count - 1}"
+    raise ConfigError(
+        f"The weights in {hf_dir} hold {layers}, but {hf_dir / 'config.json'} gives "
+        f"num_hidden_layers {num_layers}; config.json does not describe these weights: set its "
+        f"num_hidden_layers to {count}."
+    )
 
 
 def _as_list(source: str | list[str] | RowSlice | FusedExperts) -> list[str]:

@@ -9,6 +9,7 @@ The layout is Hugging Face's, used for torchloom's model folder and HF import/ex
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -312,14 +313,60 @@ def load_into(
         local_tensor(target).copy_(reader.read(name, local_box(target)))
 
 
+# What writing a model folder (torchloom's or Hugging Face's) puts into its staging folder: the
+# weights under their final or temporary shard names, config.json and the tokenizer files.
+_STAGED_FILE = re.compile(
+    r"model\.safetensors|model\.safetensors\.index\.json|config\.json"
+    r"|shard-\d{5}\.safetensors|model-\d{5}-of-\d{5}\.safetensors"
+)
+
+
+def staging_folder(path: Path) -> Path:
+    """``<path>.partial``, where ``staged_folder(path)`` writes before renaming."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
+def check_staging(path: Path) -> Path | None:
+    """ConfigError when ``staged_folder(path)`` would have to delete something it did not write
+    or could not replace: ``<path>.partial`` that is not a folder, or one holding anything a
+    model folder's write never puts there; also ``<path>.old`` that is not a folder when ``path``
+    exists (the old folder is moved there). Returns ``<path>.partial`` when it is an earlier
+    write's leftover, to be removed. Reads only the folder listing."""
+    from torchloom.checkpoint.tokenizer_files import SIDE_FILES
+
+    path = Path(path)
+    tmp, old = staging_folder(path), path.with_name(path.name + ".old")
+    for staging in (tmp, old) if path.is_dir() else (tmp,):
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            raise ConfigError(
+                f"{staging} exists and is not a folder, but the output {path} is staged there "
+                "while it is written; move it away or choose another output folder."
+            )
+    if not tmp.is_dir():
+        return None
+    for entry in sorted(tmp.iterdir()):
+        if entry.is_dir() or not (entry.name in SIDE_FILES or _STAGED_FILE.fullmatch(entry.name)):
+            raise ConfigError(
+                f"{tmp} holds {entry.name}, which writing a model folder never puts there, so it "
+                "is not an interrupted write's staging folder (those are deleted); move it "
+                "away or choose another output folder."
+            )
+    return tmp
+
+
 @contextmanager
 def staged_folder(path: Path) -> Iterator[Path]:
     """A fresh ``<path>.partial`` folder to write into, renamed to ``path`` when the block
     succeeds (and removed when it fails), so ``path`` is never a half-written folder: an earlier
-    folder there is replaced only once the new one is complete."""
+    folder there is replaced only once the new one is complete. A ``<path>.partial`` an
+    interrupted write left is removed with a printed line (``check_staging`` refuses any
+    other)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_folder(path)
+    if check_staging(path) is not None:
+        shutil.rmtree(tmp)
+        print(f"removed {tmp}: the staging folder of an earlier, interrupted write", flush=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ SIDE_FILES = (
     "merges.txt",
     "generation_config.json",
 )
+# The files among SIDE_FILES that are a tokenizer themselves (the others only go with one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | None]:
@@ -53,13 +56,35 @@ def write_tokenizer(folder: Path, tokenizer: Any) -> tuple[int | None, int | Non
     return loaded.bos_id, loaded.eos_id
 
 
+def check_tokenizer_folder(folder: Path, option: str) -> None:
+    """Refuse ``folder``, given with ``option`` as the tokenizer to copy, unless it is a folder
+    holding a tokenizer proper (one of TOKENIZER_FILES), not only the files that go with one."""
+    require_folder(folder, "tokenizer folder", "tokenizer.json")
+    if any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        return
+    others = [name for name in SIDE_FILES if (Path(folder) / name).is_file()]
+    only = f", only {', '.join(others)}" if others else ""
+    raise ConfigError(
+        f"{option} {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES[:-1])} or "
+        f"{TOKENIZER_FILES[-1]}){only}; pass the folder the model's tokenizer is saved in."
+    )
+
+
 def check_tokenizer_fits(folder: Path | None, vocab_size: int, fix: str) -> None:
-    """Refuse the tokenizer in ``folder`` (if it has a tokenizer.json) when its ids reach past
-    the model's ``vocab_size`` embedding rows; ``fix`` says what to do instead."""
+    """Refuse the tokenizer.json in ``folder`` (if it has one) when it is not valid JSON, or
+    when its ids reach past the model's ``vocab_size`` embedding rows; ``fix`` says what to do
+    instead."""
     if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         return
     from torchloom.data.tokenizer import Tokenizer
 
+    json_path = Path(folder) / "tokenizer.json"
+    try:
+        json.loads(json_path.read_bytes())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(
+            f"{json_path} is not valid JSON ({err}), so no tokenizer library can load it; {fix}."
+        ) from None
     try:
         tokens = Tokenizer.from_file(folder).vocab_size
     except ConfigError:  # not loadable as a training tokenizer: copied as it is, unchecked
