@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import sys
 
-from tests.rl.common import BASE
+from tests.rl.common import BASE, records
 from torchloom.cli import main
+from torchloom.config.fields import field_docs
+from torchloom.rl.config import RLConfig
+from torchloom.rl.env import Check, Prompt
+from torchloom.rl.sources import prompt_index
+from torchloom.rl.tasks import BUILTIN_TASKS, TASKS, register_task
 
 
 def test_help_and_print_config(capsys) -> None:
@@ -159,3 +167,189 @@ def test_turning_on_the_kl_term_at_a_resume_names_the_missing_reference(tmp_path
     assert "The checkpoint holds no reference state: the run that saved it had none" in err, err
     assert main([*resume, "--rl.kl_coef", "0.1",
                  "--checkpoint.exclude_from_loading", '["reference"]']) == 0  # fmt: skip
+
+
+def _never_right(reply: str, answer: object) -> Check:
+    return Check(format_ok=True, correct=False)
+
+
+def _long_sometimes(rng) -> Prompt:
+    words = 40 if rng.randrange(4) == 0 else 1  # a prompt of 53 chat tokens, or a short one
+    return Prompt("Say " + "word " * words, meta={"task": "long_sometimes"})
+
+
+if "never_right" not in TASKS:
+    register_task("never_right", lambda rng: Prompt(f"Say a word ({rng.randrange(100)}).",
+                                                   meta={"task": "never_right"}), _never_right)  # fmt: skip
+    register_task("long_sometimes", _long_sometimes, _never_right)
+
+
+def rl(out, *extra: str) -> int:
+    return main(["rl", *BASE, "--output.dir", str(out), "--training.device", "cpu", *extra])
+
+
+def errors(err: str) -> str:
+    """``err`` without the warnings about options given twice (BASE's, then the test's)."""
+    return "".join(line for line in err.splitlines(keepends=True)
+                   if not line.startswith("warning: ") or "is given twice" not in line)  # fmt: skip
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_as_train_refuses_it(tmp_path, capsys):
+    """The same one line and exit 2 as `torchloom train`, before anything is built (it was a
+    FileExistsError / NotADirectoryError traceback)."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert rl(file) == 2
+    assert capsys.readouterr().err == (
+        f"error: --output.dir {file} is a file, not a folder; choose another path.\n"
+    )
+    assert rl(file / "run") == 2
+    assert capsys.readouterr().err == (
+        f"error: Cannot create {file / 'run'}: {file} is a file, not a folder; choose another "
+        "path.\n"
+    )
+
+
+def test_a_run_that_never_updated_the_policy_fails_with_the_fixes(tmp_path, capsys):
+    """Every reply is wrong: every group's rewards are equal, dynamic sampling drops them all
+    and no step updates the policy. The run says so in one line and exits 1, as train does
+    when every step was skipped; nothing is exported (it said "done: 2 policy updates")."""
+    out = tmp_path / "run"
+    assert rl(out, "--rl.task", "never_right", "--training.steps", "2",
+              "--checkpoint.save_final_model", "true") == 1  # fmt: skip
+    captured = capsys.readouterr()
+    assert errors(captured.err) == (
+        "error: Nothing was trained: none of the 2 steps updated the policy (2 kept no group: "
+        "each group's rollouts all got the same reward, and --rl.filter_zero_variance drops "
+        "such groups). Give the groups rewards that differ: --rl.format_reward 0.1 if the task "
+        "checks a format, more refill rounds (--rl.max_refill_rounds) or a larger "
+        "--rl.group_size, or a stronger starting model (--checkpoint.initial_load_hf); or "
+        "--rl.filter_zero_variance false to update on every group.\n"
+    )
+    assert "done:" not in captured.out and not (out / "model").exists()
+    assert [r["updates"] for r in records(out)] == [0, 0]
+
+
+def test_steps_that_trained_nothing_are_counted_and_not_called_updates(
+    tmp_path, capsys, monkeypatch
+):
+    """Step 1's groups are all dropped (as dynamic sampling drops equal-reward groups), step 2
+    trains: the run says 1 of 2 steps trained nothing, and the done line counts 1 update."""
+    from torchloom.rl import loop
+
+    original, calls = loop.collect, []
+
+    def collect(*args, **kwargs):
+        batch = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            batch.rollouts = []
+        return batch
+
+    monkeypatch.setattr(loop, "collect", collect)
+    assert rl(tmp_path / "run", "--training.steps", "2") == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 steps trained nothing (1 kept no group: each group's rollouts all got" in out
+    assert "done: 1 policy updates," in out
+    assert [r["updates"] > 0 for r in records(tmp_path / "run")] == [False, True]
+
+
+def test_a_context_too_short_names_seq_len_before_the_folder_is_written(tmp_path, capsys):
+    """The rollouts' context is --training.seq_len (64 here), not the model's (512): the error
+    names it and the numbers, before any file is written, so the corrected run in the same
+    folder starts (it was refused: the failed run had written config.json)."""
+    out = tmp_path / "run"
+    assert rl(out, "--rl.max_new_tokens", "60") == 2
+    assert errors(capsys.readouterr().err) == (
+        "error: A prompt of the first step of 18 tokens + --rl.max_new_tokens 60 = 78 tokens "
+        "exceed --training.seq_len 64, the context rollouts and evaluations are generated in; "
+        "raise --training.seq_len to 78 or more (up to the model's context), or lower "
+        "--rl.max_new_tokens to 46 or less.\n"
+    )
+    evaluating = ["--rl.task", "letters", "--eval.every", "1", "--eval.problems", "2"]
+    assert rl(out, *evaluating, "--eval.max_new_tokens", "60") == 2
+    assert errors(capsys.readouterr().err) == (
+        "error: A held-out evaluation prompt of 24 tokens + --eval.max_new_tokens 60 = 84 "
+        "tokens exceed --training.seq_len 64, the context rollouts and evaluations are "
+        "generated in; raise --training.seq_len to 84 or more (up to the model's context), or "
+        "lower --eval.max_new_tokens to 40 or less.\n"
+    )
+    assert not out.exists()
+    assert rl(out, "--training.steps", "1") == 0
+
+
+def test_a_later_prompt_too_long_for_the_context_names_seq_len(tmp_path, capsys):
+    """A prompt of a later step (not checked up front) refused by the generator: the error
+    names the step, --training.seq_len and --rl.max_new_tokens (not "the model's context")."""
+    seed = next(s for s in range(100)  # step 1's prompts short, one of step 2's long
+                if [len(TASKS["long_sometimes"](seed=s).prompt(prompt_index(step, j)).text) > 20
+                    for step in (1, 2) for j in range(2)] == [False, False, True, False])  # fmt: skip
+    assert rl(tmp_path / "run", "--rl.task", "long_sometimes", "--training.seed", str(seed),
+              "--rl.filter_zero_variance", "false", "--rl.max_new_tokens", "16",
+              "--training.steps", "2") == 2  # fmt: skip
+    assert errors(capsys.readouterr().err) == (
+        "error: A prompt of step 2 of 53 tokens + --rl.max_new_tokens 16 = 69 tokens exceed "
+        "--training.seq_len 64, the context rollouts and evaluations are generated in; raise "
+        "--training.seq_len to 69 or more (up to the model's context), or lower "
+        "--rl.max_new_tokens to 11 or less.\n"
+    )
+
+
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch):
+    """As `torchloom train` says it: the step, the last complete checkpoint and the exact
+    command that resumes (it said only "rl was interrupted (Ctrl-C)."); that command finishes
+    the run. Run in-process (not as `torchloom rl`), the line says how to build it."""
+    from torchloom.rl.loop import RLRunner
+
+    original = RLRunner.update
+
+    def update(self, batch):
+        if self.step == 2:  # Ctrl-C during step 3's update
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    def args(out):
+        return ["rl", *BASE, "--output.dir", str(out), "--training.device", "cpu",
+                "--training.steps", "4", "--checkpoint.interval", "2"]  # fmt: skip
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(RLRunner, "update", update)
+        with monkeypatch.context() as command_line:
+            command_line.setattr(sys, "argv", ["torchloom", *args(out)])
+            assert main() == 130
+        err = capsys.readouterr().err
+        assert main(args(tmp_path / "in_process")) == 130
+        assert capsys.readouterr().err == (
+            "error: Interrupted at step 2 of 4; the last complete checkpoint is "
+            f"{tmp_path / 'in_process/checkpoints/step-2'}. Resume with the same `torchloom rl` "
+            "command and --checkpoint.resume true.\n"
+        )
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: Interrupted at step 2 of 4; the last complete checkpoint is "
+        f"{out / 'checkpoints/step-2'}. Resume with: torchloom rl --recipe rl_debug "
+    ), err
+    command = shlex.split(err.split("Resume with: ")[1])
+    assert command == ["torchloom", *args(out), "--checkpoint.resume", "true"]
+    assert main(command[1:]) == 0
+    assert f"resumed from {out / 'checkpoints/step-2'}" in capsys.readouterr().out
+
+
+def test_help_lists_every_built_in_task():
+    """--rl.task's help names each task torchloom ships, and no other (it listed four of
+    seven, and not rl_debug's own default, letters)."""
+    doc = field_docs(RLConfig)["task"]
+    named = set(re.findall(r"\b[a-z]+(?:_[a-z]+)*\b", doc)) & {*BUILTIN_TASKS, "even_length",
+                                                                 "never_right", "times"}  # fmt: skip
+    assert named == set(BUILTIN_TASKS), named
+    assert set(BUILTIN_TASKS) == {*TASKS, "python_tool"} - {"even_length", "never_right",
+                                                            "long_sometimes"}  # fmt: skip
+
+
+def test_the_resume_command_drops_the_resume_options_it_adds(monkeypatch):
+    from torchloom.rl.loop import resume_command
+
+    monkeypatch.setattr(sys, "argv", ["torchloom", "rl", "--checkpoint.resume", "true",
+                                      "--checkpoint.load_step=2", "--rl.kl_coef", "-0"])  # fmt: skip
+    assert resume_command() == "torchloom rl --rl.kl_coef -0 --checkpoint.resume true"

@@ -23,8 +23,9 @@ class RLConfig:
     """Removed options and what replaced them (the command line names the replacement)."""
 
     task: str = "arithmetic"
-    """Built-in task the prompts, environment and reward come from (torchloom/rl/tasks.py:
-    arithmetic, sort, countdown, mixed; python_tool: the sandboxed Python tool environment)."""
+    """Task the prompts, environment and reward come from. Built in (torchloom/rl/tasks.py):
+    arithmetic, letters, sort, countdown, mixed, word_problems, and python_tool (the sandboxed
+    Python tool environment, multi-turn); torchloom.rl.tasks.register_task adds your own."""
     prompts_per_step: int = 4
     """Prompts per policy update."""
     group_size: int = 8

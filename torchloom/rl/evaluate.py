@@ -111,8 +111,9 @@ def evaluate(
         for index, completion in enumerate(completions):
             if completion.finish_reason == "error":
                 raise ConfigError(
-                    f"The generator refused an evaluation prompt: {completion.error}. Lower the "
-                    "evaluation's max_new_tokens or raise the model's context."
+                    f"The generator refused an evaluation prompt: {completion.error}. Lower "
+                    "--eval.max_new_tokens (0: the rollouts' --rl.max_new_tokens) or raise "
+                    f"--training.seq_len ({generator.max_len}), the context it generates in."
                 )
             reply = tokenizer.decode(completion.tokens, skip_special_tokens=True)
             prompt = prompts[index // samples]

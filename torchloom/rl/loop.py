@@ -21,16 +21,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shlex
+import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchloom.checkpoint.manager import CheckpointManager
+from torchloom.checkpoint.manager import CheckpointManager, on_rank0
 from torchloom.checkpoint.stateful import ModelState
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
@@ -49,9 +52,10 @@ from torchloom.rl.batches import (
 )
 from torchloom.rl.config import RLJobConfig
 from torchloom.rl.disaggregated import Link, trainer_ranks
+from torchloom.rl.env import Prompt
 from torchloom.rl.evaluate import evaluate
 from torchloom.rl.objectives import SampledLogProbs, build_rl_objective
-from torchloom.rl.rollout import Rollout, RolloutBatch, generate_rollouts
+from torchloom.rl.rollout import Rollout, RolloutBatch, context_error, generate_rollouts
 from torchloom.rl.sources import Lagged, OnPolicy, Remote, collect, group_plan, prompt_index, serve
 from torchloom.rl.state import RolloutBuffer
 from torchloom.rl.tasks import CHECKS, HELD_OUT, TASKS, make_env
@@ -67,9 +71,10 @@ from torchloom.train.expert_balance import expert_balance
 from torchloom.train.loss import IGNORE_INDEX
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
+from torchloom.train.output import check_writable
 from torchloom.train.run import RunScaffold
-from torchloom.train.step import StepParts, TrainStep, rank_batch
-from torchloom.train.trainer import Trainer
+from torchloom.train.step import StepParts, TrainingError, TrainStep, rank_batch
+from torchloom.train.trainer import Trainer, TrainingInterrupted
 
 
 class RLRunner:
@@ -85,6 +90,8 @@ class RLRunner:
         )
         self.is_generator = bool(self.trainers) and self.dims.rank >= self.trainers
         self.output_dir = Path(job.output.dir)
+        # As train checks it: before the tokenizer, the model and the starting weights load.
+        on_rank0(self.dims.is_rank0, lambda: check_writable(self.output_dir))
         if r.task not in TASKS and r.task != "python_tool":
             raise ConfigError(
                 f"--rl.task {r.task!r} is not a registered task; one of "
@@ -127,11 +134,13 @@ class RLRunner:
                 f"--eval.every / --eval.k evaluate on the task's held-out set, and task "
                 f"{r.task!r} has none (tasks with one: {sorted(HELD_OUT)}); set both to 0."
             )
+        held_out: list[Prompt] = []
         if ev.every or ev.k:
             try:
-                HELD_OUT[r.task](ev.problems)
+                held_out = HELD_OUT[r.task](ev.problems)
             except ValueError as e:
                 raise ConfigError(f"--eval.problems {ev.problems}: {e}.") from None
+        self._check_context(held_out)
         self.version = 0  # RL steps the policy has taken
         self.gen_version = 0  # the version the generator's weights hold (a copy's, with lag)
         self.params_lock = threading.Lock()
@@ -144,6 +153,38 @@ class RLRunner:
         else:
             self._init_trainer()
         self.run = RunScaffold(job, self.checkpointer, self.dims.is_rank0)
+
+    def _check_context(self, held_out: list[Prompt]) -> None:
+        """Refuse, before any folder is written, a --training.seq_len (the generator's
+        context) with no room for the first step's prompts (rendered as the rollouts render
+        them) plus a reply, or for the held-out prompts plus an evaluation answer. Later
+        steps' prompts are checked as they come (``context_error``)."""
+        job, r, ev = self.job, self.job.rl, self.job.eval
+        seq_len = job.training.seq_len
+
+        def longest(prompts: list[Prompt], rendered: Callable[[Prompt], str]) -> int:
+            messages = ([{"role": "user", "content": rendered(p)}] for p in prompts)
+            return max((len(self.tokenizer.encode_chat_prompt(m)) for m in messages), default=0)
+
+        first = [self.prompts.prompt(prompt_index(1, j)) for j in range(r.prompts_per_step)]
+        tokens = longest(first, lambda p: self.make_env(p).reset(p))
+        if tokens + r.max_new_tokens > seq_len:
+            raise context_error("A prompt of the first step", tokens,
+                                f"--rl.max_new_tokens {r.max_new_tokens}", r.max_new_tokens,
+                                seq_len, "lower --rl.max_new_tokens")  # fmt: skip
+        budget = ev.max_new_tokens or r.max_new_tokens
+        tokens = longest(held_out, lambda p: p.text)
+        if held_out and tokens + budget > seq_len:
+            given = (
+                f"--eval.max_new_tokens {budget}"
+                if ev.max_new_tokens
+                else f"the evaluation's --rl.max_new_tokens {budget} (--eval.max_new_tokens 0)"
+            )
+            lower = (
+                "lower --eval.max_new_tokens" if ev.max_new_tokens else "set --eval.max_new_tokens"
+            )
+            raise context_error("A held-out evaluation prompt", tokens, given, budget, seq_len,
+                                lower)  # fmt: skip
 
     def _init_trainer(self) -> None:
         job, t, r = self.job, self.job.training, self.job.rl
@@ -340,13 +381,15 @@ class RLRunner:
             self.params_lock.acquire()
             self._holding = True
 
-    def _next_version(self) -> None:
-        """The step is done: the weights are the next version (tagged under the lock)."""
+    def _next_version(self, done: bool = True) -> None:
+        """The step is done: the weights are the next version (tagged under the lock). Not
+        ``done`` (the update raised): only release the lock."""
         if not self._holding:
             self.params_lock.acquire()
         try:
-            self.step += 1
-            self.version = self.step
+            if done:
+                self.step += 1
+                self.version = self.step
         finally:
             self._holding = False
             self.params_lock.release()
@@ -379,11 +422,33 @@ class RLRunner:
     # -- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
+        """Run the job; Ctrl-C ends it with TrainingInterrupted, saying how to continue (as
+        `torchloom train` does)."""
+        try:
+            return self._train()
+        except KeyboardInterrupt:
+            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C stops the wait
+                self.checkpointer.wait()  # a save in flight completes (or fails) first
+            if not self.dims.is_rank0:
+                raise
+            latest = self.checkpointer.latest_step_dir()
+            err = TrainingInterrupted(self.step, self.job.training.steps, latest)
+            if latest:
+                again = resume_command()
+                how = (
+                    f"Resume with: {again}"
+                    if again
+                    else "Resume with the same `torchloom rl` command and --checkpoint.resume true."
+                )
+                err.args = (f"{err} {how}",)
+            raise err from None
+
+    def _train(self) -> dict[str, float]:
         if self.is_generator:
             start = self.run.start()
             return _summary(self.job.training.steps, serve(self, start))
         job, t, r = self.job, self.job.training, self.job.rl
-        self.start()
+        first = self.start()
         metrics = MetricsLogger(self.output_dir, job.metrics, t.steps, self.device,
                                 self.model_config.flops_per_token(t.seq_len),
                                 enabled=self.dims.is_rank0)  # fmt: skip
@@ -402,6 +467,9 @@ class RLRunner:
         else:
             source = OnPolicy(self)
         rewards: list[float] = []
+        # Steps that trained nothing: no group kept (all rewards equal), every rollout left out
+        # of the loss, every update skipped as non-finite.
+        idle = {"no_signal": 0, "left_out": 0, "nonfinite": 0}
         ev = job.eval
         if self.step == 0 and (ev.every or ev.k):
             metrics.log(self.evaluate(0, sampled=bool(ev.k)))
@@ -413,14 +481,20 @@ class RLRunner:
                 waited = time.perf_counter() - start
                 lr = self.scheduler.get_last_lr()[0]
                 self.model.train()
+                skipped, done = self.train_step.skipped, False
                 try:
                     update = self.update(batch)  # takes params_lock at its first weight change
                     with warnings.catch_warnings():  # a step that trained nothing still counts
                         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
                         self.scheduler.step()
+                    done = True
                 finally:
-                    self._next_version()
+                    self._next_version(done)  # an interrupted update is no step (Ctrl-C's line)
                 source.updated()
+                if not update["updates"]:
+                    idle["left_out" if update["groups_kept"] else "no_signal"] += 1
+                elif self.train_step.skipped - skipped == update["updates"]:
+                    idle["nonfinite"] += 1
                 train_s = time.perf_counter() - start - waited
                 record = self._record(metrics, batch, update, lr, waited, train_s, start)
                 rewards.append(record["reward_mean"])
@@ -438,12 +512,56 @@ class RLRunner:
                         metrics.log(self.evaluate(self.step, sampled=last and bool(ev.k)))
                 self.run.save_if_due(metrics, self.step, hold=source.hold)
             self.run.finish(metrics)
+            self._check_trained(metrics, self.step - first, idle)
             self.run.export(metrics, self.parts.saved_config, self.tokenizer,
                             lambda: full_state_items(self.model))  # fmt: skip
         finally:
             source.stop()
             metrics.close()
-        return _summary(self.step, rewards)
+        return _summary(self.step - sum(idle.values()), rewards)
+
+    def _check_trained(self, metrics: MetricsLogger, steps: int, idle: dict[str, int]) -> None:
+        """Say how many of the run's ``steps`` trained nothing (``idle``, by cause); when none
+        trained anything, TrainingError (on every trainer rank alike) with the fixes, before the
+        export, as `torchloom train` ends a run whose every step was skipped."""
+        r = self.job.rl
+        if not any(idle.values()):
+            return
+        causes = {
+            "no_signal": "kept no group: each group's rollouts all got the same reward, and "
+            "--rl.filter_zero_variance drops such groups",
+            "left_out": "left every rollout out of the loss: an environment error, or a reply "
+            "cut at --rl.max_new_tokens with --rl.overlong_filter true",
+            "nonfinite": "had every update skipped as non-finite (--training.skip_nonfinite)",
+        }
+        why = "; ".join(f"{n} {causes[k]}" for k, n in idle.items() if n)
+        if sum(idle.values()) < steps:
+            metrics.print(f"{sum(idle.values())} of {steps} steps trained nothing ({why}).")
+            return
+        fixes = []
+        if idle["no_signal"]:
+            fixes.append(
+                "give the groups rewards that differ: "
+                + ("--rl.format_reward 0.1 if the task checks a format, " if not r.format_reward
+                   else "")
+                + "more refill rounds (--rl.max_refill_rounds) or a larger --rl.group_size, or "
+                "a stronger starting model (--checkpoint.initial_load_hf); or "
+                "--rl.filter_zero_variance false to update on every group"
+            )  # fmt: skip
+        if idle["left_out"]:
+            fixes.append("raise --rl.max_new_tokens or set --rl.overlong_filter false, and look "
+                         "for the environment's errors")  # fmt: skip
+        if idle["nonfinite"]:
+            fixes.append("lower --optimizer.lr or check the starting model")
+        which = (
+            "the run's one step did not update"
+            if steps == 1
+            else f"none of the {steps} steps updated"
+        )
+        raise TrainingError(
+            f"Nothing was trained: {which} the policy ({why}). "
+            f"{'. '.join(f[:1].upper() + f[1:] for f in fixes)}."
+        )
 
     def start(self) -> int:
         """Start or resume (the run scaffold), then give the generator the policy the run
@@ -512,7 +630,32 @@ def _trained(rollout: Rollout, cfg: Any) -> int:
     return sum(rollout.mask[1:]) if trains(rollout, cfg) else 0
 
 
+def resume_command() -> str | None:
+    """This process's `torchloom rl` command line with --checkpoint.resume true, loading the
+    newest checkpoint (its --checkpoint.resume / load_step dropped), worded as `torchloom
+    train`'s interruption words its own; None when the process was not started as `torchloom
+    rl ...` (e.g. cli.main called in-process). (rl sits below cli: it cannot reuse cli's.)"""
+    argv = sys.argv[1:]
+    if argv[:1] != ["rl"]:
+        return None
+    dropped = ("checkpoint.resume", "checkpoint.load_step")
+    kept, i = [], 1
+    while i < len(argv):
+        name, has_value = argv[i][2:].split("=", 1)[0].replace("-", "_"), "=" in argv[i]
+        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if argv[i].startswith("--") and name in dropped:
+            i += 2 if takes_next else 1
+            continue
+        kept.append(argv[i])
+        i += 1
+    launcher = ["torchloom"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        launcher = ["torchrun", "<the same torchrun options>", "-m", "torchloom"]
+    return shlex.join([*launcher, "rl", *kept, "--checkpoint.resume", "true"])
+
+
 def _summary(steps: int, rewards: list[float]) -> dict[str, float]:
+    """``steps``: the policy updates the run made (the done line's count)."""
     fifth = max(1, len(rewards) // 5)
     return {"steps": steps, "reward_first": sum(rewards[:fifth]) / fifth,
             "reward_last": sum(rewards[-fifth:]) / fifth}  # fmt: skip
@@ -558,6 +701,7 @@ def prepare_initial_model(job: RLJobConfig) -> dict[str, float]:
             f"it ({', '.join(job.rl.init_recipes)}) run on one process; run them first "
             f"(torchloom train --recipe NAME), then launch this job again."
         )
+    check_writable(Path(job.output.dir))  # before the recipes train (minutes), as RLRunner does
     for name in job.rl.init_recipes:
         recipe_job = get_recipe(name).build()
         recipe_job.training.device = job.training.device

@@ -106,6 +106,22 @@ class _Episode:
     """Its last reply, while the environment answers it."""
 
 
+def context_error(
+    what: str, tokens: int, given: str, max_new_tokens: int, seq_len: int, lower: str
+) -> ConfigError:
+    """The error for ``what`` (a prompt) of ``tokens`` tokens that leaves no room for
+    ``max_new_tokens`` (``given``: the option that sets it, with its value) in the generator's
+    context, which is --training.seq_len; ``lower``: how to shrink the budget instead."""
+    need = tokens + max_new_tokens
+    fix = f"raise --training.seq_len to {need} or more (up to the model's context)"
+    if tokens < seq_len:
+        fix += f", or {lower} to {seq_len - tokens} or less"
+    return ConfigError(
+        f"{what} of {tokens} tokens + {given} = {need} tokens exceed --training.seq_len "
+        f"{seq_len}, the context rollouts and evaluations are generated in; {fix}."
+    )
+
+
 def request_seed(seed: int, step: int, episode: int, turn: int) -> int:
     """A sampling seed per (run seed, step, episode, turn), the same on every machine."""
     return derive_seed(seed, step, episode, turn)
@@ -252,10 +268,13 @@ class _Episodes:
         """Append the reply and let the environment answer it (in the pool)."""
         if completion.finish_reason == "error":
             if episode.rollout.turns == 0:
-                raise ConfigError(
-                    f"The generator refused a rollout: {completion.error}. Lower "
-                    "--rl.max_new_tokens or --rl.max_turns, or raise the model's context."
-                )
+                tokens, budget = len(episode.rollout.tokens), self.cfg.max_new_tokens
+                if tokens + budget > self.generator.max_len:  # the first reply has no room
+                    raise context_error(f"A prompt of step {self.step}", tokens,
+                                        f"--rl.max_new_tokens {budget}", budget,
+                                        self.generator.max_len,
+                                        "lower --rl.max_new_tokens")  # fmt: skip
+                raise ConfigError(f"The generator refused a rollout: {completion.error}.")
             self._end(episode, "error", {"error": f"generator: {completion.error}"})
             return
         rollout = episode.rollout

@@ -166,6 +166,9 @@ TASKS: dict[str, Callable[..., PromptSource]] = {
     name: functools.partial(TaskSource, name, make_prompt) for name, make_prompt in _PROMPTS.items()
 }
 """Task name -> source factory; call with ``seed=...``."""
+BUILTIN_TASKS = (*TASKS, "python_tool")
+"""The tasks torchloom ships (``--rl.task``; python_tool's source is in rl/tool_env.py), in the
+order ``rl --help`` lists them."""
 
 # --- rewards ---------------------------------------------------------------------------------
 
