@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from torchloom.config import (
 from torchloom.config.overrides import split_overrides
 from torchloom.recipes import get_recipe, list_recipes
 from torchloom.train.job import JobConfig
+from torchloom.train.run import resume_command
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +173,7 @@ def cmd_train(argv: list[str]) -> int:
         if not trainer.is_rank0:  # rank 0 says where the run stopped
             return 130
         if err.checkpoint:
-            err.args = (f"{err} Resume with: {_resume_command(argv)}",)
+            err.args = (f"{err} Resume with: {resume_command('train', argv)}",)
         raise
     if trainer.is_rank0:
         validation = (
@@ -247,24 +246,6 @@ def cmd_rl(argv: list[str]) -> int:
             f"(first fifth) -> {result['reward_last']:.3f} (last fifth)"
         )
     return 0
-
-
-def _resume_command(argv: list[str]) -> str:
-    """This train command with --checkpoint.resume true, loading the newest checkpoint."""
-    dropped = ("checkpoint.resume", "checkpoint.load_step")
-    kept, i = [], 0
-    while i < len(argv):
-        name, has_value = argv[i][2:].split("=", 1)[0].replace("-", "_"), "=" in argv[i]
-        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        if name in dropped:
-            i += 2 if takes_next else 1
-            continue
-        kept.append(argv[i])
-        i += 1
-    launcher = ["torchloom"]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        launcher = ["torchrun", "<the same torchrun options>", "-m", "torchloom"]
-    return shlex.join([*launcher, "train", *kept, "--checkpoint.resume", "true"])
 
 
 _SAMPLE_MAX_BYTES = 2 * 2**30

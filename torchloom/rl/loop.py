@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import shlex
 import sys
 import threading
 import time
@@ -73,6 +72,7 @@ from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.output import check_writable
 from torchloom.train.run import RunScaffold
+from torchloom.train.run import resume_command as run_resume_command
 from torchloom.train.step import StepParts, TrainingError, TrainStep, rank_batch
 from torchloom.train.trainer import Trainer, TrainingInterrupted
 
@@ -631,27 +631,13 @@ def _trained(rollout: Rollout, cfg: Any) -> int:
 
 
 def resume_command() -> str | None:
-    """This process's `torchloom rl` command line with --checkpoint.resume true, loading the
-    newest checkpoint (its --checkpoint.resume / load_step dropped), worded as `torchloom
-    train`'s interruption words its own; None when the process was not started as `torchloom
-    rl ...` (e.g. cli.main called in-process). (rl sits below cli: it cannot reuse cli's.)"""
+    """This process's `torchloom rl` command line with --checkpoint.resume true (as `torchloom
+    train`'s interruption words its own); None when the process was not started as `torchloom
+    rl ...` (e.g. cli.main called in-process)."""
     argv = sys.argv[1:]
     if argv[:1] != ["rl"]:
         return None
-    dropped = ("checkpoint.resume", "checkpoint.load_step")
-    kept, i = [], 1
-    while i < len(argv):
-        name, has_value = argv[i][2:].split("=", 1)[0].replace("-", "_"), "=" in argv[i]
-        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        if argv[i].startswith("--") and name in dropped:
-            i += 2 if takes_next else 1
-            continue
-        kept.append(argv[i])
-        i += 1
-    launcher = ["torchloom"]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        launcher = ["torchrun", "<the same torchrun options>", "-m", "torchloom"]
-    return shlex.join([*launcher, "rl", *kept, "--checkpoint.resume", "true"])
+    return run_resume_command("rl", argv[1:])
 
 
 def _summary(steps: int, rewards: list[float]) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,23 @@ def export_final_model(
             pass
         say(done)
     return model_dir if job.checkpoint.save_final_model else None
+
+
+def resume_command(command: str, argv: list[str]) -> str:
+    """``torchloom <command>`` with its arguments ``argv`` and --checkpoint.resume true,
+    loading the newest checkpoint: any --checkpoint.resume / load_step given is dropped. Under
+    torchrun the launcher's own options are left for the user to repeat."""
+    dropped = ("checkpoint.resume", "checkpoint.load_step")
+    kept, i = [], 0
+    while i < len(argv):
+        name, has_value = argv[i][2:].split("=", 1)[0].replace("-", "_"), "=" in argv[i]
+        takes_next = not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if argv[i].startswith("--") and name in dropped:
+            i += 2 if takes_next else 1
+            continue
+        kept.append(argv[i])
+        i += 1
+    launcher = ["torchloom"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        launcher = ["torchrun", "<the same torchrun options>", "-m", "torchloom"]
+    return shlex.join([*launcher, command, *kept, "--checkpoint.resume", "true"])
