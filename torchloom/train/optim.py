@@ -312,7 +312,12 @@ class _Float32LambdaLR(torch.optim.lr_scheduler.LambdaLR):
     steps bitwise equal (the change is below 1e-7 relative)."""
 
     def get_lr(self) -> list[float]:
-        return [float(np.float32(lr)) for lr in super().get_lr()]
+        return self.rates()
+
+    def rates(self) -> list[float]:
+        """Each group's float32 rate at the current step (``last_epoch``)."""
+        return [float(np.float32(base * rate(self.last_epoch)))
+                for rate, base in zip(self.lr_lambdas, self.base_lrs, strict=True)]  # fmt: skip
 
 
 def build_lr_scheduler(
@@ -337,7 +342,9 @@ class ResumedSettings:
     the resumed step, and returns what changed. A resume with the same flags changes nothing
     (the same float32 rates)."""
 
-    def __init__(self, optimizers: list[Optimizer], scheduler: Any | None) -> None:
+    def __init__(self, optimizers: list[Optimizer], scheduler: _Float32LambdaLR | None) -> None:
+        """``optimizers``: those whose state is loaded (none when it is excluded); ``scheduler``:
+        the schedule, when its state is loaded."""
         self.optimizers, self.scheduler = optimizers, scheduler
         self._groups = [[{k: v for k, v in g.items() if k in _GROUP_FLAGS} for g in o.param_groups]
                         for o in optimizers]  # fmt: skip
@@ -357,10 +364,9 @@ class ResumedSettings:
         if scheduler.base_lrs != self._base_lrs:
             changed["--optimizer.lr"] = f"{scheduler.base_lrs[0]:.4g} -> {self._base_lrs[0]:.4g}"
             scheduler.base_lrs = list(self._base_lrs)
-        groups = scheduler.optimizer.param_groups
-        rates = [float(np.float32(base * rate(scheduler.last_epoch)))
-                 for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]  # fmt: skip
-        if any(g["lr"] != r for g, r in zip(groups, rates, strict=True)) and not changed:
+        groups, rates = scheduler.optimizer.param_groups, scheduler.rates()
+        moved = any(g["lr"] != r for g, r in zip(groups, rates, strict=True))
+        if moved and "--optimizer.lr" not in changed:
             changed["the schedule's rate (--training.steps, --lr_schedule.*)"] = (
                 f"{groups[0]['lr']:.4g} -> {rates[0]:.4g}"
             )

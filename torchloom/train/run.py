@@ -74,15 +74,16 @@ class RunScaffold:
         return step or 0
 
     def _resumed_settings(self) -> ResumedSettings | None:
-        """This run's optimizer and schedule settings, captured before a load overwrites them
-        (None when the checkpoint's optimizer is not loaded: then nothing is overwritten)."""
+        """This run's optimizer and schedule settings, captured before a load overwrites them:
+        those of the parts the checkpoint loads (None when it loads neither)."""
         parts, excluded = self.checkpointer.parts, self.job.checkpoint.exclude_from_loading
-        optimizer = parts.get("optimizer")
-        if not isinstance(optimizer, OptimizerState) or "optimizer" in excluded:
-            return None
-        scheduler = parts.get("lr_scheduler")
-        loaded = scheduler is not None and "lr_scheduler" not in excluded
-        return ResumedSettings(optimizer.optimizers, scheduler if loaded else None)
+        optimizer, scheduler = parts.get("optimizer"), parts.get("lr_scheduler")
+        optimizers = []
+        if isinstance(optimizer, OptimizerState) and "optimizer" not in excluded:
+            optimizers = optimizer.optimizers
+        if scheduler is None or "lr_scheduler" in excluded:
+            scheduler = None
+        return ResumedSettings(optimizers, scheduler) if optimizers or scheduler else None
 
     def _check_folders(self, step: int | None, continues: bool) -> list[str]:
         """Rank 0: refuse an output or checkpoint folder this run may not write into (``step``:
