@@ -220,7 +220,7 @@ def convert_from_hf(
     )
     shapes = parameter_shapes(spec.name, config)
     reader = HFReader(hf_dir, spec.hf_adapter, list(shapes), config)
-    check_tied_head(hf_dir, spec.hf_adapter, config)  # loading would drop a distinct head
+    check_tied_head(hf_dir, reader.folder, spec.hf_adapter, config)  # would drop a distinct head
     tensors = stream(reader, shapes, str(hf_dir), spec.hf_adapter.to_hf_name)
     return write_model_folder(
         out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, parse_dtype(dtype)

@@ -244,13 +244,15 @@ class HFReader:
         return torch.stack([self.folder.read(source[i], inner) for i in rows])
 
 
-def check_tied_head(hf_dir: Path, adapter: HFAdapter, config: DecoderConfig) -> None:
-    """ConfigError when config.json ties the head to the embedding but the folder also stores
-    an lm_head.weight with other values: loading ignores it (as transformers does), so a
-    conversion would silently drop a trained head. Compared a block of rows at a time."""
+def check_tied_head(
+    hf_dir: Path, folder: HFTensors, adapter: HFAdapter, config: DecoderConfig
+) -> None:
+    """ConfigError when config.json ties the head to the embedding but the folder's tensors
+    (``folder``, e.g. an HFReader's) also hold an lm_head.weight with other values: loading
+    ignores it (as transformers does), so a conversion would silently drop a trained head.
+    Compared a block of rows at a time."""
     if not config.tie_embeddings:
         return
-    folder = SafetensorsFolder(hf_dir)
     available = set(folder.names())
     head = adapter.held_name(adapter.to_hf_name("output.weight"), available)
     embedding = adapter.held_name(adapter.to_hf_name("embed_tokens.weight"), available)
