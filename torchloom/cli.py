@@ -485,7 +485,7 @@ def cmd_generate(argv: list[str]) -> int:
 
     import torch
 
-    from torchloom.generate.engine import SamplingParams
+    from torchloom.generate.engine import CacheTooLarge, SamplingParams
     from torchloom.generate.run import (
         check_output,
         check_sampling,
@@ -547,9 +547,16 @@ def cmd_generate(argv: list[str]) -> int:
             prompt_ids, media = map(list, zip(*encode_image_prompts(items, tokenizer, model)))
         else:
             prompt_ids = encode_prompts(items, tokenizer, chat)
-        records = generate_records(
-            model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat, media
-        )
+        try:
+            records = generate_records(
+                model, tokenizer, prompt_ids, params, max_batch, rank0, compile_decode, chat,
+                media,
+            )  # fmt: skip
+        except CacheTooLarge as err:
+            raise ConfigError(
+                f"--max-batch {max_batch}: the cache of {err.slots} requests of up to "
+                f"{err.max_len} tokens {err.sizes}; lower --max-batch or --max-new-tokens."
+            ) from None
         if tp > 1:
             destroy()  # every rank together
     finally:

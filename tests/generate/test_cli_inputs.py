@@ -356,3 +356,17 @@ def test_a_folder_of_the_other_kind_names_the_flag_that_reads_it(
     code, _, err = generate(capsys, "--from-hf", hf, "--prompt", "hi", "--device", "cpu")
     assert code == 2
     assert_one_error(err, re.escape(f"{hf / 'config.json'} has no model_type"))
+
+
+def test_a_cache_that_cannot_fit_names_max_batch(models, capsys, monkeypatch) -> None:
+    """A machine with 1 KiB available (the tiny model's cache of one 64-token slot is 16 KiB):
+    one line naming --max-batch, not an allocation failure or an OOM kill."""
+    from torchloom.generate import engine
+
+    monkeypatch.setattr(engine, "available_memory", lambda device: 1024)
+    code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi",
+                            "--max-batch", "2")  # fmt: skip
+    assert code == 2
+    assert_one_error(err, r"--max-batch 2: the cache of 1 requests of up to \d+ tokens needs "
+                     r"0.0 MiB, but the cpu device has 0.0 MiB available; lower --max-batch or "
+                     "--max-new-tokens.")  # fmt: skip

@@ -363,9 +363,10 @@ def test_every_layer_allocates_its_own_state(monkeypatch):
     calls = []
     new_state = Attention.new_state
 
-    def counting(self, *args):
-        calls.append(self)
-        return new_state(self, *args)
+    def counting(self, slots, max_len, device, *args):
+        if device.type != "meta":  # the cache's size is counted on the meta device first
+            calls.append(self)
+        return new_state(self, slots, max_len, device, *args)
 
     monkeypatch.setattr(Attention, "new_state", counting)
     Generator(model, max_batch=2, max_len=16)
@@ -476,3 +477,33 @@ def test_moe_decode_capture_on_cuda():
     assert Generator(model, max_batch=4, max_len=64).generate(requests)[0].tokens
     with pytest.raises(ValueError, match="batch-invariant mode"):
         Generator(model, max_batch=4, max_len=64, cuda_graphs=True)
+
+
+def test_the_cache_is_counted_before_it_is_allocated() -> None:
+    """``ModelCache.nbytes`` on a meta-device cache: what the layers' states allocate, for every
+    family (its own state kinds), and for two kinds by their shapes (llama3's keys and values,
+    deepseek_v3's latent and shared rotary key per layer)."""
+    from torchloom.models.registry import list_models
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for spec in list_models():
+        model = build_model(resolve_model_config(ModelConfig(name=spec.name, flavor="debug")))
+        counted = model.new_cache(3, 32, meta, torch.float32).nbytes()
+        assert counted == model.new_cache(3, 32, cpu, torch.float32).nbytes() > 0, spec.name
+    c = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
+    kv = 2 * c.num_layers * 3 * c.num_kv_heads * 32 * c.resolved_head_dim * 4
+    assert tiny("llama3").new_cache(3, 32, meta, torch.float32).nbytes() == kv
+    c = resolve_model_config(ModelConfig(name="deepseek_v3", flavor="debug"))
+    latent = c.num_layers * 3 * 32 * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert tiny("deepseek_v3").new_cache(3, 32, meta, torch.float32).nbytes() == latent
+
+
+def test_a_cache_larger_than_the_memory_available_is_refused_before_allocation(capsys) -> None:
+    """Allocating it would fail, or on the CPU get the process killed without a word."""
+    from torchloom.generate.engine import CacheTooLarge
+
+    with pytest.raises(CacheTooLarge, match=r"a generation cache of 100000000 slots x 64 tokens "
+                       r"needs [\d.]+ GiB, but the cpu device has [\d.]+ GiB available; lower "
+                       "max_batch"):  # fmt: skip
+        Generator(tiny(), max_batch=10**8, max_len=64)
+    Generator(tiny(), max_batch=4, max_len=64)  # a cache that fits is built as before

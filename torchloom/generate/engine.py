@@ -133,6 +133,7 @@ class Generator:
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or context
+        check_cache_fits(model, max_batch, self.max_len, self.device, self.dtype)
         self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
         host_reads = _host_reads(model, self.dtype)
         if cuda_graphs is None:
@@ -601,6 +602,57 @@ def _check_types(request: object) -> None:
         raise TypeError(f"expected a Request(prompt_ids, SamplingParams(...)); got "
                         f"{type(request).__name__}")  # fmt: skip
     request.check_types()
+
+
+class CacheTooLarge(ValueError):
+    """The generation cache asked for needs more memory than the device has available."""
+
+    def __init__(self, slots: int, max_len: int, needed: int, free: int, device: torch.device):
+        self.slots, self.max_len = slots, max_len
+        self.sizes = (
+            f"needs {_size(needed)}, but the {device.type} device has {_size(free)} available"
+        )
+        """What the cache needs and what there is, for a message that names its own options."""
+        super().__init__(
+            f"a generation cache of {slots} slots x {max_len} tokens {self.sizes}; lower "
+            "max_batch (cache slots) or max_len"
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_cache_fits(
+    model: nn.Module, slots: int, max_len: int, device: torch.device, dtype: torch.dtype
+) -> None:
+    """CacheTooLarge, before anything is allocated, when ``model``'s generation state for
+    ``slots`` x ``max_len`` tokens (counted on the meta device) exceeds the memory ``device``
+    has available: allocating it would fail, or on the CPU get the process killed unnamed."""
+    free = available_memory(device)
+    if free is None:
+        return
+    needed = model.new_cache(slots, max_len, torch.device("meta"), dtype).nbytes()
+    if needed > free:
+        raise CacheTooLarge(slots, max_len, needed, free, device)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can still take (for a GPU, what the driver has free
+    plus what the caching allocator holds unused; for the CPU, the kernel's MemAvailable);
+    None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
 
 
 def _is_positive_int(value: object) -> bool:

@@ -38,7 +38,7 @@ from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
 from torchloom.data.build import build_tokenizer
 from torchloom.data.packing import Batch
-from torchloom.generate.engine import Generator
+from torchloom.generate.engine import CacheTooLarge, Generator
 from torchloom.models import build_model
 from torchloom.parallel import build_parallel_dims, init_distributed
 from torchloom.parallel.data_parallel import mixed_precision_policy
@@ -222,8 +222,22 @@ class RLRunner:
             return  # the generator ranks generate
         # On-policy: the trainer's own modules generate; with lag, a copy of them does.
         self.gen_model = self.model if r.max_offpolicy_steps == 0 else copy.deepcopy(self.model)
-        self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
-                                   max_len=t.seq_len, cuda_graphs=self._graphs())  # fmt: skip
+        self.generator = self._new_generator(self.gen_model)
+
+    def _new_generator(self, model: torch.nn.Module) -> Generator:
+        """A generator over ``model`` with --rl.generator_slots cache slots of --training.seq_len
+        tokens; ConfigError naming both when that cache cannot fit."""
+        r, seq_len = self.job.rl, self.job.training.seq_len
+        try:
+            return Generator(model, max_batch=r.generator_slots, max_len=seq_len,
+                             cuda_graphs=self._graphs())  # fmt: skip
+        except CacheTooLarge as err:
+            most = r.prompts_per_step * r.group_size
+            raise ConfigError(
+                f"--rl.generator_slots {r.generator_slots}: its cache of that many rollouts of "
+                f"--training.seq_len {seq_len} tokens {err.sizes}; lower --rl.generator_slots "
+                f"(a step's first round generates {most} rollouts) or --training.seq_len."
+            ) from None
 
     def _graphs(self) -> bool | None:
         """Decode from CUDA graphs on a GPU (the engine's default): the optimizer and the weight
@@ -236,15 +250,13 @@ class RLRunner:
         """A generator rank of a disaggregated job: a whole model in the trainer's compute
         dtype (its values arrive from the trainer), and a checkpointer that saves the step
         alongside the trainer's."""
-        job, r = self.job, self.job.rl
+        job = self.job
         assert self.link is not None
         with torch.device("meta"):
             self.gen_model = build_model(self.model_config)
         self.gen_model.to_empty(device=self.device)
         self.gen_model.to(self.link.dtype).eval()
-        self.generator = Generator(self.gen_model, max_batch=r.generator_slots,
-                                   max_len=job.training.seq_len,
-                                   cuda_graphs=self._graphs())  # fmt: skip
+        self.generator = self._new_generator(self.gen_model)
         own = [p for p in job.checkpoint.exclude_from_loading if p in ("train_state", "rng")]
         self.checkpointer = CheckpointManager(
             replace(job.checkpoint, exclude_from_loading=own), self.output_dir,
@@ -300,9 +312,7 @@ class RLRunner:
         ev, r = self.job.eval, self.job.rl
         if self.eval_generator is None:  # on-policy the rollouts' generator is the same modules
             same = self.gen_model is self.model
-            self.eval_generator = self.generator if same else Generator(
-                self.model, max_batch=r.generator_slots, max_len=self.job.training.seq_len,
-                cuda_graphs=self._graphs())  # fmt: skip
+            self.eval_generator = self.generator if same else self._new_generator(self.model)
         started = time.perf_counter()
         self.model.eval()
         try:
