@@ -193,7 +193,7 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_rl(argv: list[str]) -> int:
     """`torchloom rl --recipe NAME`: the same config system as train, with the ``rl`` section."""
-    from torchloom.rl.config import RLJobConfig
+    from torchloom.rl.config import NOT_READ, RLJobConfig, check_read
 
     argv = list(argv)
     name = _pop_option(list(argv), "--recipe") or "rl_debug"
@@ -210,10 +210,10 @@ def cmd_rl(argv: list[str]) -> int:
             "  --print-config  print the resolved config and exit\n"
             "  --training.steps counts policy updates"
         )
-        print(format_help(recipe.build(), title))
+        print(format_help(recipe.build(), title, hidden=NOT_READ))
         return 0
     print_config = _pop_flag(argv, "--print-config")
-    argv = [a for a in argv]
+    check_read([path.replace("-", "_") for path, _ in split_overrides(argv)])
     if "--recipe" not in argv:
         argv = ["--recipe", name, *argv]
     name, job = resolve_job(argv)

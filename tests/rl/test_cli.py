@@ -353,3 +353,57 @@ def test_the_resume_command_drops_the_resume_options_it_adds(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["torchloom", "rl", "--checkpoint.resume", "true",
                                       "--checkpoint.load_step=2", "--rl.kl_coef", "-0"])  # fmt: skip
     assert resume_command() == "torchloom rl --rl.kl_coef -0 --checkpoint.resume true"
+
+
+def test_options_rl_does_not_read_are_refused_and_left_out_of_its_help(capsys):
+    """Train's options that rl never reads were accepted and ignored (a missing data file went
+    unnoticed); or validated for a fix that does not apply (--data.format chat)."""
+    assert main(["rl", "--training.global_batch_size", "64", "--data.sources",
+                 '["/nonexistent.txt"]']) == 2  # fmt: skip
+    assert capsys.readouterr().err == (
+        "error: torchloom rl does not read --training.global_batch_size (a policy update trains "
+        "on --rl.prompts_per_step x --rl.group_size rollouts) or --data.sources (its prompts "
+        "come from --rl.task); leave them out.\n"
+    )
+    assert main(["rl", "--data.format", "chat"]) == 2
+    assert capsys.readouterr().err == (
+        "error: torchloom rl does not read --data.format (its prompts come from --rl.task); "
+        "leave it out.\n"
+    )
+    assert main(["rl", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--data.tokenizer" in text and "--rl.micro_batch_size" in text
+    for hidden in ("--data.sources", "--training.micro_batch_size", "--compile.backend"):
+        assert hidden not in text, hidden
+
+
+def test_rl_options_for_a_feature_that_is_off_are_named(capsys):
+    """As train's are: accepted (a later run may turn the feature on), with a warning."""
+    assert main(["rl", "--print-config", "--rl.filter_zero_variance", "false",
+                 "--rl.max_refill_rounds", "5", "--rl.sync_bucket_mb", "64"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "warning: --rl.max_refill_rounds 5 has no effect until --rl.filter_zero_variance " in err
+    assert "warning: --rl.sync_bucket_mb 64 has no effect until --rl.placement disaggregated" in err
+
+
+def test_rl_traces_the_steps_profiling_names(tmp_path, capsys):
+    """--profiling.steps traces an RL step (generation included), as it traces a train step;
+    rl wrote no trace before."""
+    assert rl(tmp_path / "run", "--training.steps", "2", "--profiling.steps", "[2]") == 0
+    trace = tmp_path / "run" / "profile" / "trace_rank0_steps2-2.json"
+    assert f"wrote {trace}" in capsys.readouterr().out
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::linear" in names
+
+
+def test_generator_slots_that_cannot_fit_are_refused_before_anything_is_written(tmp_path, capsys):
+    """The cache is allocated up front: a slot count whose cache exceeds the memory available
+    got the process OOM-killed without a word."""
+    assert rl(tmp_path / "run", "--rl.generator_slots", "100000000") == 2
+    err = errors(capsys.readouterr().err)
+    assert re.fullmatch(
+        r"error: --rl.generator_slots 100000000: its cache of that many rollouts of "
+        r"--training.seq_len 64 tokens needs [\d.]+ GiB, but the cpu device has [\d.]+ GiB "
+        r"available; lower --rl.generator_slots \(a step's first round generates 8 rollouts\) "
+        r"or --training.seq_len.\n", err), err  # fmt: skip
+    assert not (tmp_path / "run").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 from torchloom.config.errors import ConfigError, did_you_mean, warn
@@ -116,11 +117,14 @@ def validate_tree(cfg: Any) -> None:
         validate()
 
 
-def format_help(cfg: Any, title: str) -> str:
-    """Every option with its type, current value and help text, grouped by section."""
+def format_help(cfg: Any, title: str, hidden: Collection[str] = ()) -> str:
+    """Every option but the ``hidden`` ones with its type, current value and help text, grouped
+    by section."""
     lines = [title, ""]
     section = None
     for path, hint, value, doc in leaf_paths(cfg):
+        if path in hidden:
+            continue
         head = path.split(".")[0]
         if head != section:
             section = head

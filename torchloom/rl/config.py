@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from torchloom.config.errors import ConfigError
+from torchloom.config.fields import warn_unused_options
 from torchloom.generate.requests import MIN_TEMPERATURE
 from torchloom.rl.evaluate import EvalConfig
 from torchloom.train.job import JobConfig
@@ -182,6 +183,17 @@ class RLConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--rl.top_p must be in (0, 1]; got {self.top_p}.")
+        if not self.filter_zero_variance and self.max_refill_rounds:
+            until = "--rl.filter_zero_variance true (refills replace the groups it drops)"
+            warn_unused_options(self, "rl", ("max_refill_rounds",), until)
+        if self.placement != "disaggregated":
+            until = "--rl.placement disaggregated"
+            warn_unused_options(self, "rl", ("generator_ranks", "sync_bucket_mb"), until)
+        if self.is_correction == "none":
+            until = "--rl.is_correction tis or mis"
+            warn_unused_options(self, "rl", ("is_level", "is_low", "is_high"), until)
+        if not self.overlong_buffer:
+            warn_unused_options(self, "rl", ("overlong_penalty",), "--rl.overlong_buffer > 0")
         if self.unsafe_sandbox and self.task != "python_tool":
             raise ConfigError(
                 f"--rl.unsafe_sandbox applies to the sandboxed Python tool (--rl.task "
@@ -199,6 +211,43 @@ class RLConfig:
         if self.loss_normalization is not None:
             return self.loss_normalization
         return "token" if self.ratio_level == "token" else "sequence"
+
+
+_PROMPTS = "its prompts come from --rl.task"
+_BATCH = "a policy update trains on --rl.prompts_per_step x --rl.group_size rollouts"
+_EVAL = "it evaluates with --eval.every and --eval.k"
+_EAGER = "it runs eager: the generator shares the trainer's modules"
+NOT_READ: dict[str, str] = {
+    **{f"data.{name}": _PROMPTS for name in (
+        "format", "sources", "text_field", "streaming", "mix", "prefetch_steps",
+        "overlong_conversations", "media_layout", "max_images_per_row", "max_image_patches",
+        "image_min_pixels", "image_max_pixels", "image_decode_limit", "max_audios_per_row",
+        "max_audio_seconds", "document_mask", "val_fraction", "shuffle")},
+    "training.global_batch_size": _BATCH,
+    "training.global_batch_tokens": _BATCH,
+    "training.micro_batch_size": "rollouts per trainer forward are --rl.micro_batch_size",
+    "training.val_interval": _EVAL,
+    "training.val_sequences": _EVAL,
+    "training.sample_prompt": _EVAL,
+    "training.sample_tokens": _EVAL,
+    "training.cuda_graph": "its generator decodes from CUDA graphs on a GPU already, and its "
+    "training step is not captured",
+    "training.deterministic": "deterministic algorithms are not checked with its generator",
+    **{f"compile.{name}": _EAGER for name in ("regions", "backend", "fullgraph", "mode")},
+}  # fmt: skip
+"""Options of the training job's sections that `torchloom rl` never reads, with what it does
+instead: given on its command line, they are refused (``check_read``), not silently ignored."""
+
+
+def check_read(paths: list[str]) -> None:
+    """ConfigError naming every option among ``paths`` (dotted, as given on the command line)
+    that `torchloom rl` does not read, each with what it does instead."""
+    unread = [path for path in dict.fromkeys(paths) if path in NOT_READ]
+    if not unread:
+        return
+    reasons = " or ".join(f"--{path} ({NOT_READ[path]})" for path in unread)
+    them = "it" if len(unread) == 1 else "them"
+    raise ConfigError(f"torchloom rl does not read {reasons}; leave {them} out.")
 
 
 @dataclass

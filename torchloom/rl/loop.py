@@ -71,6 +71,7 @@ from torchloom.train.loss import IGNORE_INDEX
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.output import check_writable
+from torchloom.train.profiling import StepProfiler
 from torchloom.train.run import RunScaffold
 from torchloom.train.run import resume_command as run_resume_command
 from torchloom.train.step import StepParts, TrainingError, TrainStep, rank_batch
@@ -483,9 +484,12 @@ class RLRunner:
         ev = job.eval
         if self.step == 0 and (ev.every or ev.k):
             metrics.log(self.evaluate(0, sampled=bool(ev.k)))
+        # Trainer ranks trace their steps (generation included: a step waits for its batch).
+        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         try:
             source.start(self.step)
             while self.step < t.steps:
+                profiler.step_begins(self.step + 1)
                 start = time.perf_counter()
                 batch = source.next()
                 waited = time.perf_counter() - start
@@ -512,6 +516,10 @@ class RLRunner:
                     metrics.log(record)
                 else:
                     metrics.advance(self.step)
+                profiler.step_ends(self.step)
+                for path in profiler.written:
+                    metrics.print(f"wrote {path}")
+                profiler.written.clear()
                 last = self.step == t.steps
                 if self._eval_due(self.step) or (last and ev.k):
                     # Between the generator's batches: on the H200 a lagged run's evaluation
