@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
+import torchloom
+from tests.checkpoint.test_faults import train
 from torchloom.checkpoint.model_io import save_model
 from torchloom.cli import main
+from torchloom.config.errors import ConfigError
 from torchloom.models import TransformerConfig, build_model
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -29,9 +33,9 @@ def files_of(folder: Path) -> dict[str, bytes]:
     }
 
 
-def refused(capsys, tmp_path: Path, pattern: str, *args: object) -> None:
+def refused(capsys, tmp_path: Path, pattern: str, *args: object, code: int = 2) -> None:
     before = files_of(tmp_path)
-    assert main(["convert", *map(str, args)]) == 2
+    assert main(["convert", *map(str, args)]) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert re.search(pattern, err), err
@@ -132,6 +136,29 @@ def test_a_sibling_output_still_converts(tmp_path, hf_source, capsys) -> None:
     assert files_of(hf_source) == before
 
 
+def test_a_damaged_step_is_pointed_at_an_undamaged_step_only(tmp_path, capsys) -> None:
+    """The step a damaged one's error suggests passes its own checks (the newest older first):
+    never another damaged step; with none left, the run's model folder."""
+    run = tmp_path / "run"
+    assert train(run, "--training.steps", "3", "--checkpoint.interval", "1") == 0
+    capsys.readouterr()
+    step_1, step_2, step_3 = (run / "checkpoints" / f"step-{n}" for n in (1, 2, 3))
+    with open(step_2 / "__0_0.distcp", "r+b") as file:
+        file.truncate(500)
+    (step_3 / ".metadata").unlink()
+    out = tmp_path / "hf"
+    cut = re.escape(f"Checkpoint file {step_2}/__0_0.distcp has 500 bytes where ") + ".*; "
+    lost = re.escape(f"Checkpoint file {step_3}/.metadata is missing; ")
+    older = re.escape(f"use an older step folder, e.g. --from {step_1}.")
+    refused(capsys, tmp_path, cut + older, "--from", step_2, "--to-hf", out, code=1)
+    refused(capsys, tmp_path, lost + older, "--from", step_3, "--to-hf", out, code=1)
+    shutil.rmtree(step_1)
+    none = re.escape("no other step beside it is complete and undamaged, so use the run's model "
+                     "folder (<output_dir>/model).")  # fmt: skip
+    refused(capsys, tmp_path, cut + none, "--from", step_2, "--to-hf", out, code=1)
+    refused(capsys, tmp_path, lost + none, "--from", step_3, "--to-hf", out, code=1)
+
+
 def write_tokenizer_of(folder: Path, num_tokens: int) -> Path:
     """A word-level tokenizer.json of ``num_tokens`` ids (the last one </s>) in ``folder``."""
     import tokenizers
@@ -211,6 +238,27 @@ def test_fewer_layers_in_the_config_than_the_weights_are_named(tmp_path, hf_sour
             tmp_path / "out")  # fmt: skip
 
 
+def test_more_layers_in_the_config_than_the_weights_are_named(tmp_path, hf_source, capsys):
+    """Named as config.json's count, not as the tensors of layer 2 the weights lack, by convert
+    and by from_hf alike; a tensor missing inside a held layer is still named as missing."""
+    from safetensors.torch import load_file, save_file
+
+    edit_config(hf_source, num_hidden_layers=3)
+    message = re.escape(f"The weights in {hf_source} hold layers 0-1, but {hf_source}/config.json "
+                        "gives num_hidden_layers 3; config.json does not describe these weights: "
+                        "set its num_hidden_layers to 2.")  # fmt: skip
+    refused(capsys, tmp_path, message, "--from-hf", hf_source, "--to", tmp_path / "out")
+    with pytest.raises(ConfigError, match=message):
+        torchloom.from_hf(str(hf_source))
+    edit_config(hf_source, num_hidden_layers=2)
+    weights = load_file(hf_source / "model.safetensors")
+    del weights["model.layers.1.input_layernorm.weight"]
+    save_file(weights, str(hf_source / "model.safetensors"), metadata={"format": "pt"})
+    refused(capsys, tmp_path, re.escape(f"{hf_source} is missing tensor(s) "
+            "model.layers.1.input_layernorm.weight."), "--from-hf", hf_source, "--to",
+            tmp_path / "out")  # fmt: skip
+
+
 def test_a_tokenizer_folder_without_a_tokenizer_is_refused(
     tmp_path, model_source, hf_source, capsys
 ) -> None:
@@ -258,3 +306,25 @@ def test_a_stale_staging_path_is_named(tmp_path, hf_source, capsys) -> None:
     assert printed[0] == f"removed {staging}: the staging folder of an earlier, interrupted write"
     assert printed[1].startswith(f"wrote {out}: ") and len(printed) == 2
     assert not staging.exists() and (out / "model.safetensors").is_file()
+
+
+def test_a_stale_replaced_folder_is_named(tmp_path, hf_source, capsys) -> None:
+    """<out>.old, where replacing <out> moves it, is deleted only when it is what an interrupted
+    replace left (model files only, removed with one line); a folder of the user's is refused."""
+    out, old = tmp_path / "out", tmp_path / "out.old"
+    assert main(["convert", "--from-hf", str(hf_source), "--to", str(out)]) == 0
+    capsys.readouterr()
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / "backup.txt").write_text("mine")
+    refused(capsys, tmp_path, re.escape(f"{old} holds backup.txt, which writing a model folder "
+            "never puts there, so it is not the folder an interrupted write replaced (those are "
+            "deleted); move it away or choose another output folder."), "--from-hf", hf_source,
+            "--to", out, "--overwrite")  # fmt: skip
+    (old / "backup.txt").unlink()
+    (old / "model.safetensors").write_bytes(b"the replaced weights")
+    assert main(["convert", "--from-hf", str(hf_source), "--to", str(out), "--overwrite"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"removed {old}: the folder an earlier, interrupted write replaced"
+    assert printed[1].startswith(f"wrote {out}: ") and len(printed) == 2
+    assert not old.exists() and (out / "model.safetensors").is_file()

@@ -8,8 +8,9 @@ input file's touched pages plus one output shard.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -86,9 +87,10 @@ def open_model_source(path: Path, option: str = "--from") -> ModelSource:
 
 
 class _CheckpointReader:
-    """The model part of a complete training checkpoint (DCP), one tensor at a time."""
+    """The model part of a complete training checkpoint (DCP), one tensor at a time.
+    ``damaged_hint`` says what to pass instead; it is worked out only when a read fails."""
 
-    def __init__(self, step_dir: Path, damaged_hint: str) -> None:
+    def __init__(self, step_dir: Path, damaged_hint: Callable[[], str]) -> None:
         self.step_dir, self.damaged_hint = step_dir, damaged_hint
         metadata = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
         self.saved = {key.removeprefix("model."): value for key, value in metadata.items()
@@ -108,7 +110,7 @@ class _CheckpointReader:
         except (CheckpointException, RuntimeError, OSError) as err:  # a file altered in place
             raise CheckpointError(
                 f"Reading {name} from the checkpoint {self.step_dir} failed ({_root_line(err)}): "
-                f"its files are damaged; {self.damaged_hint}."
+                f"its files are damaged; {self.damaged_hint()}."
             ) from None
         return tensor if not box else tensor[box]
 
@@ -166,29 +168,37 @@ def _looks_like_a_step(path: Path) -> bool:
 
 
 def _older_step_hint(step_dir: Path, option: str, step: int | None) -> str:
-    """What to pass instead of a step folder that cannot be read: the newest complete step
-    beside it, older than ``step`` if one is."""
-    steps = CheckpointStorage.for_path(step_dir.parent).complete_steps()
-    others = [s for s in steps if s != step and step_dir.name != f"step-{s}"]
+    """What to pass instead of a step folder that cannot be read: the newest undamaged step
+    beside it (one ``verify`` passes), older than ``step`` if one is. Candidates are verified
+    newest older first, then the newer ones, stopping at the first that passes, so a hint never
+    points at another damaged step and most often costs one check."""
+    storage = CheckpointStorage.for_path(step_dir.parent)
+    others = [s for s in storage.complete_steps() if s != step and step_dir.name != f"step-{s}"]
     older = [s for s in others if step is not None and s < step]
-    if not others:
-        return (
-            "no other complete step is beside it, so use the run's model folder "
-            "(<output_dir>/model)"
-        )
-    suggested = step_dir.parent / f"step-{(older or others)[-1]}"
-    return f"use {'an older' if older else 'another'} step folder, e.g. {option} {suggested}"
+    newer = [s for s in others if s not in older]
+    for candidate in [*reversed(older), *reversed(newer)]:
+        try:
+            storage.verify(candidate)
+        except CheckpointCorruptError:
+            continue
+        which = "an older" if candidate in older else "another"
+        suggested = step_dir.parent / f"step-{candidate}"
+        return f"use {which} step folder, e.g. {option} {suggested}"
+    return (
+        "no other step beside it is complete and undamaged, so use the run's model folder "
+        "(<output_dir>/model)"
+    )
 
 
 def _checkpoint_source(step_dir: Path, option: str) -> ModelSource:
     """The model part of a complete training checkpoint, read one tensor at a time."""
     # The step comes from the marker, so a step folder copied under another name works too.
     storage, step = CheckpointStorage.for_step_folder(step_dir)
-    hint = _older_step_hint(step_dir, option, step)
+    hint = partial(_older_step_hint, step_dir, option, step)  # verifies steps: only on failure
     try:
         storage.verify(step)
     except CheckpointCorruptError as err:  # its hint names train's flags
-        raise CheckpointError(f"Checkpoint file {err.path} {err.reason}; {hint}.") from None
+        raise CheckpointError(f"Checkpoint file {err.path} {err.reason}; {hint()}.") from None
     extra = storage.read_marker(step)["extra"]
     if "family" not in extra or "model_config" not in extra:
         raise CheckpointError(
@@ -258,8 +268,8 @@ def _has_tokenizer(folder: Path) -> bool:
 def check_output_folder(inputs: dict[str, Path | None], output: Path, overwrite: bool) -> None:
     """Never write over, into or around an input folder (``inputs``: what it is -> folder), nor
     over a non-empty folder unless asked to; refuse an output folder that cannot be created, or
-    whose staging path (``<output>.partial``) holds what no earlier write left there. All before
-    anything is written."""
+    whose staging paths (``<output>.partial``, ``<output>.old``) hold what no earlier write left
+    there. All before anything is written."""
     for what, folder in inputs.items():
         if folder is not None:
             _check_apart(Path(folder), output, what)

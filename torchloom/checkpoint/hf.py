@@ -125,8 +125,11 @@ class HFReader:
     rank's shard). Tensors of the folder that no
     parameter uses are refused, except those the adapter says carry nothing to load and a tied
     checkpoint's copy of the head; so is a tensor a parameter uses that is not stored in one of
-    LOADABLE_DTYPES (this is where every HF load, convert and initial load reads). ``tensors`` reads the HF-named tensors from elsewhere than
-    the folder's safetensors (a model in memory); ``hf_dir`` then only names the source."""
+    LOADABLE_DTYPES (this is where every HF load, convert and initial load reads). A decoder
+    layer's tensor left over or missing because config.json's num_hidden_layers is not the
+    weights' layer count is named as that count, before any tensor is read. ``tensors`` reads
+    the HF-named tensors from elsewhere than the folder's safetensors (a model in memory);
+    ``hf_dir`` then only names the source."""
 
     def __init__(
         self,
@@ -158,6 +161,9 @@ class HFReader:
                     )
                 source = adapter.to_hf_name("embed_tokens.weight")  # untying a tied checkpoint
             self.sources[name] = source
+        absent = [n for n, source in self.sources.items() if set(_as_list(source)) - available]
+        if any(_OUR_LAYER_INDEX.match(name) for name in absent):  # config.json's count may be off
+            _check_layer_count(Path(hf_dir), config, _held_layers(adapter, available, self.sources))
         used = {n for source in self.sources.values() for n in _as_list(source)}
         for hf_name in sorted(available - used):
             try:
@@ -168,7 +174,9 @@ class HFReader:
                 continue  # a buffer old checkpoints saved
             if tied and ours == "output.weight":
                 continue  # a tied checkpoint's head, as transformers ignores it
-            _check_layer_count(Path(hf_dir), adapter, config, ours, available)
+            if _OUR_LAYER_INDEX.match(ours):
+                held = _held_layers(adapter, available, self.sources)
+                _check_layer_count(Path(hf_dir), config, held)
             raise ConfigError(
                 f"{hf_dir} has a tensor '{hf_name}' the model does not have."
                 f"{did_you_mean(hf_name, sorted(used))}"
@@ -282,23 +290,36 @@ _COMPARE_BYTES = 64 * 2**20
 _OUR_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def _check_layer_count(
-    hf_dir: Path, adapter: HFAdapter, config: DecoderConfig, ours: str, available: set[str]
-) -> None:
-    """ConfigError naming both counts when the tensor ``ours`` (torchloom's name of a tensor no
-    parameter uses) belongs to a decoder layer past config.json's num_hidden_layers."""
-    match = _OUR_LAYER_INDEX.match(ours)
-    num_layers = getattr(config, "num_layers", None)
-    if match is None or num_layers is None or int(match[1]) < num_layers:
-        return
+def _held_layers(
+    adapter: HFAdapter,
+    available: set[str],
+    sources: dict[str, str | list[str] | RowSlice | FusedExperts],
+) -> set[int]:
+    """The indices of the decoder layers the folder holds tensors of (``available``, HF names),
+    under the adapter's names. Tensors that parameters outside the decoder layers read
+    (``sources``: parameter -> its HF tensors) are left out: an MTP depth is stored as a layer
+    past the decoder's."""
+    elsewhere = {n for name, s in sources.items() if not _OUR_LAYER_INDEX.match(name)
+                 for n in _as_list(s)}  # fmt: skip
     held: set[int] = set()
-    for hf_name in available:
+    for hf_name in available - elsewhere:
         try:
             layer = _OUR_LAYER_INDEX.match(adapter.from_hf_name(hf_name) or "")
         except ConfigError:
             continue
         if layer:
             held.add(int(layer[1]))
+    return held
+
+
+def _check_layer_count(hf_dir: Path, config: DecoderConfig, held: set[int]) -> None:
+    """ConfigError naming both counts when the decoder layers the weights hold (``held``, their
+    indices) are more or fewer than config.json's num_hidden_layers: called when a layer's
+    tensor is left over or missing, so that a wrong count is named as such, not as the tensors
+    it leaves over or misses."""
+    num_layers = getattr(config, "num_layers", None)
+    if num_layers is None or not held or max(held) + 1 == num_layers:
+        return
     count = max(held) + 1
     layers = f"layers 0-{count - 1}" if len(held) == count else f"layers up to {count - 1}"
     raise ConfigError(

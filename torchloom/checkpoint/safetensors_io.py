@@ -327,46 +327,67 @@ def staging_folder(path: Path) -> Path:
     return path.with_name(path.name + ".partial")
 
 
-def check_staging(path: Path) -> Path | None:
-    """ConfigError when ``staged_folder(path)`` would have to delete something it did not write
-    or could not replace: ``<path>.partial`` that is not a folder, or one holding anything a
-    model folder's write never puts there; also ``<path>.old`` that is not a folder when ``path``
-    exists (the old folder is moved there). Returns ``<path>.partial`` when it is an earlier
-    write's leftover, to be removed. Reads only the folder listing."""
-    from torchloom.checkpoint.tokenizer_files import SIDE_FILES
+def _replaced_folder(path: Path) -> Path:
+    """``<path>.old``, where ``staged_folder(path)`` moves an earlier ``path`` until the new one
+    is in place."""
+    return path.with_name(path.name + ".old")
 
+
+def check_staging(path: Path) -> list[Path]:
+    """ConfigError when ``staged_folder(path)`` would have to delete something it did not write
+    or could not replace: ``<path>.partial`` (where the new folder is written) and, when ``path``
+    exists, ``<path>.old`` (where the folder it replaces is moved) must each be absent or a
+    folder holding only what a model folder's write puts there. Returns those of them that are
+    an earlier, interrupted write's leftovers, to be removed. Reads only the folder listings."""
     path = Path(path)
-    tmp, old = staging_folder(path), path.with_name(path.name + ".old")
-    for staging in (tmp, old) if path.is_dir() else (tmp,):
-        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+    tmp, old = staging_folder(path), _replaced_folder(path)
+    staging = {tmp: "an interrupted write's staging folder"}
+    if path.exists():
+        staging[old] = "the folder an interrupted write replaced"
+    leftovers = []
+    for folder, what in staging.items():
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
             raise ConfigError(
-                f"{staging} exists and is not a folder, but the output {path} is staged there "
+                f"{folder} exists and is not a folder, but the output {path} is staged there "
                 "while it is written; move it away or choose another output folder."
             )
-    if not tmp.is_dir():
-        return None
-    for entry in sorted(tmp.iterdir()):
+        if folder.is_dir():
+            _check_only_model_files(folder, what)
+            leftovers.append(folder)
+    return leftovers
+
+
+def _check_only_model_files(folder: Path, what: str) -> None:
+    """ConfigError when ``folder`` holds a subfolder or a file that writing a model folder never
+    puts there: then it is not ``what`` but someone's own folder, which must not be deleted."""
+    from torchloom.checkpoint.tokenizer_files import SIDE_FILES
+
+    for entry in sorted(folder.iterdir()):
         if entry.is_dir() or not (entry.name in SIDE_FILES or _STAGED_FILE.fullmatch(entry.name)):
             raise ConfigError(
-                f"{tmp} holds {entry.name}, which writing a model folder never puts there, so it "
-                "is not an interrupted write's staging folder (those are deleted); move it "
-                "away or choose another output folder."
+                f"{folder} holds {entry.name}, which writing a model folder never puts there, so "
+                f"it is not {what} (those are deleted); move it away or choose another output "
+                "folder."
             )
-    return tmp
 
 
 @contextmanager
 def staged_folder(path: Path) -> Iterator[Path]:
     """A fresh ``<path>.partial`` folder to write into, renamed to ``path`` when the block
     succeeds (and removed when it fails), so ``path`` is never a half-written folder: an earlier
-    folder there is replaced only once the new one is complete. A ``<path>.partial`` an
-    interrupted write left is removed with a printed line (``check_staging`` refuses any
-    other)."""
+    folder there is moved to ``<path>.old`` and deleted only once the new one is in place. A
+    ``<path>.partial`` or ``<path>.old`` an interrupted write left is removed first, with a
+    printed line (``check_staging`` refuses any other)."""
     path = Path(path)
-    tmp = staging_folder(path)
-    if check_staging(path) is not None:
-        shutil.rmtree(tmp)
-        print(f"removed {tmp}: the staging folder of an earlier, interrupted write", flush=True)
+    tmp, old = staging_folder(path), _replaced_folder(path)
+    for leftover in check_staging(path):
+        shutil.rmtree(leftover)
+        what = (
+            "the staging folder of an earlier, interrupted write"
+            if leftover == tmp
+            else "the folder an earlier, interrupted write replaced"
+        )
+        print(f"removed {leftover}: {what}", flush=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -374,8 +395,6 @@ def staged_folder(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if path.exists():
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old)
