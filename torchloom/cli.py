@@ -213,7 +213,11 @@ def cmd_rl(argv: list[str]) -> int:
         print(format_help(recipe.build(), title, hidden=NOT_READ))
         return 0
     print_config = _pop_flag(argv, "--print-config")
-    check_read([path.replace("-", "_") for path, _ in split_overrides(argv)])
+    overrides = list(argv)
+    while _pop_option(overrides, "--recipe") is not None:
+        pass
+    given = [path.replace("-", "_") for path, _ in split_overrides(overrides)]
+    check_read(apply_overrides(recipe.build(), overrides), recipe.build(), given)
     if "--recipe" not in argv:
         argv = ["--recipe", name, *argv]
     name, job = resolve_job(argv)
@@ -224,6 +228,7 @@ def cmd_rl(argv: list[str]) -> int:
     from torchloom.rl.loop import RLRunner, prepare_initial_model
     from torchloom.rl.tool_env import PythonToolEnv
     from torchloom.train.run import NothingToTrain
+    from torchloom.train.trainer import TrainingInterrupted
 
     if job.rl.task == "python_tool":  # refuse an unisolated sandbox before any training
         PythonToolEnv(unsafe_sandbox=job.rl.unsafe_sandbox)
@@ -236,6 +241,11 @@ def cmd_rl(argv: list[str]) -> int:
         if trainer.dims.is_rank0:
             print(done)
         return 0
+    except TrainingInterrupted as err:  # rank 0 says where the run stopped
+        destroy(barrier=False)
+        if err.checkpoint:
+            err.args = (f"{err} Resume with: {resume_command('rl', argv)}",)
+        raise
     except BaseException:
         destroy(barrier=False)
         raise

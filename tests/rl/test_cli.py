@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 
 from tests.rl.common import BASE, records
 from torchloom.cli import main
@@ -298,7 +297,8 @@ def test_a_later_prompt_too_long_for_the_context_names_seq_len(tmp_path, capsys)
 def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkeypatch):
     """As `torchloom train` says it: the step, the last complete checkpoint and the exact
     command that resumes (it said only "rl was interrupted (Ctrl-C)."); that command finishes
-    the run. Run in-process (not as `torchloom rl`), the line says how to build it."""
+    the run. The command is built from cmd_rl's own arguments, as train's, so main() called
+    in-process gets it too (it was read from sys.argv)."""
     from torchloom.rl.loop import RLRunner
 
     original = RLRunner.update
@@ -308,30 +308,20 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, capsys, monkey
             raise KeyboardInterrupt
         return original(self, batch)
 
-    def args(out):
-        return ["rl", *BASE, "--output.dir", str(out), "--training.device", "cpu",
-                "--training.steps", "4", "--checkpoint.interval", "2"]  # fmt: skip
-
     out = tmp_path / "run"
+    args = ["rl", *BASE, "--output.dir", str(out), "--training.device", "cpu",
+            "--training.steps", "4", "--checkpoint.interval", "2"]  # fmt: skip
     with monkeypatch.context() as patch:
         patch.setattr(RLRunner, "update", update)
-        with monkeypatch.context() as command_line:
-            command_line.setattr(sys, "argv", ["torchloom", *args(out)])
-            assert main() == 130
-        err = capsys.readouterr().err
-        assert main(args(tmp_path / "in_process")) == 130
-        assert capsys.readouterr().err == (
-            "error: Interrupted at step 2 of 4; the last complete checkpoint is "
-            f"{tmp_path / 'in_process/checkpoints/step-2'}. Resume with the same `torchloom rl` "
-            "command and --checkpoint.resume true.\n"
-        )
+        assert main(args) == 130
+    err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith(
         f"error: Interrupted at step 2 of 4; the last complete checkpoint is "
         f"{out / 'checkpoints/step-2'}. Resume with: torchloom rl --recipe rl_debug "
     ), err
     command = shlex.split(err.split("Resume with: ")[1])
-    assert command == ["torchloom", *args(out), "--checkpoint.resume", "true"]
+    assert command == ["torchloom", *args, "--checkpoint.resume", "true"]
     assert main(command[1:]) == 0
     assert f"resumed from {out / 'checkpoints/step-2'}" in capsys.readouterr().out
 
@@ -347,12 +337,11 @@ def test_help_lists_every_built_in_task():
                                                             "long_sometimes"}  # fmt: skip
 
 
-def test_the_resume_command_drops_the_resume_options_it_adds(monkeypatch):
-    from torchloom.rl.loop import resume_command
+def test_the_resume_command_drops_the_resume_options_it_adds():
+    from torchloom.train.run import resume_command
 
-    monkeypatch.setattr(sys, "argv", ["torchloom", "rl", "--checkpoint.resume", "true",
-                                      "--checkpoint.load_step=2", "--rl.kl_coef", "-0"])  # fmt: skip
-    assert resume_command() == "torchloom rl --rl.kl_coef -0 --checkpoint.resume true"
+    argv = ["--checkpoint.resume", "true", "--checkpoint.load_step=2", "--rl.kl_coef", "-0"]
+    assert resume_command("rl", argv) == "torchloom rl --rl.kl_coef -0 --checkpoint.resume true"
 
 
 def test_options_rl_does_not_read_are_refused_and_left_out_of_its_help(capsys):
@@ -370,6 +359,10 @@ def test_options_rl_does_not_read_are_refused_and_left_out_of_its_help(capsys):
         "error: torchloom rl does not read --data.format (its prompts come from --rl.task); "
         "leave it out.\n"
     )
+    # Off, or the recipe's own value: nothing asked for, so one list of flags serves train and rl.
+    assert main(["rl", "--print-config", "--training.val_interval", "0", "--training.sample_tokens",
+                 "0", "--training.global_batch_size", "16", "--data.shuffle", "false"]) == 0  # fmt: skip
+    assert "does not read" not in capsys.readouterr().err
     assert main(["rl", "--help"]) == 0
     text = capsys.readouterr().out
     assert "--data.tokenizer" in text and "--rl.micro_batch_size" in text

@@ -236,13 +236,23 @@ NOT_READ: dict[str, str] = {
     **{f"compile.{name}": _EAGER for name in ("regions", "backend", "fullgraph", "mode")},
 }  # fmt: skip
 """Options of the training job's sections that `torchloom rl` never reads, with what it does
-instead: given on its command line, they are refused (``check_read``), not silently ignored."""
+instead: given on its command line to ask for something, they are refused (``check_read``), not
+silently ignored."""
 
 
-def check_read(paths: list[str]) -> None:
-    """ConfigError naming every option among ``paths`` (dotted, as given on the command line)
-    that `torchloom rl` does not read, each with what it does instead."""
-    unread = [path for path in dict.fromkeys(paths) if path in NOT_READ]
+def check_read(job: JobConfig, recipe: JobConfig, given: list[str]) -> None:
+    """ConfigError naming every option among ``given`` (dotted paths from the command line)
+    that `torchloom rl` does not read and that asks for something in ``job`` (the recipe with
+    the command line applied): a value other than the ``recipe``'s and other than off (0,
+    false, empty), each with what rl does instead. Off values pass, so that one list of flags
+    can serve train and rl."""
+
+    def value(config: JobConfig, path: str) -> object:
+        section, name = path.split(".")
+        return getattr(getattr(config, section), name)
+
+    unread = [path for path in dict.fromkeys(given) if path in NOT_READ
+              and value(job, path) and value(job, path) != value(recipe, path)]  # fmt: skip
     if not unread:
         return
     reasons = " or ".join(f"--{path} ({NOT_READ[path]})" for path in unread)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
 import threading
 import time
 import warnings
@@ -73,7 +72,6 @@ from torchloom.train.optim import build_lr_scheduler, build_optimizer
 from torchloom.train.output import check_writable
 from torchloom.train.profiling import StepProfiler
 from torchloom.train.run import RunScaffold
-from torchloom.train.run import resume_command as run_resume_command
 from torchloom.train.step import StepParts, TrainingError, TrainStep, rank_batch
 from torchloom.train.trainer import Trainer, TrainingInterrupted
 
@@ -433,8 +431,8 @@ class RLRunner:
     # -- the loop -------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        """Run the job; Ctrl-C ends it with TrainingInterrupted, saying how to continue (as
-        `torchloom train` does)."""
+        """Run the job; Ctrl-C ends it with TrainingInterrupted on rank 0, saying where it
+        stopped (`torchloom rl` adds the command that resumes, as `torchloom train` does)."""
         try:
             return self._train()
         except KeyboardInterrupt:
@@ -443,16 +441,7 @@ class RLRunner:
             if not self.dims.is_rank0:
                 raise
             latest = self.checkpointer.latest_step_dir()
-            err = TrainingInterrupted(self.step, self.job.training.steps, latest)
-            if latest:
-                again = resume_command()
-                how = (
-                    f"Resume with: {again}"
-                    if again
-                    else "Resume with the same `torchloom rl` command and --checkpoint.resume true."
-                )
-                err.args = (f"{err} {how}",)
-            raise err from None
+            raise TrainingInterrupted(self.step, self.job.training.steps, latest) from None
 
     def _train(self) -> dict[str, float]:
         if self.is_generator:
@@ -646,16 +635,6 @@ def _update_values(
 def _trained(rollout: Rollout, cfg: Any) -> int:
     """Tokens of ``rollout`` the loss trains on."""
     return sum(rollout.mask[1:]) if trains(rollout, cfg) else 0
-
-
-def resume_command() -> str | None:
-    """This process's `torchloom rl` command line with --checkpoint.resume true (as `torchloom
-    train`'s interruption words its own); None when the process was not started as `torchloom
-    rl ...` (e.g. cli.main called in-process)."""
-    argv = sys.argv[1:]
-    if argv[:1] != ["rl"]:
-        return None
-    return run_resume_command("rl", argv[1:])
 
 
 def _summary(steps: int, rewards: list[float]) -> dict[str, float]:
