@@ -132,6 +132,25 @@ def test_plot_draws_the_curves_there_are_and_skips_non_numbers(tmp_path, capsys)
     assert "holds no numeric loss, val_loss or tps to plot" in err and "--metric NAME" in err
 
 
+def test_plot_that_cannot_read_or_write_is_one_line(tmp_path, capsys):
+    """A metrics.jsonl that is a folder, and a PNG path taken by a folder (as an unwritable
+    folder would, both were tracebacks): one line each, naming the path and the fix."""
+    (tmp_path / "metrics.jsonl").mkdir()
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl is a folder, not a run's metrics file" in one_line(
+        capsys.readouterr().err
+    )
+    (tmp_path / "metrics.jsonl").rmdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "metrics.png").mkdir()
+    assert main(["plot", str(tmp_path)]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert f"Cannot write {tmp_path / 'metrics.png'}" in err and "writable folder" in err
+    (tmp_path / "metrics-loss.png").mkdir()
+    assert main(["plot", str(tmp_path), "--metric", "loss"]) == 2
+    assert "Cannot write" in one_line(capsys.readouterr().err)
+
+
 def test_resume_into_a_finished_run_without_checkpoints_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--training.steps", "1", "--checkpoint.save_final_model", "true") == 0

@@ -10,7 +10,7 @@ import torch
 from tests.parallel.launcher import run_worker
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
-from torchloom.parallel import ParallelConfig
+from torchloom.parallel import ParallelConfig, ParallelDims
 from torchloom.parallel.config import SCHEDULES
 from torchloom.parallel.pipeline import (
     Pipeline,
@@ -125,7 +125,12 @@ def test_impossible_layouts_are_refused(model, config, message):
 
 
 def test_microbatches_must_divide_the_batch():
-    pipeline = Pipeline([], [], [], [], dims=None, microbatches=3, objective=None)
-    with pytest.raises(ConfigError, match="batch of 4 sequences does not split into") as error:
+    config = ParallelConfig(pp=2, dp_shard=1, pp_microbatches=3)
+    dims = ParallelDims(config.resolve(2), 2, 0, "cpu")
+    pipeline = Pipeline([], [], [], [0, 1], dims=dims, microbatches=3, objective=None)
+    with pytest.raises(ConfigError) as error:
         pipeline.step(SimpleNamespace(tokens=torch.zeros(4, 8)), torch.ones(()))
+    message = str(error.value)
+    assert "batch of 4 sequences does not split into --parallel.pp_microbatches 3" in message
+    assert "choose --parallel.pp_microbatches 2 or 4" in message
     print(error.value)

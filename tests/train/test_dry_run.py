@@ -215,3 +215,34 @@ def test_a_tp_that_splits_heads_is_named_before_the_seq_len(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--parallel.tp 3 does not divide the model's num_heads (4)" in err, err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # torch's 1F1B raised a ValueError traceback from inside its schedule for this one.
+        (
+            ["--parallel.pp_microbatches", "1"],
+            "1f1b cannot run --parallel.pp_microbatches 1 over 2 stages: it needs at least one "
+            "microbatch per stage (>= 2)",
+        ),
+        (
+            ["--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_microbatches", "5"],
+            "5 does not split into 2 equal rounds; e.g. 4 or 6",
+        ),
+        # The default (0) was named as if the user had set it.
+        (
+            ["--training.global_batch_size", "6", "--parallel.pp_schedule", "interleaved_1f1b"],
+            "does not split into 4 microbatches (--parallel.pp_microbatches 0: one per stage); "
+            "choose --parallel.pp_microbatches 6",
+        ),
+    ],
+    ids=["1f1b-too-few", "interleaved-rounds", "default-named"],
+)
+def test_pipeline_microbatches_a_schedule_cannot_run_are_one_line(capsys, flags, message):
+    argv = ["train", "--recipe", "debug", "--dry-run", "--world-size", "2", "--parallel.pp", "2"]
+    assert main([*argv, "--model.overrides", '{"tie_embeddings": false}', *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err

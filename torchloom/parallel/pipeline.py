@@ -48,6 +48,35 @@ def zbv_runs_on(device_type: str) -> bool:
     return device_type != "cpu" or version >= (2, 13)
 
 
+def microbatch_problem(config: ParallelConfig, microbatches: int, num_stages: int) -> str | None:
+    """Why ``config``'s schedule cannot run ``microbatches`` over ``num_stages`` stages (what
+    torch's schedules would refuse with a traceback), with the counts that would do; None when
+    it can."""
+    schedule = config.pp_schedule
+    if schedule == "1f1b" and microbatches < num_stages:
+        return f"it needs at least one microbatch per stage (>= {num_stages})"
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, microbatches // config.pp)
+        if microbatches % rounds:
+            near = [m for m in range(config.pp, 2 * microbatches + 1)
+                    if m % max(1, m // config.pp) == 0]  # fmt: skip
+            below = max(m for m in near if m < microbatches)
+            above = min(m for m in near if m > microbatches)
+            return (
+                f"it runs them in rounds of about one per pp rank ({config.pp}), and "
+                f"{microbatches} does not split into {rounds} equal rounds; e.g. {below} or "
+                f"{above}"
+            )
+    return None
+
+
+def _microbatches_named(config: ParallelConfig, microbatches: int) -> str:
+    """The microbatch count as the user set it: the flag, or its default's meaning."""
+    if config.pp_microbatches:
+        return f"--parallel.pp_microbatches {microbatches}"
+    return f"{microbatches} microbatches (--parallel.pp_microbatches 0: one per stage)"
+
+
 def split_layers(
     num_layers: int,
     num_stages: int,
@@ -237,6 +266,7 @@ class Pipeline:
         self.schedule = None
         self.dims = dims
         self.microbatches = microbatches
+        self.num_stages = len(owners)
         self.has_last = any(s.has_head for s in stages)
         self.objective = objective
         self._divisor: torch.Tensor = torch.ones(())
@@ -263,10 +293,20 @@ class Pipeline:
     def check_batch_size(self, size: int) -> None:
         """The schedule cuts each batch into ``microbatches`` equal parts."""
         if size % self.microbatches:
+            config = self.dims.degrees
+            runs = [m for m in range(1, size + 1) if size % m == 0 and
+                    microbatch_problem(config, m, self.num_stages) is None]  # fmt: skip
+            runs = [m for m in runs if m >= self.num_stages] or runs  # no stage left idle
+            fix = (
+                f"choose --parallel.pp_microbatches {' or '.join(map(str, runs[:4]))}"
+                if runs
+                else f"raise --training.micro_batch_size to a multiple of {self.num_stages}"
+            )
             raise ConfigError(
                 f"The rank's batch of {size} sequences does not split into "
-                f"--parallel.pp_microbatches {self.microbatches}; choose a microbatch count "
-                f"that divides {size} (or change --training.micro_batch_size)."
+                f"{_microbatches_named(config, self.microbatches)}; {fix} (a count must "
+                f"divide the batch and the {config.pp_schedule} schedule must run it over "
+                f"{self.num_stages} stages)."
             )
 
     def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -447,6 +487,12 @@ def build_pipeline(
     per_rank = stages_per_rank(config)
     num_stages = config.pp * per_rank
     microbatches = config.pp_microbatches or num_stages
+    problem = microbatch_problem(config, microbatches, num_stages)
+    if problem is not None:
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} cannot run "
+            f"{_microbatches_named(config, microbatches)} over {num_stages} stages: {problem}."
+        )
     pp_mesh = dims.mesh("pp")
     assert pp_mesh is not None, "build_pipeline needs --parallel.pp > 1"
     starts = [sum(counts[:s]) for s in range(num_stages)]
@@ -467,7 +513,14 @@ def build_pipeline(
         pipe_stages.append(_Stage(wrapper, s, num_stages, device, group=pp_mesh.get_group()))
     pipeline = Pipeline(stages, wrappers, stage_ids, owners, dims, microbatches, objective)
     stage_arg = pipe_stages[0] if per_rank == 1 else pipe_stages
-    pipeline.schedule = cls(
-        stage_arg, n_microbatches=microbatches, loss_fn=pipeline._loss, scale_grads=False
-    )
+    try:
+        pipeline.schedule = cls(
+            stage_arg, n_microbatches=microbatches, loss_fn=pipeline._loss, scale_grads=False
+        )
+    except ValueError as err:  # a rule of this torch's schedules microbatch_problem lacks
+        raise ConfigError(
+            f"--parallel.pp_schedule {config.pp_schedule} with "
+            f"{_microbatches_named(config, microbatches)} over {num_stages} stages: {err} "
+            "Change --parallel.pp_microbatches or the schedule."
+        ) from None
     return pipeline

@@ -10,9 +10,35 @@ from torchloom.train.metrics import read_records
 
 def read_metrics(output_dir: Path) -> list[dict]:
     path = output_dir / "metrics.jsonl"
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a run's metrics file; pass the --output.dir "
+                          "of a training run.")  # fmt: skip
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass the --output.dir of a training run.")
-    return read_records(path)
+    try:
+        return read_records(path)
+    except OSError as err:
+        raise ConfigError(f"Cannot read {path}: {err.strerror}; make it readable.") from None
+
+
+def _save(fig, output_dir: Path, png: Path) -> Path:
+    """Title, lay out and write ``fig`` to ``png``; one ConfigError if it cannot be written."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(str(output_dir))
+    fig.tight_layout()
+    try:
+        if png.is_dir():
+            raise IsADirectoryError(21, "it is a folder")
+        fig.savefig(png, dpi=100)
+    except OSError as err:
+        raise ConfigError(
+            f"Cannot write {png} ({err.strerror}); move it away or make {output_dir} writable, "
+            "or copy metrics.jsonl into a writable folder and plot that."
+        ) from None
+    finally:
+        plt.close(fig)
+    return png
 
 
 def _numeric(value: object) -> bool:
@@ -54,12 +80,7 @@ def plot_metrics(output_dir: Path) -> Path:
         else:
             ax.plot(*tps)
             ax.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
-    fig.suptitle(str(output_dir))
-    fig.tight_layout()
-    png = output_dir / "metrics.png"
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return _save(fig, output_dir, output_dir / "metrics.png")
 
 
 def plot_named(output_dir: Path, names: list[str]) -> Path:
@@ -84,10 +105,5 @@ def plot_named(output_dir: Path, names: list[str]) -> Path:
         ax.plot(*_curve(records, name), "o-")
         ax.set(xlabel="step", ylabel=name, title=name)
         ax.grid(alpha=0.3)
-    fig.suptitle(str(output_dir))
-    fig.tight_layout()
     slug = "-".join("".join(c if c.isalnum() else "_" for c in n) for n in names)
-    png = output_dir / f"metrics-{slug}.png"
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return _save(fig, output_dir, output_dir / f"metrics-{slug}.png")
