@@ -54,6 +54,39 @@ def test_a_run_refused_before_training_leaves_no_folder(tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_run_failing_before_its_first_step_leaves_nothing_that_blocks_a_retry(tmp_path, capsys):
+    """Checks that ran after the run wrote config.json and metrics.jsonl (a profiling folder
+    that is a file, a memory snapshot on the CPU: now checked first; an empty source of a
+    streaming mix, found at the first batch) left a folder that refused the corrected command
+    without --output.overwrite. A folder the run did not make is kept."""
+    out, notes = tmp_path / "run", tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    steps = ["--training.steps", "2", "--profiling.steps", "[2]"]
+    assert train(out, *steps, "--profiling.folder", str(notes)) == 2
+    assert f"--profiling.folder {notes} is a file, not a folder" in one_line(
+        capsys.readouterr().err
+    )
+    assert not out.exists()
+    assert train(out, *steps, "--profiling.memory_snapshot", "true") == 2
+    assert "--profiling.memory_snapshot records the CUDA allocator" in one_line(
+        capsys.readouterr().err
+    )
+    assert not out.exists()
+    good, empty = tmp_path / "good.txt", tmp_path / "empty.txt"
+    good.write_text("".join(f"document {i} has some words in it\n\n" for i in range(50)))
+    empty.write_text("")
+    streaming = ["--training.steps", "2", "--data.streaming", "true", "--data.val_fraction", "0"]
+    mix = ["--data.mix", "[0.5, 0.5]"]
+    assert train(out, *streaming, "--data.sources", json.dumps([str(good), str(empty)]), *mix) == 2
+    assert "contains no documents" in capsys.readouterr().err.splitlines()[-1]
+    assert not out.exists()
+    out.mkdir()  # the user's own (empty) folder stays
+    assert train(out, *streaming, "--data.sources", json.dumps([str(good), str(empty)]), *mix) == 2
+    assert out.is_dir() and not any(out.iterdir())
+    capsys.readouterr()
+    assert train(out, *streaming, "--data.sources", json.dumps([str(good)])) == 0
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_output_folder_that_is_not_writable(tmp_path, capsys):
     folder = tmp_path / "locked"

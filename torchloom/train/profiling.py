@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import warn_unused_options
+from torchloom.config.paths import check_can_create
 
 
 @dataclass
@@ -59,6 +60,14 @@ class StepProfiler:
             )
         self.config = config
         self.folder = Path(output_dir) / config.folder
+        if config.steps and self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError(
+                f"--profiling.folder {config.folder}"
+                f"{'' if str(self.folder) == config.folder else f' ({self.folder})'} is a file, "
+                "not a folder; choose another path."
+            )
+        if config.steps and not self.folder.exists():
+            check_can_create(self.folder)
         self.rank = rank
         self.device = device
         self.first, self.last = (min(config.steps), max(config.steps)) if config.steps else (0, -1)

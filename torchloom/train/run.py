@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ class RunScaffold:
         self.job, self.checkpointer, self.is_rank0 = job, checkpointer, is_rank0
         self.output_dir = Path(job.output.dir)
         self.changed_settings: list[str] = []  # set by a resume whose flags differ (start)
+        self._fresh_folder: bool | None = None  # start(): None until then; whether it made it
 
     def start(self) -> int:
         """Choose the checkpoint and check the folders before any file is written or removed;
@@ -69,9 +71,28 @@ class RunScaffold:
             if self.is_rank0:
                 truncate_metrics(self.output_dir / "metrics.jsonl", step)
         if self.is_rank0:  # only now: a refused resume must not replace the run's config
+            if step is None:  # a fresh run: what it writes is its own until a step completes
+                self._fresh_folder = not self.output_dir.exists()
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_text(json.dumps(to_dict(job), indent=2) + "\n")
         return step or 0
+
+    def discard_unstarted(self) -> None:
+        """After a fresh run failed before its first step completed: remove what it wrote
+        (config.json, metrics.jsonl with at most its step-0 validation, tb, profile), and the
+        folder if this run made it and nothing else is in it, so the corrected command runs
+        again without --output.overwrite. Rank 0; a resumed run keeps its folder as it is."""
+        if self._fresh_folder is None:
+            return
+        for name in ("config.json", "metrics.jsonl", "tb", "profile"):
+            target = self.output_dir / name
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            elif target.exists():
+                target.unlink()
+        if self._fresh_folder and not any(self.output_dir.iterdir()):
+            self.output_dir.rmdir()
+        self._fresh_folder = None
 
     def _resumed_settings(self) -> ResumedSettings | None:
         """This run's optimizer and schedule settings, captured before a load overwrites them:

@@ -169,9 +169,15 @@ class Trainer:
                 self.checkpointer.wait()  # a save in flight completes (or fails) first
             latest = self.checkpointer.latest_step_dir() if self.is_rank0 else None
             raise TrainingInterrupted(self.step, self.job.training.steps, latest) from None
+        except Exception:
+            if self.step == 0:  # nothing trained: the run's files must not block a retry
+                self.run.discard_unstarted()
+            raise
 
     def _train(self) -> TrainResult:
         job, t = self.job, self.job.training
+        # Its options and folder are checked before the run writes anything.
+        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         self.step = first = self.run.start()
         self.train_step.step = self.step
         flops = self.model_config.flops_per_token(t.seq_len)
@@ -190,7 +196,6 @@ class Trainer:
         first_loss = last_loss = float("nan")
         self.model.train()
         tokens_per_step = t.global_batch_sequences * t.seq_len
-        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         window = StepWindow()
         previous: torch.cuda.Event | None = None  # the end of the last step queued unsynced
         try:
