@@ -3,6 +3,7 @@ from typing import Any, Literal
 
 import pytest
 
+from torchloom.cli import main
 from torchloom.config import (
     ConfigError,
     apply_overrides,
@@ -165,6 +166,28 @@ def test_an_option_given_twice_keeps_the_last_and_warns(capsys):
     assert "the last one is used, not merged with the first." in capsys.readouterr().err
     apply_overrides(Outer(), ["--training.flag", "--training.flag", "true"])
     assert capsys.readouterr().err == ""
+
+
+def test_a_dict_that_replaces_the_recipes_names_the_keys_it_drops(capsys):
+    """llama3_tiny's overrides set its width and heads: --model.overrides '{"num_layers": 2}'
+    quietly built the debug flavor's 0.6M model instead of a 2-layer tiny one."""
+    base = Outer()
+    base.other.extra = {"dim": 192, "num_layers": 4}
+    cfg = apply_overrides(base, ["--other.extra", '{"num_layers": 2}'])
+    assert cfg.other.extra == {"num_layers": 2}  # replaced, as documented
+    assert capsys.readouterr().err == (
+        "warning: --other.extra replaces the recipe's, so its dim go back to the flavor's; to "
+        'keep them, give them in the same dict ("dim": 192).\n'
+    )
+    apply_overrides(base, ["--other.extra", '{"num_layers": 2, "dim": 192}'])
+    assert capsys.readouterr().err == ""
+    main(["train", "--recipe", "llama3_tiny", "--model.overrides", '{"dim": 100}', "--dry-run"])
+    warning, error = capsys.readouterr().err.splitlines()
+    assert '"num_heads": 6' in warning
+    assert error == (
+        "error: head_dim must be positive and even for RoPE, got 25 (dim 100 / num_heads 4); "
+        "change dim or num_heads in --model.overrides, or set head_dim."
+    )
 
 
 def test_a_choice_typed_under_another_name_suggests_that_choice():

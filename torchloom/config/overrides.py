@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from collections.abc import Collection
 from typing import Any
 
@@ -73,9 +74,34 @@ def apply_overrides(cfg: Any, argv: list[str]) -> Any:
                 + (", not merged with the first" if isinstance(value, dict) else "")
                 + "."
             )
+        elif path not in given and isinstance(value, dict):
+            _warn_dropped_keys(path, get_path(cfg, path), value)
         given[path] = (text, value)
         set_path(cfg, path, value)
     return cfg
+
+
+def _warn_dropped_keys(path: str, before: Any, value: dict) -> None:
+    """A dict option replaces the config's (the recipe's) dict: say which of its keys that
+    drops, which a user giving one key would otherwise not see (the model quietly fell back to
+    its flavor's width and heads, and a later error named values never typed)."""
+    if not isinstance(before, dict):
+        return
+    dropped = {key: item for key, item in before.items() if key not in value}
+    if dropped:
+        kept = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in dropped.items())
+        warn(
+            f"--{path} replaces the recipe's, so its {', '.join(dropped)} go back to the "
+            f"flavor's; to keep them, give them in the same dict ({kept})."
+        )
+
+
+def get_path(cfg: Any, path: str) -> Any:
+    """The value at a dotted path."""
+    node = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _shown(text: str | None) -> str:

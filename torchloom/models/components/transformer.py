@@ -57,8 +57,13 @@ class TransformerConfig(DecoderConfig):
                 "change one of them or set head_dim explicitly."
             )
         if self.resolved_head_dim <= 0 or self.resolved_head_dim % 2:
+            source = (
+                "" if self.head_dim is not None
+                else f" (dim {self.dim} / num_heads {self.num_heads})"
+            )  # fmt: skip
             raise ConfigError(
-                f"head_dim must be positive and even for RoPE, got {self.resolved_head_dim}."
+                f"head_dim must be positive and even for RoPE, got {self.resolved_head_dim}"
+                f"{source}; change dim or num_heads in --model.overrides, or set head_dim."
             )
         self.rope.validate()
 
