@@ -10,7 +10,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,14 +80,15 @@ def _unexpected(command: str, arg: str, known: list[str]) -> ConfigError:
     )
 
 
-def resolve_job(argv: list[str]) -> tuple[str, JobConfig]:
-    """(recipe name, job config) from ``--recipe NAME`` and dotted overrides, validated."""
+def resolve_job(argv: list[str], flags: Collection[str] = ()) -> tuple[str, JobConfig]:
+    """(recipe name, job config) from ``--recipe NAME`` and dotted overrides, validated;
+    ``flags``: the command's own switches, suggested for a mistyped option."""
     argv = list(argv)
     name = _pop_option(argv, "--recipe") or DEFAULT_RECIPE
     while (again := _pop_option(argv, "--recipe")) is not None:
         if again != name:  # the same name twice changes nothing (cmd_rl may add it again)
             raise ConfigError(f"--recipe is given twice ({name}, {again}); give it once.")
-    job = apply_overrides(get_recipe(name).build(), argv)
+    job = apply_overrides(get_recipe(name).build(), argv, ["--recipe", *flags])
     validate_tree(job)
     _check_batch_options(job, {path.replace("-", "_") for path, _ in split_overrides(argv)})
     return name, job
@@ -110,6 +111,10 @@ def _check_batch_options(job: JobConfig, given: set[str]) -> None:
         )
 
 
+_TRAIN_FLAGS = ("--print-config", "--dry-run", "--world-size")
+"""train's own switches besides --recipe and the config's dotted options."""
+
+
 def cmd_train(argv: list[str]) -> int:
     argv = list(argv)
     if _pop_flag(argv, "--help") or _pop_flag(argv, "-h"):
@@ -128,6 +133,11 @@ def cmd_train(argv: list[str]) -> int:
     dry = _pop_flag(argv, "--dry-run")
     while _pop_flag(argv, "--print-config") or _pop_flag(argv, "--dry-run"):
         pass  # a switch given twice is still on
+    if print_config and dry:
+        raise ConfigError(
+            "--print-config prints the resolved config and exits, --dry-run checks the layout "
+            "and memory; give one of them."
+        )
     world = _pop_option(argv, "--world-size")
     if _pop_option(argv, "--world-size") is not None:
         raise ConfigError("--world-size is given twice for train; give it once.")
@@ -138,7 +148,7 @@ def cmd_train(argv: list[str]) -> int:
         )
     if world is not None and not world.isdigit():
         raise ConfigError(f"--world-size {world}: give a number of ranks, e.g. --world-size 32.")
-    name, job = resolve_job(argv)
+    name, job = resolve_job(argv, _TRAIN_FLAGS)
     if type(job) is not JobConfig:  # an RL recipe (RLJobConfig) carries its own loop
         raise ConfigError(
             f"Recipe '{name}' is an RL recipe; run it with `torchloom rl --recipe {name}`."
@@ -213,14 +223,21 @@ def cmd_rl(argv: list[str]) -> int:
         print(format_help(recipe.build(), title, hidden=NOT_READ))
         return 0
     print_config = _pop_flag(argv, "--print-config")
+    for flag in _TRAIN_FLAGS[1:]:
+        if any(a == flag or a.startswith(flag + "=") for a in argv):
+            raise ConfigError(
+                f"{flag} is an option of `torchloom train`; `torchloom rl` has no dry run. Try "
+                "a short run instead (--training.steps 1)."
+            )
     overrides = list(argv)
     while _pop_option(overrides, "--recipe") is not None:
         pass
     given = [path.replace("-", "_") for path, _ in split_overrides(overrides)]
-    check_read(apply_overrides(recipe.build(), overrides), recipe.build(), given)
+    job = apply_overrides(recipe.build(), overrides, ["--recipe", "--print-config"])
+    check_read(job, recipe.build(), given)
     if "--recipe" not in argv:
         argv = ["--recipe", name, *argv]
-    name, job = resolve_job(argv)
+    name, job = resolve_job(argv, ["--print-config"])
     if print_config:
         print(json.dumps({"recipe": name, **to_dict(job)}, indent=2))
         return 0

@@ -247,6 +247,20 @@ def test_ctrl_c_before_the_first_marker_is_the_same_case(tmp_path, capsys, monke
          "chunked."),
         (["--output.dir", ""], "--output.dir is empty; name the run's folder, e.g. --output.dir "
          "outputs/run (. for the current folder)."),
+        # Sweep 29: NaN printed "mfu nan%" every step; an empty folder put step-N/ beside model/;
+        # --dry-run was skipped without a word; the list's error lacked the option and example.
+        (["--metrics.peak_tflops", "nan"],
+         "--metrics.peak_tflops must be a finite number >= 0 (0 looks the device up); got nan."),
+        (["--checkpoint.folder", ""], "--checkpoint.folder is empty: checkpoints would land in "
+         "the output folder's root beside the model; give a folder (default: checkpoints)."),
+        (["--dry-run"], "--print-config prints the resolved config and exits, --dry-run checks "
+         "the layout and memory; give one of them."),
+        (["--data.mix", '["a", "b"]'], "--data.mix expects list[float], got '[\"a\", \"b\"]'. "
+         "Example: --data.mix '[0.6, 0.4]'"),
+        (["--dry-runn"], "Unknown option --dry-runn. Did you mean '--dry-run'? Run with --help to "
+         "list every option."),
+        (["--world-sise", "2"], "Unknown option --world-sise. Did you mean '--world-size'? Run "
+         "with --help to list every option."),
     ],
 )  # fmt: skip
 def test_values_that_failed_later_are_refused_at_once(capsys, flags, message):
@@ -316,3 +330,28 @@ def test_valid_options_that_do_nothing_are_accepted_with_a_warning(capsys, flags
     captured = capsys.readouterr()
     assert captured.err == f"warning: {warning}\n"
     json.loads(captured.out)  # stdout stays the config alone
+
+
+def test_inputs_a_command_cannot_use_name_the_fix(tmp_path, capsys, monkeypatch):
+    """Sweep 29: a dry run asking for CUDA on a machine without one; rl given train's
+    --dry-run (echoed as --dry_run); a load_step that is not there (exit 1, as if a checkpoint
+    were damaged); a source named twice (accepted without a word)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["train", "--recipe", "debug", "--dry-run", "--training.device", "cuda"]) == 2
+    assert "a dry run needs none: drop --training.device" in one_line(capsys.readouterr().err)
+    assert main(["rl", "--recipe", "rl_debug", "--dry-run"]) == 2
+    assert one_line(capsys.readouterr().err) == (
+        "error: --dry-run is an option of `torchloom train`; `torchloom rl` has no dry run. Try "
+        "a short run instead (--training.steps 1).\n"
+    )
+    resume = ["--checkpoint.resume", "true", "--checkpoint.load_step", "5"]
+    assert train(tmp_path / "run", "--training.steps", "1", *resume) == 2
+    assert "--checkpoint.load_step 5 has no complete checkpoint in" in one_line(
+        capsys.readouterr().err
+    )
+    sources = json.dumps(["a.txt", "b.txt", "a.txt"])
+    assert main(["train", "--recipe", "debug", "--data.sources", sources, "--print-config"]) == 0
+    assert capsys.readouterr().err == (
+        "warning: --data.sources names a.txt more than once: its documents are read once per "
+        "mention. Give each source once (with its weight in --data.mix) unless that is meant.\n"
+    )

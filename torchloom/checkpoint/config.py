@@ -66,6 +66,11 @@ class CheckpointConfig:
                 f"--checkpoint.mode must be one of {', '.join(get_args(SaveMode))}; "
                 f"got {self.mode!r}."
             )
+        if not self.folder.strip():
+            raise ConfigError(
+                "--checkpoint.folder is empty: checkpoints would land in the output folder's "
+                "root beside the model; give a folder (default: checkpoints)."
+            )
         for name in ("interval", "keep_latest_k"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--checkpoint.{name} must be >= 0; got {getattr(self, name)}.")

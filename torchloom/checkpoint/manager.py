@@ -168,8 +168,8 @@ class CheckpointManager:
     def choose(self, last_step: int | None = None) -> int | None:
         """The step ``resume`` loads (None: start fresh) to train up to ``last_step``, chosen on
         rank 0 and known to every rank. Raises CheckpointError on every rank for a damaged
-        checkpoint (without fallback), a load_step that is not there, or a checkpoint of another
-        model than this run's; ConfigError for one past ``last_step``."""
+        checkpoint (without fallback) or a checkpoint of another model than this run's;
+        ConfigError for a load_step that is not there and one past ``last_step``."""
         if not self.config.resume:
             return None
         step = on_rank0(self.is_rank0, self._choose_step)
@@ -257,7 +257,7 @@ class CheckpointManager:
         if wanted >= 0:
             if wanted not in steps:
                 complete = self.storage.complete_steps()
-                raise CheckpointError(
+                raise ConfigError(  # the flag names a step that is not there: bad input
                     f"--checkpoint.load_step {wanted} has no complete checkpoint in "
                     f"{self.storage.root_url}; complete steps: {complete or 'none'}."
                 )

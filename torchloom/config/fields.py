@@ -158,7 +158,10 @@ def parse_value(text: str, hint: Any, path: str) -> Any:
                     value = [parse_value(v.strip(), element, path) for v in value]
                 except ConfigError:
                     raise bad(f"a list of {type_name(element)}") from None
-        return check_type(value, hint, path)
+        try:
+            return check_type(value, hint, path)
+        except ConfigError:
+            raise bad(type_name(hint)) from None
     raise ConfigError(f"--{path} has a type ({type_name(hint)}) the command line cannot set.")
 
 

@@ -37,8 +37,9 @@ def split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def apply_overrides(cfg: Any, argv: list[str]) -> Any:
+def apply_overrides(cfg: Any, argv: list[str], flags: Collection[str] = ()) -> Any:
     """A copy of ``cfg`` with every ``--dotted.path value`` in ``argv`` applied, type-checked.
+    ``flags``: the command's own switches (``--dry-run``), suggested for a near miss.
 
     An option given twice keeps its last value (scripts append the user's flags to their own),
     with a warning naming both values when they differ: a dict such as --model.overrides is
@@ -46,19 +47,21 @@ def apply_overrides(cfg: Any, argv: list[str]) -> Any:
     cfg = copy.deepcopy(cfg)
     paths = {path: hint for path, hint, _, _ in leaf_paths(cfg)}
     given: dict[str, tuple[str | None, Any]] = {}  # path -> (text, value) as first given
-    for path, text in split_overrides(argv):
-        path = path.replace("-", "_")
+    for typed, text in split_overrides(argv):
+        path = typed.replace("-", "_")
         if path not in paths:
             renamed = _renamed(cfg, path)
             if renamed:
-                raise ConfigError(f"--{path} no longer exists; {renamed}")
+                raise ConfigError(f"--{typed} no longer exists; {renamed}")
             options = [f"--{p}" for p in paths]
             sections = {f"--{p.split('.')[0]}" for p in paths}
-            hint = did_you_mean(f"--{path}", options) or did_you_mean(
-                f"--{path.split('.')[0]}", sections
+            hint = (
+                did_you_mean(f"--{typed}", [*flags, *options])
+                or did_you_mean(f"--{path}", options)
+                or did_you_mean(f"--{path.split('.')[0]}", sections)
             )
             raise ConfigError(
-                f"Unknown option --{path}.{hint} Run with --help to list every option."
+                f"Unknown option --{typed}.{hint} Run with --help to list every option."
             )
         hint = paths[path]
         if text is None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.errors import ConfigError, did_you_mean, warn
 
 BUILTIN_CORPUS = "builtin:stdlib_docs"
 BUILTIN_CHAT = "builtin:chat_tasks"
@@ -151,6 +151,17 @@ class DataConfig:
             raise ConfigError(
                 f"--data.sources is empty: give at least one source, e.g. "
                 f"'[\"{BUILTIN_SOURCES[self.format]}\"]' or '[\"my.jsonl\"]'."
+            )
+        repeated = sorted({s for s in self.sources if self.sources.count(s) > 1})
+        if repeated:
+            how = (
+                "their --data.mix weights add up"
+                if self.mix
+                else "its documents are read once per mention"
+            )
+            warn(
+                f"--data.sources names {', '.join(repeated)} more than once: {how}. Give each "
+                "source once (with its weight in --data.mix) unless that is meant."
             )
         builtin = BUILTIN_SOURCES[self.format]
         for source in self.sources:

@@ -80,12 +80,17 @@ def check_float8_device(recipe: str, device: torch.device) -> None:
 @contextmanager
 def _quiet_cuda_extensions():
     """On a CPU-only torch build, torchao's wheel logs a warning for each CUDA extension it
-    cannot load; float8 training needs none of them, so those warnings are only noise."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
+    cannot load; float8 training needs none of them, so those warnings are only noise. On any
+    build, torch 2.13 logs a deprecation for each Enum torchao registers as a pytree constant
+    (torchao's business, not the user's): that logger is quieted while torchao imports too."""
+    quiet = [logging.getLogger("torch.utils._pytree")]
     if torch.version.cuda is None:
+        quiet.append(logging.getLogger("torchao"))
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
         logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)

@@ -89,6 +89,12 @@ def dry_run(job: JobConfig, world_size: int | None = None) -> int:
 
     ``world_size``: instead of joining the launched processes, simulate a job of that many
     ranks in this one process (``simulate_ranks``)."""
+    if job.training.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "--training.device cuda: no CUDA GPU is visible here, and a dry run needs none: drop "
+            "--training.device (or set cpu), with --training.mixed_precision bf16 to estimate "
+            "the activations in a GPU's compute dtype."
+        )
     if world_size is not None:
         return simulate_ranks(job, world_size)
     device = init_distributed(job.training.device)

@@ -30,9 +30,10 @@ class MetricsConfig:
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigError("--metrics.log_interval must be at least 1.")
-        if self.peak_tflops < 0:
+        if not (math.isfinite(self.peak_tflops) and self.peak_tflops >= 0):
             raise ConfigError(
-                f"--metrics.peak_tflops must be >= 0 (0 looks the device up); got {self.peak_tflops}."
+                f"--metrics.peak_tflops must be a finite number >= 0 (0 looks the device up); got "
+                f"{self.peak_tflops}."
             )
 
 
