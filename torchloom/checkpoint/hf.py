@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from torchloom.checkpoint.safetensors_io import (
     SafetensorsFolder,
     TensorReader,
     WriteSummary,
+    checked_names,
     load_into,
     parse_dtype,
     staged_folder,
@@ -53,11 +55,14 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model folder: it has no config.json.")
     try:
-        hf_config = json.loads(config_file.read_text())
+        hf_config = json.loads(config_file.read_text(), parse_constant=_no_constant)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{config_file} is not valid JSON ({err}).") from None
+    except ValueError as err:  # NaN or Infinity: no architecture field takes one
+        raise ConfigError(f"{config_file} holds {err}; give the field its number.") from None
     if not isinstance(hf_config, dict):
         raise ConfigError(f"{config_file} does not hold a JSON object.")
+    _check_switches(hf_config, config_file)
     if hf_config.get("format") == MODEL_FORMAT:
         raise ConfigError(
             f"{hf_dir} is a torchloom model folder, not a Hugging Face one: generate reads it "
@@ -70,6 +75,31 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
             'weights are (e.g. "model_type": "llama").'
         )
     return hf_config
+
+
+_SWITCHES = frozenset({
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "use_qk_norm", "norm_topk_prob",
+    "use_sliding_window", "use_cache", "qk_layernorm",
+})  # fmt: skip
+"""config.json keys transformers reads as booleans: a string there ("false") is truthy, so
+reading it as Python would tie a head or add a bias the checkpoint does not have."""
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} (not a number JSON allows)")
+
+
+def _check_switches(hf_config: dict[str, Any], config_file: Path) -> None:
+    """ConfigError for a boolean key (``_SWITCHES``), at the top or in a nested config, whose
+    value is not a JSON true/false (or null, the default)."""
+    for key, value in hf_config.items():
+        if isinstance(value, dict):
+            _check_switches(value, config_file)
+        elif key in _SWITCHES and value is not None and not isinstance(value, bool):
+            raise ConfigError(
+                f"{config_file}: {key} must be true or false (JSON booleans), got "
+                f"{json.dumps(value)}."
+            )
 
 
 def hf_architecture(hf_dir: Path) -> tuple[ModelSpec, DecoderConfig]:
@@ -340,6 +370,12 @@ def load_hf_weights(model: nn.Module, hf_dir: Path) -> None:
     """Copy a Hugging Face checkpoint's weights into ``model`` (built from its config.json,
     possibly with other component slots or transforms, possibly parallelized: each rank reads
     its shards only), casting to the model's dtype."""
+    reader, display = _reader_for(model, hf_dir)
+    load_into(model, reader, str(hf_dir), display)
+
+
+def _reader_for(model: nn.Module, hf_dir: Path) -> tuple[HFReader, Callable[[str], str]]:
+    """The reader of ``hf_dir``'s tensors under ``model``'s names, and how to name them."""
     spec, hf_config = hf_architecture(hf_dir)
     if model.config.tie_embeddings and not hf_config.tie_embeddings:
         raise ConfigError(
@@ -347,8 +383,7 @@ def load_hf_weights(model: nn.Module, hf_dir: Path) -> None:
             "discard it. Drop the tie_embeddings transform."
         )
     names = list(model.state_dict().keys())
-    reader = HFReader(hf_dir, spec.hf_adapter, names, hf_config)
-    load_into(model, reader, str(hf_dir), spec.hf_adapter.to_hf_name)
+    return HFReader(hf_dir, spec.hf_adapter, names, hf_config), spec.hf_adapter.to_hf_name
 
 
 def from_hf(
@@ -368,8 +403,14 @@ def from_hf(
         model = build_model(config)
     if target_dtype is not None:
         model.to(target_dtype)
+    # Names and shapes from the file headers before allocating: a config.json whose sizes are
+    # not the weights' is named as such, not found out by allocating its shapes (a 10**7-wide
+    # MLP asked for 2.6 GB before the mismatch was seen).
+    reader, display = _reader_for(model, Path(hf_dir))
+    shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
+    checked_names(reader, shapes, str(hf_dir), display)
     model.to_empty(device=device)
-    load_hf_weights(model, Path(hf_dir))
+    load_into(model, reader, str(hf_dir), display)
     return model.eval()
 
 

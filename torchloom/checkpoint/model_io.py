@@ -26,10 +26,12 @@ from torchloom.checkpoint.safetensors_io import (
     write_tensors,
 )
 from torchloom.checkpoint.tokenizer_files import write_tokenizer
+from torchloom.config.devices import checked_device
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
+from torchloom.config.paths import check_can_create
 from torchloom.models import DecoderConfig, build_model
-from torchloom.models.registry import config_from_dict
+from torchloom.models.registry import config_from_dict, get_model_spec
 
 _CONFIG = "config.json"
 MODEL_FORMAT = "torchloom-model"
@@ -44,7 +46,34 @@ def save_model(
     tokenizer: Any = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write ``model`` (weights, architecture, optional tokenizer) to the folder ``path``."""
+    """Write ``model`` (weights, architecture, optional tokenizer) to the folder ``path``.
+    ConfigError, before anything is written, unless ``family`` is a registered family,
+    ``config`` its architecture and ``model``'s parameters exactly what that builds: a folder
+    that ``load_model`` could not read back is never written."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_model takes the model (an nn.Module) first; got {model!r}.")
+    spec = get_model_spec(family)
+    if not isinstance(config, spec.config_cls):
+        raise ConfigError(
+            f"save_model: config is a {type(config).__name__}, not the {family} family's "
+            f"{spec.config_cls.__name__}; pass the family the config belongs to."
+        )
+    held = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    wanted = parameter_shapes(family, config)
+    if held != wanted:
+        extra, missing = sorted(held.keys() - wanted.keys()), sorted(wanted.keys() - held.keys())
+        shaped = [n for n in sorted(held.keys() & wanted.keys()) if held[n] != wanted[n]]
+        problem = (
+            f"the model has '{extra[0]}', which the architecture does not" if extra
+            else f"the model lacks '{missing[0]}'" if missing
+            else f"'{shaped[0]}' is {list(held[shaped[0]])}, the architecture's "
+            f"{list(wanted[shaped[0]])}"
+        )  # fmt: skip
+        raise ConfigError(
+            f"save_model: the model does not match its config ({problem}); pass the config the "
+            "model was built from."
+        )
+    check_can_create(Path(path))
     write_model_folder(path, family, config, model.state_dict().items(), tokenizer, max_shard_bytes)
 
 
@@ -88,6 +117,12 @@ def read_model_folder(path: Path) -> tuple[str, DecoderConfig]:
             f"{config_file} was not written by torchloom's save_model (a Hugging Face folder? "
             "use torchloom.from_hf or `torchloom convert --from-hf`)."
         )
+    missing = [key for key in ("family", "config") if key not in meta]
+    if missing or not isinstance(meta["config"], dict):
+        raise ConfigError(
+            f"{config_file} is damaged: it lacks {' and '.join(missing) or 'a config object'}; "
+            "write the folder again (save_model, or the training run's export)."
+        )
     return meta["family"], config_from_dict(meta["family"], meta["config"])
 
 
@@ -102,6 +137,7 @@ def load_model(
     path: Path, device: str | torch.device = "cpu"
 ) -> tuple[nn.Module, str, DecoderConfig]:
     """Load a folder written by ``save_model``: (model in eval mode, family, architecture)."""
+    device = checked_device(device, "device=")
     family, config = read_model_folder(path)
     with torch.device("meta"):
         model = build_model(config)

@@ -45,6 +45,8 @@ _STORED_DTYPES = {
 
 # The torch dtypes a model's weights may be given (Python API): floating types that run.
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16, "float64": torch.float64}  # fmt: skip
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -62,11 +64,15 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ConfigError(
             f"dtype must be {' or '.join(repr(d) for d in DTYPES)} or a torch dtype; got {dtype!r}."
         )
-    if dtype not in DTYPES:
-        raise ConfigError(
-            f"Unknown dtype '{dtype}'.{did_you_mean(dtype, DTYPES)} Choose {' or '.join(DTYPES)}."
-        )
-    return DTYPES[dtype]
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    named = _DTYPE_NAMES.get(dtype.removeprefix("torch."), getattr(torch, dtype, None))
+    if isinstance(named, torch.dtype) and named in WEIGHT_DTYPES:
+        return named  # 'bfloat16', 'float16', 'half', 'fp16': the names torch and HF use
+    raise ConfigError(
+        f"Unknown dtype '{dtype}'.{did_you_mean(dtype, [*DTYPES, *_DTYPE_NAMES])} Choose "
+        f"{' or '.join(DTYPES)}, or a weight dtype torch names ({', '.join(_DTYPE_NAMES)})."
+    )
 
 
 @dataclass
@@ -212,7 +218,7 @@ class SafetensorsFolder:
         self.files = weight_map(self.folder)
         # One file open at a time: an open file stays mapped, and every page read from it would
         # count in this process's memory until it is closed.
-        self._open_file: tuple[str, Any] | None = None
+        self._open_file: tuple[str, Any, set[str]] | None = None
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -243,8 +249,15 @@ class SafetensorsFolder:
         file = self.files[name]
         if self._open_file is None or self._open_file[0] != file:
             self._open_file = None  # closes the previous file
-            self._open_file = (file, _open(self.folder / file))
-        return self._open_file[1].get_slice(name)
+            handle = _open(self.folder / file)
+            self._open_file = (file, handle, set(handle.keys()))
+        _, handle, held = self._open_file
+        if name not in held:  # the index maps it to a shard that does not hold it
+            raise ConfigError(
+                f"{self.folder / INDEX_FILE} maps tensor '{name}' to {file}, which does not hold "
+                "it; fix the index's weight_map or the shard."
+            )
+        return handle.get_slice(name)
 
 
 class TensorReader(Protocol):

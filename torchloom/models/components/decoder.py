@@ -10,6 +10,7 @@ them and one loss path serves every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -147,6 +148,7 @@ class DecoderConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first impossible setting and how to fix it."""
+        _check_finite(self)
         for name in ("vocab_size", "dim", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model {name} must be positive, got {getattr(self, name)}.")
@@ -207,6 +209,47 @@ class DecoderConfig:
         (``flops_per_token`` of Attention, SwiGLU, ...), plus 6 * dim * vocab for the head
         (counted even when tied; the embedding lookup is not a matmul). MFU uses this."""
         return _meta_model(self).flops_per_token(seq_len)
+
+
+def check_token_ids(tokens_BT: Any, vocab_size: int) -> None:
+    """TypeError / ValueError, naming what a model call takes, for ids that are not a
+    [batch, seq] integer tensor, that are empty, or (on the CPU, where looking costs no device
+    sync) that lie outside [0, vocab_size): the embedding's own errors name none of it, and on a
+    GPU an id out of range is a device-side assert."""
+    if not isinstance(tokens_BT, torch.Tensor):
+        raise TypeError(
+            f"the model takes token ids as a [batch, seq] integer tensor, got a "
+            f"{type(tokens_BT).__name__}; e.g. torch.tensor([ids])."
+        )
+    if tokens_BT.dim() != 2 or tokens_BT.is_floating_point() or tokens_BT.is_complex():
+        raise ValueError(
+            f"the model takes token ids as a [batch, seq] integer tensor, got shape "
+            f"{list(tokens_BT.shape)} of {tokens_BT.dtype}"
+            + ("; add the batch dim: ids[None]." if tokens_BT.dim() == 1 else ".")
+        )
+    if tokens_BT.numel() == 0:
+        raise ValueError(f"the model got no tokens (ids of shape {list(tokens_BT.shape)}).")
+    if tokens_BT.device.type == "cpu":
+        low, high = tokens_BT.min().item(), tokens_BT.max().item()
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"token id {low if low < 0 else high} is outside the model's vocabulary "
+                f"[0, {vocab_size}); check the tokenizer matches the model."
+            )
+
+
+def _check_finite(config: Any, prefix: str = "") -> None:
+    """ConfigError for a NaN or infinite number anywhere in ``config`` (a field, a nested
+    config's, an element of a tuple): a NaN epsilon or RoPE base passes every '> 0' check and
+    the model then computes NaN or quietly wrong logits."""
+    for f in dataclasses.fields(config):
+        value, name = getattr(config, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, name + ".")
+            continue
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"model {name} must be a finite number, got {value}.")
 
 
 @functools.cache
@@ -419,8 +462,8 @@ class Decoder(nn.Module):
         sequence. ``embeds_BTD``: the first block's input when the caller made it (a
         multimodal model's embeddings with the image tokens at their placeholders).
         """
+        h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD  # checks the ids
         inputs = self.layer_inputs(tokens_BT, positions_BT, doc_ids_BT, cache)
-        h_BTD = self.embed(tokens_BT) if embeds_BTD is None else embeds_BTD
         h_BTD = self.run_blocks(h_BTD, inputs, cache)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 
@@ -429,6 +472,8 @@ class Decoder(nn.Module):
         hidden state itself on a pipeline stage without ``embed_tokens``."""
         if self.embed_tokens is None:
             return tokens_BT
+        if not torch.compiler.is_compiling():
+            check_token_ids(tokens_BT, self.embed_tokens.num_embeddings)
         h_BTD = self.embed_tokens(tokens_BT)
         return h_BTD if self.embed_norm is None else self.embed_norm(h_BTD)
 
