@@ -196,7 +196,7 @@ def test_garbage_marker_is_damage_not_an_interrupted_save(run, capsys):
         (["--model.overrides", '{"num_layers": 3}'], 1, "num_layers is 2 there and 3 here"),
         (["--training.seq_len", "64"], 2, "seq_len was 128 in the checkpoint and is 64 now"),
         (["--training.global_batch_size", "4"], 2, "global_batch_size was 8 in the checkpoint"),
-        (["--checkpoint.load_step", "3"], 1, "load_step 3 has no complete checkpoint"),
+        (["--checkpoint.load_step", "3"], 2, "load_step 3 has no complete checkpoint"),
         (["--training.steps", "3"], 2, "is at step 4, past --training.steps 3: there is nothing"),
     ],
     ids=["model", "seq_len", "batch", "missing-step", "too-few-steps"],

@@ -182,7 +182,7 @@ def test_training_config_from_hf_keeps_slots_and_transforms(hf_checkpoint) -> No
         ({"dtype": torch.int64}, "dtype torch.int64 cannot hold a model's weights"),
         ({"dtype": torch.float8_e4m3fn}, "dtype torch.float8_e4m3fn cannot hold"),
         ({"dtype": 16}, "dtype must be 'bf16' or 'fp32' or a torch dtype; got 16"),
-        ({"dtype": "float16"}, "Unknown dtype 'float16'"),
+        ({"dtype": "int8"}, "Unknown dtype 'int8'"),  # float16 and bfloat16 are read
     ],
 )
 def test_from_hf_refuses_bad_arguments_before_reading(hf_checkpoint, kwargs, message) -> None:
