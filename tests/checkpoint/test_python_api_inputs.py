@@ -117,3 +117,19 @@ def test_save_model_refuses_what_load_model_could_not_read(tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="is damaged: it lacks family"):
         load_model(tmp_path / "ok")
+
+
+def test_an_index_cannot_point_outside_its_folder(tmp_path, hf_checkpoint):
+    """A shard named with a path ('../x.safetensors') was read from wherever it pointed."""
+    path, _ = hf_checkpoint("llama", max_shard_size="100KB")
+    index = json.loads((path / INDEX_FILE).read_text())
+    name = "model.embed_tokens.weight"
+    outside = tmp_path / "elsewhere.safetensors"
+    (path / index["weight_map"][name]).rename(outside)
+    index["weight_map"] = {
+        key: "../elsewhere.safetensors" if file == index["weight_map"][name] else file
+        for key, file in index["weight_map"].items()
+    }
+    (path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="lists '../elsewhere.safetensors' as a shard"):
+        torchloom.from_hf(path)

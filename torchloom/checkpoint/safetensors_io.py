@@ -178,6 +178,11 @@ def weight_map(folder: Path) -> dict[str, str]:
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ConfigError(f"{index} is not a valid safetensors index ({err}).") from None
         for file in sorted(set(mapping.values())):
+            if not isinstance(file, str) or Path(file).name != file or file in (".", ".."):
+                raise ConfigError(
+                    f"{index} lists {file!r} as a shard; shards are files of the folder itself, "
+                    "named without a path."
+                )
             if not (folder / file).is_file():
                 raise ConfigError(f"{folder / file}, listed in {index}, does not exist.")
         return mapping
