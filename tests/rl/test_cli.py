@@ -389,6 +389,15 @@ def test_rl_traces_the_steps_profiling_names(tmp_path, capsys):
     assert "aten::mm" in names or "aten::addmm" in names or "aten::linear" in names
 
 
+def test_profiling_options_are_checked_before_the_run_writes(tmp_path, capsys):
+    """A memory snapshot on the CPU was refused after config.json and metrics.jsonl existed, so
+    the corrected command met 'already holds a run'; the run folder is left unmade."""
+    flags = ["--training.steps", "2", "--profiling.steps", "[1]"]
+    assert rl(tmp_path / "run", *flags, "--profiling.memory_snapshot", "true") == 2
+    assert "--profiling.memory_snapshot records the CUDA allocator" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_generator_slots_that_cannot_fit_are_refused_before_anything_is_written(tmp_path, capsys):
     """The cache is allocated up front: a slot count whose cache exceeds the memory available
     got the process OOM-killed without a word."""

@@ -11,7 +11,7 @@ from torchloom.data.cache import resolve_cache_dir
 from torchloom.data.chat import read_template_file
 from torchloom.data.config import DataConfig
 from torchloom.data.dataset import TokenDataset
-from torchloom.data.loader import RowSource, TrainLoader, ValLoader
+from torchloom.data.loader import RowSource, TrainLoader, ValLoader, check_batch_layout
 from torchloom.data.multimodal import (
     PackedMultimodal,
     load_multimodal_splits,
@@ -77,6 +77,8 @@ def build_dataloaders(
     Every rank may call this at once: caches are written atomically, so ranks that race just
     repeat the work and agree on the result.
     """
+    # Before the tokenizer is loaded (or trained): a bad seq_len would fail deep in packing.
+    check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, seq_len)
     tokenizer = build_tokenizer(cfg)
     if cfg.streaming:
         train = streaming_loader(

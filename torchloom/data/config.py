@@ -147,6 +147,23 @@ class DataConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work (files are checked when loading)."""
+        if not isinstance(self.format, str) or self.format not in BUILTIN_SOURCES:
+            hint = did_you_mean(str(self.format), BUILTIN_SOURCES)
+            raise ConfigError(
+                f"Unknown --data.format {self.format!r}.{hint} Choose {', '.join(BUILTIN_SOURCES)}."
+            )
+        if isinstance(self.sources, str):
+            raise ConfigError(
+                f"--data.sources takes a list of sources; got a string: use "
+                f"sources=[{self.sources!r}]."
+            )
+        if not isinstance(self.sources, list | tuple) or not all(
+            isinstance(s, str) for s in self.sources
+        ):
+            raise ConfigError(
+                f"--data.sources must be a list of paths or builtin: names (str); got "
+                f"{self.sources!r}."
+            )
         if not self.sources:
             raise ConfigError(
                 f"--data.sources is empty: give at least one source, e.g. "

@@ -4,6 +4,7 @@ pre-training, or packed conversations for SFT. One loader serves both, with the 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -223,10 +224,10 @@ def check_batch_layout(
         ("dp_size", dp_size),
         ("seq_len", seq_len),
     ]:
-        if value < 1:
-            raise ConfigError(f"{name}={value} must be at least 1.")
-    if not 0 <= dp_rank < dp_size:
-        raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size}).")
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be an integer of at least 1.")
+    if not _is_int(dp_rank) or not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"dp_rank={dp_rank!r} must be an integer in [0, dp_size={dp_size}).")
     per_step = micro_batch_size * dp_size
     if global_batch_size % per_step == 0:
         return
@@ -242,3 +243,8 @@ def check_batch_layout(
         f"= {micro_batch_size} × {dp_size} = {per_step}: each optimizer step must split into "
         f"equal micro-batches on every data-parallel rank. Use {hint}."
     )
+
+
+def _is_int(value: object) -> bool:
+    """An integer (a numpy one too), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

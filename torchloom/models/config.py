@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -12,7 +11,7 @@ from typing import Any, Literal
 from torchloom.config.errors import ConfigError, did_you_mean
 from torchloom.kernels.linear_cross_entropy import LOSS_IMPLS
 from torchloom.models.components.decoder import DecoderConfig
-from torchloom.models.registry import get_model_spec
+from torchloom.models.registry import check_field_types, get_model_spec
 from torchloom.models.transforms import apply_transforms
 
 # Fields chosen by their own ModelConfig slot, so there is one way to set them.
@@ -61,7 +60,9 @@ class ModelConfig:
     """Architecture fields to change, e.g. {"num_layers": 4, "rope.theta": 1e6}."""
 
     def validate(self) -> None:
-        """The slots no family config checks (the others are checked when it is resolved)."""
+        """Field types, and the slots no family config checks (the others are checked when it
+        is resolved)."""
+        check_field_types(self, "--model.")
         if self.loss_impl not in LOSS_IMPLS:
             raise ConfigError(
                 f"Unknown --model.loss_impl {self.loss_impl!r}."
@@ -71,6 +72,7 @@ class ModelConfig:
 
 def resolve_model_config(model_cfg: ModelConfig) -> DecoderConfig:
     """flavor -> overrides -> component slots -> transforms -> validate."""
+    model_cfg.validate()
     cfg = get_model_spec(model_cfg.name).flavor(model_cfg.flavor)
     cfg = apply_overrides(cfg, model_cfg.overrides)
     return apply_component_choices(cfg, model_cfg)
@@ -81,6 +83,7 @@ def apply_component_choices(cfg: DecoderConfig, model_cfg: ModelConfig) -> Decod
 
     Also the last step for an architecture that comes from elsewhere (a Hugging Face config).
     """
+    model_cfg.validate()
     if model_cfg.batch_invariant and (
         model_cfg.attn_backend != "sdpa"
         or model_cfg.loss_impl != "full"
@@ -103,6 +106,7 @@ def apply_component_choices(cfg: DecoderConfig, model_cfg: ModelConfig) -> Decod
     if model_cfg.batch_invariant:
         cfg = batch_invariant_config(cfg)
     cfg = apply_transforms(cfg, model_cfg.transforms)
+    check_field_types(cfg)
     cfg.validate()
     _check_buildable(cfg, model_cfg.name)
     return cfg
@@ -110,10 +114,9 @@ def apply_component_choices(cfg: DecoderConfig, model_cfg: ModelConfig) -> Decod
 
 def _check_buildable(cfg: DecoderConfig, family: str) -> None:
     """What the family's own validation lets through but its model cannot build or train:
-    a non-finite init_std, and hash-routed MoE layers in a family whose blocks do not hand
-    their MoE the token ids (the families that do have hash-routed layers: ``hash_layers``)."""
-    if not math.isfinite(cfg.init_std):
-        raise ConfigError(f"model init_std must be a finite number > 0, got {cfg.init_std}.")
+    hash-routed MoE layers in a family whose blocks do not hand their MoE the token ids (the
+    families that do have hash-routed layers: ``hash_layers``). A non-finite number anywhere
+    is DecoderConfig.validate's."""
     moe = getattr(cfg, "moe", None)
     if getattr(moe, "hash_routing", False) and not hasattr(cfg, "hash_layers"):
         raise ConfigError(

@@ -4,6 +4,7 @@ parallel plan and Hugging Face adapter. A family's model is built from its confi
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from torchloom.config.errors import ConfigError, did_you_mean
-from torchloom.config.fields import from_dict
+from torchloom.config.fields import check_type, from_dict, leaf_paths
 from torchloom.kernels.batch_invariant import make_linears_batch_invariant
 from torchloom.kernels.float8 import convert_linears_to_float8
 from torchloom.models.components.decoder import DecoderConfig
@@ -67,6 +68,10 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 
 def get_model_spec(name: str) -> ModelSpec:
     """The family called ``name``, or a ConfigError with near matches."""
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"A model family name must be a str, got {name!r}; known: {', '.join(sorted(_MODELS))}."
+        )
     if name not in _MODELS:
         raise ConfigError(
             f"Unknown model '{name}'.{did_you_mean(name, _MODELS)} "
@@ -105,6 +110,17 @@ def config_from_dict(family: str, data: dict[str, Any]) -> DecoderConfig:
     return from_dict(get_model_spec(family).config_cls, kept)
 
 
+def check_field_types(config: Any, prefix: str = "model ") -> None:
+    """ConfigError naming the first field of the config dataclass ``config`` (nested ones as
+    'rope.theta') whose value does not fit its annotation: validate's comparisons assume the
+    annotated types. A Literal field is only checked to be a str: validate names the choices
+    and near matches."""
+    for path, hint, value, _ in leaf_paths(config):
+        if typing.get_origin(hint) is typing.Literal:
+            hint = type(typing.get_args(hint)[0])
+        check_type(value, hint, f"{prefix}{path}")
+
+
 def build_model(config: DecoderConfig) -> nn.Module:
     """Construct the model of a resolved family config on the current default device (weights
     not yet initialized); a job's ModelConfig resolves to one with
@@ -117,6 +133,7 @@ def build_model(config: DecoderConfig) -> nn.Module:
             f"build_model takes a family config (DecoderConfig); got {type(config).__name__}. "
             "Resolve a job's ModelConfig first: build_model(resolve_model_config(model_config))."
         )
+    check_field_types(config)
     config.validate()
     model = config.build()
     if config.batch_invariant:

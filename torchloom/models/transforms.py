@@ -32,6 +32,8 @@ def register_transform(name: str) -> Callable[[Transform], Transform]:
 
 def apply_transforms(cfg: DecoderConfig, names: Iterable[str]) -> DecoderConfig:
     """Apply the named transforms in order."""
+    if isinstance(names, str):  # iterating it would apply one transform per character
+        raise TypeError(f"model transforms must be a list of names; got the string {names!r}.")
     for name in names:
         if name not in _TRANSFORMS:
             raise ConfigError(

@@ -442,12 +442,19 @@ class RLRunner:
                 raise
             latest = self.checkpointer.latest_step_dir()
             raise TrainingInterrupted(self.step, self.job.training.steps, latest) from None
+        except Exception:
+            if self.step == 0:  # no update trained: the run's files must not block a retry
+                self.run.discard_unstarted()
+            raise
 
     def _train(self) -> dict[str, float]:
         if self.is_generator:
             start = self.run.start()
             return _summary(self.job.training.steps, serve(self, start))
         job, t, r = self.job, self.job.training, self.job.rl
+        # Trainer ranks trace their steps (generation included: a step waits for its batch);
+        # its options and folder are checked before the run writes anything.
+        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         first = self.start()
         metrics = MetricsLogger(self.output_dir, job.metrics, t.steps, self.device,
                                 self.model_config.flops_per_token(t.seq_len),
@@ -473,8 +480,6 @@ class RLRunner:
         ev = job.eval
         if self.step == 0 and (ev.every or ev.k):
             metrics.log(self.evaluate(0, sampled=bool(ev.k)))
-        # Trainer ranks trace their steps (generation included: a step waits for its batch).
-        profiler = StepProfiler(job.profiling, self.output_dir, self.dims.rank, self.device)
         try:
             source.start(self.step)
             while self.step < t.steps:
