@@ -374,9 +374,12 @@ def load_hf_weights(model: nn.Module, hf_dir: Path) -> None:
     load_into(model, reader, str(hf_dir), display)
 
 
-def _reader_for(model: nn.Module, hf_dir: Path) -> tuple[HFReader, Callable[[str], str]]:
-    """The reader of ``hf_dir``'s tensors under ``model``'s names, and how to name them."""
-    spec, hf_config = hf_architecture(hf_dir)
+def _reader_for(
+    model: nn.Module, hf_dir: Path, architecture: tuple[ModelSpec, DecoderConfig] | None = None
+) -> tuple[HFReader, Callable[[str], str]]:
+    """The reader of ``hf_dir``'s tensors under ``model``'s names, and how to name them;
+    ``architecture``: ``hf_architecture(hf_dir)`` when the caller has it already."""
+    spec, hf_config = architecture or hf_architecture(hf_dir)
     if model.config.tie_embeddings and not hf_config.tie_embeddings:
         raise ConfigError(
             f"{hf_dir} has its own lm_head.weight; tying the head to the embedding would "
@@ -398,15 +401,15 @@ def from_hf(
         raise ConfigError(f"from_hf takes a folder path (str or Path); got {hf_dir!r}.")
     target_dtype = parse_dtype(dtype)
     device = checked_device(device, "device=")
-    _, config = hf_architecture(Path(hf_dir))
+    architecture = hf_architecture(Path(hf_dir))
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(architecture[1])
     if target_dtype is not None:
         model.to(target_dtype)
     # Names and shapes from the file headers before allocating: a config.json whose sizes are
     # not the weights' is named as such, not found out by allocating its shapes (a 10**7-wide
     # MLP asked for 2.6 GB before the mismatch was seen).
-    reader, display = _reader_for(model, Path(hf_dir))
+    reader, display = _reader_for(model, Path(hf_dir), architecture)
     shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
     checked_names(reader, shapes, str(hf_dir), display)
     model.to_empty(device=device)

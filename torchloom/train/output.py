@@ -16,6 +16,8 @@ from torchloom.train.metrics import read_records
 _RUN_OUTPUTS = (
     "config.json", "metrics.jsonl", "tb", "model", "hf", "metrics.png", "checkpoints", "profile",
 )  # fmt: skip
+BEFORE_FIRST_STEP = ("config.json", "metrics.jsonl", "tb", "profile")
+"""The run outputs a run writes before its first step completes (``discard_unstarted``)."""
 
 
 def check_output_dir(

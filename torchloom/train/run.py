@@ -28,7 +28,12 @@ from torchloom.config.paths import check_can_create
 from torchloom.train.job import JobConfig
 from torchloom.train.metrics import MetricsLogger
 from torchloom.train.optim import ResumedSettings
-from torchloom.train.output import check_output_dir, remove_outputs, truncate_metrics
+from torchloom.train.output import (
+    BEFORE_FIRST_STEP,
+    check_output_dir,
+    remove_outputs,
+    truncate_metrics,
+)
 
 
 class NothingToTrain(Exception):
@@ -84,7 +89,7 @@ class RunScaffold:
         again without --output.overwrite. Rank 0; a resumed run keeps its folder as it is."""
         if self._fresh_folder is None:
             return
-        for name in ("config.json", "metrics.jsonl", "tb", "profile"):
+        for name in BEFORE_FIRST_STEP:
             target = self.output_dir / name
             if target.is_dir():
                 shutil.rmtree(target, ignore_errors=True)
