@@ -119,6 +119,39 @@ def test_save_model_refuses_what_load_model_could_not_read(tmp_path):
         load_model(tmp_path / "ok")
 
 
+def test_save_functions_replace_a_folder_only_when_told(tmp_path):
+    """save_model and save_hf replaced any existing folder without a word (one named at the
+    user's home would have been deleted); like convert, they now want overwrite=True."""
+    from torchloom.checkpoint.hf import save_hf
+
+    config = resolve_model_config(ModelConfig(name="llama3", flavor="debug"))
+    model = build_model(config)
+    saves = {
+        "model": lambda path, **kw: save_model(model, "llama3", config, path, **kw),
+        "hf": lambda path, **kw: save_hf(path, "llama3", config, model.state_dict().items(), **kw),
+    }
+    for name, save in saves.items():
+        busy = tmp_path / f"busy_{name}"
+        busy.mkdir()
+        (busy / "notes.txt").write_text("mine")
+        with pytest.raises(
+            ConfigError, match="is not empty; choose another or pass overwrite=True"
+        ):
+            save(busy)
+        assert sorted(p.name for p in busy.iterdir()) == ["notes.txt"]
+        (tmp_path / f"file_{name}").write_text("x")
+        with pytest.raises(ConfigError, match="exists and is not a folder"):
+            save(tmp_path / f"file_{name}", overwrite=True)
+        (tmp_path / f"empty_{name}").mkdir()
+        save(tmp_path / f"empty_{name}")  # an empty folder is no one's work
+        save(busy, overwrite=True)
+        assert not (busy / "notes.txt").exists() and (busy / "config.json").is_file()
+    assert torch.equal(
+        load_model(tmp_path / "busy_model")[0].state_dict()["norm.weight"],
+        model.state_dict()["norm.weight"],
+    )
+
+
 def test_an_index_cannot_point_outside_its_folder(tmp_path, hf_checkpoint):
     """A shard named with a path ('../x.safetensors') was read from wherever it pointed."""
     path, _ = hf_checkpoint("llama", max_shard_size="100KB")

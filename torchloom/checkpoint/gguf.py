@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpoint.convert import check_output_folder
 from torchloom.checkpoint.hf import HFReader, save_hf
 from torchloom.checkpoint.model_io import parameter_shapes, write_model_folder
 from torchloom.checkpoint.safetensors_io import (
     DEFAULT_MAX_SHARD_BYTES,
     WriteSummary,
+    check_output_folder,
     parse_dtype,
     stream,
 )
@@ -71,7 +71,9 @@ def convert_from_gguf(
     hf_reader = HFReader(gguf_file, spec.hf_adapter, list(shapes), config, tensors=in_memory)
     tensors = stream(hf_reader, shapes, str(gguf_file), spec.hf_adapter.to_hf_name)
     if to_hf:
-        return save_hf(out_dir, spec.name, config, tensors, tokenizer, target, max_shard_bytes)
+        return save_hf(
+            out_dir, spec.name, config, tensors, tokenizer, target, max_shard_bytes, overwrite
+        )
     return write_model_folder(
         out_dir, spec.name, config, tensors, tokenizer, max_shard_bytes, target
     )

@@ -23,6 +23,7 @@ from torchloom.checkpoint.safetensors_io import (
     SafetensorsFolder,
     TensorReader,
     WriteSummary,
+    check_output_folder,
     checked_names,
     load_into,
     parse_dtype,
@@ -444,15 +445,18 @@ def save_hf(
     tokenizer: Any = None,
     dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> WriteSummary:
     """Write a folder that transformers' ``from_pretrained`` loads, from tensors under
     torchloom names (a model's ``state_dict().items()`` or a stream read from disk).
 
     ``tokenizer``: a Tokenizer, a folder whose tokenizer files are copied, or None. ``dtype``
-    casts floating-point tensors; None keeps theirs. A tied model writes no lm_head.weight.
+    casts floating-point tensors; None keeps theirs. A tied model writes no lm_head.weight. A
+    ``path`` that is a non-empty folder is replaced only with ``overwrite=True``.
     """
     adapter = _adapter(family)
     adapter.config_to_hf(config)  # refuse what transformers cannot hold before writing anything
+    check_output_folder({}, Path(path), overwrite, how="pass overwrite=True")
     target_dtype = parse_dtype(dtype)
     hf_tensors = adapter.tensors_to_hf(named_tensors)
     with staged_folder(path) as tmp:

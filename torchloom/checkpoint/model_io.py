@@ -21,6 +21,7 @@ from torchloom.checkpoint.safetensors_io import (
     NamedTensors,
     SafetensorsFolder,
     WriteSummary,
+    check_output_folder,
     load_into,
     staged_folder,
     write_tensors,
@@ -29,7 +30,6 @@ from torchloom.checkpoint.tokenizer_files import write_tokenizer
 from torchloom.config.devices import checked_device
 from torchloom.config.errors import ConfigError
 from torchloom.config.fields import to_dict
-from torchloom.config.paths import check_can_create
 from torchloom.models import DecoderConfig, build_model
 from torchloom.models.registry import config_from_dict, get_model_spec
 
@@ -45,11 +45,13 @@ def save_model(
     path: Path,
     tokenizer: Any = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> None:
     """Write ``model`` (weights, architecture, optional tokenizer) to the folder ``path``.
     ConfigError, before anything is written, unless ``family`` is a registered family,
     ``config`` its architecture and ``model``'s parameters exactly what that builds: a folder
-    that ``load_model`` could not read back is never written."""
+    that ``load_model`` could not read back is never written. A ``path`` that is a non-empty
+    folder is replaced only with ``overwrite=True``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_model takes the model (an nn.Module) first; got {model!r}.")
     spec = get_model_spec(family)
@@ -73,7 +75,7 @@ def save_model(
             f"save_model: the model does not match its config ({problem}); pass the config the "
             "model was built from."
         )
-    check_can_create(Path(path))
+    check_output_folder({}, Path(path), overwrite, how="pass overwrite=True")
     write_model_folder(path, family, config, model.state_dict().items(), tokenizer, max_shard_bytes)
 
 

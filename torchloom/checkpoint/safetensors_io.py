@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from torchloom.config.errors import ConfigError, did_you_mean
+from torchloom.config.paths import check_can_create
 from torchloom.models.components.param_init import local_box, local_tensor
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
@@ -387,6 +388,55 @@ def _check_only_model_files(folder: Path, what: str) -> None:
                 f"it is not {what} (those are deleted); move it away or choose another output "
                 "folder."
             )
+
+
+def check_output_folder(
+    inputs: dict[str, Path | None], output: Path, overwrite: bool, how: str = "pass --overwrite"
+) -> None:
+    """Never write over, into or around an input folder (``inputs``: what it is -> folder), nor
+    over a non-empty folder unless asked to (``how`` says how: a flag, or an argument from
+    Python); refuse an output folder that cannot be created, or
+    whose staging paths (``<output>.partial``, ``<output>.old``) hold what no earlier write left
+    there. All before anything is written."""
+    for what, folder in inputs.items():
+        if folder is not None:
+            _check_apart(Path(folder), output, what)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"The output {output} exists and is not a folder; choose another path.")
+    check_can_create(output)
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"The output folder {output} is not empty; choose another or {how} to replace it."
+        )
+    check_staging(output)
+
+
+def _check_apart(source: Path, output: Path, what: str) -> None:
+    """Refuse an output folder that is, holds or sits inside ``source`` (symlinks resolved), or
+    whose staging folders (``<output>.partial``, ``<output>.old``, deleted by the write) hold it:
+    writing would delete the input, or change it while it is read."""
+    src, out = source.resolve(), output.resolve()
+    staging = [out.with_name(out.name + suffix) for suffix in (".partial", ".old")]
+    if src == out:
+        message = f"The output folder {output} is the {what}; choose another output folder."
+    elif src.is_relative_to(out):
+        message = (
+            f"The output folder {output} contains the {what} {source}, which writing the output "
+            "would delete; choose an output folder that does not hold it."
+        )
+    elif out.is_relative_to(src):
+        message = (
+            f"The output folder {output} is inside the {what} {source}; choose an output folder "
+            "outside it."
+        )
+    elif any(src.is_relative_to(folder) for folder in staging):
+        message = (
+            f"The {what} {source} is where the output {output} is staged ({out.name}.partial, "
+            f"{out.name}.old), which writing it deletes; rename it or choose another output folder."
+        )
+    else:
+        return
+    raise ConfigError(message)
 
 
 @contextmanager

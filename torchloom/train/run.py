@@ -217,7 +217,8 @@ def export_final_model(
                        f"saved the model to {model_dir}"))  # fmt: skip
     if job.checkpoint.export_hf:
         hf_dir = output_dir / "hf"
-        writes.append((lambda items: save_hf(hf_dir, family, config, items, tokenizer),
+        writes.append((lambda items: save_hf(hf_dir, family, config, items, tokenizer,
+                                             overwrite=True),
                        f"exported a Hugging Face folder to {hf_dir}"))  # fmt: skip
     for write, done in writes:
         items = state_items()
