@@ -1,5 +1,5 @@
-"""Qwen3-VL (vision encoder + decoder, rows with images) under every parallel layout it takes
-reproduces the single-process run (gloo, 2 and 4 processes); the layouts it cannot take yet
+"""Qwen3-VL (vision encoder + decoder, rows with images) and Kimi K2.5 (MoonViT + DeepSeek-V3)
+under every parallel layout they take reproduce the single-process run (gloo, 2 and 4 processes); the layouts it cannot take yet
 are refused in one line.
 
 One launch per world size runs every layout (see vl_worker.py); the tests read its results.
@@ -18,8 +18,8 @@ from torchloom.parallel import ParallelConfig, ParallelDims
 from torchloom.train.builders import check_layout
 
 WORKER = Path(__file__).with_name("vl_worker.py")
-TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split")
-FOUR_RANKS = ("fsdp_tp", "fsdp_tp_ep")
+TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split", "k25_tp")
+FOUR_RANKS = ("fsdp_tp", "fsdp_tp_ep", "k25_fsdp_tp_ep")
 
 
 def launch(nproc: int, *names: str) -> dict[str, list[dict]]:
@@ -53,10 +53,12 @@ def check(results: list[dict], layout: str) -> None:
         assert r["loss_diff"] <= LOSS_TOL, r
         assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
         assert r["param_diff"] <= PARAM_TOL, r
+        if "tp" in layout:  # the encoder's matrices are split, not left whole
+            assert r["encoder_split"] > 0, r
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "pp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "pp", "k25_tp"])
 def test_two_rank_layouts_match_single_process(two_ranks, layout):
     check(two_ranks["RESULT"], layout)
 
@@ -84,3 +86,28 @@ def test_context_parallel_refuses_a_vision_encoder_in_one_line():
         check_layout(model, dims)
     message = str(error.value)
     assert "\n" not in message and "--parallel.cp 2" in message and "vision encoder" in message
+
+
+def test_kimi_k25_refuses_what_its_plan_cannot_split_in_one_line():
+    from dataclasses import replace
+
+    from torchloom.models.kimi_k25 import tp_plan
+
+    config = resolve_model_config(ModelConfig(name="kimi_k25", flavor="debug"))
+    cases = [
+        (replace(config, mtp_layers=1), 2, '"mtp_layers": 0'),
+        (config, 4, "does not divide vision.num_heads (2)"),
+    ]
+    for case, tp, expected in cases:
+        with torch.device("meta"):
+            model = build_model(case)
+        with pytest.raises(ConfigError) as error:
+            tp_plan(model, tp)
+        assert "\n" not in str(error.value) and expected in str(error.value), error.value
+    with torch.device("meta"):
+        model = build_model(config)
+    generation = tp_plan(model, 2, False, sequence_parallel=False)  # no sequence cut
+    assert (
+        "residual_entry" not in generation
+        and "vision_tower.layers.0.attention.q_proj" in generation
+    )

@@ -1,10 +1,11 @@
-"""Run under torchrun (gloo): Qwen3-VL (a vision encoder in front of the decoder) under parallel
+"""Run under torchrun (gloo): Qwen3-VL (a vision encoder in front of the decoder) and Kimi K2.5
+(MoonViT in front of the DeepSeek-V3 decoder; flavors named ``kimi_k25/...``) under parallel
 layouts against one process.
 
     torchrun --standalone --nproc-per-node 2 tests/parallel/vl_worker.py fsdp tp ep pp ...
 
 Every row holds images (one of two frames, absent slots, padding places) between vision
-start/end tokens, with M-RoPE positions [B, T, 3]. Each layout trains 3 AdamW steps with
+start/end tokens, with M-RoPE positions [B, T, 3] (Kimi K2.5: single frames, 1-D positions). Each layout trains 3 AdamW steps with
 clipping through the trainer's own step (train/step.py passes the media; the pipeline cuts them
 into micro-batches) from weights initialized shard by shard after parallelizing; the reference,
 one process, runs the same micro-batches (the MoE balance loss is a function of one). Rank 0
@@ -21,12 +22,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.mrope import mrope_positions
 from torchloom.data.packing import Batch
 from torchloom.models import ModelConfig, build_model, resolve_model_config
-from torchloom.models.components.vision_plan import multimodal_tp_plan
+from torchloom.models.registry import list_models
 from torchloom.parallel import (
     ParallelConfig,
     ParallelDims,
@@ -55,6 +57,9 @@ LAYOUTS: dict[str, tuple[dict, tuple[str, ...], dict]] = {
     ),
     "fsdp_tp": ({"dp_shard": 2, "tp": 2}, ("debug", "debug_moe"), {}),
     "fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("debug_moe",), {}),
+    # Kimi K2.5: MoonViT split by heads, the image tokens scattered before the sequence cut.
+    "k25_tp": ({"tp": 2, "dp_shard": 1}, ("kimi_k25/debug",), {}),
+    "k25_fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("kimi_k25/debug",), {}),
 }
 # Refused at build, in one line: DeepStack layer 1 would sit on the second stage.
 REFUSALS: dict[str, tuple[dict, str, dict]] = {
@@ -73,6 +78,8 @@ CPU = torch.device("cpu")
 
 def make_batches(config) -> list[dict]:
     """Rows of text and images, fixed shapes; labels ignored on the image placeholders."""
+    if config.media_layout == "kimi_k25":
+        return make_kimi_batches(config)
     gen = torch.Generator().manual_seed(1234)
     image, start, end = config.image_token_id, config.vision_start_token_id, 4091
     patch_dim, merge = config.vision.patch_dim, config.vision.spatial_merge_size
@@ -101,6 +108,38 @@ def make_batches(config) -> list[dict]:
     return batches
 
 
+def make_kimi_batches(config) -> list[dict]:
+    """Kimi K2.5's rows: single-frame images of h x w patches, h * w / merge^2 placeholders
+    between media begin/end tokens, 1-D positions."""
+    gen = torch.Generator().manual_seed(1234)
+    image, begin, end = (
+        config.image_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+    )
+    patch_values, merge = config.vision.patch_values, config.vision.merge
+    batches = []
+    for step in range(STEPS):
+        rows, pixels, grids = [], torch.zeros(BATCH, SLOTS, PLACES, patch_values), []
+        for b in range(BATCH):
+            row_grids = [g for g in GRIDS[(b + step) % len(GRIDS)] if g[0] == 1] or [(1, 4, 4)]
+            tokens = torch.randint(0, 4000, (3,), generator=gen).tolist()
+            for slot, (_, h, w) in enumerate(row_grids):
+                pixels[b, slot, : h * w] = torch.randn(h * w, patch_values, generator=gen)
+                tokens += [begin] + [image] * (h * w // merge**2) + [end]
+                tokens += torch.randint(0, 4000, (2,), generator=gen).tolist()
+            tail = torch.randint(0, 4000, (SEQ_LEN - len(tokens),), generator=gen).tolist()
+            rows.append(tokens + tail)
+            grids.append(list(row_grids) + [(0, 0, 0)] * (SLOTS - len(row_grids)))
+        tokens = torch.tensor(rows)
+        labels = torch.randint(0, 4000, (BATCH, SEQ_LEN), generator=gen)
+        labels[(tokens == image) | (torch.rand(BATCH, SEQ_LEN, generator=gen) < 0.2)] = IGNORE_INDEX
+        positions = torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).clone()
+        batches.append({"tokens": tokens, "labels": labels, "positions": positions,
+                        "pixel_values": pixels, "image_grid_thw": torch.tensor(grids)})  # fmt: skip
+    return batches
+
+
 def rows_of(batch: dict, rows: slice) -> Batch:
     media = {k: batch[k][rows] for k in ("pixel_values", "image_grid_thw")}
     return Batch(batch["tokens"][rows], batch["labels"][rows], batch["positions"][rows],
@@ -108,7 +147,16 @@ def rows_of(batch: dict, rows: slice) -> Batch:
 
 
 def config_of(flavor: str, overrides: dict):
-    return resolve_model_config(ModelConfig(name="qwen3_vl", flavor=flavor, overrides=overrides))
+    """``flavor`` of qwen3_vl, or ``family/flavor``."""
+    family, _, flavor = flavor.rpartition("/")
+    family = family or "qwen3_vl"
+    return resolve_model_config(ModelConfig(name=family, flavor=flavor, overrides=overrides))
+
+
+def tp_plan_of(config):
+    """The family's own plan (the family whose config class this is)."""
+    (spec,) = [s for s in list_models() if type(config) is s.config_cls]
+    return spec.tp_plan
 
 
 def build(config) -> torch.nn.Module:
@@ -148,14 +196,14 @@ def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
     model, pipeline = build(config), None
     if dims.degrees.pp > 1:
-        pipeline = build_pipeline(model, dims, seq_len=SEQ_LEN, tp_plan=multimodal_tp_plan,
+        pipeline = build_pipeline(model, dims, seq_len=SEQ_LEN, tp_plan=tp_plan_of(config),
                                   device=CPU, objective=CrossEntropy())  # fmt: skip
         for stage in pipeline.stages:
             stage.to_empty(device=CPU)
             stage.init_weights(0)
         held = pipeline.stages
     else:
-        parallelize(model, dims, seq_len=SEQ_LEN, tp_plan=multimodal_tp_plan)
+        parallelize(model, dims, seq_len=SEQ_LEN, tp_plan=tp_plan_of(config))
         model.to_empty(device=CPU)
         model.init_weights(0)
         held = model
@@ -164,7 +212,20 @@ def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
              for b in batches]  # fmt: skip
     records = train(_parts(held, pipeline, dims, config), micro)
     state = dict(pipeline.full_state_items() if pipeline else full_state_items(held))
-    return records, state, dims
+    return records, state, dims, encoder_split(held, dims)
+
+
+def encoder_split(held, dims: ParallelDims) -> int:
+    """How many of the vision encoder's weight matrices tensor parallelism split."""
+    if dims.degrees.tp == 1 or isinstance(held, list):
+        return 0
+    tp_dim = dims.mesh("tp").mesh_dim_names[0]
+    count = 0
+    for name, param in held.named_parameters():
+        if name.split(".")[0] in ("visual", "vision_tower") and isinstance(param, DTensor):
+            placement = param.placements[param.device_mesh.mesh_dim_names.index(tp_dim)]
+            count += param.ndim == 2 and placement.is_shard()
+    return count
 
 
 def compare(layout: str, flavor: str, ref: tuple, run: tuple, seconds: float) -> dict:
@@ -191,8 +252,9 @@ def main(names: list[str]) -> None:
             layout, flavor, overrides = REFUSALS[name]
             dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
             try:
-                build_pipeline(build(config_of(flavor, overrides)), dims, seq_len=SEQ_LEN,
-                               tp_plan=multimodal_tp_plan, device=CPU, objective=CrossEntropy())  # fmt: skip
+                config = config_of(flavor, overrides)
+                build_pipeline(build(config), dims, seq_len=SEQ_LEN, tp_plan=tp_plan_of(config),
+                               device=CPU, objective=CrossEntropy())  # fmt: skip
                 message = None
             except ConfigError as error:
                 message = str(error)
@@ -204,13 +266,13 @@ def main(names: list[str]) -> None:
             begin = time.perf_counter()
             config = config_of(flavor, overrides)
             batches = make_batches(config)
-            records, state, dims = parallel_run(config, layout, batches)
+            records, state, dims, split = parallel_run(config, layout, batches)
             pieces = dims.dp_size * (2 if dims.degrees.pp > 1 else 1)  # pp: 2 microbatches
             key = (flavor, json.dumps(overrides, sort_keys=True), pieces)
             if key not in references:
                 references[key] = reference_run(config, batches, pieces)
             result = compare(name, flavor, references[key], (records, state),
-                             time.perf_counter() - begin)  # fmt: skip
+                             time.perf_counter() - begin) | {"encoder_split": split}  # fmt: skip
             if rank0:
                 print("RESULT " + json.dumps(result), flush=True)
     destroy()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.rope import apply_rotary
@@ -183,7 +184,10 @@ class PositionEmbedding(nn.Module):
         S, L = rows.shape[:2]
         cells_SL16 = (rows[..., :, None] * self.grid + cols[..., None, :]).reshape(S * L, 16)
         weights_SL16 = (row_w[..., :, None] * col_w[..., None, :]).reshape(S * L, 16)
-        table = self.table.flatten(0, 1)
+        table = self.table
+        if isinstance(table, DTensor):  # replicated under tensor parallelism: this rank's copy
+            table = table.to_local()
+        table = table.flatten(0, 1)
         # A weighted sum of 16 rows per patch without materializing [S, L, 16, D].
         pos = F.embedding_bag(cells_SL16, table, per_sample_weights=weights_SL16.to(table.dtype),
                               mode="sum")  # fmt: skip
@@ -230,7 +234,8 @@ class VisionAttention(nn.Module):
         keys_S11L: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         S, L, _ = x_SLD.shape
-        q, k, v = (p(x_SLD).view(S, L, self.num_heads, self.head_dim)
+        # -1 heads: under tensor parallelism a rank's projections hold its share of them.
+        q, k, v = (p(x_SLD).view(S, L, -1, self.head_dim)
                    for p in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
         # Rotated in fp32 and cast back, as the reference does.
         q, k = (apply_rotary(t.float(), cos_SLd, sin_SLd).to(t.dtype) for t in (q, k))

@@ -185,6 +185,13 @@ class MediaEmbedding:
     config: Any
     embed_tokens: nn.Embedding | None
 
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)  # type: ignore[call-arg]
+        # Where the embeddings (with the media tokens scattered in over the whole sequence)
+        # enter the residual stream: an identity that sequence parallelism hooks to cut them
+        # along the sequence (vision_plan.media_entry_plan).
+        self.residual_entry = nn.Identity()
+
     @classmethod
     def media_encoder_names(cls) -> tuple[str, ...]:
         """The attributes holding this model's encoders (the image one first)."""
@@ -215,8 +222,11 @@ class MediaEmbedding:
         placeholders (1-D positions, no DeepStack: MultimodalDecoder has its own)."""
         embeds_BTD = None
         media = self.media_or_none(media)
-        if media is not None and self.embed_tokens is not None:
-            embeds_BTD, _ = self.embed_media(tokens_BT, self.embed(tokens_BT), media)
+        if self.embed_tokens is not None:
+            embeds_BTD = self.embed(tokens_BT)
+            if media is not None:
+                embeds_BTD, _ = self.embed_media(tokens_BT, embeds_BTD, media)
+            embeds_BTD = self.residual_entry(embeds_BTD)
         return super().forward(  # type: ignore[misc]
             tokens_BT, positions_BT, doc_ids_BT, cache=cache, objective=objective,
             targets=targets, embeds_BTD=embeds_BTD,
@@ -338,11 +348,8 @@ class MultimodalDecoder(MediaEmbedding, Decoder):
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__(cfg)
+        # (MediaEmbedding's residual_entry cuts the DeepStack tokens too.)
         self.visual: VisionEncoder | None = VisionEncoder(cfg.vision, cfg.dim, cfg.init_std)
-        # Where the embeddings and DeepStack tokens enter the residual stream: an identity that
-        # sequence parallelism hooks to cut them along the sequence after the full-sequence
-        # scatter of the image tokens (vision_plan.multimodal_tp_plan).
-        self.residual_entry = nn.Identity()
 
     def forward_hidden(
         self,

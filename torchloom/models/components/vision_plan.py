@@ -13,14 +13,18 @@ would give rank 0 all of q and part of k. Its weight is split as ``_StridedShard
 instead (each rank takes its share of each of the three blocks), so a rank's local output is
 its own heads' q, k and v in order, which the attention views with -1 heads.
 
+Kimi K2.5's MoonViT (``moonvit_tp_plan``) splits the same way with separate q/k/v projections
+(each column-wise) and a projector whose in_proj is split column-wise and out_proj row-wise.
+
 The decoder then scatters the image tokens into the embedding over the full sequence: under
 sequence parallelism the embedding's output is all-reduced (not reduce-scattered), and the
 model's ``residual_entry`` cuts it, and each DeepStack addition, along the sequence before the
-first block.
+first block (``media_entry_plan``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -34,7 +38,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.decoder_plan import decoder_tp_plan
-from torchloom.models.components.multimodal import MultimodalDecoder
+from torchloom.models.components.moonvit import MoonViT
+from torchloom.models.components.multimodal import MediaEmbedding, MultimodalDecoder
 from torchloom.models.components.vision import VisionEncoder
 
 
@@ -68,19 +73,28 @@ class ReplicateParallel(ParallelStyle):
 
 
 def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+    """Tensor inputs as replicated DTensors; others (MoonViT's patch layout) as they are."""
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) else x
+        for x in inputs
+    )  # fmt: skip
 
 
-def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh):
-    return output.to_local()
+def _local_output(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh):
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def check_vision_tp(encoder: VisionEncoder, tp: int) -> None:
     """ConfigError unless ``tp`` divides the encoder's heads and hidden widths."""
     cfg = encoder.cfg
     joined = encoder.merger.joined_dim
-    for name, value in (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
-                        ("the merger width (vision.dim x spatial_merge_size^2)", joined)):  # fmt: skip
+    _check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
+                        ("the merger width (vision.dim x spatial_merge_size^2)", joined)))  # fmt: skip
+
+
+def _check_divides(tp: int, widths: tuple[tuple[str, int], ...]) -> None:
+    for name, value in widths:
         if value % tp:
             raise ConfigError(
                 f"--parallel.tp {tp} does not divide {name} ({value}); choose a tp that does."
@@ -109,6 +123,44 @@ def vision_tp_plan(encoder: VisionEncoder) -> dict[str, ParallelStyle]:
     return plan
 
 
+def moonvit_tp_plan(encoder: MoonViT, tp: int) -> dict[str, ParallelStyle]:
+    """{path in MoonViT: style}: heads and hidden units split, the rest replicated (see the
+    module docstring). ConfigError unless ``tp`` divides the widths it splits."""
+    cfg = encoder.config
+    _check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
+                        ("the projector width (vision.dim x merge^2)", cfg.dim * cfg.merge**2)))  # fmt: skip
+    plan: dict[str, ParallelStyle] = {
+        name: ReplicateParallel() for name in ("patch_embed", "pos_embed", "norm", "projector.norm")
+    }
+    for i in range(len(encoder.layers)):
+        prefix = f"layers.{i}."
+        plan[prefix + "attention_norm"] = ReplicateParallel()
+        plan[prefix + "mlp_norm"] = ReplicateParallel()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[prefix + "attention." + name] = ColwiseParallel()
+        plan[prefix + "attention.o_proj"] = RowwiseParallel()
+        plan[prefix + "mlp.fc1"] = ColwiseParallel()
+        plan[prefix + "mlp.fc2"] = RowwiseParallel()
+    plan["projector.in_proj"] = ColwiseParallel()
+    plan["projector.out_proj"] = RowwiseParallel()
+    return plan
+
+
+def media_entry_plan(model: MediaEmbedding) -> dict[str, ParallelStyle]:
+    """Under sequence parallelism, a media-reading model's embedding whole on every rank (the
+    media tokens are scattered into the full sequence) and cut along the sequence where it
+    enters the residual stream (``residual_entry``); nothing for a stage without the embedding."""
+    if model.embed_tokens is None:
+        return {}
+    replicated = Replicate()
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=replicated, output_layouts=replicated),
+        "residual_entry": PrepareModuleInput(
+            input_layouts=(replicated,), desired_input_layouts=(Shard(1),), use_local_output=True
+        ),
+    }
+
+
 def multimodal_tp_plan(
     model: MultimodalDecoder, tp: int, loss_parallel: bool = True, sequence_parallel: bool = True
 ) -> dict[str, ParallelStyle]:
@@ -118,10 +170,6 @@ def multimodal_tp_plan(
     if model.visual is not None:
         check_vision_tp(model.visual, tp)
         plan.update({"visual." + path: s for path, s in vision_tp_plan(model.visual).items()})
-    if sequence_parallel and model.embed_tokens is not None:
-        replicated = Replicate()
-        plan["embed_tokens"] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
-        plan["residual_entry"] = PrepareModuleInput(
-            input_layouts=(replicated,), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
+    if sequence_parallel:
+        plan.update(media_entry_plan(model))
     return plan
