@@ -219,3 +219,37 @@ def test_greedy_with_images_on_the_gpu_with_captured_decode(model) -> None:
     request = Request(prompt, GREEDY, media={k: v.cuda() for k, v in media.items()})
     [completion] = generator.generate([request])
     assert completion.tokens == reference(gpu, prompt, request.media, GREEDY.max_new_tokens)
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "muse_glimmer", "muse_spark"])
+@pytest.mark.parametrize("decode", ["gathered", "static"])
+def test_one_dimensional_families_generate_with_images(family, decode) -> None:
+    """Kimi K2.5 and the Muse families (1-D positions, their own encoders) through the same
+    engine: greedy tokens equal full forwards, beside a text request."""
+    config = resolve_model_config(ModelConfig(name=family, flavor="debug"))
+    model = build_model(config)
+    model.init_weights(0)
+    model.eval()
+    vision = config.vision
+    values = vision.patch_values if hasattr(vision, "patch_values") else vision.patch_dim
+    generator = torch.Generator().manual_seed(3)
+    requests = []
+    for grids in ([(1, 4, 4), (1, 2, 6)], [(1, 6, 2)]):
+        counts = model.media_encoder.merged_counts(torch.tensor([grids]))[0].tolist()
+        prompt = torch.randint(5, 4000, (3,), generator=generator).tolist()
+        for count in counts:
+            prompt += [config.image_token_id] * count + [17, 23]
+        places = -(-max(t * h * w for t, h, w in grids) // 4) * 4  # whole merge windows
+        pixels = torch.zeros(len(grids), places, values)
+        for n, (t, h, w) in enumerate(grids):
+            pixels[n, : t * h * w] = torch.randn(t * h * w, values, generator=generator)
+        media = {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+        requests.append(Request(prompt, GREEDY, media=media))
+    requests.insert(1, Request([11, 12, 13, 14, 15], GREEDY))
+    engine = Generator(model, max_batch=3, max_len=64)
+    if decode == "static":
+        engine.graphs = DecodeGraphs(model, engine.cache, score, capture=False)
+    completions = engine.generate(requests)
+    for request, completion in zip(requests, completions, strict=True):
+        expected = reference(model, request.prompt_ids, request.media, GREEDY.max_new_tokens)
+        assert completion.tokens == expected, (family, completion.tokens, expected)
