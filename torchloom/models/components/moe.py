@@ -460,7 +460,10 @@ class MoE(nn.Module):
             y_ND = batch_invariant.fixed_order_sum(weighted_NKD.float().transpose(1, 2))
         else:
             y_ND = weighted_NKD.sum(1, dtype=torch.float32)
-        y_ND = y_ND.to(y_NKD.dtype)
+        # A fresh [B, T, D] tensor, not a view: FSDP2 warns on a view out of a module it wraps
+        # alone (the MoE under tensor or expert parallelism). With a compute dtype below fp32
+        # this copy is the cast of the fp32 sum, no extra pass.
+        y_BTD = y_ND.view(B, T, D).to(y_NKD.dtype, copy=True)
         if self.shared_experts is not None:
             shared_ND = self.shared_experts(x_ND)
             if self.shared_expert_gate is not None:
@@ -470,8 +473,8 @@ class MoE(nn.Module):
                 else:
                     gate_N1 = torch.sigmoid(gate_N1)
                 shared_ND = gate_N1 * shared_ND
-            y_ND = y_ND + shared_ND
-        return y_ND.view(B, T, D)
+            y_BTD = y_BTD + shared_ND.view(B, T, D)
+        return y_BTD
 
     def _record(self, experts_NK: torch.Tensor, scores_NE: torch.Tensor, rows: int) -> None:
         """Count this training forward's tokens per expert and keep its balance loss; a
