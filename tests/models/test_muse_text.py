@@ -166,15 +166,16 @@ def test_published_shapes_count_transformers_parameters(family, flavor, hf_class
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_it_trains_and_refuses_tensor_parallelism(family, tmp_path) -> None:
+def test_it_trains_and_declares_a_tensor_parallel_plan(family, tmp_path) -> None:
+    """The plan's parity with one process: tests/parallel/test_muse_layouts.py."""
     _, job = resolve_job(["--recipe", "debug", "--model.name", family, "--training.steps", "4",
                           "--output.dir", str(tmp_path / "run"), "--metrics.tensorboard", "false",
                           "--training.sample_tokens", "0"])  # fmt: skip
     result = Trainer(job).train()
     assert result.last_loss < result.first_loss
     model = build_model(resolve_model_config(ModelConfig(name=family, flavor="debug")))
-    with pytest.raises(ConfigError, match="--parallel.tp 2: the Muse families"):
-        get_model_spec(family).tp_plan(model, 2)
+    plan = get_model_spec(family).tp_plan(model, 2)
+    assert "layers.0.mlp_post_norm" in plan and "residual_entry" in plan
 
 
 @pytest.mark.parametrize("family", FAMILIES)

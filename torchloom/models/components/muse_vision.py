@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.mlp import GeluMLP
@@ -91,24 +92,26 @@ class MuseVisionConfig:
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head attention with biases and 2-D RoPE over a masked patch set."""
+    """Bidirectional multi-head attention with biases and 2-D RoPE over a masked patch set.
+    Heads are counted from the projections' width (-1 heads), so a tensor-parallel split of
+    q/k/v by columns (muse_glimmer/parallelize.py) runs each rank's heads."""
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x_ILD, cos_ILd, sin_ILd, mask_I1LL) -> torch.Tensor:
-        items, L, D = x_ILD.shape
+        items, L, _ = x_ILD.shape
         q, k, v = (
-            proj(x_ILD).view(items, L, self.num_heads, -1)
+            proj(x_ILD).view(items, L, -1, self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = (_rotate(t, cos_ILd, sin_ILd) for t in (q, k))
         out_IHLd = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask_I1LL
         )
-        return self.o_proj(out_IHLd.transpose(1, 2).reshape(items, L, D))
+        return self.o_proj(out_IHLd.transpose(1, 2).reshape(items, L, -1))
 
 
 def _rotate(x_ILHd, cos_ILd, sin_ILd) -> torch.Tensor:
@@ -211,7 +214,10 @@ class MuseVisionEncoder(nn.Module):
         cols, col_w = _bilinear_taps(k_IL % h_I[:, None], h_I, side)
         index_IL4 = (rows[..., :, None] * side + cols[..., None, :]).flatten(-2)
         weight_IL4 = (row_w[..., :, None] * col_w[..., None, :]).flatten(-2)
-        return (self.pos_embed[index_IL4] * weight_IL4[..., None].to(self.pos_embed.dtype)).sum(-2)
+        table = self.pos_embed
+        if isinstance(table, DTensor):  # replicated under tensor parallelism: this rank's copy
+            table = table.to_local()
+        return (table[index_IL4] * weight_IL4[..., None].to(table.dtype)).sum(-2)
 
     def _rope(self, patches: _PatchGrid) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [I, L, head_dim] in fp32: the first quarter of a head's pairs turns with the

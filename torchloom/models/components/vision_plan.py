@@ -89,11 +89,11 @@ def check_vision_tp(encoder: VisionEncoder, tp: int) -> None:
     """ConfigError unless ``tp`` divides the encoder's heads and hidden widths."""
     cfg = encoder.cfg
     joined = encoder.merger.joined_dim
-    _check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
+    check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
                         ("the merger width (vision.dim x spatial_merge_size^2)", joined)))  # fmt: skip
 
 
-def _check_divides(tp: int, widths: tuple[tuple[str, int], ...]) -> None:
+def check_divides(tp: int, widths: tuple[tuple[str, int], ...]) -> None:
     for name, value in widths:
         if value % tp:
             raise ConfigError(
@@ -127,7 +127,7 @@ def moonvit_tp_plan(encoder: MoonViT, tp: int) -> dict[str, ParallelStyle]:
     """{path in MoonViT: style}: heads and hidden units split, the rest replicated (see the
     module docstring). ConfigError unless ``tp`` divides the widths it splits."""
     cfg = encoder.config
-    _check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
+    check_divides(tp, (("vision.num_heads", cfg.num_heads), ("vision.ffn_dim", cfg.ffn_dim),
                         ("the projector width (vision.dim x merge^2)", cfg.dim * cfg.merge**2)))  # fmt: skip
     plan: dict[str, ParallelStyle] = {
         name: ReplicateParallel() for name in ("patch_embed", "pos_embed", "norm", "projector.norm")

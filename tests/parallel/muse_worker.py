@@ -1,0 +1,204 @@
+"""Run under torchrun (gloo): Muse Glimmer (images) and Muse Spark (images and audio) under tensor
+parallelism against one process.
+
+    torchrun --standalone --nproc-per-node 2 tests/parallel/muse_worker.py tp generation
+
+Every row holds text, images (absent slots, padding places, windowed and full ViT layers) and,
+for Spark, audio clips of several lengths, with 1-D positions. A training layout runs 3 AdamW
+steps with clipping through the trainer's own step from weights initialized shard by shard
+after parallelizing, against one process on the same micro-batches (Spark's balance loss on).
+Rank 0 prints one ``RESULT`` line per (layout, flavor) with the largest differences in loss,
+gradient norm and final weights, the encoders' weight matrices left whole, and the parameters
+outside MoE layers that are no DTensor on the tp mesh. ``generation`` compares the logits of
+the replicated-stream plan (``sequence_parallel=False``) with one process.
+
+Both sides run in float64 (FSDP computing and reducing in the parameters' dtype), at lr 1e-4.
+Muse amplifies rounding: padded audio samples make zero vectors whose RMSNorm gradient is
+1/sqrt(eps), and each expert's tiny output is normed. In fp32 the single-process run is
+itself ~1e-3 (Spark's gradient norm) off its float64 twin after 3 steps at lr 1e-3, so no
+split (a tensor-parallel sum in another order) could be told from noise at 1e-5; in float64 only
+the model's fp32 islands (the loss, the router) differ, and a wrong split still moves every
+number by orders of magnitude more (lr-sized weight steps).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from tests.parallel.vl_worker import ADAM_EPS, CPU, MAX_NORM, build, compare, config_of, tp_plan_of
+from tests.parallel.vl_worker import train as train_steps
+from torchloom.data.packing import Batch
+from torchloom.parallel import (
+    ParallelConfig,
+    ParallelDims,
+    build_parallel_dims,
+    data_parallel,
+    destroy,
+    init_distributed,
+    leave,
+    parallelize,
+)
+from torchloom.parallel.expert_parallel import moe_layers
+from torchloom.parallel.state import full_state_items
+from torchloom.parallel.tensor_parallel import apply_tensor_parallel
+from torchloom.train.expert_balance import expert_balance
+from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
+from torchloom.train.step import StepParts
+
+FLAVORS = ("muse_glimmer/debug", "muse_spark/debug")
+OVERRIDES = {"muse_spark/debug": {"moe.balance_loss": "sequence", "moe.balance_loss_coef": 0.01}}
+# layout name -> parallel config (sequence parallel, loss parallel)
+LAYOUTS: dict[str, dict] = {"tp": {"tp": 2, "dp_shard": 1}, "fsdp_tp": {"dp_shard": 2, "tp": 2}}
+STEPS, BATCH, SEQ_LEN, LR = 3, 4, 48, 1e-4
+SLOTS, PLACES, CLIP_SLOTS, SAMPLES = 2, 32, 2, 64
+# Per row: its images' (t, h, w) grids in patches (2 x 2 merge windows, 4 x 4-patch ViT
+# windows) and its clips' lengths in samples (16 per audio token, the last one padded).
+GRIDS = [[(1, 4, 4), (1, 4, 8)], [(1, 8, 4)], [], [(1, 4, 4), (1, 4, 4)]]
+CLIPS = [[40, 64], [17], [9, 33], []]
+ENCODERS = ("vision_tower", "audio_tower")
+
+
+def make_batches(config) -> list[dict]:
+    """Rows of text, images and (Spark) clips at fixed shapes; labels ignored on the media."""
+    gen = torch.Generator().manual_seed(1234)
+    hears = hasattr(config, "audio")
+    image, audio = config.image_token_id, getattr(config, "audio_token_id", -1)
+    patch_dim, merge = config.vision.patch_dim, config.vision.merge_size
+    per_token = config.audio.samples_per_token if hears else 1
+    batches = []
+    for step in range(STEPS):
+        pixels = torch.zeros(BATCH, SLOTS, PLACES, patch_dim)
+        waves = torch.zeros(BATCH, CLIP_SLOTS, SAMPLES, 1)
+        lengths = torch.zeros(BATCH, CLIP_SLOTS, dtype=torch.long)
+        grids, rows = [], []
+        for b in range(BATCH):
+            row_grids = GRIDS[(b + step) % len(GRIDS)]
+            tokens = torch.randint(0, 4000, (3,), generator=gen).tolist()
+            for slot, (t, h, w) in enumerate(row_grids):
+                pixels[b, slot, : t * h * w] = torch.randn(t * h * w, patch_dim, generator=gen)
+                tokens += [image] * (t * h * w // merge**2)
+                tokens += torch.randint(0, 4000, (2,), generator=gen).tolist()
+            for slot, samples in enumerate(CLIPS[(b + step) % len(CLIPS)] if hears else []):
+                waves[b, slot, :samples, 0] = torch.randn(samples, generator=gen)
+                lengths[b, slot] = samples
+                tokens += [audio] * -(-samples // per_token)
+                tokens += torch.randint(0, 4000, (2,), generator=gen).tolist()
+            tail = torch.randint(0, 4000, (SEQ_LEN - len(tokens),), generator=gen).tolist()
+            rows.append(tokens + tail)
+            grids.append(list(row_grids) + [(0, 0, 0)] * (SLOTS - len(row_grids)))
+        tokens = torch.tensor(rows)
+        labels = torch.randint(0, 4000, (BATCH, SEQ_LEN), generator=gen)
+        media_BT = (tokens == image) | (tokens == audio)
+        labels[media_BT | (torch.rand(BATCH, SEQ_LEN, generator=gen) < 0.2)] = IGNORE_INDEX
+        media = {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+        if hears:
+            media |= {"audio_values": waves, "audio_lengths": lengths}
+        positions = torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN).clone()
+        batches.append({"tokens": tokens, "labels": labels, "positions": positions, "media": media})
+    return batches
+
+
+def rows_of(batch: dict, rows: slice) -> Batch:
+    media = {key: value[rows] for key, value in batch["media"].items()}
+    return Batch(batch["tokens"][rows], batch["labels"][rows], batch["positions"][rows],
+                 media=media)  # fmt: skip
+
+
+def train(model, dims: ParallelDims, config, micro_batches: list[list[Batch]]) -> list[dict]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    parts = StepParts(model, None, CrossEntropy(), optimizer, dims, CPU, MAX_NORM,
+                      expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
+    return train_steps(parts, micro_batches)
+
+
+def reference_run(config, batches: list[dict], pieces: int) -> tuple:
+    """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see."""
+    model = build(config)
+    model.to_empty(device=CPU)
+    model.init_weights(0)
+    dims = ParallelDims(ParallelConfig().resolve(1), 1, 0, "cpu")
+    share = BATCH // pieces
+    micro = [[rows_of(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
+             for b in batches]  # fmt: skip
+    records = train(model, dims, config, micro)
+    return records, {n: t.clone() for n, t in model.state_dict().items()}
+
+
+def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
+    dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
+    model = build(config)
+    parallelize(model, dims, seq_len=SEQ_LEN, tp_plan=tp_plan_of(config))
+    model.to_empty(device=CPU)
+    model.init_weights(0)
+    share = BATCH // dims.dp_size
+    micro = [[rows_of(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
+             for b in batches]  # fmt: skip
+    records = train(model, dims, config, micro)
+    return records, dict(full_state_items(model)), dims, layout_report(model)
+
+
+def layout_report(model: torch.nn.Module) -> dict:
+    """The encoders' weight matrices tensor parallelism left whole, and the parameters outside
+    MoE layers (whose weights are data-parallel over tp) that are no DTensor on the tp mesh."""
+    in_moe = {id(p) for layer in moe_layers(model) for p in layer.parameters()}
+    whole, off_mesh = [], []
+    for name, param in model.named_parameters():
+        axes = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+        if "tp" not in axes:
+            off_mesh += [] if id(param) in in_moe else [name]
+        elif name.split(".")[0] in ENCODERS and param.ndim == 2:
+            whole += [] if param.placements[axes.index("tp")].is_shard() else [name]
+    return {"whole_encoder_matrices": whole, "off_tp_mesh": off_mesh}
+
+
+def generation_run(config, batch: dict) -> dict:
+    """Logits of the replicated-stream plan against one process (eval, no grad)."""
+    inputs = (batch["tokens"], batch["positions"])
+    reference = build(config)
+    reference.to_empty(device=CPU)
+    reference.init_weights(0)
+    dims = build_parallel_dims(ParallelConfig(tp=2, dp_shard=1), "cpu")
+    model = build(config)
+    plan = tp_plan_of(config)(model, 2, False, sequence_parallel=False)
+    apply_tensor_parallel(model, dims.mesh("tp"), plan)
+    model.to_empty(device=CPU)
+    model.init_weights(0)
+    with torch.no_grad():
+        want = reference.eval()(*inputs, media=batch["media"])
+        got = model.eval()(*inputs, media=batch["media"])
+    return {"logits_diff": (want - got).abs().max().item(), "logits_scale": want.abs().max().item()}
+
+
+def main(names: list[str]) -> None:
+    init_distributed("cpu")
+    torch.set_default_dtype(torch.float64)  # see the module docstring
+    data_parallel.mixed_precision_policy = lambda config, device_type: MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    rank0 = dist.get_rank() == 0
+    for name in names:
+        for flavor in FLAVORS:
+            begin = time.perf_counter()
+            config = config_of(flavor, OVERRIDES.get(flavor, {}))
+            batches = make_batches(config)
+            if name == "generation":
+                result = {"layout": name, "flavor": flavor} | generation_run(config, batches[0])
+            else:
+                records, state, dims, report = parallel_run(config, LAYOUTS[name], batches)
+                reference = reference_run(config, batches, dims.dp_size)
+                result = compare(name, flavor, reference, (records, state), 0.0) | report
+            result["seconds"] = round(time.perf_counter() - begin, 2)
+            if rank0:
+                print("RESULT " + json.dumps(result), flush=True)
+    destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    leave(0)  # skips the interpreter teardown, where gloo can abort a finished rank
