@@ -53,9 +53,16 @@ from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
 from torchloom.train.step import StepParts
 
 FLAVORS = ("muse_glimmer/debug", "muse_spark/debug")
-OVERRIDES = {"muse_spark/debug": {"moe.balance_loss": "sequence", "moe.balance_loss_coef": 0.01}}
-# layout name -> parallel config (sequence parallel, loss parallel)
-LAYOUTS: dict[str, dict] = {"tp": {"tp": 2, "dp_shard": 1}, "fsdp_tp": {"dp_shard": 2, "tp": 2}}
+# Spark balances its experts both ways: the balance loss and choice-bias updates.
+OVERRIDES = {"muse_spark/debug": {"moe.balance_loss": "sequence", "moe.balance_loss_coef": 0.01,
+                                  "moe.bias_update_rate": 0.01}}  # fmt: skip
+# layout name -> (parallel config (sequence parallel, loss parallel), flavors)
+LAYOUTS: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "tp": ({"tp": 2, "dp_shard": 1}, FLAVORS),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, FLAVORS),
+    "ep": ({"dp_shard": 2, "ep": 2}, ("muse_spark/debug",)),  # the latent MoE's experts
+    "fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("muse_spark/debug",)),
+}
 STEPS, BATCH, SEQ_LEN, LR = 3, 4, 48, 1e-4
 SLOTS, PLACES, CLIP_SLOTS, SAMPLES = 2, 32, 2, 64
 # Per row: its images' (t, h, w) grids in patches (2 x 2 merge windows, 4 x 4-patch ViT
@@ -183,16 +190,20 @@ def main(names: list[str]) -> None:
     torch.manual_seed(0)
     rank0 = dist.get_rank() == 0
     for name in names:
-        for flavor in FLAVORS:
+        for flavor in FLAVORS if name == "generation" else LAYOUTS[name][1]:
             begin = time.perf_counter()
             config = config_of(flavor, OVERRIDES.get(flavor, {}))
             batches = make_batches(config)
             if name == "generation":
                 result = {"layout": name, "flavor": flavor} | generation_run(config, batches[0])
             else:
-                records, state, dims, report = parallel_run(config, LAYOUTS[name], batches)
+                records, state, dims, report = parallel_run(config, LAYOUTS[name][0], batches)
                 reference = reference_run(config, batches, dims.dp_size)
                 result = compare(name, flavor, reference, (records, state), 0.0) | report
+                biases = [
+                    t.abs().max().item() for n, t in state.items() if n.endswith("expert_bias")
+                ]
+                result["expert_bias_max"] = max(biases, default=0.0)
             result["seconds"] = round(time.perf_counter() - begin, 2)
             if rank0:
                 print("RESULT " + json.dumps(result), flush=True)

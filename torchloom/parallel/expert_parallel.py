@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from torchloom.config.errors import ConfigError
+from torchloom.models.components.decoder import MOE_FFNS
 from torchloom.models.components.moe import LocalDispatch, permute_rows
 from torchloom.parallel.mesh import ParallelDims
 
@@ -59,7 +60,7 @@ def has_moe_layers(model: nn.Module) -> bool:
     shares, so every rank answers alike even when its stage holds none)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "layer_specs"):
-        return any(spec.ffn == "moe" for spec in config.layer_specs())
+        return any(spec.ffn in MOE_FFNS for spec in config.layer_specs())
     return bool(moe_layers(model))
 
 

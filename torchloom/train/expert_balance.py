@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchloom.models import DecoderConfig
+from torchloom.models.components.decoder import MOE_FFNS
 from torchloom.parallel import ParallelDims
 
 # A decoder layer's path: "layers.N." in the model, "S.layers.N." in pipeline stage S.
@@ -72,7 +73,7 @@ def expert_balance(
     model: nn.Module, config: DecoderConfig, dims: ParallelDims, device: torch.device
 ) -> ExpertBalance | None:
     """The balancing of ``config``'s MoE layers as ``model`` holds them; None without any."""
-    moe_layers = [i for i, spec in enumerate(config.layer_specs()) if spec.ffn == "moe"]
+    moe_layers = [i for i, spec in enumerate(config.layer_specs()) if spec.ffn in MOE_FFNS]
     if not moe_layers:
         return None
     return ExpertBalance(model, moe_layers, config.moe.num_experts, dims, device)

@@ -340,6 +340,11 @@ FFNS: dict[str, Callable[[Any, int], nn.Module]] = {"swiglu": _swiglu, "moe": _m
 """Feed-forward kinds: ``build(config, layer_index) -> module`` taking ``x_BTD``, with
 ``init_weights(ParamInit)`` and ``flops_per_token(seq_len)`` (on the weights a token uses).
 'moe' reads the config's ``moe`` field (models/components/moe.py)."""
+MOE_FFNS: set[str] = {"moe"}
+"""The FFNS kinds that are routed mixtures of experts with learned routing (``MoE`` layers): a
+family adding one adds its name here too. The trainer's expert balancing (choice-bias updates,
+load metrics), expert parallelism's checks and the pipeline's MoE meshes find the layers of a
+model, on every pipeline stage alike, from its config's layer specs by these names."""
 
 
 class Objective(Protocol):

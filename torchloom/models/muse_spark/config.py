@@ -25,7 +25,7 @@ from torch import nn
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.audio import MuseAudioConfig
-from torchloom.models.components.decoder import FFNS, LayerSpec, _residual_std
+from torchloom.models.components.decoder import FFNS, MOE_FFNS, LayerSpec, _residual_std
 from torchloom.models.components.latent_moe import LatentMoE
 from torchloom.models.components.moe import MoEConfig
 from torchloom.models.components.muse_vision import MuseVisionConfig
@@ -155,6 +155,7 @@ def _latent_moe(cfg: Any, layer: int) -> nn.Module:
 
 
 FFNS["latent_moe"] = _latent_moe
+MOE_FFNS.add("latent_moe")
 
 
 # -- flavors --------------------------------------------------------------------------------
