@@ -132,7 +132,18 @@ def moonvit_tp_plan(encoder: MoonViT, tp: int) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
         name: ReplicateParallel() for name in ("patch_embed", "pos_embed", "norm", "projector.norm")
     }
-    for i in range(len(encoder.layers)):
+    plan.update(separate_qkv_blocks_plan(len(encoder.layers)))
+    plan["projector.in_proj"] = ColwiseParallel()
+    plan["projector.out_proj"] = RowwiseParallel()
+    return plan
+
+
+def separate_qkv_blocks_plan(num_layers: int) -> dict[str, ParallelStyle]:
+    """The blocks ``layers.i`` of a ViT with separate q/k/v projections (MoonViT's, Muse's):
+    q/k/v column-wise and o_proj row-wise under ``attention``, ``mlp.fc1`` column- and
+    ``mlp.fc2`` row-wise, the two LayerNorms replicated."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(num_layers):
         prefix = f"layers.{i}."
         plan[prefix + "attention_norm"] = ReplicateParallel()
         plan[prefix + "mlp_norm"] = ReplicateParallel()
@@ -141,8 +152,6 @@ def moonvit_tp_plan(encoder: MoonViT, tp: int) -> dict[str, ParallelStyle]:
         plan[prefix + "attention.o_proj"] = RowwiseParallel()
         plan[prefix + "mlp.fc1"] = ColwiseParallel()
         plan[prefix + "mlp.fc2"] = RowwiseParallel()
-    plan["projector.in_proj"] = ColwiseParallel()
-    plan["projector.out_proj"] = RowwiseParallel()
     return plan
 
 

@@ -46,6 +46,7 @@ from torchloom.models.components.vision_plan import (
     ReplicateParallel,
     check_divides,
     media_entry_plan,
+    separate_qkv_blocks_plan,
 )
 
 
@@ -118,15 +119,7 @@ def muse_vision_tp_plan(encoder: MuseVisionEncoder, tp: int) -> dict[str, Parall
     plan: dict[str, ParallelStyle] = {"": ReplicateOwnParameters()}  # the position table
     for name in ("patch_embed", "norm_pre", "norm_post"):
         plan[name] = ReplicateParallel()
-    for i in range(len(encoder.layers)):
-        prefix = f"layers.{i}."
-        plan[prefix + "attention_norm"] = ReplicateParallel()
-        plan[prefix + "mlp_norm"] = ReplicateParallel()
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[prefix + "attention." + name] = ColwiseParallel()
-        plan[prefix + "attention.o_proj"] = RowwiseParallel()
-        plan[prefix + "mlp.fc1"] = ColwiseParallel()
-        plan[prefix + "mlp.fc2"] = RowwiseParallel()
+    plan.update(separate_qkv_blocks_plan(len(encoder.layers)))
     plan["adapter.fc1"] = ColwiseParallel()
     plan["adapter.fc2"] = RowwiseParallel()
     plan["adapter.projection"] = ColwiseParallel(output_layouts=Replicate())
