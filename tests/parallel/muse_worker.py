@@ -32,7 +32,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from tests.parallel.vl_worker import ADAM_EPS, CPU, MAX_NORM, build, compare, config_of, tp_plan_of
+from tests.parallel.vl_worker import (
+    ADAM_EPS,
+    CPU,
+    MAX_NORM,
+    build,
+    compare,
+    config_of,
+    generation_run,
+    tp_plan_of,
+)
 from tests.parallel.vl_worker import train as train_steps
 from torchloom.data.packing import Batch
 from torchloom.parallel import (
@@ -47,7 +56,6 @@ from torchloom.parallel import (
 )
 from torchloom.parallel.expert_parallel import moe_layers
 from torchloom.parallel.state import full_state_items
-from torchloom.parallel.tensor_parallel import apply_tensor_parallel
 from torchloom.train.expert_balance import expert_balance
 from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
 from torchloom.train.step import StepParts
@@ -165,24 +173,6 @@ def layout_report(model: torch.nn.Module) -> dict:
     return {"whole_encoder_matrices": whole, "off_tp_mesh": off_mesh}
 
 
-def generation_run(config, batch: dict) -> dict:
-    """Logits of the replicated-stream plan against one process (eval, no grad)."""
-    inputs = (batch["tokens"], batch["positions"])
-    reference = build(config)
-    reference.to_empty(device=CPU)
-    reference.init_weights(0)
-    dims = build_parallel_dims(ParallelConfig(tp=2, dp_shard=1), "cpu")
-    model = build(config)
-    plan = tp_plan_of(config)(model, 2, False, sequence_parallel=False)
-    apply_tensor_parallel(model, dims.mesh("tp"), plan)
-    model.to_empty(device=CPU)
-    model.init_weights(0)
-    with torch.no_grad():
-        want = reference.eval()(*inputs, media=batch["media"])
-        got = model.eval()(*inputs, media=batch["media"])
-    return {"logits_diff": (want - got).abs().max().item(), "logits_scale": want.abs().max().item()}
-
-
 def main(names: list[str]) -> None:
     init_distributed("cpu")
     torch.set_default_dtype(torch.float64)  # see the module docstring
@@ -195,7 +185,9 @@ def main(names: list[str]) -> None:
             config = config_of(flavor, OVERRIDES.get(flavor, {}))
             batches = make_batches(config)
             if name == "generation":
-                result = {"layout": name, "flavor": flavor} | generation_run(config, batches[0])
+                first = batches[0]
+                logits = generation_run(config, first["tokens"], first["positions"], first["media"])
+                result = {"layout": name, "flavor": flavor} | logits
             else:
                 records, state, dims, report = parallel_run(config, LAYOUTS[name][0], batches)
                 reference = reference_run(config, batches, dims.dp_size)

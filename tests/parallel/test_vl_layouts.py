@@ -18,7 +18,7 @@ from torchloom.parallel import ParallelConfig, ParallelDims
 from torchloom.train.builders import check_layout
 
 WORKER = Path(__file__).with_name("vl_worker.py")
-TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split", "k25_tp")
+TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split", "k25_tp", "generation")
 FOUR_RANKS = ("fsdp_tp", "fsdp_tp_ep", "k25_fsdp_tp_ep")
 
 
@@ -67,6 +67,16 @@ def test_two_rank_layouts_match_single_process(two_ranks, layout):
 @pytest.mark.parametrize("layout", FOUR_RANKS)
 def test_four_rank_layouts_match_single_process(four_ranks, layout):
     check(four_ranks["RESULT"], layout)
+
+
+@pytest.mark.distributed
+def test_generation_plan_gives_single_process_logits(two_ranks):
+    """Generation's tp 2 plan (replicated stream, encoders split) on rows with images."""
+    rows = [r for r in two_ranks["RESULT"] if r["layout"] == "generation"]
+    assert {r["flavor"] for r in rows} == {"debug", "kimi_k25/debug"}, rows
+    for r in rows:
+        print(f"generation {r['flavor']}: max |logit diff| {r['logits_diff']:.1e}")
+        assert r["logits_diff"] <= 1e-5 * r["logits_scale"], r
 
 
 @pytest.mark.distributed

@@ -40,6 +40,7 @@ from torchloom.parallel import (
 )
 from torchloom.parallel.pipeline import build_pipeline
 from torchloom.parallel.state import full_state_items
+from torchloom.parallel.tensor_parallel import apply_tensor_parallel
 from torchloom.train.expert_balance import expert_balance
 from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
 from torchloom.train.step import StepParts, TrainStep
@@ -228,6 +229,24 @@ def encoder_split(held, dims: ParallelDims) -> int:
     return count
 
 
+def generation_run(config, tokens, positions, media: dict) -> dict:
+    """Logits of generation's replicated-stream plan (``sequence_parallel=False``) at tp 2
+    against one process (eval, no grad), on one batch with media."""
+    reference = build(config)
+    reference.to_empty(device=CPU)
+    reference.init_weights(0)
+    dims = build_parallel_dims(ParallelConfig(tp=2, dp_shard=1), "cpu")
+    model = build(config)
+    plan = tp_plan_of(config)(model, 2, False, sequence_parallel=False)
+    apply_tensor_parallel(model, dims.mesh("tp"), plan)
+    model.to_empty(device=CPU)
+    model.init_weights(0)
+    with torch.no_grad():
+        want = reference.eval()(tokens, positions, media=media)
+        got = model.eval()(tokens, positions, media=media)
+    return {"logits_diff": (want - got).abs().max().item(), "logits_scale": want.abs().max().item()}
+
+
 def compare(layout: str, flavor: str, ref: tuple, run: tuple, seconds: float) -> dict:
     (ref_steps, ref_state), (steps, state) = ref, run
     common = [n for n in ref_state if n in state]
@@ -260,6 +279,16 @@ def main(names: list[str]) -> None:
                 message = str(error)
             if rank0:
                 print("REFUSED " + json.dumps({"layout": name, "message": message}), flush=True)
+            continue
+        if name == "generation":
+            for flavor in ("debug", "kimi_k25/debug"):
+                config = config_of(flavor, {})
+                first = make_batches(config)[0]
+                media = {k: first[k] for k in ("pixel_values", "image_grid_thw")}
+                logits = generation_run(config, first["tokens"], first["positions"], media)
+                if rank0:
+                    result = {"layout": name, "flavor": flavor} | logits
+                    print("RESULT " + json.dumps(result), flush=True)
             continue
         layout, flavors, overrides = LAYOUTS[name]
         for flavor in flavors:
