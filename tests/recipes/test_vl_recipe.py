@@ -1,5 +1,6 @@
-"""The qwen3_vl_debug and kimi_k25_debug recipes: a short run's assistant-token loss falls on
-builtin:shapes_chat and its step records count the vision encoder; jobs whose model cannot read
+"""The qwen3_vl_debug, kimi_k25_debug and Muse recipes: a short run's assistant-token loss falls
+on builtin:shapes_chat (and builtin:tones_chat for muse_spark_debug) and its step records count
+the media encoders; jobs whose model cannot read
 the data are refused in one line."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torchloom.train.trainer import Trainer
 
 
 @pytest.mark.slow  # 12 steps: about a minute on an idle CPU, three under load
-@pytest.mark.parametrize("recipe", ["qwen3_vl_debug", "kimi_k25_debug"])
+@pytest.mark.parametrize(
+    "recipe", ["qwen3_vl_debug", "kimi_k25_debug", "muse_glimmer_debug", "muse_spark_debug"]
+)
 def test_vl_debug_recipes_learn_the_picture_chats(recipe: str, tmp_path: Path) -> None:
     _, job = resolve_job([
         "--recipe", recipe, "--training.steps", "12", "--training.global_batch_size",
@@ -44,8 +47,9 @@ def vl_job():
 def test_the_recipe_model_fits_its_data(vl_job) -> None:
     job, tokenizer = vl_job
     check_media_fits(build_model_config(job), tokenizer, job.data)
-    _, kimi = resolve_job(["--recipe", "kimi_k25_debug"])
-    check_media_fits(build_model_config(kimi), build_tokenizer(kimi.data), kimi.data)
+    for recipe in ("kimi_k25_debug", "muse_glimmer_debug", "muse_spark_debug"):
+        _, other = resolve_job(["--recipe", recipe])
+        check_media_fits(build_model_config(other), build_tokenizer(other.data), other.data)
 
 
 def test_models_that_cannot_read_the_data_are_refused(vl_job) -> None:
