@@ -21,12 +21,19 @@ TEXT_VOCAB = 4096
 """The builtin tokenizer's text vocabulary; builtin:stdlib_bpe_vl appends its media tokens."""
 
 
+def model_vocab(text_vocab: int = TEXT_VOCAB) -> int:
+    """The recipes' model vocabulary: builtin:stdlib_bpe_vl's ids (text + media) padded to a
+    multiple of 8, so that tensor parallelism, which splits the embedding and the head by
+    vocabulary rows, takes tp 2, 4 or 8 (4103 -> 4104)."""
+    return -(-(text_vocab + len(MEDIA_SPECIAL_TOKENS)) // 8) * 8
+
+
 def builtin_vl_token_overrides(text_vocab: int = TEXT_VOCAB) -> dict[str, int]:
     """A Qwen3-VL config's vocabulary and vision token ids as builtin:stdlib_bpe_vl gives them
     (its media tokens follow the text ids in MEDIA_SPECIAL_TOKENS' order)."""
     ids = {token: text_vocab + i for i, token in enumerate(MEDIA_SPECIAL_TOKENS)}
     return {
-        "vocab_size": text_vocab + len(MEDIA_SPECIAL_TOKENS),
+        "vocab_size": model_vocab(text_vocab),
         "image_token_id": ids[IMAGE_TOKEN],
         "vision_start_token_id": ids[VISION_START_TOKEN],
         "vision_end_token_id": ids[VISION_END_TOKEN],
@@ -89,7 +96,7 @@ def kimi_k25_debug() -> JobConfig:
         name="kimi_k25",
         flavor="debug",
         overrides={
-            "vocab_size": TEXT_VOCAB + len(MEDIA_SPECIAL_TOKENS),
+            "vocab_size": model_vocab(),
             "image_token_id": ids["image_token_id"],
             "vision_start_token_id": ids["image_start_token_id"],
             "vision_end_token_id": ids["image_end_token_id"],
@@ -130,7 +137,7 @@ def _muse_job(family: str, overrides: dict) -> JobConfig:
         name=family,
         flavor="debug",
         overrides={
-            "vocab_size": TEXT_VOCAB + len(MEDIA_SPECIAL_TOKENS),
+            "vocab_size": model_vocab(),
             "image_token_id": ids["image_token_id"],
             "vision.patch_size": 14,  # the data's Muse patches: 2 frames x 3 x 14 x 14
             "vision.temporal_patch": 2,
