@@ -18,7 +18,7 @@ from torchloom.parallel import ParallelConfig, ParallelDims
 from torchloom.train.builders import check_layout
 
 WORKER = Path(__file__).with_name("vl_worker.py")
-TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split", "k25_tp", "generation")
+TWO_RANKS = ("fsdp", "tp", "ep", "pp", "pp_deepstack_split", "k25_tp", "k25_pp", "generation")
 FOUR_RANKS = ("fsdp_tp", "fsdp_tp_ep", "k25_fsdp_tp_ep")
 
 
@@ -58,7 +58,7 @@ def check(results: list[dict], layout: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "pp", "k25_tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep", "pp", "k25_tp", "k25_pp"])
 def test_two_rank_layouts_match_single_process(two_ranks, layout):
     check(two_ranks["RESULT"], layout)
 

@@ -61,6 +61,11 @@ LAYOUTS: dict[str, tuple[dict, tuple[str, ...], dict]] = {
     # Kimi K2.5: MoonViT split by heads, the image tokens scattered before the sequence cut.
     "k25_tp": ({"tp": 2, "dp_shard": 1}, ("kimi_k25/debug",), {}),
     "k25_fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("kimi_k25/debug",), {}),
+    "k25_pp": (
+        {"pp": 2, "dp_shard": 1, "pp_layers_per_stage": [2, 1]},
+        ("kimi_k25/debug",),
+        {"tie_embeddings": False},
+    ),
 }
 # Refused at build, in one line: DeepStack layer 1 would sit on the second stage.
 REFUSALS: dict[str, tuple[dict, str, dict]] = {
