@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from tests.parallel.vl_worker import (
     compare,
     config_of,
     generation_run,
+    reference_run,
     tp_plan_of,
 )
 from tests.parallel.vl_worker import train as train_steps
@@ -126,24 +128,11 @@ def rows_of(batch: dict, rows: slice) -> Batch:
                  media=media)  # fmt: skip
 
 
-def train(model, dims: ParallelDims, config, micro_batches: list[list[Batch]]) -> list[dict]:
+def train(model, dims: ParallelDims, micro_batches: list[list[Batch]], config) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
     parts = StepParts(model, None, CrossEntropy(), optimizer, dims, CPU, MAX_NORM,
                       expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
     return train_steps(parts, micro_batches)
-
-
-def reference_run(config, batches: list[dict], pieces: int) -> tuple:
-    """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see."""
-    model = build(config)
-    model.to_empty(device=CPU)
-    model.init_weights(0)
-    dims = ParallelDims(ParallelConfig().resolve(1), 1, 0, "cpu")
-    share = BATCH // pieces
-    micro = [[rows_of(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
-             for b in batches]  # fmt: skip
-    records = train(model, dims, config, micro)
-    return records, {n: t.clone() for n, t in model.state_dict().items()}
 
 
 def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
@@ -155,7 +144,7 @@ def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
     share = BATCH // dims.dp_size
     micro = [[rows_of(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
              for b in batches]  # fmt: skip
-    records = train(model, dims, config, micro)
+    records = train(model, dims, micro, config)
     return records, dict(full_state_items(model)), dims, layout_report(model)
 
 
@@ -190,7 +179,8 @@ def main(names: list[str]) -> None:
                 result = {"layout": name, "flavor": flavor} | logits
             else:
                 records, state, dims, report = parallel_run(config, LAYOUTS[name][0], batches)
-                reference = reference_run(config, batches, dims.dp_size)
+                run = partial(train, config=config)  # this worker's rows and learning rate
+                reference = reference_run(config, batches, dims.dp_size, rows_of, run)
                 result = compare(name, flavor, reference, (records, state), 0.0) | report
                 biases = [
                     t.abs().max().item() for n, t in state.items() if n.endswith("expert_bias")

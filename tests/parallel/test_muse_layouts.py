@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.parallel.launcher import run_worker
-from tests.parallel.test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL
+from tests.parallel.test_layouts import LOSS_TOL
+from tests.parallel.test_vl_layouts import check_row
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.muse_glimmer import muse_tp_plan
@@ -43,15 +44,7 @@ def check(results: list[dict], layout: str, flavors: set[str] = FLAVORS) -> None
     rows = [r for r in results if r["layout"] == layout]
     assert {r["flavor"] for r in rows} == flavors, rows
     for r in rows:
-        print(
-            f"{layout:>8} {r['flavor']:>18}: max |loss diff| {r['loss_diff']:.1e}, "
-            f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
-            f"({r['worst_param']}, {r['seconds']:.1f} s)"
-        )
-        assert not r["missing"], f"parameters differ in name: {r['missing']}"
-        assert r["loss_diff"] <= LOSS_TOL, r
-        assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
-        assert r["param_diff"] <= PARAM_TOL, r
+        check_row(r, layout)
         if "tp" in layout:
             assert r["whole_encoder_matrices"] == WHOLE, r["whole_encoder_matrices"]
             assert not r["off_tp_mesh"], f"not on the tp mesh: {r['off_tp_mesh']}"

@@ -44,17 +44,22 @@ def check(results: list[dict], layout: str) -> None:
     rows = [r for r in results if r["layout"] == layout]
     assert rows, f"the worker reported nothing for {layout}"
     for r in rows:
-        print(
-            f"{layout:>10} {r['flavor']:>9}: max |loss diff| {r['loss_diff']:.1e}, "
-            f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
-            f"({r['worst_param']}, {r['seconds']:.1f} s)"
-        )
-        assert not r["missing"], f"parameters differ in name: {r['missing']}"
-        assert r["loss_diff"] <= LOSS_TOL, r
-        assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
-        assert r["param_diff"] <= PARAM_TOL, r
+        check_row(r, layout)
         if "tp" in layout:  # the encoder's matrices are split, not left whole
             assert r["encoder_split"] > 0, r
+
+
+def check_row(r: dict, layout: str) -> None:
+    """One (layout, flavor) result of a worker against one process, printed and checked."""
+    print(
+        f"{layout:>10} {r['flavor']:>18}: max |loss diff| {r['loss_diff']:.1e}, "
+        f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
+        f"({r['worst_param']}, {r['seconds']:.1f} s)"
+    )
+    assert not r["missing"], f"parameters differ in name: {r['missing']}"
+    assert r["loss_diff"] <= LOSS_TOL, r
+    assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
+    assert r["param_diff"] <= PARAM_TOL, r
 
 
 @pytest.mark.distributed

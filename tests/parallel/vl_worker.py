@@ -185,16 +185,21 @@ def _parts(model, pipeline, dims: ParallelDims, config) -> StepParts:
                      expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
 
 
-def reference_run(config, batches: list[dict], pieces: int) -> tuple:
-    """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see."""
+def reference_run(config, batches: list[dict], pieces: int, rows=rows_of, run=None) -> tuple:
+    """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see
+    (``rows(batch, slice)``); ``run(model, dims, micro_batches)`` trains (default: ``train``
+    with this worker's optimizer)."""
     model = build(config)
     model.to_empty(device=CPU)
     model.init_weights(0)
     dims = ParallelDims(ParallelConfig().resolve(1), 1, 0, "cpu")
     share = BATCH // pieces
-    micro = [[rows_of(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
+    micro = [[rows(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
              for b in batches]  # fmt: skip
-    records = train(_parts(model, None, dims, config), micro)
+    if run is None:
+        records = train(_parts(model, None, dims, config), micro)
+    else:
+        records = run(model, dims, micro)
     return records, {n: t.clone() for n, t in model.state_dict().items()}
 
 
