@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,33 +33,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from tests.parallel.vl_worker import (
-    ADAM_EPS,
-    CPU,
-    MAX_NORM,
-    build,
     compare,
     config_of,
     generation_run,
+    parallel_run,
     reference_run,
-    tp_plan_of,
 )
-from tests.parallel.vl_worker import train as train_steps
 from torchloom.data.packing import Batch
 from torchloom.parallel import (
-    ParallelConfig,
-    ParallelDims,
-    build_parallel_dims,
     data_parallel,
     destroy,
     init_distributed,
     leave,
-    parallelize,
 )
 from torchloom.parallel.expert_parallel import moe_layers
-from torchloom.parallel.state import full_state_items
-from torchloom.train.expert_balance import expert_balance
-from torchloom.train.loss import IGNORE_INDEX, CrossEntropy
-from torchloom.train.step import StepParts
+from torchloom.train.loss import IGNORE_INDEX
 
 FLAVORS = ("muse_glimmer/debug", "muse_spark/debug")
 # Spark balances its experts both ways: the balance loss and choice-bias updates.
@@ -72,6 +59,8 @@ LAYOUTS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "fsdp_tp": ({"dp_shard": 2, "tp": 2}, FLAVORS),
     "ep": ({"dp_shard": 2, "ep": 2}, ("muse_spark/debug",)),  # the latent MoE's experts
     "fsdp_tp_ep": ({"dp_shard": 2, "tp": 2, "ep": 2}, ("muse_spark/debug",)),
+    # Two stages, the encoders on the first (untied: pp refuses tied embeddings).
+    "pp": ({"pp": 2, "dp_shard": 1}, FLAVORS),
 }
 STEPS, BATCH, SEQ_LEN, LR = 3, 4, 48, 1e-4
 SLOTS, PLACES, CLIP_SLOTS, SAMPLES = 2, 32, 2, 64
@@ -128,26 +117,6 @@ def rows_of(batch: dict, rows: slice) -> Batch:
                  media=media)  # fmt: skip
 
 
-def train(model, dims: ParallelDims, micro_batches: list[list[Batch]], config) -> list[dict]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=ADAM_EPS)
-    parts = StepParts(model, None, CrossEntropy(), optimizer, dims, CPU, MAX_NORM,
-                      expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
-    return train_steps(parts, micro_batches)
-
-
-def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
-    dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
-    model = build(config)
-    parallelize(model, dims, seq_len=SEQ_LEN, tp_plan=tp_plan_of(config))
-    model.to_empty(device=CPU)
-    model.init_weights(0)
-    share = BATCH // dims.dp_size
-    micro = [[rows_of(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
-             for b in batches]  # fmt: skip
-    records = train(model, dims, micro, config)
-    return records, dict(full_state_items(model)), dims, layout_report(model)
-
-
 def layout_report(model: torch.nn.Module) -> dict:
     """The encoders' weight matrices tensor parallelism left whole, and the parameters outside
     MoE layers (whose weights are data-parallel over tp) that are no DTensor on the tp mesh."""
@@ -178,9 +147,12 @@ def main(names: list[str]) -> None:
                 logits = generation_run(config, first["tokens"], first["positions"], first["media"])
                 result = {"layout": name, "flavor": flavor} | logits
             else:
-                records, state, dims, report = parallel_run(config, LAYOUTS[name][0], batches)
-                run = partial(train, config=config)  # this worker's rows and learning rate
-                reference = reference_run(config, batches, dims.dp_size, rows_of, run)
+                records, state, dims, held = parallel_run(
+                    config, LAYOUTS[name][0], batches, rows_of, LR
+                )
+                report = layout_report(held) if "tp" in name else {}
+                pieces = dims.dp_size * (2 if dims.degrees.pp > 1 else 1)  # pp: 2 microbatches
+                reference = reference_run(config, batches, pieces, rows_of, LR)
                 result = compare(name, flavor, reference, (records, state), 0.0) | report
                 biases = [
                     t.abs().max().item() for n, t in state.items() if n.endswith("expert_bias")

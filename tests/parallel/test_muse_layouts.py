@@ -32,7 +32,7 @@ def launch(nproc: int, *names: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, "tp", "ep", "generation")
+    return launch(2, "tp", "ep", "pp", "generation")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,12 @@ def check(results: list[dict], layout: str, flavors: set[str] = FLAVORS) -> None
 @pytest.mark.distributed
 def test_tp_matches_single_process(two_ranks):
     check(two_ranks, "tp")
+
+
+@pytest.mark.distributed
+def test_pp_matches_single_process(two_ranks):
+    """Two pipeline stages, the encoders and the media scatter on the first."""
+    check(two_ranks, "pp")
 
 
 @pytest.mark.distributed

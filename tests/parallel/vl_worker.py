@@ -179,16 +179,17 @@ def train(parts: StepParts, micro_batches: list[list[Batch]]) -> list[dict]:
     return records
 
 
-def _parts(model, pipeline, dims: ParallelDims, config) -> StepParts:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=ADAM_EPS)
+def _parts(model, pipeline, dims: ParallelDims, config, lr: float = 1e-3) -> StepParts:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=ADAM_EPS)
     return StepParts(model, pipeline, CrossEntropy(), optimizer, dims, CPU, MAX_NORM,
                      expert_balance=expert_balance(model, config, dims, CPU))  # fmt: skip
 
 
-def reference_run(config, batches: list[dict], pieces: int, rows=rows_of, run=None) -> tuple:
+def reference_run(
+    config, batches: list[dict], pieces: int, rows=rows_of, lr: float = 1e-3
+) -> tuple:
     """One process, each global batch as the ``pieces`` micro-batches the layout's forwards see
-    (``rows(batch, slice)``); ``run(model, dims, micro_batches)`` trains (default: ``train``
-    with this worker's optimizer)."""
+    (``rows(batch, slice)`` cuts them)."""
     model = build(config)
     model.to_empty(device=CPU)
     model.init_weights(0)
@@ -196,14 +197,14 @@ def reference_run(config, batches: list[dict], pieces: int, rows=rows_of, run=No
     share = BATCH // pieces
     micro = [[rows(b, slice(r * share, (r + 1) * share)) for r in range(pieces)]
              for b in batches]  # fmt: skip
-    if run is None:
-        records = train(_parts(model, None, dims, config), micro)
-    else:
-        records = run(model, dims, micro)
+    records = train(_parts(model, None, dims, config, lr), micro)
     return records, {n: t.clone() for n, t in model.state_dict().items()}
 
 
-def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
+def parallel_run(
+    config, layout: dict, batches: list[dict], rows=rows_of, lr: float = 1e-3
+) -> tuple:
+    """(records, full state, dims, what this rank holds: the model or its pipeline stages)."""
     dims = build_parallel_dims(ParallelConfig(**layout), "cpu")
     model, pipeline = build(config), None
     if dims.degrees.pp > 1:
@@ -219,11 +220,11 @@ def parallel_run(config, layout: dict, batches: list[dict]) -> tuple:
         model.init_weights(0)
         held = model
     share = BATCH // dims.dp_size
-    micro = [[rows_of(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
+    micro = [[rows(b, slice(dims.dp_rank * share, (dims.dp_rank + 1) * share))]
              for b in batches]  # fmt: skip
-    records = train(_parts(held, pipeline, dims, config), micro)
+    records = train(_parts(held, pipeline, dims, config, lr), micro)
     state = dict(pipeline.full_state_items() if pipeline else full_state_items(held))
-    return records, state, dims, encoder_split(held, dims)
+    return records, state, dims, held
 
 
 def encoder_split(held, dims: ParallelDims) -> int:
@@ -305,7 +306,8 @@ def main(names: list[str]) -> None:
             begin = time.perf_counter()
             config = config_of(flavor, overrides)
             batches = make_batches(config)
-            records, state, dims, split = parallel_run(config, layout, batches)
+            records, state, dims, held = parallel_run(config, layout, batches)
+            split = encoder_split(held, dims)
             pieces = dims.dp_size * (2 if dims.degrees.pp > 1 else 1)  # pp: 2 microbatches
             key = (flavor, json.dumps(overrides, sort_keys=True), pieces)
             if key not in references:
