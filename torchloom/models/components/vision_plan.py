@@ -94,6 +94,7 @@ def check_vision_tp(encoder: VisionEncoder, tp: int) -> None:
 
 
 def check_divides(tp: int, widths: tuple[tuple[str, int], ...]) -> None:
+    """ConfigError, naming the first, unless ``tp`` divides every (name, width) of ``widths``."""
     for name, value in widths:
         if value % tp:
             raise ConfigError(
