@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.rope import apply_rotary
-from torchloom.models.components.param_init import ParamInit
+from torchloom.models.components.param_init import ParamInit, replicated_local
 
 
 @dataclass(frozen=True)
@@ -184,10 +183,7 @@ class PositionEmbedding(nn.Module):
         S, L = rows.shape[:2]
         cells_SL16 = (rows[..., :, None] * self.grid + cols[..., None, :]).reshape(S * L, 16)
         weights_SL16 = (row_w[..., :, None] * col_w[..., None, :]).reshape(S * L, 16)
-        table = self.table
-        if isinstance(table, DTensor):  # replicated under tensor parallelism: this rank's copy
-            table = table.to_local()
-        table = table.flatten(0, 1)
+        table = replicated_local(self.table).flatten(0, 1)
         # A weighted sum of 16 rows per patch without materializing [S, L, 16, D].
         pos = F.embedding_bag(cells_SL16, table, per_sample_weights=weights_SL16.to(table.dtype),
                               mode="sum")  # fmt: skip

@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.models.components.mlp import GeluMLP
-from torchloom.models.components.param_init import ParamInit
+from torchloom.models.components.param_init import ParamInit, replicated_local
 
 
 @dataclass(frozen=True)
@@ -214,9 +213,7 @@ class MuseVisionEncoder(nn.Module):
         cols, col_w = _bilinear_taps(k_IL % h_I[:, None], h_I, side)
         index_IL4 = (rows[..., :, None] * side + cols[..., None, :]).flatten(-2)
         weight_IL4 = (row_w[..., :, None] * col_w[..., None, :]).flatten(-2)
-        table = self.pos_embed
-        if isinstance(table, DTensor):  # replicated under tensor parallelism: this rank's copy
-            table = table.to_local()
+        table = replicated_local(self.pos_embed)
         return (table[index_IL4] * weight_IL4[..., None].to(table.dtype)).sum(-2)
 
     def _rope(self, patches: _PatchGrid) -> tuple[torch.Tensor, torch.Tensor]:

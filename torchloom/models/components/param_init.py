@@ -135,6 +135,14 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return data.to_local() if isinstance(data, DTensor) else data
 
 
+def replicated_local(param: torch.Tensor) -> torch.Tensor:
+    """``param`` for a forward that mixes it with plain tensors: under tensor parallelism a
+    replicated DTensor's local copy (differentiable; its gradient comes back replicated), else
+    ``param`` itself. For a table indexed by positions computed on the host side of a module
+    (the ViTs' position embeddings)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def local_box(param: torch.Tensor) -> tuple[slice, ...]:
     """Where this rank's shard of ``param`` sits in the global tensor, one slice per dim (the
     whole tensor when it is not a DTensor)."""
