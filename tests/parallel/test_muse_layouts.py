@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from tests.parallel.launcher import run_worker
-from tests.parallel.test_layouts import LOSS_TOL
-from tests.parallel.test_vl_layouts import check_row
+from tests.parallel.test_layouts import LOSS_TOL, check_row
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.models.muse_glimmer import muse_tp_plan
@@ -44,7 +43,7 @@ def check(results: list[dict], layout: str, flavors: set[str] = FLAVORS) -> None
     rows = [r for r in results if r["layout"] == layout]
     assert {r["flavor"] for r in rows} == flavors, rows
     for r in rows:
-        check_row(r, layout)
+        check_row(r, layout, r["flavor"])
         if "tp" in layout:
             assert r["whole_encoder_matrices"] == WHOLE, r["whole_encoder_matrices"]
             assert not r["off_tp_mesh"], f"not on the tp mesh: {r['off_tp_mesh']}"

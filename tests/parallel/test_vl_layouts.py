@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.parallel.launcher import run_worker
-from tests.parallel.test_layouts import LOSS_TOL, NORM_RTOL, PARAM_TOL
+from tests.parallel.test_layouts import check_row
 from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 from torchloom.parallel import ParallelConfig, ParallelDims
@@ -44,22 +44,9 @@ def check(results: list[dict], layout: str) -> None:
     rows = [r for r in results if r["layout"] == layout]
     assert rows, f"the worker reported nothing for {layout}"
     for r in rows:
-        check_row(r, layout)
+        check_row(r, layout, r["flavor"])
         if "tp" in layout:  # the encoder's matrices are split, not left whole
             assert r["encoder_split"] > 0, r
-
-
-def check_row(r: dict, layout: str) -> None:
-    """One (layout, flavor) result of a worker against one process, printed and checked."""
-    print(
-        f"{layout:>10} {r['flavor']:>18}: max |loss diff| {r['loss_diff']:.1e}, "
-        f"|grad-norm diff| {r['norm_diff']:.1e}, |param diff| {r['param_diff']:.1e} "
-        f"({r['worst_param']}, {r['seconds']:.1f} s)"
-    )
-    assert not r["missing"], f"parameters differ in name: {r['missing']}"
-    assert r["loss_diff"] <= LOSS_TOL, r
-    assert r["norm_diff"] <= NORM_RTOL * max(r["norms"]), r
-    assert r["param_diff"] <= PARAM_TOL, r
 
 
 @pytest.mark.distributed
