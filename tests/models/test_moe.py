@@ -77,6 +77,17 @@ def test_layer_matches_direct_formulas(cfg: MoEConfig) -> None:
         torch.testing.assert_close(ours, _direct(layer, x_BTD.reshape(-1, DIM)))
 
 
+@pytest.mark.parametrize("cfg", [SIGMOID_GROUPS, SOFTMAX], ids=["shared_experts", "routed_only"])
+def test_output_is_its_own_tensor_not_a_view(cfg: MoEConfig) -> None:
+    """FSDP2 warns on every step when a module it wraps alone (the MoE under tensor or expert
+    parallelism) returns a view; with and without shared experts, in fp32 and under bf16."""
+    layer = _layer(cfg)
+    x_BTD = torch.randn(2, 7, DIM)
+    assert not layer(x_BTD)._is_view()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer(x_BTD)._is_view()
+
+
 def test_gradients_match_the_direct_loop() -> None:
     layer = _layer(SIGMOID_GROUPS).train()
     reference = _layer(SIGMOID_GROUPS).train()

@@ -70,3 +70,21 @@ def test_models_that_cannot_read_the_data_are_refused(vl_job) -> None:
     with pytest.raises(ConfigError, match="set --data.media_layout kimi_k25"):
         check_media_fits(kimi, tokenizer, job.data)  # data rendered for qwen3_vl
     check_media_fits(config, tokenizer, replace(job.data, format="chat"))  # text on a VL model
+
+
+@pytest.mark.parametrize(
+    "recipe", ["qwen3_vl_debug", "kimi_k25_debug", "muse_glimmer_debug", "muse_spark_debug"]
+)
+def test_vl_recipes_split_over_two_tensor_parallel_ranks(recipe: str) -> None:
+    """The tokenizer's 4103 ids padded to 4104: every VL recipe's model takes --parallel.tp 2
+    (its plan builds; the vocabulary split refused 4103)."""
+    import torch
+
+    from torchloom.models import build_model, get_model_spec
+
+    _, job = resolve_job(["--recipe", recipe])
+    config = build_model_config(job)
+    assert config.vocab_size == 4104
+    with torch.device("meta"):
+        model = build_model(config)
+    assert "embed_tokens" in get_model_spec(job.model.name).tp_plan(model, 2)
