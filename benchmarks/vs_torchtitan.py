@@ -37,8 +37,8 @@ through FlashAttention 4 (benchmarks/fa4_attention.py, installed by benchmarks/f
 block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
 the same way for both: the most memory nvidia-smi shows in use on the GPU while the trainer runs
 alone on it (sampled every 0.5 s, less what was in use before), CUDA context and allocator cache
-included. The trainers' own figures differ (TorchTitan logs the allocator's reserved peak,
-torchloom the allocated peak); both are recorded too.
+included. Each trainer's own figure is its allocator's reserved peak (tensors and cache; torchloom
+logs it as mem_reserved_gib beside the allocated peak, mem_gib); both are recorded too.
 """
 
 from __future__ import annotations
@@ -254,9 +254,12 @@ def main() -> None:
         )
         metrics = args.workdir / "torchloom" / "metrics.jsonl"
         steps = [r for r in read_records(metrics) if "tps" in r] if metrics.exists() else []
+        # The allocator's reserved peak where logged (TorchTitan's own figure), else allocated.
+        key = "mem_reserved_gib" if any("mem_reserved_gib" in r for r in steps) else "mem_gib"
         side |= {"steps": steps, "tokens_per_s": windows_tokens_per_s(steps),
-                 "own_memory_gib": max((r["mem_gib"] for r in steps), default=None),
-                 "own_memory": "allocator allocated peak"}  # fmt: skip
+                 "own_memory_gib": max((r[key] for r in steps), default=None),
+                 "own_memory": "allocator " + ("reserved" if key != "mem_gib" else "allocated")
+                 + " peak"}  # fmt: skip
         report["sides"]["torchloom"] = side
 
     print(f"\n{report['device']}: {args.model} {args.flavor}, {args.batch} x {args.seq} tokens a step, "

@@ -639,11 +639,14 @@ def check_cache_fits(
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes a new allocation on ``device`` can still take (for a GPU, what the driver has free
-    plus what the caching allocator holds unused; for the CPU, the kernel's MemAvailable);
-    None where unknown."""
+    plus what the caching allocator holds unused, within a cap set on the allocator
+    (``--training.memory_limit_gib``); for the CPU, the kernel's MemAvailable); None where
+    unknown."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        cap = int(total * torch.cuda.get_per_process_memory_fraction(device))
+        return min(free + torch.cuda.memory_reserved(device), cap) - allocated
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as meminfo:

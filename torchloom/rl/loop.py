@@ -63,6 +63,7 @@ from torchloom.train.builders import (
     build_model_config,
     build_model_parts,
     build_state,
+    cap_device_memory,
     check_seq_len,
 )
 from torchloom.train.expert_balance import expert_balance
@@ -82,6 +83,7 @@ class RLRunner:
     def __init__(self, job: RLJobConfig) -> None:
         self.job, t, r = job, job.training, job.rl
         self.device = init_distributed(t.device)
+        cap_device_memory(self.device, t.memory_limit_gib)
         # Disaggregated: the first ranks train, over a mesh of their own; the others generate.
         self.trainers = trainer_ranks(r)
         self.dims = build_parallel_dims(

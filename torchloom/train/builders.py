@@ -149,10 +149,32 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
     return params, grads + moments
 
 
+def cap_device_memory(device: torch.device, gib: float) -> None:
+    """``--training.memory_limit_gib``: cap this process's CUDA caching allocator at ``gib``
+    GiB (0: no cap) before anything is allocated. Over the cap, torch's allocator frees its
+    unused cached blocks and retries an allocation before raising out-of-memory."""
+    if not gib:
+        return
+    if device.type != "cuda":
+        raise ConfigError(
+            f"--training.memory_limit_gib {gib:g} caps the CUDA allocator, and this run is on "
+            f"the {device.type}: drop the option or train on a GPU."
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * GiB > total:
+        raise ConfigError(
+            f"--training.memory_limit_gib {gib:g} is more than this GPU's {total / GiB:.1f} "
+            "GiB; give at most that, or 0 for no cap."
+        )
+    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
+
+
 def device_memory(device: torch.device) -> int | None:
-    """The device's total memory in bytes (the machine's RAM for the CPU); None if unknown."""
+    """The memory in bytes this process may use on the device (a GPU's total, or the cap
+    ``cap_device_memory`` set; the machine's RAM for the CPU); None if unknown."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
+        total = torch.cuda.mem_get_info(device)[1]
+        return int(total * torch.cuda.get_per_process_memory_fraction(device))
     if device.type == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
@@ -167,11 +189,13 @@ def check_memory(modules: list[nn.Module], job: JobConfig, device: torch.device)
         return
     params, trained = training_bytes_lower_bound(modules, job)
     if params + trained > total:
+        room = f"the {total / GiB:.1f} GiB of memory of this {device.type} device"
+        if job.training.memory_limit_gib:
+            room = f"the {total / GiB:.1f} GiB --training.memory_limit_gib allows"
         raise ConfigError(
             f"Training this model needs at least {(params + trained) / GiB:.1f} GiB per rank "
             f"(parameters {params / GiB:.1f} GiB, plus gradients and optimizer state), more "
-            f"than the {total / GiB:.1f} GiB of memory of this {device.type} device; "
-            f"{_TOO_LARGE_FIXES}."
+            f"than {room}; {_TOO_LARGE_FIXES}."
         )
 
 

@@ -44,6 +44,12 @@ class TrainingConfig:
     """Capture the whole step (forward, backward, clipping, AdamW) as one CUDA graph after 3
     eager steps and replay it, saving the per-kernel launch cost; losses are bitwise those of
     eager steps. One GPU, static shapes, no skip_nonfinite: see docs/performance.md."""
+    memory_limit_gib: float = 0.0
+    """Cap this process's CUDA caching allocator at this many GiB (0: no cap). Past the cap
+    the allocator hands its unused cached blocks back to the device and retries before it
+    reports out of memory, so a run holds about this much (plus the CUDA context, outside the
+    allocator) however its blocks fragment, at the cost of those releases. For a GPU shared
+    with other work, or a run held to a memory budget: see docs/performance.md."""
     sample_prompt: str = "The"
     """Prompt of the greedy text sample printed at the end of training (not empty)."""
     sample_tokens: int = 32
@@ -90,6 +96,16 @@ class TrainingConfig:
             raise ConfigError(
                 f"--training.val_sequences must be at least 1; got {self.val_sequences} (set "
                 "--data.val_fraction 0 to turn validation off)."
+            )
+        if not 0 <= self.memory_limit_gib < math.inf:  # nan too
+            raise ConfigError(
+                "--training.memory_limit_gib must be a finite number of GiB >= 0 (0: no cap); "
+                f"got {self.memory_limit_gib}."
+            )
+        if self.memory_limit_gib and self.device == "cpu":
+            raise ConfigError(
+                "--training.memory_limit_gib caps the CUDA allocator; it does nothing with "
+                "--training.device cpu: drop it or train on a GPU."
             )
         if self.cuda_graph and self.device == "cpu":
             raise ConfigError(

@@ -181,6 +181,8 @@ class MetricsLogger:
         media_tflops = media_flops / step_seconds / num_devices / 1e12
         tflops = tps * self.flops_per_token / 1e12 + media_tflops
         media = {"media_tflops": media_tflops} if media_flops else {}
+        if self.device.type == "cuda":  # what the allocator holds: tensors and its cache
+            media["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return {
             "step": step,
             "loss": loss,

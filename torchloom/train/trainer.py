@@ -26,6 +26,7 @@ from torchloom.parallel.state import full_state_items
 from torchloom.train.builders import (
     TrainBuilders,
     autocast_dtype,
+    cap_device_memory,
     check_media_encoder,
     check_media_fits,
     check_seq_len,
@@ -83,6 +84,7 @@ class Trainer:
         b = builders or TrainBuilders()
         self.job, t = job, job.training
         self.device = init_distributed(t.device)
+        cap_device_memory(self.device, t.memory_limit_gib)
         self.dims = build_parallel_dims(job.parallel.following(t.mixed_precision), self.device.type)
         self.is_rank0 = self.dims.is_rank0
         self.output_dir = Path(job.output.dir)
