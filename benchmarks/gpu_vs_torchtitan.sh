@@ -20,8 +20,9 @@
 # every K-th block recomputed: float8 keeps no weight copies, so the headroom under TorchTitan's
 # float8 memory goes to recomputing fewer blocks), 8B-budgetB (--remat.mode budget with memory
 # budget B, e.g. 8B-budget0.5: the compiler picks what each block recomputes; 8B-fp8-budgetB
-# with float8), 1B-fa4 / 8B-fa4
-# (FlashAttention 4, after `bash benchmarks/fa4_wheels.sh install`))
+# with float8), 1B-fa4 / 8B-fa4 (FlashAttention 4, after `bash benchmarks/fa4_wheels.sh
+# install`), 8B-fp8-fa4-budgetB[-capG] (float8, FlashAttention 4, budget B, and with -capG the
+# allocator capped at G GiB by --training.memory_limit_gib, e.g. 8B-fp8-fa4-budget0.875-cap121))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-outputs/vs_torchtitan}
@@ -62,9 +63,14 @@ for r in $ROWS; do
     8B-fp8-budget[0-9.]*)  # the same with float8 tensorwise
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 --float8 \
         --torchloom-args "--remat.mode budget --remat.memory_budget ${r#8B-fp8-budget}" ;;
+    8B-fp8-fa4-budget[0-9.]*)  # float8 + FlashAttention 4 + budget B [+ allocator cap G GiB]
+      b=${r#8B-fp8-fa4-budget} cap=""
+      [[ $b == *-cap* ]] && cap="--training.memory_limit_gib ${b#*-cap}" && b=${b%-cap*}
+      row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 --float8 --fa4 \
+        --torchloom-args "--remat.mode budget --remat.memory_budget $b $cap" ;;
     1B-fa4) row 1B-fa4 100 --sides torchloom --flavor 1B --batch 8 --steps 40 --timeout 90 --fa4 ;;
     8B-fa4) row 8B-fa4 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
       --timeout 100 --fa4 ;;
-    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 8B-budgetB 8B-fp8-budgetB 1B-fa4 8B-fa4)" ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 8B-budgetB 8B-fp8-budgetB 1B-fa4 8B-fa4 8B-fp8-fa4-budgetB[-capG])" ;;
   esac
 done
