@@ -31,7 +31,8 @@ the same rule for both.
 --model deepseek_v3 is the 16B flavor (DeepSeek-V2-Lite's shape) cut to --layers layers, without
 multi-token prediction, on both sides. --titan-args and --torchloom-args add flags to either
 trainer (one string each), to try a side's other settings. --fa4 runs torchloom's attention
-through FlashAttention 4 (benchmarks/fa4_attention.py, installed by benchmarks/fa4_wheels.sh).
+through FlashAttention 4 (`--model.attn_backend fa4`; on the device, installed by
+benchmarks/fa4_wheels.sh).
 
 --recompute every_2nd is TorchTitan's default `selective` mode (its option "2": every second
 block recomputed whole) and torchloom's `--remat.mode every_k` (k = 2). Peak memory is measured
@@ -140,10 +141,8 @@ def titan_command(args: argparse.Namespace) -> list[str]:
 
 
 def torchloom_command(args: argparse.Namespace) -> list[str]:
-    # --fa4: the same CLI with FlashAttention 4 registered as the "fa4" attention backend.
-    launcher = [str(ROOT / "benchmarks" / "fa4_attention.py")] if args.fa4 else ["-m", "torchloom"]
     command = [
-        sys.executable, *launcher, "train", "--recipe", "debug",
+        sys.executable, "-m", "torchloom", "train", "--recipe", "debug",
         "--model.name", args.model, "--model.flavor", args.flavor,
         "--model.overrides", json.dumps(model_overrides(args)),
         "--training.seq_len", str(args.seq), "--training.global_batch_size", str(args.batch),
@@ -204,7 +203,7 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="float8 tensorwise linears")
     parser.add_argument("--fa4", action="store_true",
                         help="torchloom's attention through FlashAttention 4 "
-                             "(benchmarks/fa4_attention.py; bash benchmarks/fa4_wheels.sh)")  # fmt: skip
+                             "(--model.attn_backend fa4; bash benchmarks/fa4_wheels.sh)")  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=["torchtitan", "torchloom"],
                         choices=["torchtitan", "torchloom"])  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

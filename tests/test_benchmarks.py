@@ -8,12 +8,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
-from torchloom.config import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,7 +334,7 @@ def test_vs_torchtitan_reads_torchtitan_logs():
 def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
     """The torchloom side runs `torchloom train` on the inputs written for both trainers (the
     CPU check; TorchTitan's trainer needs CUDA), the model matched to TorchTitan's; with --fa4
-    through benchmarks/fa4_attention.py's backend (its PyTorch reference on the CPU)."""
+    through the fa4 attention backend (its PyTorch reference on the CPU)."""
     out = tmp_path / "anchor.json"
     stdout = _run("vs_torchtitan.py", "--model", model, "--flavor", "debug", "--seq", "64",
                   "--batch", "2", "--steps", "4", "--log-interval", "2", "--sides", "torchloom",
@@ -353,51 +351,6 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
     assert config["model"]["name"] == model and config["model"]["overrides"] == want
     assert config["model"]["attn_backend"] == ("fa4" if extra else "sdpa")
     assert report["fa4"] == bool(extra)
-
-
-def test_fa4_ops_are_well_formed_and_match_sdpa_on_cpu():
-    """benchmarks/fa4_attention.py's custom ops on the CPU, where they run the PyTorch reference:
-    torch.library.opcheck (schema, fake forms, the registered backward, compile's view), and the
-    backend's output and gradients against torchloom's SDPA backend (GQA: 4 query heads, 2 kv)."""
-    import torch
-
-    from torchloom.models.components.attention import sdpa_attention
-
-    fa4 = _benchmark("fa4_attention")
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 7, heads, 8, generator=gen)
-               for heads in (4, 2, 2))  # fmt: skip
-    torch.library.opcheck(fa4.fa4_fwd, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_()))
-    views = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]  # [B, heads, T, d]
-    got = fa4.fa4_attention(*views, None)
-    want = sdpa_attention(*views, None)
-    torch.testing.assert_close(got, want)
-    grad = torch.randn(got.shape, generator=gen, dtype=got.dtype)
-    torch.testing.assert_close(torch.autograd.grad(got, views, grad),
-                               torch.autograd.grad(want, views, grad))  # fmt: skip
-    with pytest.raises(ConfigError, match="fa4.*document_mask false"):
-        fa4.fa4_attention(*views, torch.zeros(2, 7, dtype=torch.long))
-    missing = mock.patch.dict(sys.modules, {"flash_attn": None})  # not installed
-    with missing, pytest.raises(RuntimeError, match="needs flash-attn-4.*fa4_wheels.sh install"):
-        fa4.flash_interface()
-
-
-def test_fa4_backend_trains_through_torchloom_train_on_cpu(tmp_path):
-    """`benchmarks/fa4_attention.py train ... --model.attn_backend fa4` trains (the reference
-    ops on the CPU) with the same losses as the SDPA backend."""
-    losses = {}
-    for backend in ("sdpa", "fa4"):
-        out = tmp_path / backend
-        _run("fa4_attention.py", "train", "--recipe", "debug", "--model.attn_backend", backend,
-             "--data.document_mask", "false", "--training.steps", "3", "--output.dir", str(out),
-             "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
-             "--checkpoint.save_final_model", "false")  # fmt: skip
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[backend] = [r["loss"] for r in records if "loss" in r]
-        config = json.loads((out / "config.json").read_text())
-        assert config["model"]["attn_backend"] == backend  # "fa4": only known once registered
-    assert len(losses["fa4"]) == 3
-    assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
 
 
 def test_decode_step_needs_a_gpu():

@@ -31,7 +31,8 @@ class ModelConfig:
     transforms: list[str] = field(default_factory=list)
     """Model-config transforms applied in order, e.g. ["tie_embeddings"]."""
     attn_backend: str = "sdpa"
-    """Attention kernel: 'sdpa' or 'flex' (flex has no backward on CPU)."""
+    """Attention kernel: 'sdpa', 'flex' (no backward on CPU) or 'fa4' (FlashAttention 4 on
+    Hopper and newer, plain causal attention, needs flash-attn-4; a PyTorch reference on CPU)."""
     norm_impl: str = "torch"
     """RMSNorm implementation: 'torch' (PyTorch) or 'triton' (fused forward and backward
     kernels on CUDA, PyTorch elsewhere; not with tensor parallelism). Same parameters either way;

@@ -30,6 +30,7 @@ from torchloom.data.config import DataConfig
 from torchloom.data.multimodal import resolve_image_processing, resolve_media_layout
 from torchloom.data.multimodal_format import MediaTokens
 from torchloom.kernels.delta_rule import fla_runs
+from torchloom.kernels.flash_attention4 import DOCUMENT_FIX, check_fa4_device
 from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import (
     Attention,
@@ -87,6 +88,7 @@ def build_model_parts(
     materialize every module this rank holds (``materialize``). ``allocate=False`` stops
     before materializing: every parameter stays on the meta device (the dry run)."""
     check_float8_device(config.float8, device)
+    check_fa4_device(config.attn_backend, device)
     spec = get_model_spec(job.model.name)
     if dims.tp_enabled and spec.tp_plan is None:
         raise ConfigError(
@@ -147,6 +149,14 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
                 grads += local_bytes(param)
     moments = 2 * grads if job.optimizer.name == "adamw" else 0
     return params, grads + moments
+
+
+def check_attention_data(job: JobConfig) -> None:
+    """ConfigError, before the data pass, when the attention slot cannot take the batches the
+    data will make: ``fa4`` attends within one document per row, so training through it needs
+    ``--data.document_mask false``."""
+    if job.model.attn_backend == "fa4" and job.data.document_mask:
+        raise ConfigError(DOCUMENT_FIX)
 
 
 def cap_device_memory(device: torch.device, gib: float) -> None:

@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
+from torchloom.kernels.flash_attention4 import fa4_attention
 from torchloom.models.components.cache import KVState
 from torchloom.models.components.fused_linear import fuse_linears
 from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm
@@ -163,6 +164,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     "sdpa": sdpa_attention,
     "flex": flex_attention_backend,
     "batch_invariant": batch_invariant_attention,
+    "fa4": fa4_attention,
 }
 """Named attention kernels (the ``attn_backend`` slot); each computes the same function for
 the masks it honours and refuses, in one line, those it does not."""
@@ -233,6 +235,8 @@ class Attention(nn.Module):
             )
         if backend == "batch_invariant":
             mask.require_plain("attn_backend 'batch_invariant'", batch_invariant.MASK_FIX)
+        if backend == "fa4":
+            mask.require_plain("attn_backend 'fa4'", "use --model.attn_backend sdpa or flex.")
         if output_gate and gate_proj:
             raise ValueError("output_gate (from q_proj) and gate_proj are two ways to one gate")
         self.head_dim = head_dim

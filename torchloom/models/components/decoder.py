@@ -80,7 +80,7 @@ class DecoderConfig:
     init_std: float = 0.02
     """Standard deviation of the initial weights (each module's init_weights says how)."""
     attn_backend: str = "sdpa"
-    """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex')."""
+    """Attention kernel, a key of ATTENTION_BACKENDS ('sdpa', 'flex', 'fa4')."""
     norm_impl: str = "torch"
     """RMSNorm implementation, a key of NORM_IMPLS: 'torch' (PyTorch reference) or 'triton'
     (fused kernels on CUDA, the reference elsewhere)."""

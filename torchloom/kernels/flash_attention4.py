@@ -1,32 +1,54 @@
-"""FlashAttention 4 as a torchloom attention backend, to measure what it does to a training step
-before it becomes one of the model's slots (issue 35; prototype: benchmarks only).
+"""FlashAttention 4 (the `flash-attn-4` package's CuTe DSL kernels, Hopper and Blackwell) as the
+``fa4`` attention backend (``--model.attn_backend fa4``), with its PyTorch reference.
 
-    python3 benchmarks/fa4_attention.py train --recipe ... --model.attn_backend fa4 \\
-        --data.document_mask false ...          # `torchloom train` with the "fa4" backend added
+Two torch.library custom ops, ``torchloom::fa4_fwd`` (q, k, v as [B, T, heads, d], causal GQA
+-> the output [B, T, H, d] and each query's log-sum-exp [B, H, T] in fp32) and
+``torchloom::fa4_bwd``, wrap flash-attn-4's forward and backward, so torch.compile traces them
+as opaque ops through their fake forms and the registered backward. On the CPU they run the
+reference below (fp32, the same values up to rounding): how the slot is tested without a GPU,
+and a slow fallback there. Plain causal attention over one document per row only: packed rows
+(``--data.document_mask true``) and windowed or chunked layers are refused in one line.
 
-Two torch.library custom ops, ``torchloom_bench::fa4_fwd`` (q, k, v as [B, T, heads, d], causal
-GQA -> the output [B, T, H, d] and the log-sum-exp [B, H, T] in fp32) and ``fa4_bwd``, wrap
-flash-attn-4's forward and backward (its CuTe DSL kernels; sm_90 and newer), so torch.compile
-traces them as opaque ops with a fake (meta) form and the backward registered. On the CPU they
-run a PyTorch reference that returns the same values, so the wiring (schemas, fake forms,
-autograd) is tested here without a GPU (tests/test_benchmarks.py). ``register()`` adds the
-backend "fa4" to ATTENTION_BACKENDS: plain causal attention over one document only (the issue's
-speed rows train with --data.document_mask false); anything else is refused.
-
-flash-attn-4 is not a dependency; `bash benchmarks/fa4_wheels.sh` carries it to the lent H200.
+flash-attn-4 is not a dependency (``pip install flash-attn-4``); on a GPU without it, or older
+than Hopper (sm_90), a run asking for ``fa4`` stops before it builds the model
+(``check_fa4_device``). Measured in the 1B training step on an H200 (benchmarks/RESULTS.md,
+thirty-first session): +2.5% over cuDNN's attention through SDPA.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
-from torchloom.models.components.attention import ATTENTION_BACKENDS
 
-LIBRARY = "torchloom_bench"
+INSTALL = "pip install flash-attn-4 (on the lent H200: bash benchmarks/fa4_wheels.sh install)"
+
+
+def flash_interface():
+    """flash-attn-4's kernel entry points (its forward and backward), or one error saying how to
+    get them."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as err:
+        raise ConfigError(f"attn_backend 'fa4' on a GPU needs flash-attn-4: {INSTALL}.") from err
+    return interface
+
+
+def check_fa4_device(backend: str, device: torch.device) -> None:
+    """ConfigError, before the model is built, when ``backend`` is ``fa4`` and ``device`` is a
+    GPU its kernels cannot run on (older than sm_90) or flash-attn-4 is not installed; the CPU
+    runs the reference."""
+    if backend != "fa4" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ConfigError(
+            f"attn_backend 'fa4' (FlashAttention 4) runs on Hopper and Blackwell GPUs (compute "
+            f"capability 9.0+); {torch.cuda.get_device_name(device)} has {major}.{minor}. Use "
+            "--model.attn_backend sdpa."
+        )
+    flash_interface()
 
 
 def _expand_kv(k_BTKd: torch.Tensor, heads: int) -> torch.Tensor:
@@ -90,20 +112,7 @@ def reference_backward(
     )
 
 
-def flash_interface():
-    """flash-attn-4's kernel entry points (its forward and backward), or one error saying how to
-    get them."""
-    try:
-        from flash_attn.cute import interface
-    except ImportError as err:
-        raise RuntimeError(
-            "attn_backend 'fa4' on a GPU needs flash-attn-4 and its CuTe DSL (pip install "
-            "flash-attn-4; on the lent H200: bash benchmarks/fa4_wheels.sh install)"
-        ) from err
-    return interface
-
-
-@torch.library.custom_op(f"{LIBRARY}::fa4_fwd", mutates_args=())
+@torch.library.custom_op("torchloom::fa4_fwd", mutates_args=())
 def fa4_fwd(
     q_BTHd: torch.Tensor, k_BTKd: torch.Tensor, v_BTKd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +131,7 @@ def _(q_BTHd, k_BTKd, v_BTKd):
     return out, q_BTHd.new_empty(B, H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{LIBRARY}::fa4_bwd", mutates_args=())
+@torch.library.custom_op("torchloom::fa4_bwd", mutates_args=())
 def fa4_bwd(
     dout_BTHd: torch.Tensor,
     q_BTHd: torch.Tensor,
@@ -155,6 +164,11 @@ def _backward(ctx, dout_BTHd: torch.Tensor, _dlse: torch.Tensor | None):
 
 fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
+DOCUMENT_FIX = (
+    "attn_backend 'fa4' runs plain causal attention over one document per row; set "
+    "--data.document_mask false, or use --model.attn_backend sdpa or flex for packed documents."
+)
+
 
 def fa4_attention(
     q_BHTd: torch.Tensor,
@@ -163,24 +177,10 @@ def fa4_attention(
     doc_ids_BT: torch.Tensor | None,
     mask: AttentionMask = CAUSAL,
 ) -> torch.Tensor:
-    """The "fa4" backend: causal GQA through ``fa4_fwd`` (it takes the model's [B, T, heads, d]
-    layout, of which the backend's [B, heads, T, d] inputs are transposed views)."""
-    if doc_ids_BT is not None or not mask.plain:
-        raise ConfigError(
-            "attn_backend 'fa4' (benchmarks/fa4_attention.py) runs plain causal attention over "
-            "one document only; set --data.document_mask false, or use attn_backend sdpa or flex."
-        )
+    """The ``fa4`` backend: causal GQA through ``fa4_fwd`` (it takes the model's [B, T, heads,
+    d] layout, of which the backend's [B, heads, T, d] inputs are transposed views)."""
+    if doc_ids_BT is not None:
+        raise ConfigError(DOCUMENT_FIX)
+    mask.require_plain("attn_backend 'fa4'", "use --model.attn_backend sdpa or flex.")
     out_BTHd, _ = fa4_fwd(q_BHTd.transpose(1, 2), k_BKTd.transpose(1, 2), v_BKTd.transpose(1, 2))
     return out_BTHd.transpose(1, 2)
-
-
-def register() -> None:
-    """Add "fa4" to the model's attention backends (--model.attn_backend fa4)."""
-    ATTENTION_BACKENDS["fa4"] = fa4_attention
-
-
-if __name__ == "__main__":
-    from torchloom.cli import main
-
-    register()
-    sys.exit(main())

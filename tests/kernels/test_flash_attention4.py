@@ -1,0 +1,121 @@
+"""The ``fa4`` attention slot (kernels/flash_attention4.py): its custom ops and PyTorch reference
+against the SDPA backend on the CPU, its refusals, training through it, and on a GPU with
+flash-attn-4 installed the kernels against SDPA."""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from torchloom.cli import main, resolve_job
+from torchloom.config.errors import ConfigError
+from torchloom.kernels import flash_attention4 as fa4
+from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.models import ATTENTION_BACKENDS
+from torchloom.models.components.attention import Attention, sdpa_attention
+from torchloom.train.trainer import Trainer
+
+
+def _qkv(B: int, T: int, H: int, K: int, d: int, **kwargs) -> list[torch.Tensor]:
+    """q, k, v as the backends take them: [B, heads, T, d] (transposed views of [B, T, heads, d],
+    as the model hands them over)."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, T, heads, d, generator=gen).to(**kwargs).transpose(1, 2).requires_grad_()
+            for heads in (H, K, K)]  # fmt: skip
+
+
+def test_the_ops_are_well_formed_and_match_sdpa_on_cpu() -> None:
+    """torch.library.opcheck (schema, fake forms, the registered backward, compile's view), then
+    the backend's output and gradients against the SDPA backend (GQA: 4 query heads, 2 kv)."""
+    assert ATTENTION_BACKENDS["fa4"] is fa4.fa4_attention
+    q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in _qkv(2, 7, 4, 2, 8))
+    torch.library.opcheck(fa4.fa4_fwd, (q, k, v))
+    views = _qkv(2, 7, 4, 2, 8)
+    got, want = fa4.fa4_attention(*views, None), sdpa_attention(*views, None)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(torch.autograd.grad(got, views, grad),
+                               torch.autograd.grad(want, views, grad))  # fmt: skip
+
+
+def test_compiled_through_the_ops_on_cpu() -> None:
+    """torch.compile traces the ops as opaque calls (fake forms) and runs their backward."""
+    views = _qkv(1, 5, 2, 1, 4)
+    eager = fa4.fa4_attention(*views, None)
+    compiled = torch.compile(fa4.fa4_attention, backend="aot_eager", fullgraph=True)(*views, None)
+    torch.testing.assert_close(compiled, eager)
+    compiled.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in views)
+
+
+def test_refusals() -> None:
+    views = _qkv(2, 7, 4, 2, 8)
+    with pytest.raises(ConfigError, match="plain causal attention over one document per row"):
+        fa4.fa4_attention(*views, torch.zeros(2, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attn_backend 'fa4' computes causal.*window 4"):
+        Attention(16, 4, 2, 4, backend="fa4", mask=AttentionMask(window=4))
+    with (
+        mock.patch.dict(sys.modules, {"flash_attn": None}),
+        pytest.raises(  # not installed
+            ConfigError, match="needs flash-attn-4: pip install flash-attn-4"
+        ),
+    ):
+        fa4.flash_interface()
+    fa4.check_fa4_device("fa4", torch.device("cpu"))  # the CPU runs the reference
+    fa4.check_fa4_device("sdpa", torch.device("cuda"))  # another backend: nothing to check
+
+
+COMMON = ["--recipe", "debug", "--metrics.tensorboard", "false", "--training.sample_tokens", "0",
+          "--checkpoint.save_final_model", "false", "--training.steps", "3",
+          "--training.device", "cpu"]  # fmt: skip
+
+
+def test_training_and_its_dry_run_refuse_packed_documents(tmp_path, capsys) -> None:
+    _, job = resolve_job([*COMMON, "--model.attn_backend", "fa4", "--output.dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="set --data.document_mask false"):
+        Trainer(job)
+    assert main(["train", *COMMON, "--model.attn_backend", "fa4", "--dry-run"]) == 2
+    assert "set --data.document_mask false" in capsys.readouterr().err
+    fits = ["--model.attn_backend", "fa4", "--data.document_mask", "false", "--dry-run"]
+    assert main(["train", *COMMON, *fits]) == 0
+
+
+def test_trains_with_the_losses_of_sdpa_on_cpu(tmp_path) -> None:
+    losses = {}
+    for backend in ("sdpa", "fa4"):
+        _, job = resolve_job([*COMMON, "--model.attn_backend", backend, "--data.document_mask",
+                              "false", "--output.dir", str(tmp_path / backend)])  # fmt: skip
+        Trainer(job).train()
+        lines = (tmp_path / backend / "metrics.jsonl").read_text().splitlines()
+        losses[backend] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+        config = json.loads((tmp_path / backend / "config.json").read_text())
+        assert config["model"]["attn_backend"] == backend
+    assert len(losses["fa4"]) == 3
+    assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_attention4_matches_sdpa_on_gpu(head_dim: int) -> None:
+    """FlashAttention 4's kernels (bf16, causal GQA at 1,024 tokens) against SDPA's, forward and
+    backward, within bf16 rounding; and through the fp32 reference, further from neither."""
+    pytest.importorskip(
+        "flash_attn.cute", reason="flash-attn-4 is not installed (pip install flash-attn-4)"
+    )
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("FlashAttention 4 needs sm_90 or newer")
+    fa4.check_fa4_device("fa4", device)
+    views = _qkv(2, 1024, 8, 2, head_dim, device=device, dtype=torch.bfloat16)
+    got, want = fa4.fa4_attention(*views, None), sdpa_attention(*views, None)
+    grad = torch.randn_like(got)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    for g, w in zip(torch.autograd.grad(got, views, grad), torch.autograd.grad(want, views, grad)):
+        torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
+    reference, _ = fa4.reference_forward(*(t.detach().transpose(1, 2) for t in views))
+    error = (got.transpose(1, 2).float() - reference.float()).abs().max()
+    assert error <= (want.transpose(1, 2).float() - reference.float()).abs().max() * 2 + 1e-3
