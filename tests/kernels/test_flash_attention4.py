@@ -119,3 +119,25 @@ def test_flash_attention4_matches_sdpa_on_gpu(head_dim: int) -> None:
     reference, _ = fa4.reference_forward(*(t.detach().transpose(1, 2) for t in views))
     error = (got.transpose(1, 2).float() - reference.float()).abs().max()
     assert error <= (want.transpose(1, 2).float() - reference.float()).abs().max() * 2 + 1e-3
+
+
+@pytest.mark.gpu
+def test_compiled_training_through_flash_attention4_on_gpu(tmp_path) -> None:
+    """Three compiled bf16 steps of the debug model through fa4 land within bf16 rounding of the
+    same steps through SDPA (the kernels differ, so not bitwise)."""
+    pytest.importorskip(
+        "flash_attn.cute", reason="flash-attn-4 is not installed (pip install flash-attn-4)"
+    )
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FlashAttention 4 needs sm_90 or newer")
+    losses = {}
+    for backend in ("sdpa", "fa4"):
+        args = [*COMMON[:-1], "cuda", "--compile.enabled", "true", "--model.attn_backend", backend,
+                "--data.document_mask", "false", "--output.dir", str(tmp_path / backend)]  # fmt: skip
+        _, job = resolve_job(args)
+        Trainer(job).train()
+        lines = (tmp_path / backend / "metrics.jsonl").read_text().splitlines()
+        losses[backend] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    print(losses)
+    assert len(losses["fa4"]) == 3
+    assert losses["fa4"] == pytest.approx(losses["sdpa"], abs=2e-2), losses
