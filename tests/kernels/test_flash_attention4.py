@@ -42,6 +42,18 @@ def test_the_ops_are_well_formed_and_match_sdpa_on_cpu() -> None:
                                torch.autograd.grad(want, views, grad))  # fmt: skip
 
 
+def test_value_heads_narrower_than_key_heads_on_cpu() -> None:
+    """MLA's shape (DeepSeek-V3: 192-wide queries and keys, 128-wide values), scaled down."""
+    gen = torch.Generator().manual_seed(2)
+    views = [torch.randn(2, 6, heads, d, generator=gen).transpose(1, 2).requires_grad_()
+             for heads, d in ((4, 12), (2, 12), (2, 8))]  # fmt: skip
+    got, want = fa4.fa4_attention(*views, None), sdpa_attention(*views, None)
+    assert got.shape == (2, 4, 6, 8)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), views),
+                               torch.autograd.grad(want.sum(), views))  # fmt: skip
+
+
 def test_compiled_through_the_ops_on_cpu() -> None:
     """torch.compile traces the ops as opaque calls (fake forms) and runs their backward."""
     views = _qkv(1, 5, 2, 1, 4)

@@ -102,7 +102,7 @@ def reference_backward(
     dk_BHTd = ds_BHTS.transpose(-1, -2) @ q_BHTd * scale
 
     def per_kv_head(g_BHTd: torch.Tensor) -> torch.Tensor:
-        return g_BHTd.view(B, K, H // K, T, d).sum(2).transpose(1, 2).contiguous()
+        return g_BHTd.view(B, K, H // K, T, -1).sum(2).transpose(1, 2).contiguous()
 
     dq = dq_BHTd.transpose(1, 2).contiguous()
     return (
