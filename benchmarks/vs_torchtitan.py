@@ -60,6 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchtitan_anchor import write_documents, write_tokenizer
 
+from torchloom.config.errors import ConfigError
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.train.metrics import read_records
 
@@ -223,10 +224,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cpu" and "torchtitan" in args.sides:
         parser.error("TorchTitan's trainer needs CUDA: pass --sides torchloom with --device cpu")
+    for name in ("words", "batch", "seq", "steps", "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     args.workdir = args.workdir.resolve()
     args.flavor = args.flavor or {"llama3": "1B", "deepseek_v3": "16B"}[args.model]
     model = ModelConfig(name=args.model, flavor=args.flavor, overrides=model_overrides(args))
-    args.vocab = resolve_model_config(model).vocab_size
+    try:
+        args.vocab = resolve_model_config(model).vocab_size
+    except ConfigError as err:  # an unknown flavor, say
+        parser.error(str(err))
     tokens = args.steps * args.batch * (args.seq + 1)  # a word is a token
     args.docs = args.docs or -(-tokens * 6 // (5 * args.words))
     write_tokenizer(args.workdir / "tokenizer", args.vocab)
@@ -262,7 +269,8 @@ def main() -> None:
         report["sides"]["torchloom"] = side
 
     print(f"\n{report['device']}: {args.model} {args.flavor}, {args.batch} x {args.seq} tokens a step, "
-          f"recompute {args.recompute}{', float8 tensorwise' if args.float8 else ''}")  # fmt: skip
+          f"recompute {args.recompute}{', float8 tensorwise' if args.float8 else ''}"
+          f"{', torchloom attention through FlashAttention 4' if args.fa4 else ''}")  # fmt: skip
     print(
         f"{'trainer':<12} {'tokens/s':>10} {'GPU GiB (nvidia-smi)':>21} {'own figure':>11}  error"
     )
@@ -271,6 +279,9 @@ def main() -> None:
         print(f"{name:<12} {f'{tps:,.0f}' if tps else 'n/a':>10} {side['gpu_gib']:>21.2f} "
               f"{f'{own:.2f}' if own else 'n/a':>11}  {side['error'] or ''}")  # fmt: skip
     sides = report["sides"]
+    if any(not side["tokens_per_s"] and not side["error"] for side in sides.values()):
+        print("n/a: fewer than 3 logged windows (the first two are warm-up); raise --steps or "
+              "lower --log-interval")  # fmt: skip
     if all(sides.get(n, {}).get("tokens_per_s") for n in ("torchtitan", "torchloom")):
         report["ratio"] = sides["torchloom"]["tokens_per_s"] / sides["torchtitan"]["tokens_per_s"]
         print(f"torchloom / TorchTitan tokens/s: {report['ratio']:.3f}x")

@@ -361,3 +361,17 @@ def test_decode_step_needs_a_gpu():
                             capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
     assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--words", "0"], "--words must be at least 1"), (["--flavor", "nope"], "Unknown flavor")],
+)
+def test_vs_torchtitan_bad_options_are_one_line(tmp_path, args, message):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vs_torchtitan.py"), "--sides", "torchloom",
+         "--device", "cpu", "--workdir", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -244,11 +244,13 @@ def cmd_rl(argv: list[str]) -> int:
     from torchloom.parallel import destroy
     from torchloom.rl.loop import RLRunner, prepare_initial_model
     from torchloom.rl.tool_env import PythonToolEnv
+    from torchloom.train.builders import check_cap_device
     from torchloom.train.run import NothingToTrain
     from torchloom.train.trainer import TrainingInterrupted
 
     if job.rl.task == "python_tool":  # refuse an unisolated sandbox before any training
         PythonToolEnv(unsafe_sandbox=job.rl.unsafe_sandbox)
+    check_cap_device(job.training.memory_limit_gib, job.training.device)  # likewise
     prepare_initial_model(job)
     trainer = RLRunner(job)
     try:

@@ -5,6 +5,7 @@ flash-attn-4 installed the kernels against SDPA."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from unittest import mock
 
@@ -94,6 +95,42 @@ def test_training_and_its_dry_run_refuse_packed_documents(tmp_path, capsys) -> N
     assert "set --data.document_mask false" in capsys.readouterr().err
     fits = ["--model.attn_backend", "fa4", "--data.document_mask", "false", "--dry-run"]
     assert main(["train", *COMMON, *fits]) == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            [
+                "--model.name",
+                "qwen3",
+                "--model.flavor",
+                "debug",
+                "--model.overrides",
+                '{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16, '
+                '"num_layers": 2}',
+            ],
+            r"attn_backend 'fa4' computes causal.*window 16",
+        ),
+        (["--recipe", "deepseek_v4_debug"], "deepseek_v4's attention .* would not be used"),
+        (["--parallel.cp", "2"], "--parallel.cp attends through its own kernel"),
+        (["--recipe", "qwen3_vl_debug"], "--data.format multimodal packs several"),
+    ],
+    ids=["sliding-window", "deepseek_v4", "cp", "multimodal"],
+)
+def test_what_fa4_cannot_run_is_one_line(tmp_path, capsys, extra, message) -> None:
+    """Each a one-line error at the CLI (exit 2), train and --dry-run alike, no traceback."""
+    recipe = extra[1] if extra[0] == "--recipe" else "debug"
+    extra = extra[2:] if extra[0] == "--recipe" else extra
+    masks = [] if recipe == "qwen3_vl_debug" else ["--data.document_mask", "false"]
+    args = ["--recipe", recipe, *COMMON[2:], "--model.attn_backend", "fa4", *masks, *extra]
+    runs = [["--output.dir", str(tmp_path / "run")], ["--dry-run"]]
+    if "--parallel.cp" in extra:  # needs two ranks: the dry run simulates them
+        runs = [["--dry-run", "--world-size", "2"]]
+    for run in runs:
+        assert main(["train", *args, *run]) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and "Traceback" not in err, err
 
 
 def test_trains_with_the_losses_of_sdpa_on_cpu(tmp_path) -> None:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from torchloom.cli import resolve_job
+from torchloom.cli import main, resolve_job
 from torchloom.config.errors import ConfigError
 from torchloom.generate.engine import available_memory
 from torchloom.train.builders import GiB, cap_device_memory, device_memory
@@ -106,3 +106,27 @@ def test_a_capped_run_trains_the_same_steps_within_its_cap(tmp_path, uncapped) -
     assert steps and all(math.isfinite(r["mem_reserved_gib"]) for r in steps)
     assert max(r["mem_reserved_gib"] for r in steps) <= 3.0
     assert all(r["mem_gib"] <= r["mem_reserved_gib"] for r in steps)
+
+
+def test_rl_refuses_the_cap_off_a_gpu_before_training_anything(tmp_path, monkeypatch, capsys):
+    """rl_debug trains its starting models first when they are missing: the cap's refusal comes
+    before that (it used to follow minutes of prerequisite training)."""
+    if torch.cuda.is_available():
+        return
+    monkeypatch.chdir(tmp_path)
+    args = ["rl", "--recipe", "rl_debug", "--training.memory_limit_gib", "4",
+            "--output.dir", str(tmp_path / "rl")]  # fmt: skip
+    assert main(args) == 2
+    assert "caps the CUDA allocator" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no prerequisite model, no run folder
+
+
+@pytest.mark.parametrize(("cap", "verdict"), [("100", "fits under it"), ("0.001", "does NOT fit")])
+def test_the_dry_run_sets_the_largest_rank_against_the_cap(capsys, cap: str, verdict: str):
+    """A dry run plans a GPU job anywhere (no allocator to cap here): it says whether the largest
+    rank's parameters, gradients, optimizer state and activations fit under the cap."""
+    assert (
+        main(["train", "--recipe", "debug", "--training.memory_limit_gib", cap, "--dry-run"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"--training.memory_limit_gib {cap}: the largest rank's" in out and verdict in out, out

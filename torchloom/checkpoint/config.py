@@ -50,7 +50,8 @@ class CheckpointConfig:
     """Threads each rank writes its checkpoint files with."""
     save_final_model: bool = True
     """At the end of training write the model (safetensors + config.json + tokenizer.json) to
-    <output_dir>/model, loadable with `torchloom.checkpoint.load_model`."""
+    <output_dir>/model, loadable with `torchloom.checkpoint.model_io.load_model` (which returns
+    the model, its family and its architecture)."""
     initial_load_hf: str = ""
     """Start from a Hugging Face model folder (config.json + safetensors) instead of random
     weights. The architecture then comes from its config.json (--model.name must name its

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torchloom.config.errors import ConfigError
+
 
 def causal_positions_and_starts(
     B: int, T: int, doc_ids_BT: torch.Tensor | None, device: torch.device
@@ -101,9 +103,10 @@ class AttentionMask:
         return " + ".join(parts)
 
     def require_plain(self, site: str, fix: str) -> None:
-        """ValueError naming ``site`` unless this is plain causal(+document) attention."""
+        """ConfigError (a ValueError) naming ``site`` unless this is plain causal(+document)
+        attention: a model and a kernel that cannot go together, which the user chose."""
         if not self.plain:
-            raise ValueError(
+            raise ConfigError(
                 f"{site} computes causal, same-document attention only, not this layer's mask "
                 f"({self.describe()}); {fix}"
             )

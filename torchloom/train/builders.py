@@ -154,22 +154,44 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
 def check_attention_data(job: JobConfig) -> None:
     """ConfigError, before the data pass, when the attention slot cannot take the batches the
     data will make: ``fa4`` attends within one document per row, so training through it needs
-    ``--data.document_mask false``."""
-    if job.model.attn_backend == "fa4" and job.data.document_mask:
+    text with ``--data.document_mask false`` (and no context parallelism, whose attention
+    replaces every backend)."""
+    if job.model.attn_backend != "fa4":
+        return
+    if job.parallel.cp > 1:
+        raise ConfigError(
+            "--parallel.cp attends through its own kernel (SDPA under each layer's mask) whatever "
+            "--model.attn_backend says, so fa4 would not run; leave attn_backend at sdpa with cp."
+        )
+    if job.data.format != "text":
+        raise ConfigError(
+            f"attn_backend 'fa4' attends within one document per row, and --data.format "
+            f"{job.data.format} packs several conversations or media rows into a row under "
+            "document masks; use --model.attn_backend sdpa or flex for it."
+        )
+    if job.data.document_mask:
         raise ConfigError(DOCUMENT_FIX)
+
+
+def check_cap_device(gib: float, device_type: str) -> None:
+    """ConfigError when ``--training.memory_limit_gib`` is set and the run's device (``auto``
+    resolved here) is not a GPU: called before anything trains (rl's prerequisite models)."""
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if gib and device_type != "cuda":
+        raise ConfigError(
+            f"--training.memory_limit_gib {gib:g} caps the CUDA allocator, and this run is on "
+            f"the {device_type}: drop the option or train on a GPU."
+        )
 
 
 def cap_device_memory(device: torch.device, gib: float) -> None:
     """``--training.memory_limit_gib``: cap this process's CUDA caching allocator at ``gib``
     GiB (0: no cap) before anything is allocated. Over the cap, torch's allocator frees its
     unused cached blocks and retries an allocation before raising out-of-memory."""
+    check_cap_device(gib, device.type)
     if not gib:
         return
-    if device.type != "cuda":
-        raise ConfigError(
-            f"--training.memory_limit_gib {gib:g} caps the CUDA allocator, and this run is on "
-            f"the {device.type}: drop the option or train on a GPU."
-        )
     total = torch.cuda.get_device_properties(device).total_memory
     if gib * GiB > total:
         raise ConfigError(

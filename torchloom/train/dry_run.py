@@ -413,6 +413,13 @@ def format_report(
         )
     )
     lines.append(f"activations: {activations.note}")
+    if t.memory_limit_gib:
+        need = largest.total + (largest.activations or 0)
+        fits = "fits under it" if need <= t.memory_limit_gib * GiB else "does NOT fit under it"
+        lines.append(
+            f"--training.memory_limit_gib {t.memory_limit_gib:g}: the largest rank's "
+            f"{_gib(need)} (no allocator overhead) {fits}"
+        )
     return "\n".join(lines)
 
 

@@ -141,6 +141,12 @@ class DeepSeekV4Config(DecoderConfig):
                 "deepseek_v4 has no batch-invariant attention yet (its compressed and sparse "
                 "attention runs a dense PyTorch reference); set --model.batch_invariant false."
             )
+        if self.attn_backend != "sdpa":
+            raise ConfigError(
+                f"deepseek_v4's attention (sliding window, compressed and sparse keys, sinks) runs "
+                f"its own kernels, so attn_backend {self.attn_backend!r} would not be used; leave "
+                "--model.attn_backend at sdpa."
+            )
         if self.rope_dim % 2 or self.rope_dim > min(self.head_dim, self.index_head_dim):
             raise ConfigError(
                 f"model rope_dim ({self.rope_dim}) must be even and at most head_dim "
