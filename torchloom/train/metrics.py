@@ -180,9 +180,9 @@ class MetricsLogger:
         tps = tokens / step_seconds / num_devices
         media_tflops = media_flops / step_seconds / num_devices / 1e12
         tflops = tps * self.flops_per_token / 1e12 + media_tflops
-        media = {"media_tflops": media_tflops} if media_flops else {}
+        optional = {"media_tflops": media_tflops} if media_flops else {}
         if self.device.type == "cuda":  # what the allocator holds: tensors and its cache
-            media["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            optional["mem_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return {
             "step": step,
             "loss": loss,
@@ -191,7 +191,7 @@ class MetricsLogger:
             "tps": tps,
             "tflops": tflops,
             "mfu": (100.0 * tflops / self.peak_tflops) if self.peak_tflops else None,
-            **media,
+            **optional,
             "mem_gib": peak_memory_gib(self.device),
             "data_wait_s": data_seconds,
             "step_s": step_seconds,
