@@ -643,9 +643,10 @@ def available_memory(device: torch.device) -> int | None:
     (``--training.memory_limit_gib``); for the CPU, the kernel's MemAvailable); None where
     unknown."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
         allocated = torch.cuda.memory_allocated(device)
-        cap = int(total * torch.cuda.get_per_process_memory_fraction(device))
+        cap = int(total * torch.cuda.get_per_process_memory_fraction(index))
         return min(free + torch.cuda.memory_reserved(device), cap) - allocated
     if device.type == "cpu":
         try:

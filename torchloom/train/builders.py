@@ -198,15 +198,17 @@ def cap_device_memory(device: torch.device, gib: float) -> None:
             f"--training.memory_limit_gib {gib:g} is more than this GPU's {total / GiB:.1f} "
             "GiB; give at most that, or 0 for no cap."
         )
-    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(gib * GiB / total, index)
 
 
 def device_memory(device: torch.device) -> int | None:
     """The memory in bytes this process may use on the device (a GPU's total, or the cap
     ``cap_device_memory`` set; the machine's RAM for the CPU); None if unknown."""
     if device.type == "cuda":
-        total = torch.cuda.mem_get_info(device)[1]
-        return int(total * torch.cuda.get_per_process_memory_fraction(device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.mem_get_info(index)[1]
+        return int(total * torch.cuda.get_per_process_memory_fraction(index))
     if device.type == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
