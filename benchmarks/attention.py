@@ -11,9 +11,11 @@ load the GPU), forward then backward, with each kernel torch can run:
 kernel forced with torch.nn.attention.sdpa_kernel; GQA through enable_gqa where the kernel takes
 it, else kv heads repeated first, which the row's note says), and ``flex`` (FlexAttention,
 compiled, causal block mask), and ``fa4`` (FlashAttention 4, the `flash-attn-4` package's
-CuTe DSL kernels, where installed: not a dependency). ``flex-docs`` packs --docs documents of equal length in each row
-and masks across them: its work is a fraction of the causal one, and the table gives its time
-against ``flex`` to show the block mask skips the masked blocks. Flex rows build their block
+CuTe DSL kernels, where installed: not a dependency). ``flex-docs``, ``sdpa-docs`` and
+``fa4-docs`` pack --docs documents of equal length in each row and mask across them (the
+model's attention slots: flex's block mask, SDPA's dense mask, FlashAttention 4's varlen
+kernels): their work is a fraction of the causal one, and the table gives each one's time
+against its causal row (``vs_causal``) to show whether the kernel skips the masked blocks. Flex rows build their block
 mask once, outside the timed calls, as the model does (once per forward for all layers); the
 build's own time is the row's ``mask_ms``. FLOPs: the model's attention
 term (6 x heads x head_dim x T per token, causal QK^T and AV forward + backward), so TFLOP/s
@@ -40,7 +42,7 @@ FORCED = {
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-ROWS = ("sdpa", *FORCED, "flex", "flex-docs", "fa4")
+ROWS = ("sdpa", *FORCED, "flex", "flex-docs", "fa4", "sdpa-docs", "fa4-docs")
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -76,6 +78,22 @@ def _fa4() -> Attend:
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return attend
+
+
+def _with_documents(backend: str, doc_ids_BT: torch.Tensor) -> Attend:
+    """torchloom's attention slot ``backend`` over packed rows, what the model hands it built
+    once outside the timed calls (fa4: the documents' starts; sdpa: the ids, its mask built in
+    each call, as in each layer)."""
+    from torchloom.kernels.flash_attention4 import fa4_documents
+    from torchloom.models import ATTENTION_BACKENDS
+
+    attend_docs = ATTENTION_BACKENDS[backend]
+    documents = fa4_documents(doc_ids_BT) if backend == "fa4" else doc_ids_BT
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend_docs(q, k, v, documents)
 
     return attend
 
@@ -134,6 +152,9 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
                     record["note"] += f"; {args.docs} documents per row"
             elif row == "fa4":
                 attend = _fa4()
+            elif row in ("sdpa-docs", "fa4-docs"):
+                attend = _with_documents(row.removesuffix("-docs"), doc_ids_BT)
+                record["note"] = f"{args.docs} documents per row"
             else:
                 attend = _sdpa(FORCED.get(row), True)
                 try:
@@ -141,7 +162,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
                 except RuntimeError:  # this kernel takes no enable_gqa
                     attend = _sdpa(FORCED.get(row), False)
                     record["note"] = "kv heads repeated (no GQA support)"
-            if row != "flex-docs":  # the same function as flash's: how close
+            if not row.endswith("-docs"):  # the same function as flash's: how close
                 out = attend(q, k, v)
                 record["max_abs_diff_vs_flash"] = (out - reference).abs().max().item()
             seconds = time_fwd_bwd(attend, q, k, v, args.iters, load)
@@ -153,10 +174,10 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
         record |= {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
         rows.append(record)
         print(f"  {shape} {row}: {1e3 * seconds:.3f} ms", flush=True)
-    flex = next((r for r in rows if r["row"] == "flex" and "ms" in r), None)
-    for r in rows:
-        if flex and r["row"] == "flex-docs" and "ms" in r:
-            r["vs_flex_causal"] = r["ms"] / flex["ms"]
+    for r in rows:  # each -docs row against its kernel's causal row
+        causal = next((c for c in rows if c["row"] == r["row"].removesuffix("-docs")), None)
+        if r["row"].endswith("-docs") and causal and "ms" in r and "ms" in causal:
+            r["vs_causal"] = r["ms"] / causal["ms"]
     return rows
 
 
@@ -184,8 +205,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['shape']:<5} {r['row']:<15} {dims:<18} error: {r['error'][:70]}")
             continue
-        note = r["note"] + (f" ({r['vs_flex_causal']:.2f}x flex's time)" if "vs_flex_causal" in r
-                            else "")  # fmt: skip
+        note = r["note"] + (f" ({r['vs_causal']:.2f}x its causal row's time)"
+                            if "vs_causal" in r else "")  # fmt: skip
         print(f"{r['shape']:<5} {r['row']:<15} {dims:<18} {r['ms']:>8.3f} {r['tflops']:>8.1f}  "
               f"{note}")  # fmt: skip
     write_report(args.json, rows)

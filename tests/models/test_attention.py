@@ -106,8 +106,7 @@ def _reference_attention(
 @pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
 def test_backends_agree_with_a_float64_reference(backend: str, with_docs: bool) -> None:
     """Every registered kernel, with and without packed documents: the output (and, except for
-    flex, which has no CPU backward, the input gradients) within 1e-5 of float64 attention; fa4
-    refuses packed documents."""
+    flex, which has no CPU backward, the input gradients) within 1e-5 of float64 attention."""
     generator = torch.Generator().manual_seed(1)
     B = PACKED_DOC_IDS_BT.shape[0]
     qkv = [
@@ -123,10 +122,6 @@ def test_backends_agree_with_a_float64_reference(backend: str, with_docs: bool) 
 
     backward = backend != "flex"
     inputs = [t.clone().requires_grad_(backward) for t in qkv]
-    if backend == "fa4" and with_docs:  # FlashAttention 4's slot: one document per row
-        with pytest.raises(ConfigError, match="one document per row"):
-            ATTENTION_BACKENDS[backend](*inputs, doc_ids)
-        return
     with torch.set_grad_enabled(backward):
         got = ATTENTION_BACKENDS[backend](*inputs, doc_ids)
     diffs = {"out": (got.double() - expected).abs().max().item()}

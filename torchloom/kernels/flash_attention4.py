@@ -4,10 +4,12 @@
 Two torch.library custom ops, ``torchloom::fa4_fwd`` (q, k, v as [B, T, heads, d], causal GQA
 -> the output [B, T, H, d] and each query's log-sum-exp [B, H, T] in fp32) and
 ``torchloom::fa4_bwd``, wrap flash-attn-4's forward and backward, so torch.compile traces them
-as opaque ops through their fake forms and the registered backward. On the CPU they run the
-reference below (fp32, the same values up to rounding): how the slot is tested without a GPU,
-and a slow fallback there. Plain causal attention over one document per row only: packed rows
-(``--data.document_mask true``) and windowed or chunked layers are refused in one line.
+as opaque ops through their fake forms and the registered backward. Packed rows
+(``--data.document_mask true``) go through the varlen pair ``torchloom::fa4_varlen_fwd`` /
+``fa4_varlen_bwd``: the rows flattened to [B*T, heads, d] and cut at every document start
+(``Fa4Documents``, built once per forward), each document causal on its own. On the CPU the ops
+run the reference below (fp32, the same values up to rounding): how the slot is tested without a
+GPU, and a slow fallback there. Windowed or chunked layers are refused in one line.
 
 flash-attn-4 is not a dependency (``pip install flash-attn-4``); on a GPU without it, or older
 than Hopper (sm_90), a run asking for ``fa4`` stops before it builds the model
@@ -17,7 +19,11 @@ thirty-first session): +2.5% over cuDNN's attention through SDPA.
 
 from __future__ import annotations
 
+import itertools
+from typing import NamedTuple
+
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from torchloom.config.errors import ConfigError
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
@@ -164,23 +170,152 @@ def _backward(ctx, dout_BTHd: torch.Tensor, _dlse: torch.Tensor | None):
 
 fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
-DOCUMENT_FIX = (
-    "attn_backend 'fa4' runs plain causal attention over one document per row; set "
-    "--data.document_mask false, or use --model.attn_backend sdpa or flex for packed documents."
-)
+
+class Fa4Documents(NamedTuple):
+    """What fa4 layers take in place of ``doc_ids_BT`` in one forward (packed rows): where each
+    document starts in the rows flattened to B*T tokens, and the end, as int32 [documents + 1]
+    (flash-attn's ``cu_seqlens``). A row's start always starts a document."""
+
+    cu_seqlens: torch.Tensor
+
+
+def fa4_documents(doc_ids_BT: torch.Tensor) -> Fa4Documents:
+    """``Fa4Documents`` of ``doc_ids_BT`` (a document is a run of one id within a row). The
+    count of documents is data, so this reads it back from the device: once per forward, in
+    the eager code before the compiled blocks. Fake or meta ids (a memory estimate) get one
+    document per row: the count changes no size."""
+    B, T = doc_ids_BT.shape
+    if is_fake(doc_ids_BT) or doc_ids_BT.is_meta:  # sizes only (a memory estimate): one per row
+        cu_seqlens = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=doc_ids_BT.device)
+        return Fa4Documents(cu_seqlens)
+    starts_BT = torch.ones(B, T, dtype=torch.bool, device=doc_ids_BT.device)
+    starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    starts = starts_BT.flatten().nonzero().flatten()
+    end = torch.full((1,), B * T, dtype=starts.dtype, device=starts.device)
+    cu_seqlens = torch.cat([starts, end]).to(torch.int32)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)  # one graph for every document count
+    return Fa4Documents(cu_seqlens)
+
+
+def _documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(cu_seqlens.tolist()))
+
+
+def reference_varlen_forward(
+    q_NHd: torch.Tensor, k_NKd: torch.Tensor, v_NKd: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_forward`` over each document of the flattened rows on its own: (the output
+    [N, H, d], the log-sum-exp [H, N])."""
+    out_NHd = q_NHd.new_empty(*q_NHd.shape[:2], v_NKd.shape[-1])
+    lse_HN = q_NHd.new_empty(q_NHd.shape[1], q_NHd.shape[0], dtype=torch.float32)
+    for s, e in _documents(cu_seqlens):
+        out, lse = reference_forward(q_NHd[None, s:e], k_NKd[None, s:e], v_NKd[None, s:e])
+        out_NHd[s:e], lse_HN[:, s:e] = out[0], lse[0]
+    return out_NHd, lse_HN
+
+
+def reference_varlen_backward(
+    dout_NHd: torch.Tensor,
+    q_NHd: torch.Tensor,
+    k_NKd: torch.Tensor,
+    v_NKd: torch.Tensor,
+    out_NHd: torch.Tensor,
+    lse_HN: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference_backward`` document by document."""
+    grads = [torch.empty_like(t) for t in (q_NHd, k_NKd, v_NKd)]
+    for s, e in _documents(cu_seqlens):
+        parts = reference_backward(*(t[None, s:e] for t in (dout_NHd, q_NHd, k_NKd, v_NKd,
+                                                             out_NHd)), lse_HN[None, :, s:e])  # fmt: skip
+        for grad, part in zip(grads, parts):
+            grad[s:e] = part[0]
+    return grads[0], grads[1], grads[2]
+
+
+@torch.library.custom_op("torchloom::fa4_varlen_fwd", mutates_args=())
+def fa4_varlen_fwd(
+    q_NHd: torch.Tensor,
+    k_NKd: torch.Tensor,
+    v_NKd: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_NHd.is_cuda:
+        out, lse, *_ = flash_interface()._flash_attn_fwd(
+            q_NHd, k_NKd, v_NKd, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=True, return_lse=True,
+        )  # fmt: skip
+        return out.contiguous(), lse.contiguous()
+    return reference_varlen_forward(q_NHd, k_NKd, v_NKd, cu_seqlens)
+
+
+@fa4_varlen_fwd.register_fake
+def _(q_NHd, k_NKd, v_NKd, cu_seqlens, max_seqlen):
+    N, H, _ = q_NHd.shape
+    out = q_NHd.new_empty(N, H, v_NKd.shape[-1])
+    return out, q_NHd.new_empty(H, N, dtype=torch.float32)
+
+
+@torch.library.custom_op("torchloom::fa4_varlen_bwd", mutates_args=())
+def fa4_varlen_bwd(
+    dout_NHd: torch.Tensor,
+    q_NHd: torch.Tensor,
+    k_NKd: torch.Tensor,
+    v_NKd: torch.Tensor,
+    out_NHd: torch.Tensor,
+    lse_HN: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q_NHd.is_cuda:
+        dq, dk, dv = flash_interface()._flash_attn_bwd(
+            q_NHd, k_NKd, v_NKd, out_NHd, dout_NHd, lse_HN, causal=True,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+        )[:3]  # fmt: skip
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return reference_varlen_backward(dout_NHd, q_NHd, k_NKd, v_NKd, out_NHd, lse_HN, cu_seqlens)
+
+
+@fa4_varlen_bwd.register_fake
+def _(dout_NHd, q_NHd, k_NKd, v_NKd, out_NHd, lse_HN, cu_seqlens, max_seqlen):
+    return tuple(t.new_empty(t.shape) for t in (q_NHd, k_NKd, v_NKd))
+
+
+def _setup_varlen_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:4], *output)
+    ctx.max_seqlen = inputs[4]
+
+
+def _varlen_backward(ctx, dout_NHd: torch.Tensor, _dlse: torch.Tensor | None):
+    q_NHd, k_NKd, v_NKd, cu_seqlens, out_NHd, lse_HN = ctx.saved_tensors
+    grads = fa4_varlen_bwd(dout_NHd.contiguous(), q_NHd, k_NKd, v_NKd, out_NHd, lse_HN,
+                           cu_seqlens, ctx.max_seqlen)  # fmt: skip
+    return *grads, None, None
+
+
+fa4_varlen_fwd.register_autograd(_varlen_backward, setup_context=_setup_varlen_context)
 
 
 def fa4_attention(
     q_BHTd: torch.Tensor,
     k_BKTd: torch.Tensor,
     v_BKTd: torch.Tensor,
-    doc_ids_BT: torch.Tensor | None,
+    doc_ids_BT: torch.Tensor | Fa4Documents | None,
     mask: AttentionMask = CAUSAL,
 ) -> torch.Tensor:
     """The ``fa4`` backend: causal GQA through ``fa4_fwd`` (it takes the model's [B, T, heads,
-    d] layout, of which the backend's [B, heads, T, d] inputs are transposed views)."""
-    if doc_ids_BT is not None:
-        raise ConfigError(DOCUMENT_FIX)
+    d] layout, of which the backend's [B, heads, T, d] inputs are transposed views); with
+    documents (``Fa4Documents``, or ids it builds them from), each causal on its own through
+    ``fa4_varlen_fwd``."""
     mask.require_plain("attn_backend 'fa4'", "use --model.attn_backend sdpa or flex.")
-    out_BTHd, _ = fa4_fwd(q_BHTd.transpose(1, 2), k_BKTd.transpose(1, 2), v_BKTd.transpose(1, 2))
-    return out_BTHd.transpose(1, 2)
+    q_BTHd, k_BTKd, v_BTKd = (t.transpose(1, 2) for t in (q_BHTd, k_BKTd, v_BKTd))
+    if doc_ids_BT is None:
+        return fa4_fwd(q_BTHd, k_BTKd, v_BTKd)[0].transpose(1, 2)
+    documents = doc_ids_BT if isinstance(doc_ids_BT, Fa4Documents) else fa4_documents(doc_ids_BT)
+    B, T = q_BTHd.shape[:2]
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q_BTHd, k_BTKd, v_BTKd)]
+    out_NHd, _ = fa4_varlen_fwd(*flat, documents.cu_seqlens, T)
+    return out_NHd.view(B, T, *out_NHd.shape[1:]).transpose(1, 2)

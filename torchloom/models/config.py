@@ -32,7 +32,8 @@ class ModelConfig:
     """Model-config transforms applied in order, e.g. ["tie_embeddings"]."""
     attn_backend: str = "sdpa"
     """Attention kernel: 'sdpa', 'flex' (no backward on CPU) or 'fa4' (FlashAttention 4 on
-    Hopper and newer, plain causal attention, needs flash-attn-4; a PyTorch reference on CPU)."""
+    Hopper and newer, causal within each document, packed rows included; needs flash-attn-4; a
+    PyTorch reference on CPU)."""
     norm_impl: str = "torch"
     """RMSNorm implementation: 'torch' (PyTorch) or 'triton' (fused forward and backward
     kernels on CUDA, PyTorch elsewhere; not with tensor parallelism). Same parameters either way;

@@ -30,7 +30,7 @@ from torchloom.data.config import DataConfig
 from torchloom.data.multimodal import resolve_image_processing, resolve_media_layout
 from torchloom.data.multimodal_format import MediaTokens
 from torchloom.kernels.delta_rule import fla_runs
-from torchloom.kernels.flash_attention4 import DOCUMENT_FIX, check_fa4_device
+from torchloom.kernels.flash_attention4 import check_fa4_device
 from torchloom.kernels.float8 import check_float8_device
 from torchloom.models import (
     Attention,
@@ -153,9 +153,9 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
 
 def check_attention_data(job: JobConfig) -> None:
     """ConfigError, before the data pass, when the attention slot cannot take the batches the
-    data will make: ``fa4`` attends within one document per row, so training through it needs
-    text with ``--data.document_mask false`` (and no context parallelism, whose attention
-    replaces every backend)."""
+    data will make: ``fa4`` attends causally within each document (packed or not); it is
+    verified on text and chat rows, not media rows, and does not run under context
+    parallelism, whose attention replaces every backend."""
     if job.model.attn_backend != "fa4":
         return
     if job.parallel.cp > 1:
@@ -163,14 +163,11 @@ def check_attention_data(job: JobConfig) -> None:
             "--parallel.cp attends through its own kernel (SDPA under each layer's mask) whatever "
             "--model.attn_backend says, so fa4 would not run; leave attn_backend at sdpa with cp."
         )
-    if job.data.format != "text":
+    if job.data.format == "multimodal":
         raise ConfigError(
-            f"attn_backend 'fa4' attends within one document per row, and --data.format "
-            f"{job.data.format} packs several conversations or media rows into a row under "
-            "document masks; use --model.attn_backend sdpa or flex for it."
+            "attn_backend 'fa4' is verified on text and chat rows, not on --data.format "
+            "multimodal's media rows; use --model.attn_backend sdpa or flex for them."
         )
-    if job.data.document_mask:
-        raise ConfigError(DOCUMENT_FIX)
 
 
 def check_cap_device(gib: float, device_type: str) -> None:

@@ -160,3 +160,9 @@ def _check_cuda_graph_job(job: JobConfig) -> None:
             "--training.cuda_graph true is not verified with --model.batch_invariant true; drop "
             "one of the two."
         )
+    if job.model.attn_backend == "fa4" and job.data.document_mask:
+        raise ConfigError(
+            "--training.cuda_graph true cannot capture fa4 over packed documents (where the "
+            "documents start is read back from the GPU each step); set --data.document_mask "
+            "false or --model.attn_backend sdpa."
+        )

@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
-from torchloom.kernels.flash_attention4 import fa4_attention
+from torchloom.kernels.flash_attention4 import Fa4Documents, fa4_attention, fa4_documents
 from torchloom.models.components.cache import KVState
 from torchloom.models.components.fused_linear import fuse_linears
 from torchloom.models.components.norms import NORM_IMPLS, WeightlessRMSNorm
@@ -146,10 +146,14 @@ def shared_attention_input(
     doc_ids_BT: torch.Tensor | None,
     T: int,
     device: torch.device,
-) -> torch.Tensor | FlexBlockMasks | None:
+) -> torch.Tensor | FlexBlockMasks | Fa4Documents | None:
     """What every layer takes in place of ``doc_ids_BT``, built once per forward from the
     token mixers ``mixers``: with flex layers, their ``FlexBlockMasks`` (one BlockMask per
-    distinct mask); the document ids themselves for every other kernel."""
+    distinct mask); with fa4 layers, the documents' starts (``Fa4Documents``); the document
+    ids themselves for every other kernel."""
+    mixers = list(mixers)
+    if doc_ids_BT is not None and any(getattr(m, "attend", None) is fa4_attention for m in mixers):
+        return fa4_documents(doc_ids_BT)
     flex_masks = {
         getattr(mixer, "mask", CAUSAL)
         for mixer in mixers
