@@ -213,6 +213,23 @@ def test_trains_with_the_losses_of_sdpa_on_cpu(tmp_path, capsys, data) -> None:
     assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
 
 
+@pytest.mark.parametrize("recipe", ["qwen3_next_debug", "kimi_linear_debug"])
+def test_hybrids_train_over_packed_documents_with_the_losses_of_sdpa_on_cpu(tmp_path, recipe):
+    """A hybrid's linear-attention layers (Gated DeltaNet, KDA) read the ids that fa4's
+    ``Fa4Documents`` carries, beside its full-attention layers' varlen op: two steps over packed
+    rows give SDPA's losses."""
+    losses = {}
+    for backend in ("sdpa", "fa4"):
+        args = ["--recipe", recipe, *COMMON[2:], "--training.steps", "2",
+                "--model.attn_backend", backend, "--output.dir", str(tmp_path / backend)]  # fmt: skip
+        _, job = resolve_job(args)
+        Trainer(job).train()
+        lines = (tmp_path / backend / "metrics.jsonl").read_text().splitlines()
+        losses[backend] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    assert len(losses["fa4"]) == 2
+    assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_flash_attention4_matches_sdpa_on_gpu(head_dim: int) -> None:

@@ -174,9 +174,11 @@ fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 class Fa4Documents(NamedTuple):
     """What fa4 layers take in place of ``doc_ids_BT`` in one forward (packed rows): where each
     document starts in the rows flattened to B*T tokens, and the end, as int32 [documents + 1]
-    (flash-attn's ``cu_seqlens``). A row's start always starts a document."""
+    (flash-attn's ``cu_seqlens``). A row's start always starts a document. The ids ride along
+    for the token mixers that read them (a hybrid's linear-attention layers)."""
 
     cu_seqlens: torch.Tensor
+    doc_ids_BT: torch.Tensor
 
 
 def fa4_documents(doc_ids_BT: torch.Tensor) -> Fa4Documents:
@@ -187,7 +189,7 @@ def fa4_documents(doc_ids_BT: torch.Tensor) -> Fa4Documents:
     B, T = doc_ids_BT.shape
     if is_fake(doc_ids_BT) or doc_ids_BT.is_meta:  # sizes only (a memory estimate): one per row
         cu_seqlens = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=doc_ids_BT.device)
-        return Fa4Documents(cu_seqlens)
+        return Fa4Documents(cu_seqlens, doc_ids_BT)
     starts_BT = torch.ones(B, T, dtype=torch.bool, device=doc_ids_BT.device)
     starts_BT[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
     starts = starts_BT.flatten().nonzero().flatten()
@@ -195,7 +197,7 @@ def fa4_documents(doc_ids_BT: torch.Tensor) -> Fa4Documents:
     cu_seqlens = torch.cat([starts, end]).to(torch.int32)
     if not torch.compiler.is_compiling():
         torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)  # one graph for every document count
-    return Fa4Documents(cu_seqlens)
+    return Fa4Documents(cu_seqlens, doc_ids_BT)
 
 
 def _documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ one-token update.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from torchloom.models.components.head_parallel import (
     local_shard,
     shared_by_heads,
 )
-from torchloom.models.components.linear_attention import causal_conv1d
+from torchloom.models.components.linear_attention import causal_conv1d, document_ids
 from torchloom.models.components.param_init import ParamInit, local_tensor
 
 
@@ -116,17 +117,13 @@ class KimiDeltaAttention(nn.Module):
         x_BTD: torch.Tensor,
         cos_BTd: torch.Tensor | None = None,
         sin_BTd: torch.Tensor | None = None,
-        doc_ids_BT: torch.Tensor | None = None,
+        doc_ids_BT: Any = None,
         cache: BoundRecurrent | None = None,
     ) -> torch.Tensor:
         """With ``doc_ids_BT`` (packed rows) every document starts from a zero state and its
         convolutions see only its own tokens. With ``cache`` (generation) the rows continue
         their slots' states (a row at position 0 starts afresh) and leave them there."""
-        if doc_ids_BT is not None and not isinstance(doc_ids_BT, torch.Tensor):
-            raise ValueError(
-                "Kimi Delta Attention takes packed documents as doc_ids, not a "
-                f"{type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
-            )
+        doc_ids_BT = document_ids(doc_ids_BT, "Kimi Delta Attention layers")
         B, T, _ = x_BTD.shape
         d = self.head_dim
         qkv_BTC = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)

@@ -39,10 +39,26 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torchloom.config.errors import ConfigError
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.delta_rule import delta_rule
+from torchloom.kernels.flash_attention4 import Fa4Documents
 from torchloom.kernels.rmsnorm import rms_norm
 from torchloom.models.components.cache import BoundRecurrent, RecurrentState
 from torchloom.models.components.head_parallel import HeadParallel, local_shard, shared_by_heads
 from torchloom.models.components.param_init import ParamInit
+
+
+def document_ids(documents: Any, layers: str) -> torch.Tensor | None:
+    """The document ids a linear-attention layer reads from what its model's attention kernel
+    takes in their place in one forward (``shared_attention_input``): the ids themselves, or
+    fa4's ``Fa4Documents``, which carries them; ConfigError for anything else (flex's block
+    masks, which hold none the layer can use)."""
+    if documents is None or isinstance(documents, torch.Tensor):
+        return documents
+    if isinstance(documents, Fa4Documents):
+        return documents.doc_ids_BT
+    raise ConfigError(
+        f"{layers} read packed documents as ids, but the attention kernel handed them a "
+        f"{type(documents).__name__}; use --model.attn_backend sdpa or fa4."
+    )
 
 
 def causal_conv1d(
@@ -159,11 +175,7 @@ class GatedDeltaNet(nn.Module):
         """With ``doc_ids_BT`` (packed rows) every document starts from a zero state and its
         convolution sees only its own tokens. With ``cache`` (generation), each row continues
         from its slot's state and leaves its state there."""
-        if doc_ids_BT is not None and not isinstance(doc_ids_BT, torch.Tensor):
-            raise ConfigError(
-                "Gated DeltaNet layers read packed documents as ids, but the attention kernel "
-                f"handed them a {type(doc_ids_BT).__name__}; use --model.attn_backend sdpa."
-            )
+        doc_ids_BT = document_ids(doc_ids_BT, "Gated DeltaNet layers")
         B, T, _ = x_BTD.shape
         q_BTC, k_BTC, v_BTC, z_BTHv, b_BTH, a_BTH = self._projections(x_BTD)
         key_width, value_width = q_BTC.shape[-1], v_BTC.shape[-1]  # this rank's heads
