@@ -165,16 +165,14 @@ def test_cuda_graph_refuses_packed_documents() -> None:
         ),
         (["--recipe", "deepseek_v4_debug"], "deepseek_v4's attention .* would not be used"),
         (["--parallel.cp", "2"], "--parallel.cp attends through its own kernel"),
-        (["--recipe", "qwen3_vl_debug"], "not on --data.format multimodal's media rows"),
     ],
-    ids=["sliding-window", "deepseek_v4", "cp", "multimodal"],
+    ids=["sliding-window", "deepseek_v4", "cp"],
 )
 def test_what_fa4_cannot_run_is_one_line(tmp_path, capsys, extra, message) -> None:
     """Each a one-line error at the CLI (exit 2), train and --dry-run alike, no traceback."""
     recipe = extra[1] if extra[0] == "--recipe" else "debug"
     extra = extra[2:] if extra[0] == "--recipe" else extra
-    masks = [] if recipe == "qwen3_vl_debug" else ["--data.document_mask", "false"]
-    args = ["--recipe", recipe, *COMMON[2:], "--model.attn_backend", "fa4", *masks, *extra]
+    args = ["--recipe", recipe, *COMMON[2:], "--model.attn_backend", "fa4", *extra]
     runs = [["--output.dir", str(tmp_path / "run")], ["--dry-run"]]
     if "--parallel.cp" in extra:  # needs two ranks: the dry run simulates them
         runs = [["--dry-run", "--world-size", "2"]]
@@ -213,11 +211,15 @@ def test_trains_with_the_losses_of_sdpa_on_cpu(tmp_path, capsys, data) -> None:
     assert losses["fa4"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_next_debug", "kimi_linear_debug"])
-def test_hybrids_train_over_packed_documents_with_the_losses_of_sdpa_on_cpu(tmp_path, recipe):
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["qwen3_next_debug", "kimi_linear_debug", "qwen3_vl_debug"])
+def test_other_families_train_over_packed_documents_with_the_losses_of_sdpa_on_cpu(
+    tmp_path, recipe
+):
     """A hybrid's linear-attention layers (Gated DeltaNet, KDA) read the ids that fa4's
-    ``Fa4Documents`` carries, beside its full-attention layers' varlen op: two steps over packed
-    rows give SDPA's losses."""
+    ``Fa4Documents`` carries, beside its full-attention layers' varlen op; a vision-language
+    model's packed picture chats go through the varlen op too: two steps over packed rows give
+    SDPA's losses."""
     losses = {}
     for backend in ("sdpa", "fa4"):
         args = ["--recipe", recipe, *COMMON[2:], "--training.steps", "2",

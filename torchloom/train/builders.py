@@ -152,21 +152,13 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
 
 
 def check_attention_data(job: JobConfig) -> None:
-    """ConfigError, before the data pass, when the attention slot cannot take the batches the
-    data will make: ``fa4`` attends causally within each document (packed or not); it is
-    verified on text and chat rows, not media rows, and does not run under context
-    parallelism, whose attention replaces every backend."""
-    if job.model.attn_backend != "fa4":
-        return
-    if job.parallel.cp > 1:
+    """ConfigError, before the data pass, when the attention slot cannot run the job: ``fa4``
+    attends causally within each document (packed or not, text, chat or media rows) but not
+    under context parallelism, whose attention replaces every backend."""
+    if job.model.attn_backend == "fa4" and job.parallel.cp > 1:
         raise ConfigError(
             "--parallel.cp attends through its own kernel (SDPA under each layer's mask) whatever "
             "--model.attn_backend says, so fa4 would not run; leave attn_backend at sdpa with cp."
-        )
-    if job.data.format == "multimodal":
-        raise ConfigError(
-            "attn_backend 'fa4' is verified on text and chat rows, not on --data.format "
-            "multimodal's media rows; use --model.attn_backend sdpa or flex for them."
         )
 
 
