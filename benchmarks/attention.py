@@ -82,15 +82,17 @@ def _fa4() -> Attend:
     return attend
 
 
-def _with_documents(backend: str, doc_ids_BT: torch.Tensor) -> Attend:
-    """torchloom's attention slot ``backend`` over packed rows, what the model hands it built
-    once outside the timed calls (fa4: the documents' starts; sdpa: the ids, its mask built in
-    each call, as in each layer)."""
+def _slot(backend: str, doc_ids_BT: torch.Tensor | None = None) -> Attend:
+    """torchloom's attention slot ``backend``, over packed rows with ``doc_ids_BT``: what the
+    model hands it built once outside the timed calls (fa4: the documents' starts; sdpa: the
+    ids, its mask built in each call, as in each layer)."""
     from torchloom.kernels.flash_attention4 import fa4_documents
     from torchloom.models import ATTENTION_BACKENDS
 
     attend_docs = ATTENTION_BACKENDS[backend]
-    documents = fa4_documents(doc_ids_BT) if backend == "fa4" else doc_ids_BT
+    documents = doc_ids_BT
+    if backend == "fa4" and doc_ids_BT is not None:
+        documents = fa4_documents(doc_ids_BT)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attend_docs(q, k, v, documents)
@@ -153,7 +155,7 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
             elif row == "fa4":
                 attend = _fa4()
             elif row in ("sdpa-docs", "fa4-docs"):
-                attend = _with_documents(row.removesuffix("-docs"), doc_ids_BT)
+                attend = _slot(row.removesuffix("-docs"), doc_ids_BT)
                 record["note"] = f"{args.docs} documents per row"
             else:
                 attend = _sdpa(FORCED.get(row), True)

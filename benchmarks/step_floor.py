@@ -9,9 +9,10 @@ kernels this software stack has. A step is three kinds of work, each measured he
 - matmuls: every linear's forward, input-gradient and weight-gradient matmul at the step's
   tokens (benchmarks/matmul_shapes.py's rows; the head in chunks of --chunk tokens, its weight
   gradient accumulated in fp32 as the chunked loss does);
-- attention: SDPA (torch's choice of kernel) causal GQA forward + backward on the step's
-  q/k/v, views of [B, T, heads, head_dim] as in the model, random data and a random output
-  gradient, times the layers (benchmarks/attention.py's timing);
+- attention: SDPA (torch's choice of kernel; ``--attention fa4``: the fa4 slot,
+  FlashAttention 4, where flash-attn-4 is installed) causal GQA forward + backward on the
+  step's q/k/v, views of [B, T, heads, head_dim] as in the model, random data and a random
+  output gradient, times the layers (benchmarks/attention.py's timing);
 - memory-bound work: the bytes the step's other kernels must read and write at the least
   (``memory_traffic``: residual adds fused into the norms, SwiGLU, RoPE on q and k, the loss
   kernel over each logits chunk, the embedding, the gradient norm and AdamW, the fp32 master
@@ -32,7 +33,7 @@ import json
 from pathlib import Path
 
 import torch
-from attention import _sdpa, time_fwd_bwd
+from attention import _sdpa, _slot, time_fwd_bwd
 from gpu_bench import median_seconds, write_report
 from matmul_shapes import step_rows, time_linear
 
@@ -131,7 +132,9 @@ def _kinds(row: dict) -> dict[str, float] | None:
             "memory_ms": row["profile"]["gpu_busy_ms_per_step"] - matmul - attention}  # fmt: skip
 
 
-def floor(shape: str, batch: int, seq: int, chunk: int, iters: int, bandwidth: float) -> dict:
+def floor(
+    shape: str, batch: int, seq: int, chunk: int, iters: int, bandwidth: float, attention: str
+) -> dict:
     flavor, _, fp32_master = SHAPES[shape]
     cfg = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
     tokens = batch * seq
@@ -142,7 +145,8 @@ def floor(shape: str, batch: int, seq: int, chunk: int, iters: int, bandwidth: f
     heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     q, k, v = (torch.randn(batch, seq, h, hd, device="cuda", dtype=torch.bfloat16)
                .transpose(1, 2).detach().requires_grad_() for h in (heads, kv, kv))  # fmt: skip
-    attention_ms = 1e3 * cfg.num_layers * time_fwd_bwd(_sdpa(None, True), q, k, v, iters)
+    attend = _sdpa(None, True) if attention == "sdpa" else _slot(attention)
+    attention_ms = 1e3 * cfg.num_layers * time_fwd_bwd(attend, q, k, v, iters)
     del q, k, v
     traffic = memory_traffic(cfg, tokens, parameter_count(cfg), fp32_master)
     memory_ms = {term: 1e3 * b / bandwidth for term, b in traffic.items()}
@@ -150,7 +154,7 @@ def floor(shape: str, batch: int, seq: int, chunk: int, iters: int, bandwidth: f
     tokens_per_s = tokens / step_ms * 1e3
     return {
         "shape": shape, "batch": batch, "seq": seq, "matmul_ms": matmul_ms,
-        "attention_ms": attention_ms, "memory_bytes": traffic, "memory_ms": memory_ms,
+        "attention": attention, "attention_ms": attention_ms, "memory_bytes": traffic, "memory_ms": memory_ms,
         "step_ms": step_ms, "tokens_per_s": tokens_per_s,
         "tflops": tokens_per_s * cfg.flops_per_token(seq) / 1e12,
         "overlap": overlap(tokens, cfg.dim, cfg.ffn_dim, 4, iters, bandwidth),
@@ -164,6 +168,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=4096, help="the head's tokens per chunk")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "fa4"],
+                        help="the attention kernel timed: SDPA's choice, or the fa4 slot")  # fmt: skip
     parser.add_argument("--train-json", type=Path, nargs="*", default=[],
                         help="benchmarks/train.py reports to compare with the floor")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/step_floor.json"))
@@ -177,7 +183,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         batch = args.batch or SHAPES[shape][1]
-        r = floor(shape, batch, args.seq, args.chunk, args.iters, bandwidth)
+        r = floor(shape, batch, args.seq, args.chunk, args.iters, bandwidth, args.attention)
         r["mfu"] = 100 * r["tflops"] / peak if peak else None
         r["measured"] = [
             {"row": m["row"], "tokens_per_s": m["tokens_per_s"],
@@ -194,7 +200,8 @@ def main() -> None:
     for r in rows:
         s = r["shape"]
         print(f"{s:<5} {'matmuls':<22} {r['matmul_ms']:>8.1f}  each alone, cuBLAS")
-        print(f"{s:<5} {'attention':<22} {r['attention_ms']:>8.1f}  SDPA fwd + bwd, alone")
+        print(f"{s:<5} {'attention':<22} {r['attention_ms']:>8.1f}  "
+              f"{r['attention']} fwd + bwd, alone")  # fmt: skip
         for term, ms in r["memory_ms"].items():
             print(f"{s:<5} {'memory: ' + term:<22} {ms:>8.1f}  "
                   f"{r['memory_bytes'][term] / 1e9:.1f} GB at the copy's bandwidth")  # fmt: skip
