@@ -151,17 +151,6 @@ def training_bytes_lower_bound(modules: list[nn.Module], job: JobConfig) -> tupl
     return params, grads + moments
 
 
-def check_attention_data(job: JobConfig) -> None:
-    """ConfigError, before the data pass, when the attention slot cannot run the job: ``fa4``
-    attends causally within each document (packed or not, text, chat or media rows) but not
-    under context parallelism, whose attention replaces every backend."""
-    if job.model.attn_backend == "fa4" and job.parallel.cp > 1:
-        raise ConfigError(
-            "--parallel.cp attends through its own kernel (SDPA under each layer's mask) whatever "
-            "--model.attn_backend says, so fa4 would not run; leave attn_backend at sdpa with cp."
-        )
-
-
 def check_cap_device(gib: float, device_type: str) -> None:
     """ConfigError when ``--training.memory_limit_gib`` is set and the run's device (``auto``
     resolved here) is not a GPU: called before anything trains (rl's prerequisite models)."""

@@ -47,7 +47,6 @@ from torchloom.train.builders import (
     build_model_config,
     build_model_parts,
     build_objective,
-    check_attention_data,
     check_seq_len,
     local_bytes,
     micro_batch_size,
@@ -154,7 +153,6 @@ def check_rank(
 ) -> tuple[DecoderConfig, ParallelDims, int, RankMemory, Activations]:
     """This rank's checks and memory: (model config, dims, micro-batch, memory, activations)."""
     t = job.training
-    check_attention_data(job)
     dims = build_parallel_dims(job.parallel.following(t.mixed_precision), device.type)
     config = build_model_config(job)
     check_seq_len(config, t.seq_len, job.checkpoint.initial_load_hf)

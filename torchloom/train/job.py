@@ -71,6 +71,12 @@ class JobConfig:
                 f"--profiling.steps {traced} lies beyond --training.steps {steps}, so the trace "
                 f"would never be written; pick steps within 1..{steps}."
             )
+        if self.model.attn_backend == "fa4" and p.cp > 1:
+            raise ConfigError(
+                "--parallel.cp attends through its own kernel (SDPA under each layer's mask) "
+                "whatever --model.attn_backend says, so fa4 would not run; leave attn_backend at "
+                "sdpa with cp."
+            )
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "

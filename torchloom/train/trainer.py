@@ -27,7 +27,6 @@ from torchloom.train.builders import (
     TrainBuilders,
     autocast_dtype,
     cap_device_memory,
-    check_attention_data,
     check_media_encoder,
     check_media_fits,
     check_seq_len,
@@ -94,7 +93,6 @@ class Trainer:
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        check_attention_data(job)
         if job.model.attn_backend == "flex" and self.device.type == "cpu":
             raise ConfigError(
                 "FlexAttention has no backward pass on the CPU in PyTorch, so it cannot train "
