@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from gpu_bench import median_seconds, write_report
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torchloom.kernels.attention_mask import CAUSAL
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.models.components.attention import flex_attention_backend, flex_block_mask
 
@@ -62,8 +63,9 @@ def _sdpa(backend: SDPBackend | None, gqa: bool) -> Attend:
 
 def _flex(doc_ids_BT: torch.Tensor | None, T: int) -> tuple[Attend, float]:
     """The flex backend with its block mask built once, and the build's median seconds."""
-    block_mask = flex_block_mask(doc_ids_BT, T, T, torch.device("cuda"))
-    mask_s = median_seconds(lambda: flex_block_mask(doc_ids_BT, T, T, torch.device("cuda")), 5)
+    cuda = torch.device("cuda")
+    block_mask = flex_block_mask(CAUSAL, doc_ids_BT, T, T, cuda)
+    mask_s = median_seconds(lambda: flex_block_mask(CAUSAL, doc_ids_BT, T, T, cuda), 5)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex_attention_backend(q, k, v, block_mask)

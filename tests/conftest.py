@@ -169,3 +169,13 @@ def torchrun_train():
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-16000:]
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo_for_gpu_tests(request):
+    """Each GPU test compiles from a fresh dynamo. Its recompile limit (8) counts per code
+    object across the process, so compiled blocks of earlier tests (fa4's packed steps, the
+    training runs) otherwise use up a later fullgraph test's budget for the same forward."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch._dynamo.reset()
+    yield
