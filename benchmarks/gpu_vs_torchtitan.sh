@@ -21,8 +21,10 @@
 # float8 memory goes to recomputing fewer blocks), 8B-budgetB (--remat.mode budget with memory
 # budget B, e.g. 8B-budget0.5: the compiler picks what each block recomputes; 8B-fp8-budgetB
 # with float8), 1B-fa4 / 8B-fa4 (FlashAttention 4, after `bash benchmarks/fa4_wheels.sh
-# install`), 8B-fp8-fa4-budgetB[-capG] (float8, FlashAttention 4, budget B, and with -capG the
-# allocator capped at G GiB by --training.memory_limit_gib, e.g. 8B-fp8-fa4-budget0.875-cap121))
+# install`), 8B-fp8-fa4-budgetB[-capG][-g16][-casts] (float8, FlashAttention 4, budget B; -capG
+# caps the allocator at G GiB (--training.memory_limit_gib), -g16 holds the linear weights'
+# gradients in bf16 (--optimizer.grad_dtype bf16), -casts recomputes the weights' casts
+# (--remat.weight_casts recompute); e.g. 8B-fp8-fa4-budget0.9-g16))
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-outputs/vs_torchtitan}
@@ -50,6 +52,9 @@ for r in $ROWS; do
     1B) row 1B 170 --flavor 1B --batch 8 --steps 40 --timeout 80 ;;
     8B) row 8B 190 --flavor 8B --batch 2 --recompute every_2nd --steps 20 --timeout 90 ;;
     8B-fp8) row 8B-fp8 190 --flavor 8B --batch 2 --recompute every_2nd --float8 --steps 20 --timeout 90 ;;
+    8B-fp8-tt)  # TorchTitan's float8 row alone (its every-2nd-block default), for the rows below
+      row 8B-fp8-tt 110 --sides torchtitan --flavor 8B --batch 2 --recompute every_2nd --float8 \
+        --steps 20 --timeout 100 ;;
     moe) row moe 250 --model deepseek_v3 --batch 4 --steps 30 --timeout 120 ;;
     8B-casts[0-9]*)  # every K-th block recomputed, K from the row's name
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
@@ -63,14 +68,22 @@ for r in $ROWS; do
     8B-fp8-budget[0-9.]*)  # the same with float8 tensorwise
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 --float8 \
         --torchloom-args "--remat.mode budget --remat.memory_budget ${r#8B-fp8-budget}" ;;
-    8B-fp8-fa4-budget[0-9.]*)  # float8 + FlashAttention 4 + budget B [+ allocator cap G GiB]
-      b=${r#8B-fp8-fa4-budget} cap=""
-      [[ $b == *-cap* ]] && cap="--training.memory_limit_gib ${b#*-cap}" && b=${b%-cap*}
+    8B-fp8-fa4-budget[0-9.]*)  # float8 + FlashAttention 4 + budget B [+ suffixes, below]
+      IFS=- read -ra parts <<< "${r#8B-fp8-fa4-budget}"
+      extra="--remat.mode budget --remat.memory_budget ${parts[0]}"
+      for s in "${parts[@]:1}"; do
+        case $s in
+          cap*) extra+=" --training.memory_limit_gib ${s#cap}" ;;  # allocator capped at G GiB
+          g16) extra+=" --optimizer.grad_dtype bf16" ;;  # linear weights' gradients in bf16
+          casts) extra+=" --remat.weight_casts recompute" ;;
+          *) echo "unknown suffix $s of $r (capG, g16, casts)"; continue 2 ;;
+        esac
+      done
       row "$r" 110 --sides torchloom --flavor 8B --batch 2 --steps 20 --timeout 100 --float8 --fa4 \
-        --torchloom-args "--remat.mode budget --remat.memory_budget $b $cap" ;;
+        --torchloom-args "$extra" ;;
     1B-fa4) row 1B-fa4 100 --sides torchloom --flavor 1B --batch 8 --steps 40 --timeout 90 --fa4 ;;
     8B-fa4) row 8B-fa4 110 --sides torchloom --flavor 8B --batch 2 --recompute every_2nd --steps 20 \
       --timeout 100 --fa4 ;;
-    *) echo "unknown row $r (1B 8B 8B-fp8 moe 8B-castsK 8B-fp8-everyK 8B-budgetB 8B-fp8-budgetB 1B-fa4 8B-fa4 8B-fp8-fa4-budgetB[-capG])" ;;
+    *) echo "unknown row $r (1B 8B 8B-fp8 8B-fp8-tt moe 8B-castsK 8B-fp8-everyK 8B-budgetB 8B-fp8-budgetB 1B-fa4 8B-fa4 8B-fp8-fa4-budgetB[-capG][-g16][-casts])" ;;
   esac
 done

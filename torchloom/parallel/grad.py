@@ -35,10 +35,11 @@ def clip_grad_norm_(
 
 @torch.no_grad()
 def grad_norm(
-    parameters: Iterable[torch.Tensor],
+    parameters: Iterable[torch.Tensor] = (),
     norm_type: float = 2.0,
     pp_mesh: DeviceMesh | None = None,
     triton_kernel: bool = False,
+    grads: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The global norm of the parameters' gradients as a plain tensor, equal to the
     single-process norm of the same model; no host sync.
@@ -49,9 +50,13 @@ def grad_norm(
     stage holds different parameters: pass ``pp_mesh`` to combine the stages' norms too. With
     ``triton_kernel`` (the Triton AdamW's companion), plain CUDA gradients' 2-norm is summed by
     one Triton kernel per gradient into fp32 per-block partials (kernels/adamw.py): one read of
-    each gradient, the same total every run; otherwise torch's ``get_total_norm``.
+    each gradient, the same total every run; otherwise torch's ``get_total_norm``. ``grads``
+    gives the gradients themselves instead of ``parameters`` (e.g. ones held in bf16 apart
+    from ``.grad``).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads is None:
+        grads = [p.grad for p in parameters if p.grad is not None]
+    grads = list(grads)
     partial_norms = []
     for mesh, group in _by_mesh(grads).items():
         if triton_kernel and mesh is None and norm_type == 2.0 and _triton_norm(group):
@@ -60,7 +65,7 @@ def grad_norm(
         if mesh is not None and "ep" in (mesh.mesh_dim_names or ()):
             partial_norms.extend(_expert_norms(group, norm_type, mesh))
             continue
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norm = _total_norm(group, norm_type)
         partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not partial_norms:
         return torch.zeros(())
@@ -68,6 +73,15 @@ def grad_norm(
     if pp_mesh is not None:
         total = _combine_over(total, norm_type, pp_mesh)
     return total
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torch's ``get_total_norm``; gradients of several dtypes (some held in bf16) are each
+    measured in fp32, in order, where torch would measure the bf16 ones in bf16."""
+    if len({g.dtype for g in grads}) == 1:
+        return torch.nn.utils.get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def _by_mesh(tensors: list[torch.Tensor]) -> dict[DeviceMesh | None, list[torch.Tensor]]:

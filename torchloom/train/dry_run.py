@@ -53,7 +53,7 @@ from torchloom.train.builders import (
 )
 from torchloom.train.job import JobConfig
 from torchloom.train.loss import Objective
-from torchloom.train.optim import OPTIMIZER_STATE_BYTES
+from torchloom.train.optim import OPTIMIZER_STATE_BYTES, linear_weights
 from torchloom.train.remat import apply_remat
 
 
@@ -177,10 +177,12 @@ def rank_memory(rank: int, model: nn.Module, job: JobConfig, activations: int | 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     state = OPTIMIZER_STATE_BYTES[job.optimizer.name](model, job.optimizer)
+    # --optimizer.grad_dtype bf16 holds the linear weights' gradients in half the bytes.
+    halved = {id(w) for w in linear_weights(model)} if job.optimizer.grad_dtype == "bf16" else ()
     return RankMemory(
         rank,
         params=sum(local_bytes(p) for p in params),
-        grads=sum(local_bytes(p) for p in trainable),
+        grads=sum(local_bytes(p) // (2 if id(p) in halved else 1) for p in trainable),
         optimizer=state,
         activations=activations,
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux

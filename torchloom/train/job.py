@@ -77,6 +77,14 @@ class JobConfig:
                 "whatever --model.attn_backend says, so fa4 would not run; leave attn_backend at "
                 "sdpa with cp."
             )
+        if self.optimizer.grad_dtype == "bf16" and (
+            max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep) > 1 or p.fsdp_always
+        ):
+            raise ConfigError(
+                "--optimizer.grad_dtype bf16 holds the gradients of whole, unsharded weights (one "
+                "GPU, or pipeline stages); data, context, tensor and expert parallelism keep "
+                "theirs sharded in fp32. Leave grad_dtype at fp32 with those degrees."
+            )
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
@@ -165,6 +173,12 @@ def _check_cuda_graph_job(job: JobConfig) -> None:
         raise ConfigError(
             "--training.cuda_graph true is not verified with --model.batch_invariant true; drop "
             "one of the two."
+        )
+    if job.optimizer.grad_dtype != "fp32":
+        raise ConfigError(
+            "--training.cuda_graph true is not verified with --optimizer.grad_dtype bf16 (its "
+            "gradients are held by a Python hook, which a replayed graph does not run); drop one "
+            "of the two."
         )
     if job.model.attn_backend == "fa4" and job.data.document_mask:
         raise ConfigError(

@@ -45,6 +45,14 @@ class OptimizerConfig:
     implementation: Literal["auto", "fused", "triton", "foreach", "for_loop"] = "auto"
     """AdamW kernel: auto takes fused on the GPU and foreach on the CPU; triton (CUDA only) is
     one Triton kernel per parameter that also applies the gradient clip (no pass of its own)."""
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Storage of the linear layers' weight gradients. bf16 halves their memory (at 8B, 15 GiB):
+    each arrives in fp32 from autograd, is rounded to bf16 at once and the fp32 copy freed, so
+    only one fp32 gradient exists at a time. Under bf16 compute a linear's weight gradient is a
+    bf16 matmul's output, so with one micro-batch a step nothing is lost (bitwise the fp32
+    run); further micro-batches add into the bf16 sums (rounded, as Megatron's bf16 gradient
+    accumulation is). Norms, biases and embeddings keep fp32 gradients. Needs the triton
+    implementation, which reads bf16 gradients directly, on one GPU without parallelism."""
 
     def validate(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -59,6 +67,11 @@ class OptimizerConfig:
         if not 0 < self.eps < math.inf:  # 0 divides 0 by 0 where a gradient is zero
             raise ConfigError(
                 f"--optimizer.eps must be a number > 0 (1e-8 is usual); got {self.eps}."
+            )
+        if self.grad_dtype == "bf16" and self.implementation != "triton":
+            raise ConfigError(
+                "--optimizer.grad_dtype bf16 needs --optimizer.implementation triton (its kernel "
+                "reads bf16 gradients into the fp32 update; torch's AdamW wants fp32 ones)."
             )
         if not 0 <= self.weight_decay < math.inf:
             raise ConfigError(
@@ -124,7 +137,8 @@ def _adamw(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> list
                 "--optimizer.implementation triton runs Triton kernels on a CUDA GPU (with "
                 "Triton installed); elsewhere use auto."
             )
-        return [TritonAdamW(groups, **hyper)]
+        bf16_grads = linear_weights(model) if cfg.grad_dtype == "bf16" else []
+        return [TritonAdamW(groups, **hyper, bf16_grads=bf16_grads)]
     return [torch.optim.AdamW(groups, **hyper, fused=impl == "fused", foreach=impl == "foreach")]
 
 
@@ -132,6 +146,15 @@ OPTIMIZERS: dict[str, Callable[[nn.Module, OptimizerConfig, torch.device], list[
     "adamw": _adamw,
 }
 """``--optimizer.name`` -> a function splitting a model's parameters among optimizers."""
+
+
+def linear_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable weights of ``model``'s linear layers (float8 ones included), less any
+    shared with an embedding (a tied output head): the gradients ``--optimizer.grad_dtype``
+    stores in bf16."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    return [w for i, w in weights.items() if w.requires_grad and i not in embeddings]
 
 
 def _adamw_state_bytes(model: nn.Module, cfg: OptimizerConfig) -> int:
@@ -214,12 +237,23 @@ class TritonAdamW(torch.optim.AdamW):
     elementwise.
     """
 
-    def __init__(self, params, **hyper) -> None:
+    def __init__(self, params, bf16_grads: Iterable[nn.Parameter] = (), **hyper) -> None:
+        """``bf16_grads``: parameters whose gradients are kept in bf16 (``Bf16Gradients``)."""
         super().__init__(params, **hyper, foreach=False, fused=False)
         self.grad_scale: torch.Tensor | None = None
+        bf16_grads = list(bf16_grads)
+        self.bf16_grads = Bf16Gradients(bf16_grads) if bf16_grads else None
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s gradient as this optimizer reads it (fp32, or held in bf16)."""
+        if param.grad is not None or self.bf16_grads is None:
+            return param.grad
+        return self.bf16_grads.held.get(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        if self.bf16_grads is not None:
+            self.bf16_grads.clear(set_to_none)
         self.grad_scale = None  # it belonged to the gradients just dropped
 
     @torch.no_grad()
@@ -234,7 +268,8 @@ class TritonAdamW(torch.optim.AdamW):
                 raise ValueError("TritonAdamW supports neither amsgrad nor maximize")
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for param in group["params"]:
-                if param.grad is None:
+                grad = self.gradient(param)
+                if grad is None:
                     continue
                 state = self.state[param]
                 if not state:
@@ -246,7 +281,7 @@ class TritonAdamW(torch.optim.AdamW):
                 if state["step"].device != param.device:  # loaded from a torch checkpoint
                     state["step"] = state["step"].to(param.device, torch.float32)
                 params.append(_local(param))
-                grads.append(_local(param.grad))
+                grads.append(_local(grad))
                 exp_avgs.append(_local(state["exp_avg"]))
                 exp_avg_sqs.append(_local(state["exp_avg_sq"]))
                 steps.append(state["step"])
@@ -260,6 +295,41 @@ class TritonAdamW(torch.optim.AdamW):
                 grad_scale=grad_scale,
             )  # fmt: skip
         return loss
+
+
+class Bf16Gradients:
+    """Gradients kept in bf16 for fp32 parameters (``--optimizer.grad_dtype bf16``). torch
+    holds a parameter's ``.grad`` in the parameter's dtype, so they live here instead: a hook
+    after autograd accumulates each parameter's fp32 gradient rounds it into ``held`` and drops
+    ``.grad``, which frees the fp32 copy before the next parameter's arrives. A later
+    micro-batch's gradient adds into the held one (in bf16). ``.grad`` stays None for these
+    parameters: readers ask the optimizer (``TritonAdamW.gradient``)."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        for param in params:
+            if isinstance(param, DTensor) or param.dtype != torch.float32:
+                raise ConfigError(
+                    "--optimizer.grad_dtype bf16 keeps bf16 gradients of fp32 parameters on one "
+                    f"device; this model has a {param.dtype} {type(param).__name__} weight (data, "
+                    "tensor or expert parallelism, or a bf16 model). Leave grad_dtype at fp32."
+                )
+        self.held: dict[nn.Parameter, torch.Tensor] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hold) for p in params]
+
+    def _hold(self, param: nn.Parameter) -> None:
+        grad, param.grad = param.grad, None
+        held = self.held.get(param)
+        if held is None:
+            self.held[param] = grad.to(torch.bfloat16)
+        else:
+            held.add_(grad)
+
+    def clear(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            self.held = {}
+        else:
+            for held in self.held.values():
+                held.zero_()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -278,12 +348,21 @@ def clip_gradients(
     otherwise every gradient is scaled in place (``clip_grad_norm_``)."""
     optimizers = getattr(optimizer, "optimizers", [optimizer])
     if all(isinstance(o, TritonAdamW) for o in optimizers):
-        norm = grad_norm(parameters, pp_mesh=pp_mesh, triton_kernel=True)
+        grads = [g for p in parameters if (g := _gradient(optimizers, p)) is not None]
+        norm = grad_norm(grads=grads, pp_mesh=pp_mesh, triton_kernel=True)
         scale = clip_coefficient(norm, max_norm)
         for o in optimizers:
             o.grad_scale = scale
         return norm
     return clip_grad_norm_(parameters, max_norm, pp_mesh=pp_mesh)
+
+
+def _gradient(optimizers: list[TritonAdamW], param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s gradient as the optimizer stepping it reads it."""
+    for optimizer in optimizers:
+        if (grad := optimizer.gradient(param)) is not None:
+            return grad
+    return None
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
