@@ -105,7 +105,9 @@ def test_which_gradients_are_held() -> None:
     [
         (["--optimizer.grad_dtype", "bf16"], "needs --optimizer.implementation triton"),
         (["--optimizer.grad_dtype", "bf16", "--optimizer.implementation", "triton",
-          "--parallel.tp", "2"], "holds the gradients of whole, unsharded weights"),
+          "--parallel.tp", "2"], "is implemented for one GPU"),
+        (["--optimizer.grad_dtype", "bf16", "--optimizer.implementation", "triton",
+          "--parallel.pp", "2"], "pipeline stages are not verified"),
         (["--optimizer.grad_dtype", "bf16", "--optimizer.implementation", "triton",
           "--training.cuda_graph", "true"], "not verified with --optimizer.grad_dtype bf16"),
     ],

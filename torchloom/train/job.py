@@ -78,12 +78,12 @@ class JobConfig:
                 "sdpa with cp."
             )
         if self.optimizer.grad_dtype == "bf16" and (
-            max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep) > 1 or p.fsdp_always
+            max(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.ep) > 1 or p.fsdp_always
         ):
             raise ConfigError(
-                "--optimizer.grad_dtype bf16 holds the gradients of whole, unsharded weights (one "
-                "GPU, or pipeline stages); data, context, tensor and expert parallelism keep "
-                "theirs sharded in fp32. Leave grad_dtype at fp32 with those degrees."
+                "--optimizer.grad_dtype bf16 is implemented for one GPU: data, context, tensor and "
+                "expert parallelism keep sharded fp32 gradients, and pipeline stages are not "
+                "verified with it. Leave grad_dtype at fp32 with those degrees."
             )
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
