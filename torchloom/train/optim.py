@@ -46,13 +46,14 @@ class OptimizerConfig:
     """AdamW kernel: auto takes fused on the GPU and foreach on the CPU; triton (CUDA only) is
     one Triton kernel per parameter that also applies the gradient clip (no pass of its own)."""
     grad_dtype: Literal["fp32", "bf16"] = "fp32"
-    """Storage of the linear layers' weight gradients. bf16 halves their memory (at 8B, 15 GiB):
+    """Storage of the linear layers' weight gradients. bf16 halves their memory (at 8B, 14 GiB):
     each arrives in fp32 from autograd, is rounded to bf16 at once and the fp32 copy freed, so
     only one fp32 gradient exists at a time. Under bf16 compute a linear's weight gradient is a
-    bf16 matmul's output, so with one micro-batch a step nothing is lost (bitwise the fp32
-    run); further micro-batches add into the bf16 sums (rounded, as Megatron's bf16 gradient
-    accumulation is). Norms, biases and embeddings keep fp32 gradients. Needs the triton
-    implementation, which reads bf16 gradients directly, on one GPU without parallelism."""
+    bf16 matmul's output, so with one micro-batch a step and each linear applied once a forward
+    nothing is lost (bitwise the fp32 run); further micro-batches add into the bf16 sums
+    (rounded, as Megatron's bf16 gradient accumulation is). Norms, biases and embeddings keep
+    fp32 gradients. Needs the triton implementation, which reads bf16 gradients directly, on
+    one GPU without parallelism."""
 
     def validate(self) -> None:
         if self.name not in OPTIMIZERS:
