@@ -33,6 +33,15 @@ def _qkv(B: int, T: int, H: int, K: int, d: int, **kwargs) -> list[torch.Tensor]
             for heads in (H, K, K)]  # fmt: skip
 
 
+def _assert_same_with_gradients(got: torch.Tensor, want: torch.Tensor, views) -> None:
+    """``got`` equals ``want``, and so do their gradients into ``views`` under one random
+    upstream gradient."""
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(torch.autograd.grad(got, views, grad),
+                               torch.autograd.grad(want, views, grad))  # fmt: skip
+
+
 def test_the_ops_are_well_formed_and_match_sdpa_on_cpu() -> None:
     """torch.library.opcheck (schema, fake forms, the registered backward, compile's view), then
     the backend's output and gradients against the SDPA backend (GQA: 4 query heads, 2 kv)."""
@@ -40,11 +49,9 @@ def test_the_ops_are_well_formed_and_match_sdpa_on_cpu() -> None:
     q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in _qkv(2, 7, 4, 2, 8))
     torch.library.opcheck(fa4.fa4_fwd, (q, k, v))
     views = _qkv(2, 7, 4, 2, 8)
-    got, want = fa4.fa4_attention(*views, None), sdpa_attention(*views, None)
-    torch.testing.assert_close(got, want)
-    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(torch.autograd.grad(got, views, grad),
-                               torch.autograd.grad(want, views, grad))  # fmt: skip
+    _assert_same_with_gradients(
+        fa4.fa4_attention(*views, None), sdpa_attention(*views, None), views
+    )
 
 
 def test_value_heads_narrower_than_key_heads_on_cpu() -> None:
@@ -88,10 +95,7 @@ def test_packed_documents_match_sdpa_on_cpu() -> None:
     views = _qkv(2, 7, 4, 2, 8)
     for docs in (DOC_IDS, documents):  # ids (built here) or what the model built once
         got, want = fa4.fa4_attention(*views, docs), sdpa_attention(*views, DOC_IDS)
-        torch.testing.assert_close(got, want)
-        grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
-        torch.testing.assert_close(torch.autograd.grad(got, views, grad),
-                                   torch.autograd.grad(want, views, grad))  # fmt: skip
+        _assert_same_with_gradients(got, want, views)
 
 
 def test_packed_documents_compile_to_one_graph_on_cpu() -> None:
@@ -104,10 +108,7 @@ def test_packed_documents_compile_to_one_graph_on_cpu() -> None:
             views = _qkv(2, 7, 4, 2, 8)
             documents = fa4.fa4_documents(doc_ids)
             got, want = attend(*views, documents), sdpa_attention(*views, doc_ids)
-            torch.testing.assert_close(got, want)
-            grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
-            torch.testing.assert_close(torch.autograd.grad(got, views, grad),
-                                       torch.autograd.grad(want, views, grad))  # fmt: skip
+            _assert_same_with_gradients(got, want, views)
 
 
 def test_the_model_builds_the_documents_once_per_forward() -> None:
