@@ -110,6 +110,8 @@ def test_which_gradients_are_held() -> None:
           "--parallel.pp", "2"], "pipeline stages are not verified"),
         (["--optimizer.grad_dtype", "bf16", "--optimizer.implementation", "triton",
           "--training.cuda_graph", "true"], "not verified with --optimizer.grad_dtype bf16"),
+        (["--optimizer.grad_dtype", "bf16", "--optimizer.implementation", "triton",
+          "--training.mixed_precision", "fp32"], "every one would be rounded"),
     ],
 )  # fmt: skip
 def test_refusals(flags, message) -> None:

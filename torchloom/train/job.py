@@ -85,6 +85,12 @@ class JobConfig:
                 "expert parallelism keep sharded fp32 gradients, and pipeline stages are not "
                 "verified with it. Leave grad_dtype at fp32 with those degrees."
             )
+        if self.optimizer.grad_dtype == "bf16" and self.training.mixed_precision == "fp32":
+            raise ConfigError(
+                "--optimizer.grad_dtype bf16 holds gradients that bf16 matmuls produce; under "
+                "--training.mixed_precision fp32 they are fp32 and every one would be rounded. "
+                "Use mixed_precision bf16 (or auto on a GPU), or leave grad_dtype at fp32."
+            )
         if self.model.batch_invariant and (p.tp > 1 or p.cp > 1 or p.pp > 1):
             raise ConfigError(
                 "--model.batch_invariant true is implemented for whole-model ranks only; set "
