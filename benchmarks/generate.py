@@ -172,6 +172,12 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile a run of this many new tokens per row and "
                              "batch: kernel time per step and the GPU's busy share (GPU only)")  # fmt: skip
+    parser.add_argument("--decode-attention", default="auto", choices=("auto", "torch", "triton"),
+                        help="how our rows attend one-token steps (Generator's decode_attention: "
+                             "auto = the Triton kernel on CUDA)")  # fmt: skip
+    parser.add_argument("--max-len", type=int, default=0,
+                        help="our rows' cache length (0: prompt + new tokens); a longer cache "
+                             "shows what reading every cached index costs")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, default=Path("outputs/generate_bench.json"))
     parser.add_argument("--tp", type=int, default=1,
@@ -212,8 +218,9 @@ def main() -> None:
                     options = {"cuda_graphs": False} if row == "ours-eager" else {}
                     if row.endswith("-compiled") or row == "ours-tuned":
                         options = {"compile": True}
+                    options["decode_attention"] = args.decode_attention
                     m = models.get(row.removesuffix("-compiled"), model)
-                    length = args.prompt_len + args.new_tokens
+                    length = args.max_len or args.prompt_len + args.new_tokens
                     run = lambda p, n, m=m, o=options, L=length: ours(m, p, n, L, **o)  # noqa: E731
                 tuning = contextlib.nullcontext()
                 if row == "ours-tuned":  # read while compiling: in force for the warm-up call
@@ -269,7 +276,9 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "command": " ".join(sys.argv), "shape": args.shape, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "tp": args.tp, "train_batch": args.train_batch,
-        "train_seq": args.train_seq, "rows": results, "train_step_s": train,
+        "train_seq": args.train_seq, "decode_attention": args.decode_attention,
+        "max_len": args.max_len or args.prompt_len + args.new_tokens,
+        "rows": results, "train_step_s": train,
         "train_step_profiles": train_profiles,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {args.json}")

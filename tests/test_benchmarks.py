@@ -66,9 +66,11 @@ def test_generate_benchmark_runs(tmp_path):
     out = tmp_path / "generate.json"
     _run("generate.py", "--shape", "tiny", "--device", "cpu", "--batches", "1", "2",
          "--new-tokens", "4", "--prompt-len", "8", "--rows", "ours", "hf-eager", "--train-seq",
-         "0", "--json", str(out))  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["row"] for r in rows} == {"ours", "hf-eager"}
+         "0", "--decode-attention", "torch", "--max-len", "32", "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    assert {r["row"] for r in report["rows"]} == {"ours", "hf-eager"}
+    assert all("tokens_per_s" in r for r in report["rows"]), report["rows"]
+    assert report["decode_attention"] == "torch" and report["max_len"] == 32
 
 
 def test_tuning_turns_one_row_linears_into_reductions_on_cuda():

@@ -39,6 +39,7 @@ from torchloom.generate.requests import Completion, Request, media_problem, outs
 from torchloom.generate.requests import SamplingParams as SamplingParams  # the API, here too
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
+from torchloom.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
@@ -95,6 +96,12 @@ class Generator:
     all ranks pick the same tokens; CUDA graphs are then off by default (not verified with
     collectives).
 
+    ``decode_attention``: how attention layers attend one-token steps over their KV cache:
+    "auto" (default) by the Triton kernel of torchloom/kernels/decode_attention.py on CUDA
+    (each row reads its own keys up to its position) and the masked matmul softmax elsewhere,
+    "torch" the masked matmul softmax everywhere, "triton" the kernel (CPU tensors under
+    TRITON_INTERPRET=1). Batch-invariant layers keep their own fixed-order kernel.
+
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
     slot, so slots freed one by one are refilled by one prefill, not one each. With nothing
@@ -109,6 +116,7 @@ class Generator:
         cuda_graphs: bool | None = None,
         compile: bool = False,
         admit_batch: int | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         if not (isinstance(model, nn.Module) and hasattr(model, "config")
                 and hasattr(model, "new_cache")):  # fmt: skip
@@ -134,7 +142,13 @@ class Generator:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or context
         check_cache_fits(model, max_batch, self.max_len, self.device, self.dtype)
+        if decode_attention not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(
+                f"decode_attention must be one of {DECODE_ATTENTION_IMPLS} ('auto': the Triton "
+                f"kernel on CUDA); got {decode_attention!r}"
+            )
         self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
+        self.cache.decode_attention = decode_attention
         host_reads = _host_reads(model, self.dtype)
         if cuda_graphs is None:
             sharded = any(isinstance(p, DTensor) for p in model.parameters())

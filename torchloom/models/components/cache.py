@@ -64,13 +64,15 @@ import torch.nn.functional as F
 from torchloom.kernels import batch_invariant
 from torchloom.kernels.attention_mask import CAUSAL, AttentionMask
 from torchloom.kernels.batch_invariant import MASK_FIX
+from torchloom.kernels.decode_attention import decode_attention, kernel_takes
 from torchloom.kernels.delta_rule import delta_rule, delta_rule_step
 
 
 class Binding:
     """What every layer of one forward shares: the rows' slots and positions, how many key
-    indices to read, each row's real tokens (``lengths_B``; None: all T), and values computed
-    once for all layers (``memo``)."""
+    indices to read, each row's real tokens (``lengths_B``; None: all T), the one-token
+    attention kernel (``ModelCache.decode_attention``), and values computed once for all
+    layers (``memo``)."""
 
     def __init__(
         self,
@@ -80,10 +82,11 @@ class Binding:
         leading: bool,
         lengths_B: torch.Tensor | None = None,
         live_B: torch.Tensor | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         self.slot_ids_B, self.positions_BT = slot_ids_B, positions_BT
         self.length, self.leading, self.lengths_B = length, leading, lengths_B
-        self.live_B = live_B
+        self.live_B, self.decode_attention = live_B, decode_attention
         self._memo: dict[str, Any] = {}
 
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
@@ -110,6 +113,9 @@ class ModelCache:
         self, states: dict[int, LayerState], slots: int, max_len: int, device: torch.device
     ) -> None:
         self.states, self.slots, self.max_len, self.device = states, slots, max_len, device
+        # How KV layers attend one-token steps (kernels/decode_attention.py's impl): "auto" runs
+        # the Triton kernel where it can (CUDA), "torch" the masked matmul softmax everywhere.
+        self.decode_attention = "auto"
         self._binding: Binding | None = None
 
     def bind(
@@ -123,8 +129,9 @@ class ModelCache:
         ``model(tokens, positions, cache=...)``)."""
         length = int(positions_BT.max()) + 1  # keys past the furthest query are never visible
         self._binding = Binding(
-            slot_ids_B, positions_BT, length, leading=False, lengths_B=lengths_B
-        )
+            slot_ids_B, positions_BT, length, leading=False, lengths_B=lengths_B,
+            decode_attention=self.decode_attention,
+        )  # fmt: skip
         return self
 
     def bind_leading(
@@ -133,7 +140,10 @@ class ModelCache:
         """Rows are slots 0..B-1 (B = positions_BT.shape[0]); shapes depend only on B. Rows
         not ``live_B`` (dummies at position max_len - 1) change no state lasting."""
         slot_ids_B = torch.arange(positions_BT.shape[0], device=positions_BT.device)
-        self._binding = Binding(slot_ids_B, positions_BT, self.max_len, leading=True, live_B=live_B)
+        self._binding = Binding(
+            slot_ids_B, positions_BT, self.max_len, leading=True, live_B=live_B,
+            decode_attention=self.decode_attention,
+        )  # fmt: skip
         return self
 
     @property
@@ -225,6 +235,12 @@ class _BoundKV:
         # Advanced indexing [slots, :, positions] puts the indexed dims first: [B, T, K, d].
         state.k[rows_B1, :, pos_BT] = k_BKTd.transpose(1, 2).to(state.k.dtype)
         state.v[rows_B1, :, pos_BT] = v_BKTd.transpose(1, 2).to(state.v.dtype)
+        if self._one_token_kernel(q_BHTd):
+            out_BHd = decode_attention(
+                q_BHTd[:, :, 0], state.k, state.v, bound.slot_ids_B, pos_BT[:, 0],
+                bound.live_B, state.mask.window, state.mask.chunk, impl="triton",
+            )  # fmt: skip
+            return out_BHd[:, :, None]
         if bound.leading:  # a view of slots 0..B-1: no copy
             rows = pos_BT.shape[0]
             keys_BKLd, values_BKLd = state.k[:rows], state.v[:rows]
@@ -236,6 +252,14 @@ class _BoundKV:
         mask = state.mask
         hidden_B11TL = bound.memo(("hidden_keys", mask), lambda: _hidden_keys(bound, mask))
         return grouped_attention(q_BHTd, keys_BKLd, values_BKLd, hidden_B11TL)
+
+    def _one_token_kernel(self, q_BHTd: torch.Tensor) -> bool:
+        """Whether this step attends by kernels/decode_attention.py's kernel: one token a
+        row, not batch-invariant, and the binding's impl asks for it ("auto": where it runs)."""
+        impl, state = self.binding.decode_attention, self.state
+        if q_BHTd.shape[2] != 1 or state.batch_invariant or impl == "torch":
+            return False
+        return impl == "triton" or kernel_takes(q_BHTd, state.k, state.v)
 
 
 def _hidden_keys(bound: Binding, mask: AttentionMask = CAUSAL) -> torch.Tensor:
