@@ -1,11 +1,11 @@
 """Where a batch-1 decode step's GPU time goes: the compiled Generator's captured step replayed
 alone and profiled kernel by kernel, beside the step's weight matmuls alone (the floor cuBLAS
 sets), and end-to-end `generate` tokens/s; optionally the same compiled with inductor's
-programmatic dependent launch (``--pdl``), or attending with the masked matmul softmax instead
-of the decode attention kernel (``--torch-attention``). Needs a CUDA GPU.
+programmatic dependent launch (``--pdl``), or attending with the decode attention kernel
+instead of the masked matmul softmax (``--attention-kernel``). Needs a CUDA GPU.
 
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
-    python3 benchmarks/decode_step.py --torch-attention --pdl --json outputs/decode_step.json
+    python3 benchmarks/decode_step.py --attention-kernel --pdl --json outputs/decode_step.json
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -126,9 +126,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--pdl", action="store_true",
                         help="also compile with inductor's triton.enable_pdl")  # fmt: skip
-    parser.add_argument("--torch-attention", action="store_true",
-                        help="also the step with decode_attention='torch' (the masked matmul "
-                             "softmax instead of kernels/decode_attention.py)")  # fmt: skip
+    parser.add_argument("--attention-kernel", action="store_true",
+                        help="also the step with decode_attention='auto' (the Triton kernel of "
+                             "kernels/decode_attention.py instead of the masked matmul softmax)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -139,11 +139,11 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
     report = {"matmuls_alone": matmuls_alone(config, device)}
     print("matmuls alone", report["matmuls_alone"], flush=True)
-    settings = {"compiled": ({}, "auto")}
-    if args.torch_attention:
-        settings["compiled_torch_attention"] = ({}, "torch")
+    settings = {"compiled": ({}, "torch")}
+    if args.attention_kernel:
+        settings["compiled_attention_kernel"] = ({}, "auto")
     if args.pdl:
-        settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "auto")
+        settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch")
     for label, (patch, attention) in settings.items():
         report[label] = decode(
             model, config, prompt, args.new_tokens, args.profile_steps, patch, attention

@@ -172,9 +172,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after timing, profile a run of this many new tokens per row and "
                              "batch: kernel time per step and the GPU's busy share (GPU only)")  # fmt: skip
-    parser.add_argument("--decode-attention", default="auto", choices=("auto", "torch", "triton"),
+    parser.add_argument("--decode-attention", default="torch", choices=("auto", "torch", "triton"),
                         help="how our rows attend one-token steps (Generator's decode_attention: "
-                             "auto = the Triton kernel on CUDA)")  # fmt: skip
+                             "auto: the Triton kernel on CUDA)")  # fmt: skip
     parser.add_argument("--max-len", type=int, default=0,
                         help="our rows' cache length (0: prompt + new tokens); a longer cache "
                              "shows what reading every cached index costs")  # fmt: skip

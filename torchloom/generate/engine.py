@@ -97,10 +97,11 @@ class Generator:
     collectives).
 
     ``decode_attention``: how attention layers attend one-token steps over their KV cache:
-    "auto" (default) by the Triton kernel of torchloom/kernels/decode_attention.py on CUDA
-    (each row reads its own keys up to its position) and the masked matmul softmax elsewhere,
-    "torch" the masked matmul softmax everywhere, "triton" the kernel (CPU tensors under
-    TRITON_INTERPRET=1). Batch-invariant layers keep their own fixed-order kernel.
+    "torch" (default) the masked matmul softmax; "auto" the Triton kernel of
+    torchloom/kernels/decode_attention.py on CUDA (each row reads its own keys up to its
+    position) and the masked matmul softmax elsewhere; "triton" the kernel (CPU tensors under
+    TRITON_INTERPRET=1). "auto" becomes the default once its GPU test and benchmark have run
+    on a GPU (docs/generate.md). Batch-invariant layers keep their own fixed-order kernel.
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -116,7 +117,7 @@ class Generator:
         cuda_graphs: bool | None = None,
         compile: bool = False,
         admit_batch: int | None = None,
-        decode_attention: str = "auto",
+        decode_attention: str = "torch",
     ) -> None:
         if not (isinstance(model, nn.Module) and hasattr(model, "config")
                 and hasattr(model, "new_cache")):  # fmt: skip

@@ -82,7 +82,7 @@ class Binding:
         leading: bool,
         lengths_B: torch.Tensor | None = None,
         live_B: torch.Tensor | None = None,
-        decode_attention: str = "auto",
+        decode_attention: str = "torch",
     ) -> None:
         self.slot_ids_B, self.positions_BT = slot_ids_B, positions_BT
         self.length, self.leading, self.lengths_B = length, leading, lengths_B
@@ -113,9 +113,9 @@ class ModelCache:
         self, states: dict[int, LayerState], slots: int, max_len: int, device: torch.device
     ) -> None:
         self.states, self.slots, self.max_len, self.device = states, slots, max_len, device
-        # How KV layers attend one-token steps (kernels/decode_attention.py's impl): "auto" runs
-        # the Triton kernel where it can (CUDA), "torch" the masked matmul softmax everywhere.
-        self.decode_attention = "auto"
+        # How KV layers attend one-token steps (kernels/decode_attention.py's impl): "torch" the
+        # masked matmul softmax, "auto" the Triton kernel where it can run (CUDA), "triton" it.
+        self.decode_attention = "torch"
         self._binding: Binding | None = None
 
     def bind(
