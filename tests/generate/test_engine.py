@@ -179,18 +179,33 @@ def test_cuda_graph_decode_replays_the_static_step_bitwise(greedy):
 
 @pytest.mark.slow
 def test_compiled_generator_stacks_projections_on_cpu():
-    """Generator(compile=True) stacks q/k/v and gate/up before compiling its step (inductor on
-    the CPU here, fp32): the same tokens as the plain generator, log-probabilities within 1e-5."""
+    """Generator(compile=True) stacks q/k/v and gate/up before compiling its step, and compiles
+    its text prefills too (inductor on the CPU here, fp32): the same tokens as the plain
+    generator, log-probabilities within 1e-5, over prefills of 3, 1 and 2 rows of other
+    lengths. Each compiled function holds two graphs at most: batch 1 (specialised) and one
+    for every other batch (the cache's and the step buffers' sizes are static, so a batch
+    equal to them at the first compile is not tied to them)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from torchloom.generate.engine import _text_forward
+
+    torch._dynamo.reset()
     model = tiny("qwen3")
-    requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in PROMPTS[:3]]
-    plain = Generator(model, max_batch=3, max_len=32).generate(requests)
+    plain = Generator(model, max_batch=3, max_len=32)
     assert all(m.fused_in is None for m in model.modules() if isinstance(m, Attention))
     compiled = Generator(model, max_batch=3, max_len=32, compile=True)
     assert all(m.fused_in is not None for m in model.modules() if isinstance(m, Attention))
-    got = compiled.generate(requests)
-    assert [c.tokens for c in got] == [c.tokens for c in plain]
-    for a, b in zip(got, plain):
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    for prompts in (PROMPTS[:3], [PROMPTS[2]], [[1] * 17, [2] * 3]):
+        requests = [Request(p, SamplingParams(max_new_tokens=4, temperature=0.0)) for p in prompts]
+        got, want = compiled.generate(requests), plain.generate(requests)
+        assert [c.tokens for c in got] == [c.tokens for c in want]
+        for a, b in zip(got, want):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    prefill = _debug_get_cache_entry_list(_text_forward(model).__code__)
+    assert compiled.graphs is not None
+    decode = _debug_get_cache_entry_list(compiled.graphs._model_step(model).__code__)
+    print(f"compiled graphs: prefill {len(prefill)}, decode step {len(decode)}")
+    assert 1 <= len(prefill) <= 2 and 1 <= len(decode) <= 2
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from torchloom.generate.requests import SamplingParams as SamplingParams  # the 
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
+from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
@@ -176,6 +178,15 @@ class Generator:
             # references), and only from CUDA graphs: RL's eager decode shares the trainer's
             # modules and leaves them as they are.
             fuse_projections_(model)
+        # Prefills of text (images go eagerly) compiled too: an eager prefill of a 1B model is
+        # hundreds of small kernels launched from Python, for one forward a request.
+        self._compiled_prefill = None
+        if compile:
+            self._compiled_prefill = torch.compile(_text_forward(model), dynamic=True)
+            # The cache's sizes never change: static, they cannot be duck-sized into a batch
+            # that happens to equal the slots at the first compile (and recompile on the next).
+            for tensor in self.cache.tensors():
+                torch._dynamo.mark_static(tensor)
         self.graphs = None
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(
@@ -483,8 +494,13 @@ class Generator:
         # Images go with the rows that prefill a prompt (a decoding row's are in its slot).
         media = _media_rows([admitted[slot].request.media if slot in admitted else None
                              for slot, _, _ in rows])  # fmt: skip
-        extra = {"media": _to(media, self.device)} if media else {}
-        logits_BTV = self.model(tokens_BT, positions_BT, cache=cache, **extra)
+        if media:
+            logits_BTV = self.model(tokens_BT, positions_BT, cache=cache,
+                                    media=_to(media, self.device))  # fmt: skip
+        elif self._compiled_prefill is not None:
+            logits_BTV = self._compiled_prefill(tokens_BT, positions_BT, cache)
+        else:
+            logits_BTV = self.model(tokens_BT, positions_BT, cache=cache)
         logits_BV = logits_BTV[torch.arange(len(rows), device=self.device), lengths_B - 1]
         for (_, prompt, _), (first, *others) in zip(groups, groups.values()):
             if others:
@@ -582,6 +598,18 @@ class Generator:
                 completion.finish_reason = "stop"
             elif len(completion.tokens) >= params.max_new_tokens:
                 completion.finish_reason = "length"
+
+
+def _text_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """``model``'s forward over tokens and a bound cache, as a function to compile (a closure
+    over the model alone: no reference back to the generator)."""
+
+    def forward(
+        tokens_BT: torch.Tensor, positions_BT: torch.Tensor, cache: ModelCache
+    ) -> torch.Tensor:
+        return model(tokens_BT, positions_BT, cache=cache)
+
+    return forward
 
 
 def _media_rows(media: list[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:

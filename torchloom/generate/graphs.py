@@ -108,6 +108,10 @@ class DecodeGraphs:
         self._step = self._model_step(model)
         if compile:  # a compiled wrapper around the same module: the model is left as it is
             self._step = torch.compile(self._step, dynamic=True)
+            # The buffers the buckets' rows are views of keep their size: static, the first
+            # bucket's rows are not duck-sized to them (which recompiled the second bucket).
+            for buffer in (self._tokens_B1, self._positions_B1, self._live_B):
+                torch._dynamo.mark_static(buffer)
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._bucket = 0  # the bucket of the last launched step

@@ -166,21 +166,25 @@ class ModelCache:
     def nbytes(self) -> int:
         """Bytes of every tensor the cache holds (each layer's state, whatever its kind): a
         cache built on the meta device tells what one would allocate."""
-        total, seen, stack = 0, set(), list(vars(self).values())
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds, once each (each layer's state, whatever its kind)."""
+        found, seen, stack = [], set(), list(vars(self).values())
         while stack:
             value = stack.pop()
             if id(value) in seen or isinstance(value, torch.nn.Module):
                 continue  # a state may point at its layer, whose weights are not the cache's
             seen.add(id(value))
             if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
+                found.append(value)
             elif isinstance(value, list | tuple):
                 stack.extend(value)
             elif isinstance(value, dict):
                 stack.extend(value.values())
             elif hasattr(value, "__dict__") and not isinstance(value, type):
                 stack.extend(vars(value).values())
-        return total
+        return found
 
 
 class KVState:
