@@ -1,11 +1,12 @@
 """Where a batch-1 decode step's GPU time goes: the compiled Generator's captured step replayed
 alone and profiled kernel by kernel, beside the step's weight matmuls alone (the floor cuBLAS
 sets), and end-to-end `generate` tokens/s; optionally the same compiled with inductor's
-programmatic dependent launch (``--pdl``), or attending with the decode attention kernel
-instead of the masked matmul softmax (``--attention-kernel``). Needs a CUDA GPU.
+programmatic dependent launch (``--pdl``), or with the generator's Triton kernels (``--kernels``:
+kernels/decode_attention.py instead of the masked matmul softmax, kernels/log_softmax.py for the
+log-softmax and argmax). Needs a CUDA GPU.
 
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
-    python3 benchmarks/decode_step.py --attention-kernel --pdl --json outputs/decode_step.json
+    python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -79,14 +80,14 @@ def matmuls_alone(config, device: torch.device) -> dict:
 
 
 def decode(
-    model, config, prompt: list[int], new: int, steps: int, patch: dict, attention: str
+    model, config, prompt: list[int], new: int, steps: int, patch: dict, kernels: str
 ) -> dict:
     torch._dynamo.reset()
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     start = time.perf_counter()
     with inductor_config.patch(patch):  # read while the step compiles (the first generate)
         generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
-                              decode_attention=attention)  # fmt: skip
+                              decode_attention=kernels, score_kernel=kernels)  # fmt: skip
         generator.generate([Request(prompt, params)])
     compile_s = time.perf_counter() - start
     tokens_per_s = []
@@ -126,9 +127,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--pdl", action="store_true",
                         help="also compile with inductor's triton.enable_pdl")  # fmt: skip
-    parser.add_argument("--attention-kernel", action="store_true",
-                        help="also the step with decode_attention='auto' (the Triton kernel of "
-                             "kernels/decode_attention.py instead of the masked matmul softmax)")  # fmt: skip
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the step with the generator's Triton kernels "
+                             "(decode_attention and score_kernel 'auto')")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -140,13 +141,13 @@ def main() -> None:
     report = {"matmuls_alone": matmuls_alone(config, device)}
     print("matmuls alone", report["matmuls_alone"], flush=True)
     settings = {"compiled": ({}, "torch")}
-    if args.attention_kernel:
-        settings["compiled_attention_kernel"] = ({}, "auto")
+    if args.kernels:
+        settings["compiled_kernels"] = ({}, "auto")
     if args.pdl:
         settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch")
-    for label, (patch, attention) in settings.items():
+    for label, (patch, kernels) in settings.items():
         report[label] = decode(
-            model, config, prompt, args.new_tokens, args.profile_steps, patch, attention
+            model, config, prompt, args.new_tokens, args.profile_steps, patch, kernels
         )
         print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)

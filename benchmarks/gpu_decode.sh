@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The decode-side changes on a GPU, in one call (issue 35's batch-1 goal): the decode attention
-# kernel's and the generator's GPU tests, then the 1B bf16 decode step with and without the
-# kernel (benchmarks/decode_step.py), then `generate` tokens/s of the compiled generator at
-# batch 1 / 8 / 64 with decode_attention torch and auto, and at batch 64 over a 4096-token
-# cache (where the masked matmul softmax reads every cached index for every row).
+# The decode-side changes on a GPU, in one call (issue 35's batch-1 goal): the GPU tests of the
+# generator's Triton kernels (decode attention, log-softmax + argmax) and of the generator, then
+# the 1B bf16 decode step with and without the kernels (benchmarks/decode_step.py), then
+# `generate` tokens/s of the compiled generator at batch 1 / 8 / 64 with the kernels off
+# (torch) and on (auto), and at batch 64 over a 4096-token cache (where the masked matmul
+# softmax reads every cached index for every row).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
@@ -17,18 +18,18 @@ for part in $PARTS; do
   case $part in
     tests)
       run 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_decode_attention.py \
-        tests/generate/test_engine.py tests/train/test_grad_dtype.py 2>&1 | tail -n 25 ;;
+        tests/kernels/test_log_softmax.py tests/generate/test_engine.py tests/train/test_grad_dtype.py 2>&1 | tail -n 25 ;;
     step)
-      run 240 python3 benchmarks/decode_step.py --attention-kernel --json "$OUT/decode_step.json" 2>&1 | tail -n 6 ;;
+      run 240 python3 benchmarks/decode_step.py --kernels --json "$OUT/decode_step.json" 2>&1 | tail -n 6 ;;
     generate)
-      for attention in torch auto; do
+      for kernels in torch auto; do
         run 200 python3 benchmarks/generate.py --rows ours-compiled --batches 1 8 64 --train-seq 0 \
-          --decode-attention "$attention" --json "$OUT/generate_$attention.json" 2>&1 | tail -n 6
+          --decode-attention "$kernels" --score-kernel "$kernels" --json "$OUT/generate_$kernels.json" 2>&1 | tail -n 6
       done ;;
     long)
-      for attention in torch auto; do
+      for kernels in torch auto; do
         run 200 python3 benchmarks/generate.py --rows ours-compiled --batches 64 --train-seq 0 \
-          --max-len 4096 --decode-attention "$attention" --json "$OUT/generate_long_$attention.json" 2>&1 | tail -n 4
+          --max-len 4096 --decode-attention "$kernels" --score-kernel "$kernels" --json "$OUT/generate_long_$kernels.json" 2>&1 | tail -n 4
       done ;;
     *) echo "unknown part $part (tests, step, generate, long)"; exit 2 ;;
   esac

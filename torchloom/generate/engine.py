@@ -23,6 +23,7 @@ finds no free slot, the oldest kept one is evicted (its continuation is then pre
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import deque
@@ -41,6 +42,8 @@ from torchloom.generate.requests import SamplingParams as SamplingParams  # the 
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
+from torchloom.kernels.log_softmax import IMPLS as SCORE_IMPLS
+from torchloom.kernels.log_softmax import log_softmax_argmax, log_softmax_argmax_reference
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
@@ -104,6 +107,9 @@ class Generator:
     position) and the masked matmul softmax elsewhere; "triton" the kernel (CPU tensors under
     TRITON_INTERPRET=1). "auto" becomes the default once its GPU test and benchmark have run
     on a GPU (docs/generate.md). Batch-invariant layers keep their own fixed-order kernel.
+    ``score_kernel``: the same choice for each forward's log-softmax and argmax over the
+    vocabulary (torchloom/kernels/log_softmax.py: split over the vocabulary, where PyTorch
+    reduces a row in one thread block); not with batch-invariant mode (refused).
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -120,6 +126,7 @@ class Generator:
         compile: bool = False,
         admit_batch: int | None = None,
         decode_attention: str = "torch",
+        score_kernel: str = "torch",
     ) -> None:
         if not (isinstance(model, nn.Module) and hasattr(model, "config")
                 and hasattr(model, "new_cache")):  # fmt: skip
@@ -145,6 +152,18 @@ class Generator:
         self.device, self.dtype = parameter.device, parameter.dtype
         self.max_len = max_len or context
         check_cache_fits(model, max_batch, self.max_len, self.device, self.dtype)
+        if score_kernel not in SCORE_IMPLS:
+            raise ValueError(
+                f"score_kernel must be one of {SCORE_IMPLS} ('auto': the Triton kernels on "
+                f"CUDA); got {score_kernel!r}"
+            )
+        if score_kernel != "torch" and self.config.batch_invariant:
+            raise ValueError(
+                "score_kernel and batch-invariant mode do not mix: its log-probabilities sum in "
+                "another order than the trainer's log-softmax, so they would no longer match it "
+                "bit for bit. Leave score_kernel 'torch'."
+            )
+        self._score = functools.partial(log_softmax_argmax, impl=score_kernel)
         if decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION_IMPLS} ('auto': the Triton "
@@ -190,7 +209,7 @@ class Generator:
         self.graphs = None
         if cuda_graphs or compile:
             self.graphs = DecodeGraphs(
-                self.model, self.cache, score, capture=cuda_graphs, compile=compile
+                self.model, self.cache, self._score, capture=cuda_graphs, compile=compile
             )
         if admit_batch is not None and not _is_positive_int(admit_batch):
             raise ValueError(f"admit_batch must be None or an integer >= 1; got {admit_batch!r}")
@@ -507,7 +526,7 @@ class Generator:
                 self.cache.copy_slot(first, others, len(prompt))
         row_of = {slot: row for row, slots in enumerate(groups.values()) for slot in slots}
         row_of.update((slot, len(groups) + i) for i, slot in enumerate(decoding))
-        logprobs_BV, best_2B = score(logits_BV)
+        logprobs_BV, best_2B = self._score(logits_BV)
         states = {**admitted, **decoding}
         self._emit(states, logprobs_BV, best_2B.tolist(), [row_of[s] for s in states])
         return mixed
@@ -526,7 +545,7 @@ class Generator:
         logits_B1V = self.model(
             tokens_B1, positions_B1, cache=self.cache.bind(slot_ids_B, positions_B1)
         )
-        logprobs_BV, best_2B = score(logits_B1V[:, 0])
+        logprobs_BV, best_2B = self._score(logits_B1V[:, 0])
         self._emit(active, logprobs_BV, best_2B.tolist(), list(range(len(slots))))
 
     def _decode_static(self) -> None:
@@ -709,11 +728,9 @@ def _is_positive_int(value: object) -> bool:
 def score(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 log-probabilities [B, V], [2, B] float64 of each row's argmax token and its
     log-probability): the model's own distribution, before any sampling setting. Token ids and
-    fp32 values are exact in float64, so one host transfer carries both."""
-    logprobs_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-    tokens_B = logprobs_BV.argmax(dim=-1)
-    picked_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0]
-    return logprobs_BV, torch.stack((tokens_B.double(), picked_B.double()))
+    fp32 values are exact in float64, so one host transfer carries both. PyTorch's form;
+    ``Generator(score_kernel="auto")`` runs kernels/log_softmax.py's Triton kernels instead."""
+    return log_softmax_argmax_reference(logits_BV)
 
 
 def _draw(
