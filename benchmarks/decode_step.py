@@ -1,7 +1,8 @@
 """Where a batch-1 decode step's GPU time goes: the compiled Generator's captured step replayed
 alone and profiled kernel by kernel, beside the step's weight matmuls alone (the floor cuBLAS
 sets), and end-to-end `generate` tokens/s; optionally the same compiled with inductor's
-programmatic dependent launch (``--pdl``), or with the generator's Triton kernels (``--kernels``:
+programmatic dependent launch (``--pdl``), with the prefill run eagerly (``--eager-prefill``), or
+with the generator's Triton kernels (``--kernels``:
 kernels/decode_attention.py instead of the masked matmul softmax, kernels/log_softmax.py for the
 log-softmax and argmax). Needs a CUDA GPU.
 
@@ -80,14 +81,17 @@ def matmuls_alone(config, device: torch.device) -> dict:
 
 
 def decode(
-    model, config, prompt: list[int], new: int, steps: int, patch: dict, kernels: str
-) -> dict:
+    model, config, prompt: list[int], new: int, steps: int, patch: dict, kernels: str,
+    eager_prefill: bool = False,
+) -> dict:  # fmt: skip
     torch._dynamo.reset()
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     start = time.perf_counter()
     with inductor_config.patch(patch):  # read while the step compiles (the first generate)
         generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
                               decode_attention=kernels, score_kernel=kernels)  # fmt: skip
+        if eager_prefill:  # as before the thirty-fourth session: only the step compiled
+            generator._compiled_prefill = None
         generator.generate([Request(prompt, params)])
     compile_s = time.perf_counter() - start
     tokens_per_s = []
@@ -127,6 +131,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--pdl", action="store_true",
                         help="also compile with inductor's triton.enable_pdl")  # fmt: skip
+    parser.add_argument("--eager-prefill", action="store_true",
+                        help="also the generator with its prefill run eagerly (only the step "
+                             "compiled, as before the compiled prefill)")  # fmt: skip
     parser.add_argument("--kernels", action="store_true",
                         help="also the step with the generator's Triton kernels "
                              "(decode_attention and score_kernel 'auto')")  # fmt: skip
@@ -140,15 +147,18 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
     report = {"matmuls_alone": matmuls_alone(config, device)}
     print("matmuls alone", report["matmuls_alone"], flush=True)
-    settings = {"compiled": ({}, "torch")}
+    settings = {"compiled": ({}, "torch", False)}
+    if args.eager_prefill:
+        settings["compiled_eager_prefill"] = ({}, "torch", True)
     if args.kernels:
-        settings["compiled_kernels"] = ({}, "auto")
+        settings["compiled_kernels"] = ({}, "auto", False)
     if args.pdl:
-        settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch")
-    for label, (patch, kernels) in settings.items():
+        settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch", False)
+    for label, (patch, kernels, eager_prefill) in settings.items():
         report[label] = decode(
-            model, config, prompt, args.new_tokens, args.profile_steps, patch, kernels
-        )
+            model, config, prompt, args.new_tokens, args.profile_steps, patch, kernels,
+            eager_prefill,
+        )  # fmt: skip
         print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
