@@ -134,9 +134,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, live_ptr,
     out_ptr, max_ptr, sum_ptr, acc_ptr,
-    H, group, g_blocks, L, d, split_len, scale_log2,
+    H, group, g_blocks, L, d, split_len,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_kl, stride_vs, stride_vk, stride_vl,
-    WINDOW: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+    SCALE_LOG2: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -176,7 +176,7 @@ def _split_kernel(
         index_ok = index < hi
         ld_ok = index_ok[:, None] & d_ok[None, :]
         keys = tl.load(k_base + index[:, None] * stride_kl + offs_d[None, :], mask=ld_ok, other=0.0)
-        scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * SCALE_LOG2
         scores = tl.where(index_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp2(running_max - new_max)
@@ -266,9 +266,11 @@ def decode_attention_triton(
     wrap_triton(_split_kernel)[(B, K * g_blocks, splits)](
         q_BHd, k_SKLd, v_SKLd, slots_B, positions_B, live_B,
         out_BHd, max_BHS, sum_BHS, acc_BHSd,
-        H, group, g_blocks, L, d, split_len, d**-0.5 * _LOG2E,
+        H, group, g_blocks, L, d, split_len,
         q_BHd.stride(0), q_BHd.stride(1), *k_SKLd.stride()[:3], *v_SKLd.stride()[:3],
-        WINDOW=window, CHUNK=chunk, SPLITS=splits,
+        # A constant, not an argument: inductor passes a float argument as fp64, which would
+        # turn the fp32 running max into fp64 inside the loop (Triton refuses that).
+        SCALE_LOG2=d**-0.5 * _LOG2E, WINDOW=window, CHUNK=chunk, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_L=_BLOCK_L, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q_BHd.dtype), num_warps=4,
     )  # fmt: skip
