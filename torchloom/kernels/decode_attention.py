@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch.library import wrap_triton
 
+from torchloom.kernels.attention_mask import AttentionMask
 from torchloom.kernels.triton_support import (
     jit,
     num_persistent_programs,
@@ -51,16 +52,6 @@ IMPLS = ("auto", "torch", "triton")
 _LOG2E = 1.4426950408889634
 _BLOCK_L = 64
 _MAX_BLOCK_G = 64
-
-
-def first_visible(positions_B: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
-    """[B]: the first key index each row's query sees (0 without a window or chunk)."""
-    start_B = torch.zeros_like(positions_B)
-    if window is not None:
-        start_B = torch.maximum(start_B, positions_B - window + 1)
-    if chunk is not None:
-        start_B = torch.maximum(start_B, positions_B - positions_B % chunk)
-    return start_B
 
 
 def decode_attention_reference(
@@ -81,9 +72,8 @@ def decode_attention_reference(
     q_BKGd = q_BHd.view(B, K, H // K, d)
     scores_BKGL = (q_BKGd @ keys_BKLd.transpose(-1, -2)).float() * d**-0.5
     index_L = torch.arange(L, device=q_BHd.device)
-    seen_BL = (index_L <= positions_B[:, None]) & (
-        index_L >= first_visible(positions_B, window, chunk)[:, None]
-    )
+    mask = AttentionMask(window=window, chunk=chunk)  # causal, plus the window / chunk
+    seen_BL = mask.visible(positions_B[:, None], index_L[None, :])
     if live_B is not None:
         seen_BL &= live_B[:, None]
     scores_BKGL = scores_BKGL.masked_fill(~seen_BL[:, None, None], float("-inf"))
