@@ -154,6 +154,8 @@ def main() -> None:
         settings["compiled_kernels"] = ({}, "auto", False)
     if args.pdl:
         settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch", False)
+    if args.pdl and args.kernels:
+        settings["compiled_kernels_pdl"] = ({"triton.enable_pdl": True}, "auto", False)
     for label, (patch, kernels, eager_prefill) in settings.items():
         report[label] = decode(
             model, config, prompt, args.new_tokens, args.profile_steps, patch, kernels,
