@@ -4,10 +4,12 @@ sets), and end-to-end `generate` tokens/s; optionally the same compiled with ind
 programmatic dependent launch (``--pdl``), with the prefill run eagerly (``--eager-prefill``), or
 with the generator's Triton kernels (``--kernels``:
 kernels/decode_attention.py instead of the masked matmul softmax, kernels/log_softmax.py for the
-log-softmax and argmax). Needs a CUDA GPU.
+log-softmax and argmax), and the kernels with inductor's matmul autotuning (``--autotune``).
+Needs a CUDA GPU.
 
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
     python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
+    python3 benchmarks/decode_step.py --kernels --autotune
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -137,6 +139,10 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also the step with the generator's Triton kernels "
                              "(decode_attention and score_kernel 'auto')")  # fmt: skip
+    parser.add_argument("--autotune", action="store_true",
+                        help="also the step with the kernels compiled under inductor's "
+                             "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
+                             "for each one-row shape)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -156,6 +162,9 @@ def main() -> None:
         settings["compiled_pdl"] = ({"triton.enable_pdl": True}, "torch", False)
     if args.pdl and args.kernels:
         settings["compiled_kernels_pdl"] = ({"triton.enable_pdl": True}, "auto", False)
+    if args.autotune:
+        autotune = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+        settings["compiled_kernels_autotune"] = (autotune, "auto", False)
     for label, (patch, kernels, eager_prefill) in settings.items():
         report[label] = decode(
             model, config, prompt, args.new_tokens, args.profile_steps, patch, kernels,
