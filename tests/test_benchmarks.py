@@ -355,13 +355,17 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
     assert report["fa4"] == bool(extra)
 
 
-def test_decode_step_needs_a_gpu():
-    """benchmarks/decode_step.py replays CUDA graphs; without a GPU it says so in one line."""
+@pytest.mark.parametrize(
+    ("script", "message"),
+    [("decode_step.py", "needs a CUDA GPU"), ("one_row_matmul.py", "this machine has none")],
+)
+def test_decode_benchmarks_need_a_gpu(script, message):
+    """The decode-step benchmarks replay CUDA graphs; without a GPU each says so in one line."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py")],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
+    assert result.returncode == 1 and message in result.stderr
     assert "Traceback" not in result.stderr
 
 
