@@ -44,6 +44,7 @@ from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from torchloom.kernels.log_softmax import IMPLS as SCORE_IMPLS
 from torchloom.kernels.log_softmax import log_softmax_argmax, log_softmax_argmax_reference
+from torchloom.kernels.triton_support import cuda_index
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
@@ -705,7 +706,7 @@ def available_memory(device: torch.device) -> int | None:
     (``--training.memory_limit_gib``); for the CPU, the kernel's MemAvailable); None where
     unknown."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_index(device)
         free, total = torch.cuda.mem_get_info(index)
         allocated = torch.cuda.memory_allocated(device)
         cap = int(total * torch.cuda.get_per_process_memory_fraction(index))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.library import triton_op, wrap_triton
 
 from torchloom.kernels.attention_mask import causal_positions_and_starts, masked_attention
-from torchloom.kernels.triton_support import jit, tl, triton
+from torchloom.kernels.triton_support import cuda_index, jit, tl, triton
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def _tiling_follows_rows(device_index: int) -> bool:
 def tilings_agree(device: torch.device) -> bool:
     """Whether every tiling of the matmul kernel gives the same bits on ``device`` (a CUDA
     device): then neither M nor the weight's width N changes an output element."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return _tiling_follows_rows(index)
 
 
@@ -128,7 +128,7 @@ def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
     ``fixed_matmul_config``: a function of the weight alone."""
     if device.type != "cuda":  # Triton's interpreter
         return fixed_matmul_config(N, dtype)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     if not _tiling_follows_rows(index):
         return fixed_matmul_config(N, dtype)
     wide = N >= _WIDE_COLUMNS

@@ -50,6 +50,11 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of CUDA ``device`` ("cuda" without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def num_persistent_programs(device: torch.device) -> int:
     """Programs for a kernel that strides over rows: one per streaming multiprocessor on CUDA
     (a few elsewhere, i.e. under the interpreter)."""

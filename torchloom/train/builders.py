@@ -32,6 +32,7 @@ from torchloom.data.multimodal_format import MediaTokens
 from torchloom.kernels.delta_rule import fla_runs
 from torchloom.kernels.flash_attention4 import check_fa4_device
 from torchloom.kernels.float8 import check_float8_device
+from torchloom.kernels.triton_support import cuda_index
 from torchloom.models import (
     Attention,
     DecoderConfig,
@@ -176,7 +177,7 @@ def cap_device_memory(device: torch.device, gib: float) -> None:
             f"--training.memory_limit_gib {gib:g} is more than this GPU's {total / GiB:.1f} "
             "GiB; give at most that, or 0 for no cap."
         )
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     torch.cuda.set_per_process_memory_fraction(gib * GiB / total, index)
 
 
@@ -184,7 +185,7 @@ def device_memory(device: torch.device) -> int | None:
     """The memory in bytes this process may use on the device (a GPU's total, or the cap
     ``cap_device_memory`` set; the machine's RAM for the CPU); None if unknown."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = cuda_index(device)
         total = torch.cuda.mem_get_info(index)[1]
         return int(total * torch.cuda.get_per_process_memory_fraction(index))
     if device.type == "cpu":
