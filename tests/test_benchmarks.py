@@ -355,9 +355,28 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
     assert report["fa4"] == bool(extra)
 
 
+def test_persistent_decode_chain_matches_its_reference():
+    """benchmarks/persistent_decode.py's kernel (a whole chain of one-row matmuls in one
+    launch, programs taking tiles in dependency order) in Triton's interpreter: every link
+    (the o projection's slice, the SwiGLU read, the head) against PyTorch's chain, at three
+    tilings and program counts."""
+    pytest.importorskip("triton")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "persistent_decode.py"), "--check"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check passed" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("script", "message"),
-    [("decode_step.py", "needs a CUDA GPU"), ("one_row_matmul.py", "this machine has none")],
+    [
+        ("decode_step.py", "needs a CUDA GPU"),
+        ("one_row_matmul.py", "this machine has none"),
+        ("persistent_decode.py", "without a CUDA GPU run --check"),
+    ],
 )
 def test_decode_benchmarks_need_a_gpu(script, message):
     """The decode-step benchmarks replay CUDA graphs; without a GPU each says so in one line."""
