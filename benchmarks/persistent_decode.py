@@ -15,8 +15,10 @@ previous matrix's count of finished tiles) only for what it reads. A program onl
 for tasks taken before its own, all held by running programs, so no schedule deadlocks, and
 under Triton's interpreter (programs one after another) every wait is already met.
 
-Rows: the persistent kernel at each ``--configs`` entry (BLOCK_N x BLOCK_K x num_warps x
-programs per multiprocessor), the same chain as PyTorch ops replayed from one CUDA graph, and
+Two kernels: one that walks K in BLOCK_K chunks after its wait, and one (``p`` configs) that
+loads its whole tile (BLOCK_N x dim, or the same bytes of the down projection) before it waits,
+so the previous matrix's tail overlaps this tile's weight reads, as a hand-written megakernel's
+prefetch would. Rows: the kernels at each ``--configs`` entry, the same chain as PyTorch ops replayed from one CUDA graph, and
 the weights alone through cuBLAS (benchmarks/decode_step.py's floor). Not a model path: what
 the numbers say decides whether a whole decode step (norms, attention, RoPE) is worth folding
 into one kernel.
@@ -43,6 +45,16 @@ META = 7  # per matrix: weight offset, N, K, input offset, output offset, input 
 
 
 @jit
+def _wait_for_input(meta_ptr, done_ptr, m):
+    """Spin until every tile of matrix m - 1 (what matrix m reads) has been written."""
+    if m > 0:
+        need = tl.load(meta_ptr + (m - 1) * 7 + 6)
+        finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
+        while finished < need:
+            finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
+
+
+@jit
 def _chain_kernel(
     w_ptr, act_ptr, meta_ptr, tasks_ptr, counter_ptr, done_ptr, num_tasks,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -57,11 +69,7 @@ def _chain_kernel(
         meta = meta_ptr + m * 7
         w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
         x_off, y_off, mode = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
-        if m > 0:  # wait until every tile of the matrix this one reads has been written
-            need = tl.load(meta - 7 + 6)
-            finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
-            while finished < need:
-                finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
+        _wait_for_input(meta_ptr, done_ptr, m)
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -76,6 +84,46 @@ def _chain_kernel(
             acc += w.to(tl.float32) * x[None, :]
         tl.store(act_ptr + y_off + rows, tl.sum(acc, axis=1), mask=row_ok)
         tl.debug_barrier()  # every thread's stores before the one release that publishes them
+        tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
+        task = tl.atomic_add(counter_ptr, 1)
+
+
+@jit
+def _chain_prefetch_kernel(
+    w_ptr, act_ptr, meta_ptr, tasks_ptr, counter_ptr, done_ptr, num_tasks,
+    DIM: tl.constexpr, FFN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_FFN: tl.constexpr,
+):  # fmt: skip
+    """As _chain_kernel, but a task loads its whole weight tile (BLOCK_N x DIM, or
+    BLOCK_N_FFN x FFN for the down projection) before it waits for its input: the weights
+    depend on nothing, so the wait for the previous matrix overlaps this tile's reads."""
+    task = tl.atomic_add(counter_ptr, 1)
+    while task < num_tasks:
+        m = tl.load(tasks_ptr + 2 * task)
+        tile = tl.load(tasks_ptr + 2 * task + 1)
+        meta = meta_ptr + m * 7
+        w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+        x_off, y_off = tl.load(meta + 3), tl.load(meta + 4)
+        if K == DIM:
+            rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = tl.arange(0, DIM)
+            w = tl.load(w_ptr + w_off + rows.to(tl.int64)[:, None] * DIM + cols[None, :],
+                        mask=(rows < N)[:, None], other=0.0)  # fmt: skip
+            _wait_for_input(meta_ptr, done_ptr, m)
+            x = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
+            tl.store(act_ptr + y_off + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1),
+                     mask=rows < N)  # fmt: skip
+        else:  # the down projection: K = FFN, its input silu(gate) * up
+            rows = tile * BLOCK_N_FFN + tl.arange(0, BLOCK_N_FFN)
+            cols = tl.arange(0, FFN)
+            w = tl.load(w_ptr + w_off + rows.to(tl.int64)[:, None] * FFN + cols[None, :],
+                        mask=(rows < N)[:, None], other=0.0)  # fmt: skip
+            _wait_for_input(meta_ptr, done_ptr, m)
+            gate = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
+            up = tl.load(act_ptr + x_off + FFN + cols, cache_modifier=".cg")
+            x = gate * tl.sigmoid(gate) * up
+            tl.store(act_ptr + y_off + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1),
+                     mask=rows < N)  # fmt: skip
+        tl.debug_barrier()
         tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
         task = tl.atomic_add(counter_ptr, 1)
 
@@ -152,13 +200,24 @@ def chain_torch_step(chain: Chain, x0: torch.Tensor):
 
 
 class PersistentChain:
-    """The kernel's launch for one configuration, its tables built once."""
+    """The kernel's launch for one configuration, its tables built once. ``prefetch``: the
+    kernel that loads each whole tile before waiting (tiles of ``block_n`` rows where K is the
+    model's dim, ``block_n * dim // ffn`` rows for the down projection: the same bytes)."""
 
-    def __init__(self, chain: Chain, block_n: int, block_k: int, warps: int, programs: int):
+    def __init__(
+        self, chain: Chain, block_n: int, block_k: int, warps: int, programs: int,
+        prefetch: bool = False,
+    ):  # fmt: skip
         device = chain.weights.device
-        if any(k % block_k for _, k, _ in chain.shapes):
+        self.dim, self.ffn = chain.shapes[0][1], chain.shapes[3][1]
+        self.block_n_ffn = max(1, block_n * self.dim // self.ffn)
+        if prefetch:
+            heights = [block_n if k == self.dim else self.block_n_ffn for _, k, _ in chain.shapes]
+        elif any(k % block_k for _, k, _ in chain.shapes):
             raise ValueError(f"every K must be a multiple of BLOCK_K {block_k}")
-        tiles = [triton.cdiv(n, block_n) for n, _, _ in chain.shapes]
+        else:
+            heights = [block_n] * len(chain.shapes)
+        tiles = [triton.cdiv(n, h) for (n, _, _), h in zip(chain.shapes, heights)]
         meta = [[chain.offsets[m], n, k, *chain.io[m], mode, tiles[m]]
                 for m, (n, k, mode) in enumerate(chain.shapes)]  # fmt: skip
         self.meta = torch.tensor(meta, dtype=torch.int64, device=device)
@@ -166,17 +225,23 @@ class PersistentChain:
         self.tasks = torch.tensor(tasks, dtype=torch.int32, device=device)
         self.counters = torch.zeros(1 + len(chain.shapes), dtype=torch.int32, device=device)
         self.chain, self.block_n, self.block_k, self.warps = chain, block_n, block_k, warps
-        self.programs = programs
+        self.programs, self.prefetch = programs, prefetch
         self.act = torch.zeros(chain.activations, device=device, dtype=torch.float32)
 
     def __call__(self, x0: torch.Tensor) -> torch.Tensor:
         self.counters.zero_()
         self.act[: x0.numel()] = x0
-        _chain_kernel[(self.programs,)](
-            self.chain.weights, self.act, self.meta, self.tasks, self.counters[:1],
-            self.counters[1:], len(self.tasks), BLOCK_N=self.block_n, BLOCK_K=self.block_k,
-            num_warps=self.warps,
-        )  # fmt: skip
+        args = (self.chain.weights, self.act, self.meta, self.tasks, self.counters[:1],
+                self.counters[1:], len(self.tasks))  # fmt: skip
+        if self.prefetch:
+            _chain_prefetch_kernel[(self.programs,)](
+                *args, DIM=self.dim, FFN=self.ffn, BLOCK_N=self.block_n,
+                BLOCK_N_FFN=self.block_n_ffn, num_warps=self.warps,
+            )  # fmt: skip
+        else:
+            _chain_kernel[(self.programs,)](
+                *args, BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.warps
+            )
         return self.act
 
 
@@ -188,12 +253,14 @@ def check() -> None:
                          dtype=torch.float32)  # fmt: skip
     x0 = torch.randn(64, device=device)
     want = chain_reference(chain, x0)
-    for block_n, block_k, programs in ((16, 32, 3), (32, 64, 1), (8, 64, 5)):
-        got = PersistentChain(chain, block_n, block_k, warps=4, programs=programs)(x0)
-        error = ((got - want).abs().max() / want.abs().max()).item()
-        assert error < 1e-5, f"BLOCK_N {block_n} BLOCK_K {block_k}: relative error {error:.2e}"
-        print(f"BLOCK_N {block_n} BLOCK_K {block_k} programs {programs}: max relative error "
-              f"{error:.1e}")  # fmt: skip
+    runs = [(16, 32, 3, False), (32, 64, 1, False), (8, 64, 5, False), (8, 0, 3, True),
+            (4, 0, 2, True)]  # fmt: skip
+    for block_n, block_k, programs, prefetch in runs:
+        run = PersistentChain(chain, block_n, block_k, 4, programs, prefetch=prefetch)
+        error = ((run(x0) - want).abs().max() / want.abs().max()).item()
+        name = f"BLOCK_N {block_n} " + ("prefetch" if prefetch else f"BLOCK_K {block_k}")
+        assert error < 1e-5, f"{name}: relative error {error:.2e}"
+        print(f"{name} programs {programs}: max relative error {error:.1e}")
     print("check passed")
 
 
@@ -223,8 +290,10 @@ def main() -> None:
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--configs", nargs="+",
                         default=["16x512x4x2", "16x256x4x4", "32x256x8x2", "8x1024x4x2",
-                                 "16x512x8x1", "64x128x8x1"],
-                        help="BLOCK_N x BLOCK_K x num_warps x programs per multiprocessor")  # fmt: skip
+                                 "p8x8x2", "p16x8x1", "p4x4x4", "p8x4x3"],
+                        help="BLOCK_N x BLOCK_K x num_warps x programs per multiprocessor, or "
+                             "pBLOCK_N x num_warps x programs per multiprocessor for the kernel "
+                             "that loads each whole tile before it waits")  # fmt: skip
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--check", action="store_true",
                         help="only check a tiny chain against the reference (any device)")  # fmt: skip
@@ -258,9 +327,11 @@ def main() -> None:
     record("torch ops, one CUDA graph", time_ms(graphed(chain_torch_step(chain, x0)), args.iters))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in args.configs:
-        block_n, block_k, warps, per_sm = (int(v) for v in spec.split("x"))
+        prefetch = spec.startswith("p")
+        values = [int(v) for v in spec.removeprefix("p").split("x")]
+        block_n, block_k, warps, per_sm = [values[0], 0, *values[1:]] if prefetch else values
         try:
-            run = PersistentChain(chain, block_n, block_k, warps, per_sm * sms)
+            run = PersistentChain(chain, block_n, block_k, warps, per_sm * sms, prefetch)
             got = run(x0)
             torch.cuda.synchronize()
             error = ((got - want).abs().max() / want.abs().max()).item()
