@@ -18,10 +18,10 @@ under Triton's interpreter (programs one after another) every wait is already me
 Two kernels: one that walks K in BLOCK_K chunks after its wait, and one (``p`` configs) that
 loads its whole tile (BLOCK_N x dim, or the same bytes of the down projection) before it waits,
 so the previous matrix's tail overlaps this tile's weight reads, as a hand-written megakernel's
-prefetch would. Rows: the kernels at each ``--configs`` entry, the same chain as PyTorch ops replayed from one CUDA graph, and
-the weights alone through cuBLAS (benchmarks/decode_step.py's floor). Not a model path: what
-the numbers say decides whether a whole decode step (norms, attention, RoPE) is worth folding
-into one kernel.
+prefetch would. Rows: the kernels at each ``--configs`` entry, and the same chain as PyTorch
+ops (cuBLAS one-row matmuls, SwiGLU between) replayed from one CUDA graph. Not a model path:
+what the numbers say decides whether a whole decode step (norms, attention, RoPE) is worth
+folding into one kernel.
 """
 
 from __future__ import annotations
