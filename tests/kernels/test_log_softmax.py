@@ -76,8 +76,11 @@ def test_unknown_impl_and_batch_invariant_mode_are_refused() -> None:
 
     flavor = resolve_model_config(ModelConfig(name="llama3", flavor="debug", batch_invariant=True))
     model = build_model(flavor)
-    with pytest.raises(ValueError, match="score_kernel and batch-invariant mode"):
-        Generator(model, max_batch=1, max_len=8, score_kernel="auto")
+    with pytest.raises(ValueError, match="score_kernel 'triton' and batch-invariant mode"):
+        Generator(model, max_batch=1, max_len=8, score_kernel="triton")
+    # "auto" scores as the trainer does in this mode, on CUDA too: PyTorch's log-softmax.
+    generator = Generator(model, max_batch=1, max_len=8, score_kernel="auto")
+    assert generator._score.keywords == {"impl": "torch"}
     with pytest.raises(ValueError, match="score_kernel must be one of"):
         Generator(model, max_batch=1, max_len=8, score_kernel="fast")
 

@@ -110,7 +110,8 @@ class Generator:
     on a GPU (docs/generate.md). Batch-invariant layers keep their own fixed-order kernel.
     ``score_kernel``: the same choice for each forward's log-softmax and argmax over the
     vocabulary (torchloom/kernels/log_softmax.py: split over the vocabulary, where PyTorch
-    reduces a row in one thread block); not with batch-invariant mode (refused).
+    reduces a row in one thread block). In batch-invariant mode "auto" scores as the trainer
+    does (PyTorch) and "triton" is refused.
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -158,12 +159,15 @@ class Generator:
                 f"score_kernel must be one of {SCORE_IMPLS} ('auto': the Triton kernels on "
                 f"CUDA); got {score_kernel!r}"
             )
-        if score_kernel != "torch" and self.config.batch_invariant:
-            raise ValueError(
-                "score_kernel and batch-invariant mode do not mix: its log-probabilities sum in "
-                "another order than the trainer's log-softmax, so they would no longer match it "
-                "bit for bit. Leave score_kernel 'torch'."
-            )
+        if self.config.batch_invariant:
+            if score_kernel == "triton":
+                raise ValueError(
+                    "score_kernel 'triton' and batch-invariant mode do not mix: its "
+                    "log-probabilities sum in another order than the trainer's log-softmax, so "
+                    "they would no longer match it bit for bit. Leave score_kernel 'auto' (which "
+                    "scores as the trainer does in this mode) or pass 'torch'."
+                )
+            score_kernel = "torch"
         self._score = functools.partial(log_softmax_argmax, impl=score_kernel)
         if decode_attention not in DECODE_ATTENTION_IMPLS:
             raise ValueError(
