@@ -4,8 +4,11 @@
 # the 1B bf16 decode step with and without the kernels (benchmarks/decode_step.py), then
 # `generate` tokens/s of the compiled generator at batch 1 / 8 / 64 with the kernels off
 # (torch) and on (auto), and at batch 64 over a 4096-token cache (where the masked matmul
-# softmax reads every cached index for every row).
-# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long ...]
+# softmax reads every cached index for every row). Beyond the default parts: `pdl` (the step
+# also compiled with programmatic dependent launch, with and without the kernels) and `probe`
+# (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
+# benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py).
+# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
 shift || true
@@ -31,6 +34,11 @@ for part in $PARTS; do
         run 200 python3 benchmarks/generate.py --rows ours-compiled --batches 64 --train-seq 0 \
           --max-len 4096 --decode-attention "$kernels" --score-kernel "$kernels" --json "$OUT/generate_long_$kernels.json" 2>&1 | tail -n 4
       done ;;
-    *) echo "unknown part $part (tests, step, generate, long)"; exit 2 ;;
+    pdl)
+      run 300 python3 benchmarks/decode_step.py --kernels --pdl --json "$OUT/decode_step_pdl.json" 2>&1 | tail -n 8 ;;
+    probe)
+      run 90 python3 benchmarks/persistent_decode.py --json "$OUT/persistent_decode.json" 2>&1 | tail -n 12
+      run 60 python3 benchmarks/one_row_matmul.py --json "$OUT/one_row_matmul.json" 2>&1 | tail -n 8 ;;
+    *) echo "unknown part $part (tests, step, generate, long, pdl, probe)"; exit 2 ;;
   esac
 done
