@@ -6,10 +6,12 @@ cuBLAS's one-row matmuls alone take 0.80 ms at 1B on the H200).
     python3 benchmarks/persistent_decode.py --configs 16x512x8x2 32x256x8x2 --json out.json
     TRITON_INTERPRET=1 python3 benchmarks/persistent_decode.py --check   # CPU: the chain's sums
 
-The chain is the step's weight matmuls in order, each reading the previous one's output (a
-real dependency): per layer q/k/v stacked, o (reads q/k/v's first ``dim`` outputs, standing in
-for attention), gate/up stacked, down (reads silu(gate) * up, the SwiGLU folded into its
-loads); then the head. One launch runs all of it: programs take tasks (``BLOCK_N`` output rows
+The chain is the step without its attention, RoPE and sampling, each matrix reading the
+previous one's output (a real dependency): per layer q/k/v stacked of the RMS-normed residual
+stream, o (reads q/k/v's first ``dim`` outputs, standing in for attention) added to the
+stream, gate/up stacked of the normed stream, down (reads silu(gate) * up) added to the
+stream; then the head of the normed stream. Norms, SwiGLU and residual adds ride the matmuls'
+loads and stores. One launch runs all of it: programs take tasks (``BLOCK_N`` output rows
 of one matrix) from a global counter in dependency order, and a task waits (spinning on the
 previous matrix's count of finished tiles) only for what it reads. A program only ever waits
 for tasks taken before its own, all held by running programs, so no schedule deadlocks, and
@@ -19,7 +21,8 @@ Two kernels: one that walks K in BLOCK_K chunks after its wait, and one (``p`` c
 loads its whole tile (BLOCK_N x dim, or the same bytes of the down projection) before it waits,
 so the previous matrix's tail overlaps this tile's weight reads, as a hand-written megakernel's
 prefetch would. Rows: the kernels at each ``--configs`` entry, and the same chain as PyTorch
-ops (cuBLAS one-row matmuls, SwiGLU between) replayed from one CUDA graph. Not a model path:
+ops (F.rms_norm, cuBLAS one-row matmuls, SwiGLU and the adds as their own kernels) replayed
+from one CUDA graph. Not a model path:
 what the numbers say decides whether a whole decode step (norms, attention, RoPE) is worth
 folding into one kernel.
 """
@@ -41,50 +44,67 @@ from torchloom.kernels.triton_support import jit, tl, triton
 from torchloom.models import ModelConfig, resolve_model_config
 
 PLAIN, SWIGLU = 0, 1  # how a matrix reads its input: as is, or silu(first half) * second half
-META = 7  # per matrix: weight offset, N, K, input offset, output offset, input mode, its tiles
+META = 9  # per matrix: weight, N, K, input, output, input mode, tiles, residual, norm weight
+EPS = 1e-5
 
 
 @jit
 def _wait_for_input(meta_ptr, done_ptr, m):
     """Spin until every tile of matrix m - 1 (what matrix m reads) has been written."""
     if m > 0:
-        need = tl.load(meta_ptr + (m - 1) * 7 + 6)
+        need = tl.load(meta_ptr + (m - 1) * 9 + 6)
         finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
         while finished < need:
             finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
 
 
 @jit
+def _finish_tile(act_ptr, done_ptr, m, y, rows, N, y_off, resid_off):
+    """Store the tile's outputs (plus the residual stream's rows, where the matrix adds to it)
+    and publish them: every thread's stores, then one release of the tile count."""
+    resid = tl.load(
+        act_ptr + resid_off + rows, mask=(rows < N) & (rows * 0 + resid_off >= 0), other=0.0
+    )
+    tl.store(act_ptr + y_off + rows, y + resid, mask=rows < N)
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
+
+
+@jit
 def _chain_kernel(
     w_ptr, act_ptr, meta_ptr, tasks_ptr, counter_ptr, done_ptr, num_tasks,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (matrix m, tile j) from the counter until none is left; a task
-    waits for matrix m - 1's tiles, computes its BLOCK_N outputs over all of K, and counts
-    itself done for matrix m."""
+    waits for matrix m - 1's tiles, computes its BLOCK_N outputs over all of K in BLOCK_K
+    chunks (RMS-normed input where the matrix has a norm weight), and counts itself done."""
     task = tl.atomic_add(counter_ptr, 1)
     while task < num_tasks:
         m = tl.load(tasks_ptr + 2 * task)
         tile = tl.load(tasks_ptr + 2 * task + 1)
-        meta = meta_ptr + m * 7
+        meta = meta_ptr + m * 9
         w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
         x_off, y_off, mode = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+        resid_off, norm_off = tl.load(meta + 7), tl.load(meta + 8)
         _wait_for_input(meta_ptr, done_ptr, m)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # the norm's pass over the input
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(act_ptr + x_off + k0 + tl.arange(0, BLOCK_K), cache_modifier=".cg")
+            squares += x * x
+        scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(squares, axis=0) / K + EPS), 1.0)
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_rows = w_ptr + w_off + rows.to(tl.int64)[:, None] * K
         for k0 in range(0, K, BLOCK_K):  # K is a multiple of BLOCK_K (checked on the host)
             cols = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_rows + cols[None, :], mask=(rows < N)[:, None], other=0.0)
             x = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
             if mode == 1:
                 up = tl.load(act_ptr + x_off + K + cols, cache_modifier=".cg")
                 x = x * tl.sigmoid(x) * up
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(act_ptr + y_off + rows, tl.sum(acc, axis=1), mask=row_ok)
-        tl.debug_barrier()  # every thread's stores before the one release that publishes them
-        tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
+            gain = tl.load(act_ptr + norm_off + cols, mask=cols * 0 + norm_off >= 0, other=1.0)
+            acc += w.to(tl.float32) * (x * scale * gain)[None, :]
+        _finish_tile(act_ptr, done_ptr, m, tl.sum(acc, axis=1), rows, N, y_off, resid_off)
         task = tl.atomic_add(counter_ptr, 1)
 
 
@@ -92,6 +112,7 @@ def _chain_kernel(
 def _chain_prefetch_kernel(
     w_ptr, act_ptr, meta_ptr, tasks_ptr, counter_ptr, done_ptr, num_tasks,
     DIM: tl.constexpr, FFN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_FFN: tl.constexpr,
+    EPS: tl.constexpr,
 ):  # fmt: skip
     """As _chain_kernel, but a task loads its whole weight tile (BLOCK_N x DIM, or
     BLOCK_N_FFN x FFN for the down projection) before it waits for its input: the weights
@@ -100,18 +121,20 @@ def _chain_prefetch_kernel(
     while task < num_tasks:
         m = tl.load(tasks_ptr + 2 * task)
         tile = tl.load(tasks_ptr + 2 * task + 1)
-        meta = meta_ptr + m * 7
+        meta = meta_ptr + m * 9
         w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
         x_off, y_off = tl.load(meta + 3), tl.load(meta + 4)
-        if K == DIM:
+        resid_off, norm_off = tl.load(meta + 7), tl.load(meta + 8)
+        if K == DIM:  # q/k/v, o, gate/up, the head: the input RMS-normed where it has a norm
             rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             cols = tl.arange(0, DIM)
             w = tl.load(w_ptr + w_off + rows.to(tl.int64)[:, None] * DIM + cols[None, :],
                         mask=(rows < N)[:, None], other=0.0)  # fmt: skip
+            gain = tl.load(act_ptr + norm_off + cols, mask=cols * 0 + norm_off >= 0, other=1.0)
             _wait_for_input(meta_ptr, done_ptr, m)
             x = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
-            tl.store(act_ptr + y_off + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1),
-                     mask=rows < N)  # fmt: skip
+            scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / DIM + EPS), 1.0)
+            y = tl.sum(w.to(tl.float32) * (x * scale * gain)[None, :], axis=1)
         else:  # the down projection: K = FFN, its input silu(gate) * up
             rows = tile * BLOCK_N_FFN + tl.arange(0, BLOCK_N_FFN)
             cols = tl.arange(0, FFN)
@@ -120,81 +143,114 @@ def _chain_prefetch_kernel(
             _wait_for_input(meta_ptr, done_ptr, m)
             gate = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
             up = tl.load(act_ptr + x_off + FFN + cols, cache_modifier=".cg")
-            x = gate * tl.sigmoid(gate) * up
-            tl.store(act_ptr + y_off + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1),
-                     mask=rows < N)  # fmt: skip
-        tl.debug_barrier()
-        tl.atomic_add(done_ptr + m, 1, sem="release", scope="gpu")
+            y = tl.sum(w.to(tl.float32) * (gate * tl.sigmoid(gate) * up)[None, :], axis=1)
+        _finish_tile(act_ptr, done_ptr, m, y, rows, N, y_off, resid_off)
         task = tl.atomic_add(counter_ptr, 1)
 
 
 @dataclass
+class Link:
+    """One matrix of the chain: its shape, how it reads its input, where it writes, and the
+    activation buffer's offsets of its residual stream and norm weight (-1: none)."""
+
+    N: int
+    K: int
+    mode: int
+    x_off: int
+    y_off: int
+    resid_off: int = -1
+    norm_off: int = -1
+
+
+@dataclass
 class Chain:
-    """The step's matrices in one weight buffer, their wiring through one fp32 activation
-    buffer, and the task list for a tile height."""
+    """The step's matrices in one weight buffer, wired through one fp32 activation buffer
+    (norm weights first, then the input row, then every matrix's output)."""
 
     weights: torch.Tensor  # every weight, flattened one after another
-    shapes: list[tuple[int, int, int]]  # (N, K, input mode) per matrix
+    links: list[Link]
     offsets: list[int]
-    io: list[tuple[int, int]]  # (input offset, output offset) in the activation buffer
-    activations: int  # the activation buffer's length
+    activations: torch.Tensor  # the buffer with the norm weights and the input row written
+    input_off: int
+    dim: int
+    ffn: int
 
     @property
     def nbytes(self) -> int:
         return self.weights.numel() * self.weights.element_size()
 
     def weight(self, m: int) -> torch.Tensor:
-        N, K, _ = self.shapes[m]
-        return self.weights[self.offsets[m] : self.offsets[m] + N * K].view(N, K)
+        link = self.links[m]
+        return self.weights[self.offsets[m] : self.offsets[m] + link.N * link.K].view(
+            link.N, link.K
+        )
 
 
 def decode_chain(dim: int, qkv: int, ffn: int, layers: int, vocab: int, device, dtype) -> Chain:
-    shapes, io, cursor = [], [], dim  # the activation buffer starts with the input row [dim]
-    x = 0
-    for _ in range(layers):
-        # q/k/v; o reads q/k/v's first `dim` outputs; gate/up; down reads silu(gate) * up
-        for n, k, mode in ((qkv, dim, PLAIN), (dim, dim, PLAIN), (2 * ffn, dim, PLAIN),
-                           (dim, ffn, SWIGLU)):  # fmt: skip
-            shapes.append((n, k, mode))
-            io.append((x, cursor))
-            x, cursor = cursor, cursor + n
-    shapes.append((vocab, dim, PLAIN))
-    io.append((x, cursor))
-    cursor += vocab
-    sizes = [n * k for n, k, _ in shapes]
+    """Per layer: h -> q/k/v of norm(h); o of q/k/v's first ``dim`` outputs (standing in for
+    attention), added to h; gate/up of norm(h); down of silu(gate) * up, added to h. Then the
+    head of norm(h)."""
+    norms = 2 * layers + 1
+    input_off = norms * dim
+    cursor, h, links = input_off + dim, input_off, []
+
+    def link(n: int, k: int, x_off: int, mode: int = PLAIN, **extra) -> int:
+        nonlocal cursor
+        links.append(Link(n, k, mode, x_off, cursor, **extra))
+        cursor += n
+        return cursor - n
+
+    for layer in range(layers):
+        qkv_out = link(qkv, dim, h, norm_off=2 * layer * dim)
+        h = link(dim, dim, qkv_out, resid_off=h)
+        gate_up = link(2 * ffn, dim, h, norm_off=(2 * layer + 1) * dim)
+        h = link(dim, ffn, gate_up, SWIGLU, resid_off=h)
+    link(vocab, dim, h, norm_off=2 * layers * dim)
+    sizes = [x.N * x.K for x in links]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     weights = torch.empty(sum(sizes), device=device, dtype=dtype)
-    for (n, k, _), offset in zip(shapes, offsets):  # unit-variance outputs for unit-variance inputs
-        view = weights[offset : offset + n * k]
-        view.normal_(0.0, k**-0.5)
-    return Chain(weights, shapes, offsets, io, cursor)
+    for x, offset in zip(links, offsets):  # unit-variance outputs for unit-variance inputs
+        weights[offset : offset + x.N * x.K].normal_(0.0, x.K**-0.5)
+    activations = torch.zeros(cursor, device=device, dtype=torch.float32)
+    activations[:input_off] = 1.0 + 0.1 * torch.randn(input_off, device=device)
+    return Chain(weights, links, offsets, activations, input_off, dim, ffn)
 
 
 def chain_reference(chain: Chain, x0: torch.Tensor) -> torch.Tensor:
-    """The chain in PyTorch ops (fp32 activations, as the kernel keeps them)."""
-    act = torch.zeros(chain.activations, device=x0.device, dtype=torch.float32)
-    act[: x0.numel()] = x0
-    for m, (n, k, mode) in enumerate(chain.shapes):
-        x_off, y_off = chain.io[m]
-        x = act[x_off : x_off + k]
-        if mode == SWIGLU:
-            x = F.silu(x) * act[x_off + k : x_off + 2 * k]
-        act[y_off : y_off + n] = chain.weight(m).float() @ x
+    """The chain in PyTorch ops (fp32 activations, as the kernels keep them)."""
+    act = chain.activations.clone()
+    act[chain.input_off : chain.input_off + x0.numel()] = x0
+    for m, x in enumerate(chain.links):
+        inputs = act[x.x_off : x.x_off + x.K]
+        if x.mode == SWIGLU:
+            inputs = F.silu(inputs) * act[x.x_off + x.K : x.x_off + 2 * x.K]
+        if x.norm_off >= 0:
+            rms = torch.rsqrt(inputs.square().mean() + EPS)
+            inputs = inputs * rms * act[x.norm_off : x.norm_off + x.K]
+        out = chain.weight(m).float() @ inputs
+        if x.resid_off >= 0:
+            out = out + act[x.resid_off : x.resid_off + x.N]
+        act[x.y_off : x.y_off + x.N] = out
     return act
 
 
 def chain_torch_step(chain: Chain, x0: torch.Tensor):
-    """The chain as the model runs it: bf16 one-row F.linear per matrix, SwiGLU between."""
-    weights = [chain.weight(m) for m in range(len(chain.shapes))]
+    """The chain as the model runs it, in bf16: F.rms_norm, one-row F.linear, the residual
+    adds and SwiGLU as separate kernels."""
+    dtype, dim, ffn = chain.weights.dtype, chain.dim, chain.ffn
+    weights = [chain.weight(m) for m in range(len(chain.links))]
+    gains = chain.activations[: chain.input_off].view(-1, dim).to(dtype)
+    layers = (len(weights) - 1) // 4
 
     def step() -> torch.Tensor:
-        x = x0[None].to(chain.weights.dtype)
-        for m, (_, k, mode) in enumerate(chain.shapes):
-            if mode == SWIGLU:
-                x = F.silu(x[:, :k]) * x[:, k:]
-            y = F.linear(x, weights[m])
-            x = y if m % 4 != 0 or m == len(chain.shapes) - 1 else y[:, : x0.numel()]
-        return y
+        h = x0[None].to(dtype)
+        for layer in range(layers):
+            w_qkv, w_o, w_gate_up, w_down = weights[4 * layer : 4 * layer + 4]
+            qkv = F.linear(F.rms_norm(h, (dim,), gains[2 * layer], EPS), w_qkv)
+            h = h + F.linear(qkv[:, :dim], w_o)
+            gate_up = F.linear(F.rms_norm(h, (dim,), gains[2 * layer + 1], EPS), w_gate_up)
+            h = h + F.linear(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], w_down)
+        return F.linear(F.rms_norm(h, (dim,), gains[2 * layers], EPS), weights[-1])
 
     return step
 
@@ -209,44 +265,46 @@ class PersistentChain:
         prefetch: bool = False,
     ):  # fmt: skip
         device = chain.weights.device
-        self.dim, self.ffn = chain.shapes[0][1], chain.shapes[3][1]
+        self.dim, self.ffn = chain.dim, chain.ffn
         self.block_n_ffn = max(1, block_n * self.dim // self.ffn)
         if prefetch:
-            heights = [block_n if k == self.dim else self.block_n_ffn for _, k, _ in chain.shapes]
-        elif any(k % block_k for _, k, _ in chain.shapes):
+            heights = [block_n if self.dim == x.K else self.block_n_ffn for x in chain.links]
+        elif any(x.K % block_k for x in chain.links):
             raise ValueError(f"every K must be a multiple of BLOCK_K {block_k}")
         else:
-            heights = [block_n] * len(chain.shapes)
-        tiles = [triton.cdiv(n, h) for (n, _, _), h in zip(chain.shapes, heights)]
-        meta = [[chain.offsets[m], n, k, *chain.io[m], mode, tiles[m]]
-                for m, (n, k, mode) in enumerate(chain.shapes)]  # fmt: skip
+            heights = [block_n] * len(chain.links)
+        tiles = [triton.cdiv(x.N, h) for x, h in zip(chain.links, heights)]
+        meta = [[chain.offsets[m], x.N, x.K, x.x_off, x.y_off, x.mode, tiles[m], x.resid_off,
+                 x.norm_off] for m, x in enumerate(chain.links)]  # fmt: skip
+        assert len(meta[0]) == META
         self.meta = torch.tensor(meta, dtype=torch.int64, device=device)
         tasks = [(m, j) for m, count in enumerate(tiles) for j in range(count)]
         self.tasks = torch.tensor(tasks, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(1 + len(chain.shapes), dtype=torch.int32, device=device)
+        self.counters = torch.zeros(1 + len(chain.links), dtype=torch.int32, device=device)
         self.chain, self.block_n, self.block_k, self.warps = chain, block_n, block_k, warps
         self.programs, self.prefetch = programs, prefetch
-        self.act = torch.zeros(chain.activations, device=device, dtype=torch.float32)
+        self.act = chain.activations.clone()
 
     def __call__(self, x0: torch.Tensor) -> torch.Tensor:
         self.counters.zero_()
-        self.act[: x0.numel()] = x0
+        self.act[self.chain.input_off : self.chain.input_off + x0.numel()] = x0
         args = (self.chain.weights, self.act, self.meta, self.tasks, self.counters[:1],
                 self.counters[1:], len(self.tasks))  # fmt: skip
         if self.prefetch:
             _chain_prefetch_kernel[(self.programs,)](
                 *args, DIM=self.dim, FFN=self.ffn, BLOCK_N=self.block_n,
-                BLOCK_N_FFN=self.block_n_ffn, num_warps=self.warps,
+                BLOCK_N_FFN=self.block_n_ffn, EPS=EPS, num_warps=self.warps,
             )  # fmt: skip
         else:
             _chain_kernel[(self.programs,)](
-                *args, BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_warps=self.warps
+                *args, BLOCK_N=self.block_n, BLOCK_K=self.block_k, EPS=EPS, num_warps=self.warps
             )
         return self.act
 
 
 def check() -> None:
-    """A tiny chain (2 layers, every kind of link) against the reference, in fp32."""
+    """A tiny chain (2 layers, every kind of link) against the reference, in fp32: both
+    kernels at several tilings and program counts, and the PyTorch row's ops."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     chain = decode_chain(dim=64, qkv=96, ffn=128, layers=2, vocab=200, device=device,
@@ -261,6 +319,12 @@ def check() -> None:
         name = f"BLOCK_N {block_n} " + ("prefetch" if prefetch else f"BLOCK_K {block_k}")
         assert error < 1e-5, f"{name}: relative error {error:.2e}"
         print(f"{name} programs {programs}: max relative error {error:.1e}")
+    head = chain.links[-1]  # the PyTorch row computes the same chain (in fp32 here)
+    logits = chain_torch_step(chain, x0)()[0]
+    want_logits = want[head.y_off : head.y_off + head.N]
+    error = ((logits - want_logits).abs().max() / want_logits.abs().max()).item()
+    assert error < 1e-5, f"the PyTorch row: relative error {error:.2e}"
+    print(f"the PyTorch row: max relative error {error:.1e}")
     print("check passed")
 
 

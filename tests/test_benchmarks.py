@@ -356,10 +356,10 @@ def test_vs_torchtitan_runs_the_torchloom_side(tmp_path, model, extra):
 
 
 def test_persistent_decode_chain_matches_its_reference():
-    """benchmarks/persistent_decode.py's kernel (a whole chain of one-row matmuls in one
-    launch, programs taking tiles in dependency order) in Triton's interpreter: every link
-    (the o projection's slice, the SwiGLU read, the head) against PyTorch's chain, at three
-    tilings and program counts."""
+    """benchmarks/persistent_decode.py's kernels (a decode step's chain of one-row matmuls in
+    one launch, programs taking tiles in dependency order) in Triton's interpreter: every link
+    (the RMS norms and residual adds, the o projection's slice, the SwiGLU read, the head)
+    against PyTorch's chain, at several tilings and program counts, both kernels."""
     pytest.importorskip("triton")
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "persistent_decode.py"), "--check"],
