@@ -5,6 +5,7 @@ cuBLAS's one-row matmuls alone take 0.80 ms at 1B on the H200).
     python3 benchmarks/persistent_decode.py                    # Llama-3.2-1B shape, bf16, GPU
     python3 benchmarks/persistent_decode.py --configs 16x512x8x2 32x256x8x2 --json out.json
     TRITON_INTERPRET=1 python3 benchmarks/persistent_decode.py --check   # CPU: the chain's sums
+    python3 benchmarks/persistent_decode.py --compile-only     # any machine: sm_90 registers
 
 The chain is the step without its attention, RoPE and sampling, each matrix reading the
 previous one's output (a real dependency): per layer q/k/v stacked of the RMS-normed residual
@@ -135,16 +136,17 @@ def _chain_prefetch_kernel(
             x = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
             scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / DIM + EPS), 1.0)
             y = tl.sum(w.to(tl.float32) * (x * scale * gain)[None, :], axis=1)
+            _finish_tile(act_ptr, done_ptr, m, y, rows, N, y_off, resid_off)
         else:  # the down projection: K = FFN, its input silu(gate) * up
-            rows = tile * BLOCK_N_FFN + tl.arange(0, BLOCK_N_FFN)
-            cols = tl.arange(0, FFN)
-            w = tl.load(w_ptr + w_off + rows.to(tl.int64)[:, None] * FFN + cols[None, :],
-                        mask=(rows < N)[:, None], other=0.0)  # fmt: skip
+            rows_f = tile * BLOCK_N_FFN + tl.arange(0, BLOCK_N_FFN)
+            cols_f = tl.arange(0, FFN)
+            w_f = tl.load(w_ptr + w_off + rows_f.to(tl.int64)[:, None] * FFN + cols_f[None, :],
+                        mask=(rows_f < N)[:, None], other=0.0)  # fmt: skip
             _wait_for_input(meta_ptr, done_ptr, m)
-            gate = tl.load(act_ptr + x_off + cols, cache_modifier=".cg")
-            up = tl.load(act_ptr + x_off + FFN + cols, cache_modifier=".cg")
-            y = tl.sum(w.to(tl.float32) * (gate * tl.sigmoid(gate) * up)[None, :], axis=1)
-        _finish_tile(act_ptr, done_ptr, m, y, rows, N, y_off, resid_off)
+            gate_f = tl.load(act_ptr + x_off + cols_f, cache_modifier=".cg")
+            up_f = tl.load(act_ptr + x_off + FFN + cols_f, cache_modifier=".cg")
+            y_f = tl.sum(w_f.to(tl.float32) * (gate_f * tl.sigmoid(gate_f) * up_f)[None, :], axis=1)
+            _finish_tile(act_ptr, done_ptr, m, y_f, rows_f, N, y_off, resid_off)  # (its own shape)
         task = tl.atomic_add(counter_ptr, 1)
 
 
@@ -328,6 +330,47 @@ def check() -> None:
     print("check passed")
 
 
+def parse_config(spec: str) -> tuple[bool, int, int, int, int]:
+    """(prefetch, BLOCK_N, BLOCK_K, num_warps, programs per multiprocessor) of a --configs
+    entry: "NxKxWxP" for the chunked kernel, "pNxWxP" for the prefetching one."""
+    prefetch = spec.startswith("p")
+    values = [int(v) for v in spec.removeprefix("p").split("x")]
+    if len(values) != (3 if prefetch else 4):
+        raise SystemExit(f"--configs entry {spec!r}: want NxKxWxP or pNxWxP")
+    return (prefetch, values[0], 0, *values[1:]) if prefetch else (prefetch, *values)
+
+
+def compile_for_sm90(spec: str, dim: int, ffn: int) -> str:
+    """Compile a config's kernel for an H100/H200 on any machine (what Triton's interpreter
+    never checks: types across branches, register use); its registers a thread."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    prefetch, block_n, block_k, warps, _ = parse_config(spec)
+    signature = {"w_ptr": "*bf16", "act_ptr": "*fp32", "meta_ptr": "*i64", "tasks_ptr": "*i32",
+                 "counter_ptr": "*i32", "done_ptr": "*i32", "num_tasks": "i32"}  # fmt: skip
+    if prefetch:
+        kernel = _chain_prefetch_kernel
+        constants = {"DIM": dim, "FFN": ffn, "BLOCK_N": block_n,
+                     "BLOCK_N_FFN": max(1, block_n * dim // ffn), "EPS": EPS}  # fmt: skip
+    else:
+        kernel, constants = _chain_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "EPS": EPS}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
+    )
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+
+
 def time_ms(fn, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
@@ -353,14 +396,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--configs", nargs="+",
-                        default=["16x512x4x2", "16x256x4x4", "32x256x8x2", "8x1024x4x2",
-                                 "p8x8x2", "p16x8x1", "p4x4x4", "p8x4x3"],
+                        default=["16x512x4x2", "16x256x4x3", "8x512x4x4", "32x256x8x1",
+                                 "p8x8x1", "p8x4x2", "p4x4x4", "p16x8x1", "p2x2x6", "p8x16x1"],
                         help="BLOCK_N x BLOCK_K x num_warps x programs per multiprocessor, or "
                              "pBLOCK_N x num_warps x programs per multiprocessor for the kernel "
                              "that loads each whole tile before it waits")  # fmt: skip
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--check", action="store_true",
                         help="only check a tiny chain against the reference (any device)")  # fmt: skip
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only compile each config's kernel for sm_90 (no GPU needed: "
+                             "Triton's bundled ptxas) and print its registers a thread")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/persistent_decode.json"))
     args = parser.parse_args()
     if triton is None:
@@ -368,9 +414,13 @@ def main() -> None:
     if args.check:
         check()
         return
+    config = resolve_model_config(ModelConfig(name="llama3", flavor=args.flavor))
+    if args.compile_only:
+        for spec in args.configs:
+            print(f"{spec}: {compile_for_sm90(spec, config.dim, config.ffn_dim)}", flush=True)
+        return
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("persistent_decode.py times a GPU kernel; without a CUDA GPU run --check.")
-    config = resolve_model_config(ModelConfig(name="llama3", flavor=args.flavor))
     D, head_dim = config.dim, config.dim // config.num_heads
     qkv = (config.num_heads + 2 * config.num_kv_heads) * head_dim
     device = torch.device("cuda")
@@ -391,9 +441,7 @@ def main() -> None:
     record("torch ops, one CUDA graph", time_ms(graphed(chain_torch_step(chain, x0)), args.iters))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in args.configs:
-        prefetch = spec.startswith("p")
-        values = [int(v) for v in spec.removeprefix("p").split("x")]
-        block_n, block_k, warps, per_sm = [values[0], 0, *values[1:]] if prefetch else values
+        prefetch, block_n, block_k, warps, per_sm = parse_config(spec)
         try:
             run = PersistentChain(chain, block_n, block_k, warps, per_sm * sms, prefetch)
             got = run(x0)
