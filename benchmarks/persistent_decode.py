@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchloom.kernels.triton_support import jit, tl, triton
+from torchloom.kernels.triton_support import compile_for_hopper, jit, tl, triton
 from torchloom.models import ModelConfig, resolve_model_config
 
 PLAIN, SWIGLU = 0, 1  # how a matrix reads its input: as is, or silu(first half) * second half
@@ -342,15 +342,9 @@ def parse_config(spec: str) -> tuple[bool, int, int, int, int]:
 
 def compile_for_sm90(spec: str, dim: int, ffn: int) -> str:
     """Compile a config's kernel for an H100/H200 on any machine (what Triton's interpreter
-    never checks: types across branches, register use); its registers a thread."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    never checks: types across branches, register use); its resource line."""
     prefetch, block_n, block_k, warps, _ = parse_config(spec)
-    signature = {"w_ptr": "*bf16", "act_ptr": "*fp32", "meta_ptr": "*i64", "tasks_ptr": "*i32",
+    arg_types = {"w_ptr": "*bf16", "act_ptr": "*fp32", "meta_ptr": "*i64", "tasks_ptr": "*i32",
                  "counter_ptr": "*i32", "done_ptr": "*i32", "num_tasks": "i32"}  # fmt: skip
     if prefetch:
         kernel = _chain_prefetch_kernel
@@ -358,17 +352,7 @@ def compile_for_sm90(spec: str, dim: int, ffn: int) -> str:
                      "BLOCK_N_FFN": max(1, block_n * dim // ffn), "EPS": EPS}  # fmt: skip
     else:
         kernel, constants = _chain_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "EPS": EPS}
-    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-    )
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+    return compile_for_hopper(kernel, arg_types, constants, warps)
 
 
 def time_ms(fn, iters: int) -> float:

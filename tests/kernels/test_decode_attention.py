@@ -142,6 +142,35 @@ def check_generator(device: str, dtype: torch.dtype, tolerance: float, compile: 
     return f"generator {dtype} compile {compile}, kernel vs reference: same tokens, logprobs within {worst:.1e}"  # fmt: skip
 
 
+@pytest.mark.parametrize(("dtype", "precision"), [("bf16", "tf32"), ("fp32", "ieee")])
+def test_kernels_compile_for_hopper(dtype: str, precision: str) -> None:
+    """The split and combine kernels compile for sm_90 without a GPU (what the interpreter
+    never checks: one type per value across branches and loop iterations), at the 1B decode
+    shape (head_dim 64, 4 query heads a kv head, 8 splits) with a window, without spilling."""
+    pytest.importorskip("triton")
+    from torchloom.kernels import decode_attention as kernels
+    from torchloom.kernels.triton_support import compile_for_hopper
+
+    ints = ["H", "group", "g_blocks", "L", "d", "split_len", "stride_qb", "stride_qh",
+            "stride_ks", "stride_kk", "stride_kl", "stride_vs", "stride_vk", "stride_vl"]  # fmt: skip
+    split_types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                   "slots_ptr": "*i64", "pos_ptr": "*i64", "live_ptr": "*i1",
+                   "out_ptr": f"*{dtype}", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                   "acc_ptr": "*fp32", **dict.fromkeys(ints, "i32")}  # fmt: skip
+    split_constants = {"SCALE_LOG2": 64**-0.5 * 1.4426950408889634, "WINDOW": 4096, "CHUNK": 0,
+                       "SPLITS": 8, "BLOCK_G": 16, "BLOCK_L": kernels._BLOCK_L, "BLOCK_D": 64,
+                       "DOT_PRECISION": precision}  # fmt: skip
+    combine_types = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "acc_ptr": "*fp32",
+                     "out_ptr": f"*{dtype}", "H": "i32", "d": "i32", "stride_ob": "i32",
+                     "stride_oh": "i32"}  # fmt: skip
+    for kernel, types, constants in [
+        (kernels._split_kernel, split_types, split_constants),
+        (kernels._combine_kernel, combine_types, {"SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": 64}),
+    ]:
+        usage = compile_for_hopper(kernel, types, constants)
+        assert "LOCAL:0 " in usage, usage
+
+
 def test_triton_kernels_in_the_interpreter(run_in_triton_interpreter) -> None:
     run_in_triton_interpreter(__file__)
 

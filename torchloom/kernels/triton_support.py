@@ -50,6 +50,38 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+def compile_for_hopper(
+    kernel: Callable, arg_types: dict[str, str], constants: dict[str, object], num_warps: int = 4
+) -> str:
+    """Compile a Triton kernel for sm_90 (H100 / H200) on any machine, with no GPU (Triton's
+    bundled ptxas), and return its resource line ("REG:<registers a thread> ... LOCAL:<bytes
+    spilled>"). Checks what Triton's interpreter never does: that every value keeps one type
+    across branches and loop iterations, and how many registers the kernel holds.
+    ``arg_types``: each runtime argument's Triton type ("*bf16", "*fp32", "*i64", "*i1",
+    "i32", ...); ``constants``: the constexpr arguments' values."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # TRITON_INTERPRET=1 wraps the Python function
+        kernel = JITFunction(kernel.fn)
+    signature = {**arg_types, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(kernel, signature, constants)
+    target = GPUTarget("cuda", 90, 32)
+    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+
+
 def cuda_index(device: torch.device) -> int:
     """The index of CUDA ``device`` ("cuda" without one: the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
