@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,7 +187,9 @@ def fresh_dynamo_for_gpu_tests(request):
 @pytest.fixture
 def run_in_triton_interpreter() -> Callable[[str], None]:
     """Runs a test file as a script with TRITON_INTERPRET=1 (Triton reads it when imported, so
-    the kernels need a fresh process) and fails, with the script's output, unless it exits 0."""
+    the kernels need a fresh process) and fails, with the script's output, unless it exits 0.
+    The script runs under tests/sm90_launches.py, which then compiles every kernel it launched
+    for sm_90 (no GPU needed): what compiles for the GPU is checked with what computes here."""
 
     def run(path: str) -> None:
         if importlib.util.find_spec("triton") is None:
@@ -195,9 +198,11 @@ def run_in_triton_interpreter() -> Callable[[str], None]:
             pytest.fail("Triton is not installed, so its kernels go untested: pip install "
                         "triton (or the dev extra)")  # fmt: skip
         env = {**os.environ, "TRITON_INTERPRET": "1"}
+        bootstrap = str(Path(__file__).with_name("sm90_launches.py"))
         result = subprocess.run(
-            [sys.executable, path], env=env, capture_output=True, text=True, timeout=600
-        )
+            [sys.executable, bootstrap, path], env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
         print(result.stdout)
         assert result.returncode == 0, result.stdout + result.stderr
 
