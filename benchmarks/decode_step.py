@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
+from gpu_bench import ms_per_call
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -40,18 +41,6 @@ def build(flavor: str, device: torch.device) -> tuple[torch.nn.Module, object]:
     model.to_empty(device=device)
     model.init_weights(0)
     return model.to(torch.bfloat16).eval(), config
-
-
-def timed_replays(replay, count: int) -> float:
-    """Milliseconds per call of ``replay``, timed with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(count):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / count
 
 
 def matmuls_alone(config, device: torch.device) -> dict:
@@ -72,8 +61,8 @@ def matmuls_alone(config, device: torch.device) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    timed_replays(graph.replay, 5)
-    ms = timed_replays(graph.replay, 100)
+    ms_per_call(graph.replay, 5)
+    ms = ms_per_call(graph.replay, 100)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {
         "ms": round(ms, 4),
@@ -104,8 +93,8 @@ def decode(
         torch.cuda.synchronize()
         tokens_per_s.append(round(new / (time.perf_counter() - start), 1))
     replay = generator.graphs._graphs[1].replay  # the bucket of one row
-    timed_replays(replay, 10)
-    replay_ms = timed_replays(replay, 300)
+    ms_per_call(replay, 10)
+    replay_ms = ms_per_call(replay, 300)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             replay()

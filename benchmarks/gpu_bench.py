@@ -48,6 +48,19 @@ def median_seconds(
     return statistics.median(s.elapsed_time(e) for s, e in times) / 1e3
 
 
+def ms_per_call(fn: Callable[[], object], count: int) -> float:
+    """Milliseconds per call of ``fn`` over ``count`` calls back to back (a CUDA graph's
+    replays, say), timed with one pair of CUDA events after a synchronize."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(count):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / count
+
+
 def write_report(path: Path, rows: list[dict]) -> None:
     """``rows`` as JSON at ``path``, with the device, torch version, date and command."""
     path.parent.mkdir(parents=True, exist_ok=True)

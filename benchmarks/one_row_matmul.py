@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_bench import ms_per_call
 
 from torchloom.models import ModelConfig, resolve_model_config
 
@@ -69,15 +70,8 @@ def time_variant(variant: str, n: int, k: int, copies: int, iters: int) -> float
                 call(w)
     finally:
         torch.backends.cuda.preferred_blas_library(library)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * copies)
+    return ms_per_call(graph.replay, iters) * 1e3 / copies
 
 
 def main() -> None:

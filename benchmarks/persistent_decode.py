@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_bench import ms_per_call
 
 from torchloom.kernels.triton_support import compile_for_hopper, jit, tl, triton
 from torchloom.models import ModelConfig, resolve_model_config
@@ -57,6 +58,17 @@ def _wait_for_input(meta_ptr, done_ptr, m):
         finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
         while finished < need:
             finished = tl.atomic_add(done_ptr + m - 1, 0, sem="acquire", scope="gpu")
+
+
+@jit
+def _task(tasks_ptr, meta_ptr, task):
+    """Task ``task``'s matrix and tile, and that matrix's row of the table (META)."""
+    m = tl.load(tasks_ptr + 2 * task)
+    tile = tl.load(tasks_ptr + 2 * task + 1)
+    meta = meta_ptr + m * 9
+    w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+    x_off, y_off, mode = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+    return m, tile, w_off, N, K, x_off, y_off, mode, tl.load(meta + 7), tl.load(meta + 8)
 
 
 @jit
@@ -81,12 +93,9 @@ def _chain_kernel(
     chunks (RMS-normed input where the matrix has a norm weight), and counts itself done."""
     task = tl.atomic_add(counter_ptr, 1)
     while task < num_tasks:
-        m = tl.load(tasks_ptr + 2 * task)
-        tile = tl.load(tasks_ptr + 2 * task + 1)
-        meta = meta_ptr + m * 9
-        w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-        x_off, y_off, mode = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
-        resid_off, norm_off = tl.load(meta + 7), tl.load(meta + 8)
+        m, tile, w_off, N, K, x_off, y_off, mode, resid_off, norm_off = _task(
+            tasks_ptr, meta_ptr, task
+        )
         _wait_for_input(meta_ptr, done_ptr, m)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)  # the norm's pass over the input
         for k0 in range(0, K, BLOCK_K):
@@ -120,12 +129,9 @@ def _chain_prefetch_kernel(
     depend on nothing, so the wait for the previous matrix overlaps this tile's reads."""
     task = tl.atomic_add(counter_ptr, 1)
     while task < num_tasks:
-        m = tl.load(tasks_ptr + 2 * task)
-        tile = tl.load(tasks_ptr + 2 * task + 1)
-        meta = meta_ptr + m * 9
-        w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-        x_off, y_off = tl.load(meta + 3), tl.load(meta + 4)
-        resid_off, norm_off = tl.load(meta + 7), tl.load(meta + 8)
+        m, tile, w_off, N, K, x_off, y_off, _, resid_off, norm_off = _task(
+            tasks_ptr, meta_ptr, task
+        )
         if K == DIM:  # q/k/v, o, gate/up, the head: the input RMS-normed where it has a norm
             rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             cols = tl.arange(0, DIM)
@@ -355,24 +361,13 @@ def compile_for_sm90(spec: str, dim: int, ffn: int) -> str:
     return compile_for_hopper(kernel, arg_types, constants, warps)
 
 
-def time_ms(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def graphed(fn):
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    graph.replay()  # the first replay, untimed
     return graph.replay
 
 
@@ -422,7 +417,9 @@ def main() -> None:
         tail = "" if error is None else f"  (max rel. error vs fp32 reference {error:.1e})"
         print(f"{name:>28}: {ms:7.4f} ms  {gb / ms:5.2f} TB/s{tail}", flush=True)
 
-    record("torch ops, one CUDA graph", time_ms(graphed(chain_torch_step(chain, x0)), args.iters))
+    record(
+        "torch ops, one CUDA graph", ms_per_call(graphed(chain_torch_step(chain, x0)), args.iters)
+    )
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in args.configs:
         prefetch, block_n, block_k, warps, per_sm = parse_config(spec)
@@ -432,7 +429,7 @@ def main() -> None:
             torch.cuda.synchronize()
             error = ((got - want).abs().max() / want.abs().max()).item()
             replay = graphed(lambda run=run: run(x0))  # with its counters' reset, as one step
-            record(f"persistent {spec}", time_ms(replay, args.iters), error)
+            record(f"persistent {spec}", ms_per_call(replay, args.iters), error)
         except Exception as exc:  # a configuration that does not compile or fit: say which
             print(f"persistent {spec}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             rows.append({"row": f"persistent {spec}", "error": f"{type(exc).__name__}: {exc}"})
