@@ -53,7 +53,7 @@ launches: dict[str, dict] = {}
 def _record(function: interpreter.InterpretedFunction, args: tuple, kwargs: dict) -> None:
     kernel = JITFunction(function.fn)
     values = dict(zip((p.name for p in kernel.params), args))
-    values.update((k, v) for k, v in kwargs.items() if k in values or k in kernel.arg_names)
+    values.update((k, v) for k, v in kwargs.items() if k in kernel.arg_names)
     types, constants = {}, {}
     for param in kernel.params:
         value = values.get(param.name, param.default)

@@ -157,7 +157,7 @@ def test_kernels_compile_for_hopper(dtype: str, precision: str) -> None:
                    "slots_ptr": "*i64", "pos_ptr": "*i64", "live_ptr": "*i1",
                    "out_ptr": f"*{dtype}", "max_ptr": "*fp32", "sum_ptr": "*fp32",
                    "acc_ptr": "*fp32", **dict.fromkeys(ints, "i32")}  # fmt: skip
-    split_constants = {"SCALE_LOG2": 64**-0.5 * 1.4426950408889634, "WINDOW": 4096, "CHUNK": 0,
+    split_constants = {"SCALE_LOG2": 64**-0.5 * kernels._LOG2E, "WINDOW": 4096, "CHUNK": 0,
                        "SPLITS": 8, "BLOCK_G": 16, "BLOCK_L": kernels._BLOCK_L, "BLOCK_D": 64,
                        "DOT_PRECISION": precision}  # fmt: skip
     combine_types = {"max_ptr": "*fp32", "sum_ptr": "*fp32", "acc_ptr": "*fp32",
