@@ -4,12 +4,14 @@ sets), and end-to-end `generate` tokens/s; optionally the same compiled with ind
 programmatic dependent launch (``--pdl``), with the prefill run eagerly (``--eager-prefill``), or
 with the generator's Triton kernels (``--kernels``:
 kernels/decode_attention.py instead of the masked matmul softmax, kernels/log_softmax.py for the
-log-softmax and argmax), and the kernels with inductor's matmul autotuning (``--autotune``).
-Needs a CUDA GPU.
+log-softmax and argmax), the kernels with inductor's matmul autotuning (``--autotune``), and
+the one-launch fused step (``--fused``: kernels/fused_decode.py, ``Generator(step_kernel=
+"triton")``) at each tiling given. Needs a CUDA GPU.
 
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
     python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
     python3 benchmarks/decode_step.py --kernels --autotune
+    python3 benchmarks/decode_step.py --fused 16384x8x1 8192x4x2   # tile elements x warps x per SM
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -31,6 +33,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.fused_step import decode_weights
+from torchloom.kernels.fused_decode import FusedDecodeStep
 from torchloom.models import ModelConfig, build_model, resolve_model_config
 
 
@@ -69,6 +73,51 @@ def matmuls_alone(config, device: torch.device) -> dict:
         "GB": round(nbytes / 1e9, 3),
         "TB_per_s": round(nbytes / ms / 1e9, 3),
     }
+
+
+def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[list, list]:
+    """Three timed greedy runs: tokens/s of each, and the last run's tokens."""
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+    tokens_per_s = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        completion = generator.generate([Request(prompt, params)])[0]
+        torch.cuda.synchronize()
+        tokens_per_s.append(round(new / (time.perf_counter() - start), 1))
+    return tokens_per_s, completion.tokens
+
+
+def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int]) -> dict:
+    """The compiled generator with the fused step, re-captured at each tiling "TxWxP" (tile
+    elements x warps x programs per SM): generate tokens/s, the step replayed alone, and how
+    many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
+    flip one, and every token after it follows the new prefix)."""
+    torch._dynamo.reset()
+    generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
+                          step_kernel="triton")  # fmt: skip
+    graphs = generator.graphs
+    rows = {}
+    for spec in configs:
+        tile, warps, per_sm = (int(v) for v in spec.split("x"))
+        try:
+            graphs._fused = FusedDecodeStep(
+                decode_weights(model, generator.cache), graphs._tokens_B1[:1],
+                graphs._positions_B1[:1], tile_elements=tile, num_warps=warps,
+                programs_per_sm=per_sm,
+            )  # fmt: skip
+            graphs._capture(generator.device)
+            timed_generate(generator, prompt, new)  # warm-up (the prefill compiles once)
+            tokens_per_s, tokens = timed_generate(generator, prompt, new)
+            agree = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), new)
+            replay = graphs._graphs[1].replay
+            ms_per_call(replay, 10)
+            rows[spec] = {"tokens_per_s": tokens_per_s, "replay_ms": round(ms_per_call(replay, 300), 4),
+                          "tokens_agreeing_before_the_first_difference": agree}  # fmt: skip
+        except Exception as exc:  # a tiling that does not compile or fit: say which
+            rows[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"fused {spec}", rows[spec], flush=True)
+    return rows
 
 
 def decode(
@@ -132,6 +181,9 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP",
+                        help="also the fused one-launch step (step_kernel 'triton') at each "
+                             "tiling: tile elements x warps x programs per SM")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -160,6 +212,12 @@ def main() -> None:
             eager_prefill,
         )  # fmt: skip
         print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
+    if args.fused:
+        generator = Generator(model, max_batch=1, max_len=args.prompt_len + args.new_tokens,
+                              compile=True)  # fmt: skip
+        _, reference = timed_generate(generator, prompt, args.new_tokens)
+        del generator
+        report["fused"] = fused(model, prompt, args.new_tokens, args.fused, reference)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,

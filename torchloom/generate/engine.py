@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from torchloom.config.errors import ConfigError
 from torchloom.data.mrope import mrope_positions
+from torchloom.generate.fused_step import fused_step_problem
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
 from torchloom.generate.requests import Completion, Request, media_problem, outside
 from torchloom.generate.requests import SamplingParams as SamplingParams  # the API, here too
@@ -44,11 +45,14 @@ from torchloom.generate.weights import Weights, copy_weights_
 from torchloom.kernels.decode_attention import IMPLS as DECODE_ATTENTION_IMPLS
 from torchloom.kernels.log_softmax import IMPLS as SCORE_IMPLS
 from torchloom.kernels.log_softmax import log_softmax_argmax, log_softmax_argmax_reference
-from torchloom.kernels.triton_support import cuda_index
+from torchloom.kernels.triton_support import cuda_index, triton
 from torchloom.models.components.cache import ModelCache
 from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
+
+STEP_IMPLS = ("auto", "torch", "triton")
+"""``Generator(step_kernel=...)``: how one sequence's decode step runs (the class docstring)."""
 
 MIXED_PREFILL_TOKENS = 64
 """A prefill whose rows are at most this many tokens may also advance the active requests,
@@ -112,6 +116,12 @@ class Generator:
     vocabulary (torchloom/kernels/log_softmax.py: split over the vocabulary, where PyTorch
     reduces a row in one thread block). In batch-invariant mode "auto" scores as the trainer
     does (PyTorch) and "triton" is refused.
+    ``step_kernel``: how a decode step of one sequence (slot 0 alone) runs: "torch" (default)
+    the model's forward; "triton" the one-launch step of torchloom/kernels/fused_decode.py
+    (Llama-shaped models only: generate/fused_step.py; CPU tensors under TRITON_INTERPRET=1),
+    refused in one line where it cannot run; "auto" that step where it can run (CUDA, such a
+    model, not batch-invariant), the forward elsewhere. Its numbers are the forward's up to
+    rounding (fp32 activations), not bitwise.
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -129,6 +139,7 @@ class Generator:
         admit_batch: int | None = None,
         decode_attention: str = "torch",
         score_kernel: str = "torch",
+        step_kernel: str = "torch",
     ) -> None:
         if not (isinstance(model, nn.Module) and hasattr(model, "config")
                 and hasattr(model, "new_cache")):  # fmt: skip
@@ -176,6 +187,7 @@ class Generator:
             )
         self.cache = model.new_cache(max_batch, self.max_len, self.device, self.dtype)
         self.cache.decode_attention = decode_attention
+        fused_step = _fused_step(step_kernel, model, self.cache)
         host_reads = _host_reads(model, self.dtype)
         if cuda_graphs is None:
             sharded = any(isinstance(p, DTensor) for p in model.parameters())
@@ -212,10 +224,11 @@ class Generator:
             for tensor in self.cache.tensors():
                 torch._dynamo.mark_static(tensor)
         self.graphs = None
-        if cuda_graphs or compile:
+        if cuda_graphs or compile or fused_step:
             self.graphs = DecodeGraphs(
-                self.model, self.cache, self._score, capture=cuda_graphs, compile=compile
-            )
+                self.model, self.cache, self._score, capture=cuda_graphs, compile=compile,
+                fused_step=fused_step,
+            )  # fmt: skip
         if admit_batch is not None and not _is_positive_int(admit_batch):
             raise ValueError(f"admit_batch must be None or an integer >= 1; got {admit_batch!r}")
         self.admit_batch = admit_batch or max(1, max_batch // 8)
@@ -724,6 +737,30 @@ def available_memory(device: torch.device) -> int | None:
         except (OSError, ValueError, IndexError):
             return None
     return None
+
+
+def _fused_step(step_kernel: str, model: nn.Module, cache: ModelCache) -> bool:
+    """Whether ``Generator(step_kernel=...)`` runs one sequence's decode steps by the fused
+    kernel (generate/fused_step.py); "triton" where it cannot is refused."""
+    if step_kernel not in STEP_IMPLS:
+        raise ValueError(
+            f"step_kernel must be one of {STEP_IMPLS} ('auto': the fused Triton step where it "
+            f"runs); got {step_kernel!r}"
+        )
+    if step_kernel == "torch":
+        return False
+    problem = fused_step_problem(model, cache)
+    if problem is None and triton is None:
+        problem = "Triton is not installed"
+    if step_kernel == "auto":
+        return problem is None and cache.device.type == "cuda"
+    if problem is not None:
+        raise ValueError(
+            f"step_kernel 'triton' cannot run this model's decode step: {problem}. Pass "
+            "step_kernel 'auto' (the model's forward where the fused step cannot run) or "
+            "'torch'."
+        )
+    return True
 
 
 def _is_positive_int(value: object) -> bool:

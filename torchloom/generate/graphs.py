@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from torchloom.generate.fused_step import decode_weights
+from torchloom.kernels.fused_decode import FusedDecodeStep
 from torchloom.models.components.cache import ModelCache
 
 
@@ -90,8 +92,11 @@ class DecodeGraphs:
         finish: Finish,
         capture: bool = True,
         compile: bool = False,
+        fused_step: bool = False,
     ) -> None:
-        """``capture=False`` runs the same static-shape steps without graphs (any device)."""
+        """``capture=False`` runs the same static-shape steps without graphs (any device).
+        ``fused_step``: the bucket of one row runs kernels/fused_decode.py's one-launch step
+        (the model must be one that generate/fused_step.py accepts) instead of the forward."""
         self.cache, self.finish = cache, finish
         device = cache.device
         self.sizes = buckets(cache.slots)
@@ -112,6 +117,11 @@ class DecodeGraphs:
             # bucket's rows are not duck-sized to them (which recompiled the second bucket).
             for buffer in (self._tokens_B1, self._positions_B1, self._live_B):
                 torch._dynamo.mark_static(buffer)
+        self._fused = None
+        if fused_step:  # reads slot 0's inputs and writes its next ones itself
+            self._fused = FusedDecodeStep(
+                decode_weights(model, cache), self._tokens_B1[:1], self._positions_B1[:1]
+            )
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._bucket = 0  # the bucket of the last launched step
@@ -151,6 +161,10 @@ class DecodeGraphs:
         # The captures wrote dummy keys at position 0 of every slot: nothing is cached yet.
 
     def _forward(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows == 1 and self._fused is not None:
+            # Slot 0 alone; not live (no slot decoding) it writes at the scratch index, as the
+            # forward's dummy rows do: the cache is only indexed by position.
+            return self._fused()
         tokens_B1, positions_B1 = self._tokens_B1[:rows], self._positions_B1[:rows]
         logprobs_BV, best_2B = self._step(
             tokens_B1, positions_B1, self.cache.bind_leading(positions_B1, self._live_B[:rows])

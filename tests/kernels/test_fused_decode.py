@@ -1,0 +1,228 @@
+"""The one-launch decode step (torchloom/kernels/fused_decode.py, generate/fused_step.py).
+
+The PyTorch reference of the step against the model's own forward over its cache (so
+``decode_weights`` describes the model the kernel will read); which models the fused step
+refuses and how the generator says so; the kernel against the reference in Triton's
+interpreter (this file run as a script with TRITON_INTERPRET=1, fp32) at several tilings,
+positions (the first, past several key blocks, the cache's last index) and program counts,
+and the generator decoding with it against the generator on the model's forward; the kernel
+compiled for sm_90 at the Llama-3.2-1B shape in bf16 without spilling; on a CUDA GPU, the
+kernel in bf16 at the 1B layer shapes and the generator from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.fused_step import decode_weights, fused_step_problem
+from torchloom.kernels.attention_mask import AttentionMask
+from torchloom.kernels.fused_decode import (
+    DecodeWeights,
+    FusedDecodeStep,
+    LayerWeights,
+    fused_decode_reference,
+)
+from torchloom.models import ModelConfig, build_model, resolve_model_config
+
+
+def tiny(family: str = "llama3", **changes) -> torch.nn.Module:
+    config = replace(resolve_model_config(ModelConfig(name=family, flavor="debug")), **changes)
+    model = build_model(config)
+    model.init_weights(0)
+    return model.eval()
+
+
+def test_reference_matches_the_model() -> None:
+    """decode_weights + fused_decode_reference, step by step after a prefill, against the
+    model's forward over its own cache: the same log-probabilities (fp32, to rounding) and
+    the same keys and values cached."""
+    model = tiny()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ours, theirs = model.new_cache(1, 32, "cpu", torch.float32), model.new_cache(1, 32, "cpu", torch.float32)  # fmt: skip
+    slot = torch.tensor([0])
+    with torch.no_grad():
+        positions = torch.arange(len(prompt))[None]
+        for cache in (ours, theirs):
+            model(torch.tensor([prompt]), positions, cache=cache.bind(slot, positions))
+        weights = decode_weights(model, ours)
+        token = prompt[-1]
+        for position in range(len(prompt), len(prompt) + 4):
+            logprobs, best, best_logprob = fused_decode_reference(weights, token, position)
+            at = torch.tensor([[position]])
+            logits = model(torch.tensor([[token]]), at, cache=theirs.bind(slot, at))[0, 0]
+            want = torch.log_softmax(logits, -1)
+            assert (logprobs - want).abs().max() < 1e-5
+            assert best == int(want.argmax()) and abs(best_logprob - float(want.max())) < 1e-5
+            token = best
+    for mine, reference in zip(ours.states.values(), theirs.states.values()):
+        assert torch.allclose(mine.k, reference.k, atol=1e-6)
+        assert torch.allclose(mine.v, reference.v, atol=1e-6)
+
+
+def test_refusals() -> None:
+    """Models other than Llama-shaped ones are named with their reason; step_kernel 'triton'
+    refuses them in one line, 'auto' falls back to the forward (and to it on the CPU)."""
+    llama = tiny()
+    assert fused_step_problem(llama, llama.new_cache(1, 8, "cpu", torch.float32)) is None
+    windowed = tiny()
+    windowed.layers["1"].attention.mask = AttentionMask(window=4)
+    cases = {
+        "qwen3": (tiny("qwen3"), "q/k norms"),
+        "deepseek_v3": (tiny("deepseek_v3"), "not a plain decoder"),
+        "batch_invariant": (tiny(batch_invariant=True), "batch-invariant"),
+        "window": (windowed, "layer 1: its attention mask is"),
+    }
+    for name, (model, reason) in cases.items():
+        problem = fused_step_problem(model, model.new_cache(1, 8, "cpu", torch.float32))
+        assert problem is not None and reason in problem, (name, problem)
+    qwen3 = cases["qwen3"][0]
+    with pytest.raises(ValueError, match="step_kernel 'triton' cannot run .*q/k norms"):
+        Generator(qwen3, max_batch=1, max_len=16, step_kernel="triton")
+    with pytest.raises(ValueError, match="step_kernel must be one of"):
+        Generator(llama, max_batch=1, max_len=16, step_kernel="fused")
+    assert Generator(qwen3, max_batch=1, max_len=16, step_kernel="auto").graphs is None
+    assert Generator(llama, max_batch=1, max_len=16, step_kernel="auto").graphs is None  # CPU
+    mixed = tiny()
+    mixed.norm.weight.data = mixed.norm.weight.data.double()
+    problem = fused_step_problem(mixed, mixed.new_cache(1, 8, "cpu", torch.float32))
+    assert problem is not None and "several dtypes" in problem
+
+
+def random_weights(dim: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+                   layers: int, max_len: int, device: str, dtype: torch.dtype) -> DecodeWeights:  # fmt: skip
+    """Unit-scale random weights and a random cache (so every position attends to something)."""
+    gen = torch.Generator(device).manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, generator=gen) * shape[-1] ** -0.5).to(dtype)
+
+    def gain() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(dim, device=device, generator=gen)).to(dtype)
+
+    def cache() -> torch.Tensor:
+        return torch.randn(kv_heads, max_len, head_dim, device=device, generator=gen).to(dtype)
+
+    blocks = [LayerWeights(gain(), r(heads * head_dim, dim), r(kv_heads * head_dim, dim),
+                           r(kv_heads * head_dim, dim), r(dim, heads * head_dim), gain(),
+                           r(ffn, dim), r(ffn, dim), r(dim, ffn), cache(), cache())
+              for _ in range(layers)]  # fmt: skip
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    embed = torch.randn(vocab, dim, device=device, generator=gen).to(dtype)
+    return DecodeWeights(embed, blocks, gain(), r(vocab, dim), heads, kv_heads, head_dim, 1e-5,
+                         inv_freq, rope_scale=1.0)  # fmt: skip
+
+
+def check_kernel(weights: DecodeWeights, positions: list[int], tolerance: float, **tiling) -> str:
+    """The kernel against the reference at each position (each from the same cache): the
+    log-probabilities, the argmax and its log-probability, the cache written, and the next
+    step's inputs it leaves (the argmax, the position one further, clamped)."""
+    device = weights.embed.device
+    max_len = weights.layers[0].k_cache.shape[1]
+    worst = 0.0
+    for position in positions:
+        mine, theirs = copy.deepcopy(weights), copy.deepcopy(weights)
+        want, best, best_logprob = fused_decode_reference(theirs, 7, position)
+        token_1 = torch.tensor([7], device=device)
+        position_1 = torch.tensor([position], device=device)
+        logprobs_1V, best_21 = FusedDecodeStep(mine, token_1, position_1, **tiling)()
+        error = (logprobs_1V[0] - want).abs().max().item()
+        worst = max(worst, error)
+        assert error < tolerance, f"position {position} {tiling}: max |logprob diff| {error:.1e}"
+        assert int(best_21[0, 0]) == best == int(token_1[0]), (best_21, best, token_1)
+        assert abs(float(best_21[1, 0]) - best_logprob) < tolerance
+        assert int(position_1[0]) == min(position + 1, max_len - 1)
+        for a, b in zip(mine.layers, theirs.layers):
+            for got, expected in ((a.k_cache, b.k_cache), (a.v_cache, b.v_cache)):
+                gap = (got.float() - expected.float()).abs().max().item()
+                assert gap <= tolerance, f"position {position}: cache differs by {gap:.1e}"
+    return f"kernel {tiling} at positions {positions}: max |logprob diff| {worst:.1e}"
+
+
+def check_generator(device: str, compile: bool = False) -> str:
+    """The llama3 debug model (fp32) generating 3 greedy requests through 2 slots: slot 0 alone
+    decodes by the fused step, two rows by the forward. The same tokens as the generator on
+    the forward alone, log-probabilities within 1e-4."""
+    model = tiny().to(device)
+    prompts = [[1, 2, 3, 4, 5], [7, 8], [9] * 11]
+    results = {}
+    for impl in ("torch", "triton"):
+        generator = Generator(model, max_batch=2, max_len=32, step_kernel=impl, compile=compile,
+                              cuda_graphs=device == "cuda")  # fmt: skip
+        requests = [Request(p, SamplingParams(max_new_tokens=9 - 3 * i, temperature=0.0))
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        results[impl] = generator.generate(requests)
+    worst = 0.0
+    for ours, reference in zip(results["triton"], results["torch"], strict=True):
+        assert ours.tokens == reference.tokens, (ours.tokens, reference.tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ours.logprobs, reference.logprobs)))
+    assert worst < 1e-4, f"generator: max |logprob diff| {worst:.1e}"
+    return f"generator (compile {compile}), fused vs forward: same tokens, logprobs within {worst:.1e}"  # fmt: skip
+
+
+def test_kernel_compiles_for_hopper() -> None:
+    """The kernel compiles for sm_90 at the Llama-3.2-1B shape in bf16 (what the interpreter
+    never checks: one type per value across branches and loops), its default tiling without
+    spilling registers."""
+    pytest.importorskip("triton")
+    from torchloom.kernels import fused_decode
+    from torchloom.kernels.triton_support import compile_for_hopper
+
+    config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
+    with torch.device("meta"):
+        model = build_model(config)
+    weights = decode_weights(model, model.new_cache(1, 384, "meta", torch.float32))
+    step = FusedDecodeStep.__new__(FusedDecodeStep)  # the constants only: no launch, no tables
+    step.weights, step.block_l, step.block_v = weights, 64, 1024
+    step.dims = {"DIM": 2048, "ATTN": 2048, "FFN": 8192}
+    step.rows = {"DIM": 8, "ATTN": 8, "FFN": 2}  # the default 16,384-element tiles
+    types = {"base_ptr": "*bf16", "act_ptr": "*fp32", "tasks_ptr": "*i32", "matrices_ptr": "*i64",
+             "layers_ptr": "*i64", "stages_ptr": "*i32", "counters_ptr": "*i32",
+             "token_ptr": "*i64", "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",
+             **dict.fromkeys(["num_tasks", "max_len", "inv_freq_off", "partials_off", "lse_off",
+                              "logits_off", "vocab", "combine_stage"], "i32"),
+             "embed_off": "i64"}  # fmt: skip
+    usage = compile_for_hopper(fused_decode._fused_decode_kernel, types, step.constants(),
+                               fused_decode.DEFAULT_WARPS)  # fmt: skip
+    assert "LOCAL:0 " in usage, usage
+
+
+def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
+    run_in_triton_interpreter(__file__)
+
+
+@pytest.mark.gpu
+def test_kernel_matches_the_reference_on_gpu() -> None:
+    """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
+    positions 0, 300 and the cache's last, at the default tiling and two others; the generator
+    from CUDA graphs, eager and compiled."""
+    weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
+                             device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    lines = [
+        check_kernel(weights, [0, 300, 511], 2e-2),
+        check_kernel(weights, [300], 2e-2, tile_elements=8192, num_warps=4, programs_per_sm=2),
+        check_kernel(weights, [300], 2e-2, tile_elements=32768, num_warps=8, programs_per_sm=1),
+        check_generator("cuda"),
+        check_generator("cuda", compile=True),
+    ]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 on CPU"
+    print(f"Triton interpreter checks ({Path(__file__).name}):")
+    small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
+                           dtype=torch.float32)  # fmt: skip
+    for line in (
+        # 4 query heads on 2 kv heads; FFN 192 padded to 256; keys in blocks of 8 (5 blocks)
+        check_kernel(small, [0, 5, 39], 1e-5, tile_elements=256, block_l=8, programs=3),
+        check_kernel(small, [17], 1e-5, tile_elements=64, block_l=64, programs=1),
+        check_generator("cpu"),
+    ):
+        print(line)

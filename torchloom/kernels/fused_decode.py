@@ -1,0 +1,533 @@
+"""A whole decode step of one sequence in one kernel launch (a persistent "megakernel").
+
+At batch 1 a decoder's step reads every weight once and does almost no arithmetic, so its
+floor is the weights' bytes over the memory bandwidth (Llama-3.2-1B in bf16: 2.47 GB, ~0.6 ms
+on an H200). Run as separate kernels (a matmul, a norm, RoPE, attention, SwiGLU, a residual add
+for each layer) the step also pays each kernel's launch, ramp and tail, over 200 times: on the
+H200 cuBLAS's one-row matmuls alone took 0.80 ms and the whole step 1.17 ms
+(benchmarks/RESULTS.md, s27). Here one launch of persistent programs runs all of it.
+
+The step is a list of tasks in dependency order, each belonging to a stage:
+
+- embed: the token's embedding row into the residual stream (one task);
+- per layer: q, k and v tiles (RMS norm in the prologue); one attention task per query head
+  (RoPE on its query and its kv head's new key, the new key and value written to the cache by
+  the group's first head, online softmax over the cached positions); o tiles (+ the residual);
+  gate and up tiles (norm in the prologue); down tiles (SwiGLU in the prologue, + the
+  residual);
+- the head's tiles (final norm in the prologue), each also writing its rows' max, sum of
+  exponentials and argmax; the last head tile to finish combines them (log-sum-exp, argmax,
+  the next step's token and position);
+- log-probability tiles (logits minus the log-sum-exp).
+
+Programs take tasks from a global counter in order. A matrix tile loads its whole weight tile
+first, then waits (spinning on an acquire load of the previous stage's count of finished
+tasks) for the input it reads, so a stage's weight reads overlap the previous stage's tail; a
+finished task stores its outputs and publishes them with a release increment of its stage's
+count. A task only ever waits for stages whose tasks were all taken before its own, by running
+programs, so no schedule deadlocks (and under Triton's interpreter, where programs run one
+after another, every wait is already met).
+
+Activations stay in fp32 in one scratch buffer (each stage writes fresh rows: nothing is
+overwritten while a reader may still need it); the cache gets the model's dtype. The numbers
+therefore differ from the model's forward by its intermediate roundings (which round every
+op's output to bf16): close, not bitwise. Batch-invariant mode never uses it.
+
+What it runs: ``DecodeWeights``, a plain description of a pre-norm decoder with grouped-query
+attention, full rotate-half RoPE, SwiGLU and RMS norms (Llama 3; built from a model by
+torchloom/generate/fused_step.py). ``fused_decode_reference`` is the same step in PyTorch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from torchloom.kernels.triton_support import jit, num_persistent_programs, tl, triton
+
+_LOG2E = 1.4426950408889634
+# Task kinds and matrix input classes, as the kernel spells them (literals there: a jit function
+# reads no plain globals).
+EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
+READS_DIM, READS_ATTENTION, READS_SWIGLU = 0, 1, 2
+MATRIX_FIELDS = 10  # weight, N, input class, x, y, residual, norm, wait stage, stage, is head
+LAYER_FIELDS = 6  # q/k/v outputs, key cache, value cache, output, wait stage, stage
+TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
+# The default tiling: 16,384 weights a tile (32 KB of bf16 in flight per program), 8 warps,
+# one program per multiprocessor (the kernel holds ~173 registers a thread at 8 warps on sm_90).
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
+
+
+@dataclass
+class LayerWeights:
+    """One block's tensors ([out, in] linears) and its slot's key/value cache
+    [kv_heads, max_len, head_dim]."""
+
+    attention_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass
+class DecodeWeights:
+    """A pre-norm GQA decoder as the fused step reads it: every tensor in one dtype on one
+    device. RoPE: angle = position * inv_freq[i] for channels i and i + head_dim / 2, cos and
+    sin times ``rope_scale``."""
+
+    embed: torch.Tensor  # [vocab, dim]
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    head: torch.Tensor  # [vocab, dim] (the embedding itself when tied)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: torch.Tensor  # [head_dim / 2] fp32
+    rope_scale: float = 1.0
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean() + eps) * weight.float()
+
+
+def _rotate(x_Hd: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_Hd.chunk(2, -1)
+    return x_Hd * cos_d + torch.cat((-x2, x1), -1) * sin_d
+
+
+def fused_decode_reference(
+    w: DecodeWeights, token: int, position: int
+) -> tuple[torch.Tensor, int, float]:
+    """The fused step in PyTorch ops, with its roundings (fp32 activations; q, k, v and the
+    cache in the weights' dtype): writes the key and value at ``position`` of every layer's
+    cache, returns (fp32 log-probabilities [vocab], argmax token, its log-probability)."""
+    dtype, hd = w.embed.dtype, w.head_dim
+    rounded = lambda x: x.to(dtype).float()  # noqa: E731
+    angle = position * w.inv_freq.float()
+    cos_d = rounded(torch.cat((angle, angle)).cos() * w.rope_scale)
+    sin_d = rounded(torch.cat((angle, angle)).sin() * w.rope_scale)
+    h = w.embed[token].float()
+    for layer in w.layers:
+        x = _rms_norm(h, layer.attention_norm, w.eps)
+        q = rounded(layer.q.float() @ x).view(w.heads, hd)
+        k = rounded(layer.k.float() @ x).view(w.kv_heads, hd)
+        v = rounded(layer.v.float() @ x).view(w.kv_heads, hd)
+        q, k = rounded(_rotate(q, cos_d, sin_d)), rounded(_rotate(k, cos_d, sin_d))
+        layer.k_cache[:, position] = k.to(dtype)
+        layer.v_cache[:, position] = v.to(dtype)
+        keys = layer.k_cache[:, : position + 1].float().repeat_interleave(w.heads // w.kv_heads, 0)
+        values = layer.v_cache[:, : position + 1].float()
+        values = values.repeat_interleave(w.heads // w.kv_heads, 0)
+        probs = ((keys @ q[:, :, None])[..., 0] * hd**-0.5).softmax(-1)
+        attended = (probs[:, None, :] @ values)[:, 0].reshape(-1)
+        h = h + layer.o.float() @ attended
+        x = _rms_norm(h, layer.mlp_norm, w.eps)
+        h = h + layer.down.float() @ (F.silu(layer.gate.float() @ x) * (layer.up.float() @ x))
+    logits = w.head.float() @ _rms_norm(h, w.norm, w.eps)
+    logprobs = logits - torch.logsumexp(logits, 0)
+    best = int(logits.argmax())
+    return logprobs, best, float(logprobs[best])
+
+
+# -- the kernel ------------------------------------------------------------------------------
+
+
+@jit
+def _wait(counters_ptr, stages_ptr, stage):
+    """Spin until every task of ``stage`` (none: -1) has published its outputs."""
+    if stage >= 0:
+        need = tl.load(stages_ptr + stage)
+        done = tl.atomic_add(counters_ptr + 1 + stage, 0, sem="acquire", scope="gpu")
+        while done < need:
+            done = tl.atomic_add(counters_ptr + 1 + stage, 0, sem="acquire", scope="gpu")
+
+
+@jit
+def _publish(counters_ptr, stage):
+    """Every thread's stores first, then one release increment of the stage's count."""
+    tl.debug_barrier()
+    tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
+
+
+@jit
+def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
+             tiles, lse_off, combine_stage, BLOCK: tl.constexpr):  # fmt: skip
+    """The head tiles' (max, sum of exponentials, argmax) into the log-sum-exp and the first
+    argmax; the next step's token and position (clamped inside the cache)."""
+    offs = tl.arange(0, BLOCK)
+    top = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for t0 in range(0, tiles, BLOCK):
+        ok = t0 + offs < tiles
+        top = tl.maximum(top, tl.load(act_ptr + partials_off + (t0 + offs) * 3, mask=ok,
+                                      other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
+    best = tl.max(top, axis=0)
+    total = tl.zeros((BLOCK,), tl.float32)
+    first = tl.full((BLOCK,), 2**30, tl.int32)
+    for t0 in range(0, tiles, BLOCK):
+        idx = t0 + offs
+        ok = idx < tiles
+        m = tl.load(act_ptr + partials_off + idx * 3, mask=ok, other=float("-inf"),
+                    cache_modifier=".cg")  # fmt: skip
+        s = tl.load(act_ptr + partials_off + idx * 3 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        total += tl.where(ok, s * tl.exp(m - best), 0.0)
+        first = tl.minimum(first, tl.where(ok & (m == best), idx, 2**30))
+    lse = best + tl.log(tl.sum(total, axis=0))
+    token = tl.load(act_ptr + partials_off + tl.min(first, axis=0) * 3 + 2, cache_modifier=".cg")
+    tl.store(act_ptr + lse_off, lse)
+    tl.store(best_ptr, token.to(tl.float64))
+    tl.store(best_ptr + 1, (best - lse).to(tl.float64))
+    tl.store(token_ptr, token.to(tl.int64))
+    position = tl.load(pos_ptr)
+    tl.store(pos_ptr, tl.minimum(position + 1, max_len - 1))
+    _publish(counters_ptr, combine_stage)
+
+
+@jit
+def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
+            pos_ptr, max_len, partials_off, lse_off, combine_stage,
+            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, SWIGLU: tl.constexpr,
+            EPS: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """``ROWS`` outputs of one matrix: its weight tile loaded first, then (once the input is
+    ready) the input (RMS-normed where the matrix has a norm weight, SwiGLU of two halves where
+    it reads the MLP's gate and up), the residual rows added. A head tile also writes its
+    rows' max, sum of exponentials and argmax; the last one to finish combines them."""
+    w_off, N = tl.load(meta), tl.load(meta + 1)
+    x_off, y_off, resid_off, norm_off = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)  # fmt: skip
+    wait, stage, is_head = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, K_P2)
+    row_ok, col_ok = rows < N, cols < K
+    w = tl.load(base_ptr + w_off + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    gain = tl.load(base_ptr + norm_off + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
+    _wait(counters_ptr, stages_ptr, wait)
+    if SWIGLU:
+        gate = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+        up = tl.load(act_ptr + x_off + K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+        x = gate * tl.sigmoid(gate) * up
+    else:
+        x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+    scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
+    y = tl.sum(w.to(tl.float32) * (x * scale * gain.to(tl.float32))[None, :], axis=1)
+    resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+    y = y + resid
+    tl.store(act_ptr + y_off + rows, y, mask=row_ok)
+    if is_head != 0:
+        masked = tl.where(row_ok, y, float("-inf"))
+        top = tl.max(masked, axis=0)
+        tl.store(act_ptr + partials_off + tile * 3, top)
+        tl.store(act_ptr + partials_off + tile * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
+        tl.store(act_ptr + partials_off + tile * 3 + 2,
+                 (tile * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+        tl.debug_barrier()
+        before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
+        tiles = tl.load(stages_ptr + stage)
+        if before == tiles - 1:  # the last head tile: every other one's partials are visible
+            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
+                     tiles, lse_off, combine_stage, BLOCK_V)  # fmt: skip
+    else:
+        _publish(counters_ptr, stage)
+
+
+@jit
+def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, head, pos_ptr, max_len,
+            inv_freq_off, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SCALE_LOG2: tl.constexpr,
+            ROPE_SCALE: tl.constexpr):  # fmt: skip
+    """One query head: RoPE on its query and its kv head's new key (rounded to the cache's
+    dtype, as the cache holds them), the new key and value into the cache (by the group's
+    first head), then online softmax over the new key and the cached positions before it."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    dtype = base_ptr.dtype.element_ty
+    qkv_off, k_cache, v_cache = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+    out_off, wait, stage = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+    kv = head // GROUP
+    d = tl.arange(0, HALF)
+    position = tl.load(pos_ptr)
+    angle = position.to(tl.float32) * tl.load(act_ptr + inv_freq_off + d)
+    cos = (tl.cos(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
+    sin = (tl.sin(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
+    _wait(counters_ptr, stages_ptr, wait)
+    q_ptr = act_ptr + qkv_off + head * HEAD_DIM
+    k_ptr = act_ptr + qkv_off + (HEADS + kv) * HEAD_DIM
+    v_ptr = act_ptr + qkv_off + (HEADS + KV_HEADS + kv) * HEAD_DIM
+    q1 = tl.load(q_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    q2 = tl.load(q_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    k1 = tl.load(k_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    k2 = tl.load(k_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    v1 = tl.load(v_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    v2 = tl.load(v_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+    rq1 = (q1 * cos - q2 * sin).to(dtype).to(tl.float32)
+    rq2 = (q2 * cos + q1 * sin).to(dtype).to(tl.float32)
+    rk1 = (k1 * cos - k2 * sin).to(dtype).to(tl.float32)
+    rk2 = (k2 * cos + k1 * sin).to(dtype).to(tl.float32)
+    keys = base_ptr + k_cache + kv * max_len * HEAD_DIM
+    values = base_ptr + v_cache + kv * max_len * HEAD_DIM
+    if head % GROUP == 0:
+        tl.store(keys + position * HEAD_DIM + d, rk1.to(dtype))
+        tl.store(keys + position * HEAD_DIM + HALF + d, rk2.to(dtype))
+        tl.store(values + position * HEAD_DIM + d, v1.to(dtype))
+        tl.store(values + position * HEAD_DIM + HALF + d, v2.to(dtype))
+    running_max = (tl.sum(rq1 * rk1, axis=0) + tl.sum(rq2 * rk2, axis=0)) * SCALE_LOG2
+    total = running_max * 0.0 + 1.0
+    acc1, acc2 = v1, v2
+    for j in range(0, position, BLOCK_L):
+        idx = j + tl.arange(0, BLOCK_L)
+        ok = idx < position
+        at = idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+        kb1 = tl.load(keys + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        kb2 = tl.load(keys + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        scores = (tl.sum(kb1 * rq1[None, :], axis=1) + tl.sum(kb2 * rq2[None, :], axis=1)) * SCALE_LOG2  # fmt: skip
+        scores = tl.where(ok, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+        alpha = tl.exp2(running_max - new_max)
+        p = tl.exp2(scores - new_max)
+        total = total * alpha + tl.sum(p, axis=0)
+        vb1 = tl.load(values + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        vb2 = tl.load(values + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+        acc1 = acc1 * alpha + tl.sum(p[:, None] * vb1, axis=0)
+        acc2 = acc2 * alpha + tl.sum(p[:, None] * vb2, axis=0)
+        running_max = new_max
+    out_ptr = act_ptr + out_off + head * HEAD_DIM
+    tl.store(out_ptr + d, acc1 / total)
+    tl.store(out_ptr + HALF + d, acc2 / total)
+    _publish(counters_ptr, stage)
+
+
+@jit
+def _fused_decode_kernel(
+    base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, counters_ptr,
+    token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off, inv_freq_off,
+    partials_off, lse_off, logits_off, vocab, combine_stage,
+    DIM: tl.constexpr, DIM_P2: tl.constexpr, ATTN: tl.constexpr, ATTN_P2: tl.constexpr,
+    FFN: tl.constexpr, FFN_P2: tl.constexpr, ROWS_DIM: tl.constexpr, ROWS_ATTN: tl.constexpr,
+    ROWS_FFN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, EPS: tl.constexpr,
+    SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
+):  # fmt: skip
+    """Each program takes tasks (kind, index, tile) from the counter until none is left."""
+    task = tl.atomic_add(counters_ptr, 1)
+    while task < num_tasks:
+        kind = tl.load(tasks_ptr + 3 * task)
+        index = tl.load(tasks_ptr + 3 * task + 1)
+        tile = tl.load(tasks_ptr + 3 * task + 2)
+        if kind == 1:  # MATVEC: by what the matrix reads
+            meta = matrices_ptr + index * 10
+            reads = tl.load(meta + 2)
+            if reads == 0:  # READS_DIM: the residual stream
+                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
+                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
+                        DIM, DIM_P2, ROWS_DIM, False, EPS, BLOCK_V)  # fmt: skip
+            elif reads == 1:  # READS_ATTENTION: the heads' outputs
+                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
+                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
+                        ATTN, ATTN_P2, ROWS_ATTN, False, EPS, BLOCK_V)  # fmt: skip
+            else:  # READS_SWIGLU: silu(gate) * up
+                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
+                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
+                        FFN, FFN_P2, ROWS_FFN, True, EPS, BLOCK_V)  # fmt: skip
+        elif kind == 2:  # ATTEND
+            _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 6, tile,
+                    pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L,
+                    SCALE_LOG2, ROPE_SCALE)  # fmt: skip
+        elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
+            cols = tl.arange(0, DIM_P2)
+            token = tl.load(token_ptr)
+            row = tl.load(base_ptr + embed_off + token * DIM + cols, mask=cols < DIM, other=0.0)
+            tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
+            _publish(counters_ptr, 0)
+        else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run
+            _wait(counters_ptr, stages_ptr, combine_stage)
+            rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
+            logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+            tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
+        task = tl.atomic_add(counters_ptr, 1)
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class FusedDecodeStep:
+    """The fused step of ``weights`` for the token in ``token_1`` at the position in
+    ``position_1`` (int64 device tensors of one element, read when the step runs): a call
+    writes the key and value at that position of every layer's cache, returns (fp32
+    log-probabilities [1, vocab], [2, 1] float64 of the argmax token and its log-probability)
+    in buffers it reuses, and leaves the next step's inputs in ``token_1`` (the argmax) and
+    ``position_1`` (one further, at most the cache's last index). No host synchronisation: a
+    call can be captured in a CUDA graph.
+
+    Tiles hold about ``tile_elements`` weights (rows of the matrix's input width, a power of
+    two); ``programs`` defaults to ``programs_per_sm`` per streaming multiprocessor."""
+
+    def __init__(
+        self,
+        weights: DecodeWeights,
+        token_1: torch.Tensor,
+        position_1: torch.Tensor,
+        tile_elements: int = DEFAULT_TILE,
+        block_l: int = 64,
+        num_warps: int = DEFAULT_WARPS,
+        programs_per_sm: int = DEFAULT_PER_SM,
+        programs: int | None = None,
+    ) -> None:
+        if triton is None:
+            raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
+        w = self.weights = weights
+        self._check(w)
+        first = w.layers[0]
+        dim, attn, ffn = w.embed.shape[1], first.o.shape[1], first.gate.shape[0]
+        self.dims = {"DIM": dim, "ATTN": attn, "FFN": ffn}
+        if tile_elements < 1 or tile_elements & (tile_elements - 1):
+            raise ValueError(f"tile_elements must be a power of two; got {tile_elements}")
+        self.rows = {k: max(1, tile_elements // _pow2(n)) for k, n in self.dims.items()}
+        self.block_v = 1024
+        self.token_1, self.position_1 = token_1, position_1
+        self.max_len = first.k_cache.shape[1]
+        self.num_warps = num_warps
+        # Offsets from the lowest-addressed tensor: all >= 0, so -1 can mean "none".
+        base = self.base = min(self._tensors(w), key=torch.Tensor.data_ptr)
+
+        def offset(t: torch.Tensor) -> int:
+            gap = t.data_ptr() - base.data_ptr()
+            assert gap % base.element_size() == 0, "every tensor aligned to its elements"
+            return gap // base.element_size()
+
+        # Scratch: inv_freq, the stream after the embedding, then every stage's outputs.
+        cursor = 0
+
+        def take(n: int) -> int:
+            nonlocal cursor
+            cursor += n
+            return cursor - n
+
+        inv_freq_off = take(w.head_dim // 2)
+        h = take(dim)
+        stages = [1]  # stage 0: the embedding
+        tasks: list[tuple[int, int, int]] = [(EMBED, h, 0)]
+        matrices: list[list[int]] = []
+        layers: list[list[int]] = []
+
+        def stage_of(count: int) -> int:
+            stages.append(count)
+            return len(stages) - 1
+
+        def matrix_stage(mats: list[tuple[torch.Tensor, int, int, int, int]], wait: int,
+                         head: bool = False) -> int:  # fmt: skip
+            """One stage of matrices (weight, reads, x offset, y offset, residual, norm)."""
+            counts = [-(-m[0].shape[0] // self.rows[_CLASS_DIMS[m[1]]]) for m in mats]
+            stage = stage_of(sum(counts))
+            for (weight, reads, x_off, y_off, resid, norm), count in zip(mats, counts):
+                matrices.append([offset(weight), weight.shape[0], reads, x_off, y_off, resid,
+                                 norm, wait, stage, int(head)])  # fmt: skip
+                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(count))
+            return stage
+
+        wait = 0
+        hd = w.head_dim
+        for layer in w.layers:
+            qkv = take((w.heads + 2 * w.kv_heads) * hd)
+            k_off, v_off = qkv + w.heads * hd, qkv + (w.heads + w.kv_heads) * hd
+            norm = offset(layer.attention_norm)
+            wait = matrix_stage([(layer.q, READS_DIM, h, qkv, -1, norm),
+                                 (layer.k, READS_DIM, h, k_off, -1, norm),
+                                 (layer.v, READS_DIM, h, v_off, -1, norm)], wait)  # fmt: skip
+            out = take(w.heads * hd)
+            stage = stage_of(w.heads)
+            layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), out, wait, stage])
+            tasks.extend((ATTEND, len(layers) - 1, head) for head in range(w.heads))
+            h_mid = take(dim)
+            wait = matrix_stage([(layer.o, READS_ATTENTION, out, h_mid, h, -1)], stage)
+            gate_up = take(2 * ffn)
+            norm = offset(layer.mlp_norm)
+            wait = matrix_stage([(layer.gate, READS_DIM, h_mid, gate_up, -1, norm),
+                                 (layer.up, READS_DIM, h_mid, gate_up + ffn, -1, norm)], wait)  # fmt: skip
+            h = take(dim)
+            wait = matrix_stage([(layer.down, READS_SWIGLU, gate_up, h, h_mid, -1)], wait)
+        vocab = w.head.shape[0]
+        logits = take(vocab)
+        head_stage = matrix_stage([(w.head, READS_DIM, h, logits, -1, offset(w.norm))], wait,
+                                  head=True)  # fmt: skip
+        head_tiles = stages[head_stage]
+        self.partials_off = take(3 * head_tiles)
+        self.lse_off = take(1)
+        combine = stage_of(1)
+        tasks.extend((LOGPROB, 0, j) for j in range(-(-vocab // self.block_v)))
+        device = w.embed.device
+        self.act = torch.zeros(cursor, device=device, dtype=torch.float32)
+        self.act[inv_freq_off : inv_freq_off + hd // 2] = w.inv_freq.float()
+        self.logprobs_1V = torch.empty(1, vocab, device=device, dtype=torch.float32)
+        self.best_21 = torch.empty(2, 1, device=device, dtype=torch.float64)
+        i32, i64 = torch.int32, torch.int64
+        self.tasks = torch.tensor(tasks, dtype=i32, device=device)
+        self.matrices = torch.tensor(matrices, dtype=i64, device=device)
+        self.layers = torch.tensor(layers, dtype=i64, device=device)
+        self.stages = torch.tensor(stages, dtype=i32, device=device)
+        self.counters = torch.zeros(1 + len(stages), dtype=i32, device=device)
+        self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
+                        self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
+        sms = num_persistent_programs(device) if device.type == "cuda" else 1
+        self.programs = programs or programs_per_sm * sms
+        self.block_l = block_l
+
+    @staticmethod
+    def _tensors(w: DecodeWeights) -> list[torch.Tensor]:
+        return [w.embed, w.norm, w.head] + [t for layer in w.layers for t in vars(layer).values()]
+
+    @classmethod
+    def _check(cls, w: DecodeWeights) -> None:
+        tensors = cls._tensors(w)
+        if any(t.dtype != w.embed.dtype or t.device != w.embed.device for t in tensors):
+            raise ValueError("the fused decode step reads every tensor in one dtype on one device")
+        if any(not t.is_contiguous() for t in tensors):
+            raise ValueError("the fused decode step reads contiguous tensors only")
+        hd = w.head_dim
+        if hd < 2 or hd & (hd - 1) or w.heads % w.kv_heads:
+            raise ValueError(
+                f"the fused decode step needs a power-of-two head_dim and query heads a multiple "
+                f"of the kv heads; got head_dim {hd}, {w.heads} heads, {w.kv_heads} kv heads"
+            )
+
+    def constants(self) -> dict[str, object]:
+        """The kernel's constexpr arguments for these weights."""
+        dims = self.dims
+        return {
+            "DIM": dims["DIM"], "DIM_P2": _pow2(dims["DIM"]), "ATTN": dims["ATTN"],
+            "ATTN_P2": _pow2(dims["ATTN"]), "FFN": dims["FFN"], "FFN_P2": _pow2(dims["FFN"]),
+            "ROWS_DIM": self.rows["DIM"], "ROWS_ATTN": self.rows["ATTN"],
+            "ROWS_FFN": self.rows["FFN"], "HEADS": self.weights.heads,
+            "KV_HEADS": self.weights.kv_heads, "HEAD_DIM": self.weights.head_dim,
+            "BLOCK_L": self.block_l, "BLOCK_V": self.block_v, "EPS": self.weights.eps,
+            "SCALE_LOG2": self.weights.head_dim**-0.5 * _LOG2E,
+            "ROPE_SCALE": self.weights.rope_scale,
+        }  # fmt: skip
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.counters.zero_()
+        _fused_decode_kernel[(self.programs,)](
+            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
+            self.counters, self.token_1, self.position_1, self.best_21, self.logprobs_1V,
+            *self.scalars, **self.constants(), num_warps=self.num_warps,
+        )  # fmt: skip
+        return self.logprobs_1V, self.best_21
+
+
+_CLASS_DIMS = {READS_DIM: "DIM", READS_ATTENTION: "ATTN", READS_SWIGLU: "FFN"}
