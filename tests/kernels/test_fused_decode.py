@@ -147,17 +147,23 @@ def check_kernel(weights: DecodeWeights, positions: list[int], tolerance: float,
 
 def check_generator(device: str, compile: bool = False) -> str:
     """The llama3 debug model (fp32) generating 3 greedy requests through 2 slots: slot 0 alone
-    decodes by the fused step, two rows by the forward. The same tokens as the generator on
-    the forward alone, log-probabilities within 1e-4."""
+    (once the two shorter requests have passed through slot 1) decodes by the fused step, two
+    rows by the forward. The same tokens as the generator on the forward alone,
+    log-probabilities within 1e-4."""
     model = tiny().to(device)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9] * 11]
-    results = {}
+    results, fused_steps = {}, []
     for impl in ("torch", "triton"):
         generator = Generator(model, max_batch=2, max_len=32, step_kernel=impl, compile=compile,
                               cuda_graphs=device == "cuda")  # fmt: skip
-        requests = [Request(p, SamplingParams(max_new_tokens=9 - 3 * i, temperature=0.0))
-                    for i, p in enumerate(prompts)]  # fmt: skip
+        if impl == "triton" and device == "cpu":  # count the fused steps (no graphs here)
+            step = generator.graphs._fused
+            generator.graphs._fused = lambda step=step: fused_steps.append(1) or step()
+        requests = [Request(p, SamplingParams(max_new_tokens=n, temperature=0.0))
+                    for p, n in zip(prompts, (16, 4, 3))]  # fmt: skip
         results[impl] = generator.generate(requests)
+    if device == "cpu":
+        assert len(fused_steps) >= 4, f"the fused step ran {len(fused_steps)} times"
     worst = 0.0
     for ours, reference in zip(results["triton"], results["torch"], strict=True):
         assert ours.tokens == reference.tokens, (ours.tokens, reference.tokens)
@@ -180,6 +186,7 @@ def test_kernel_compiles_for_hopper() -> None:
     weights = decode_weights(model, model.new_cache(1, 384, "meta", torch.float32))
     step = FusedDecodeStep.__new__(FusedDecodeStep)  # the constants only: no launch, no tables
     step.weights, step.block_l, step.block_v = weights, 64, 1024
+    step.splits = fused_decode.DEFAULT_SPLITS
     step.dims = {"DIM": 2048, "ATTN": 2048, "FFN": 8192}
     step.rows = {"DIM": 8, "ATTN": 8, "FFN": 2}  # the default 16,384-element tiles
     types = {"base_ptr": "*bf16", "act_ptr": "*fp32", "tasks_ptr": "*i32", "matrices_ptr": "*i64",
@@ -200,14 +207,15 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 @pytest.mark.gpu
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
-    positions 0, 300 and the cache's last, at the default tiling and two others; the generator
-    from CUDA graphs, eager and compiled."""
+    positions 0, 300 and the cache's last, at the default tiling and three others; the
+    generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
     lines = [
         check_kernel(weights, [0, 300, 511], 2e-2),
         check_kernel(weights, [300], 2e-2, tile_elements=8192, num_warps=4, programs_per_sm=2),
         check_kernel(weights, [300], 2e-2, tile_elements=32768, num_warps=8, programs_per_sm=1),
+        check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_generator("cuda"),
         check_generator("cuda", compile=True),
     ]
@@ -220,9 +228,11 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
     small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
                            dtype=torch.float32)  # fmt: skip
     for line in (
-        # 4 query heads on 2 kv heads; FFN 192 padded to 256; keys in blocks of 8 (5 blocks)
+        # 4 query heads on 2 kv heads; FFN 192 padded to 256; keys in blocks of 8, 4 splits:
+        # at 39 each split holds two blocks (the first loaded early), at 5 split 0 alone
         check_kernel(small, [0, 5, 39], 1e-5, tile_elements=256, block_l=8, programs=3),
-        check_kernel(small, [17], 1e-5, tile_elements=64, block_l=64, programs=1),
+        check_kernel(small, [17], 1e-5, tile_elements=64, block_l=64, splits=1, programs=1),
+        check_kernel(small, [39], 1e-5, tile_elements=1024, block_l=4, splits=8, programs=2),
         check_generator("cpu"),
     ):
         print(line)

@@ -58,6 +58,7 @@ TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling: 16,384 weights a tile (32 KB of bf16 in flight per program), 8 warps,
 # one program per multiprocessor (the kernel holds ~173 registers a thread at 8 warps on sm_90).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
+DEFAULT_SPLITS = 4  # each query head's cached positions in 4 tasks (flash-decoding)
 
 
 @dataclass
@@ -195,8 +196,9 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
 @jit
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage,
-            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, SWIGLU: tl.constexpr,
-            EPS: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, READS: tl.constexpr,
+            EPS: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
+            HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
     """``ROWS`` outputs of one matrix: its weight tile loaded first, then (once the input is
     ready) the input (RMS-normed where the matrix has a norm weight, SwiGLU of two halves where
     it reads the MLP's gate and up), the residual rows added. A head tile also writes its
@@ -212,10 +214,22 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
                 eviction_policy="evict_first")  # fmt: skip
     gain = tl.load(base_ptr + norm_off + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     _wait(counters_ptr, stages_ptr, wait)
-    if SWIGLU:
+    if READS == 2:  # SwiGLU of the gate and up halves
         gate = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
         up = tl.load(act_ptr + x_off + K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
         x = gate * tl.sigmoid(gate) * up
+    elif READS == 1:  # the attention splits' partial sums, combined per head
+        split = tl.arange(0, SPLITS)[:, None]
+        stat = split * HEADS + cols[None, :] // HEAD_DIM
+        ok = (split < SPLITS) & col_ok[None, :]
+        maxima = tl.load(act_ptr + x_off + SPLITS * K + stat, mask=ok, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        sums = tl.load(act_ptr + x_off + SPLITS * (K + HEADS) + stat, mask=ok, other=1.0,
+                       cache_modifier=".cg")  # fmt: skip
+        outs = tl.load(act_ptr + x_off + split * K + cols[None, :], mask=ok, other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(maxima - tl.max(maxima, axis=0)[None, :])
+        x = tl.sum(weight * outs, axis=0) / tl.sum(weight * sums, axis=0)
     else:
         x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
@@ -242,21 +256,62 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
 
 
 @jit
-def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, head, pos_ptr, max_len,
+def _online_softmax(kb1, kb2, vb1, vb2, ok, rq1, rq2, running_max, total, acc1, acc2,
+                    SCALE_LOG2: tl.constexpr):  # fmt: skip
+    """A block of keys and values (each [BLOCK_L, HEAD_DIM / 2] halves; rows not ``ok``
+    masked) into the online softmax's running max, sum and unnormalised output halves (log2
+    units)."""
+    scores = (tl.sum(kb1 * rq1[None, :], axis=1) + tl.sum(kb2 * rq2[None, :], axis=1)) * SCALE_LOG2
+    scores = tl.where(ok, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+    alpha = tl.exp2(running_max - new_max)
+    p = tl.exp2(scores - new_max)
+    total = total * alpha + tl.sum(p, axis=0)
+    acc1 = acc1 * alpha + tl.sum(p[:, None] * vb1, axis=0)
+    acc2 = acc2 * alpha + tl.sum(p[:, None] * vb2, axis=0)
+    return new_max, total, acc1, acc2
+
+
+@jit
+def _load_block(keys, values, at, ok, HALF: tl.constexpr):
+    """Key and value halves of one block of cached positions, in fp32."""
+    kb1 = tl.load(keys + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    kb2 = tl.load(keys + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+    vb1 = tl.load(values + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    vb2 = tl.load(values + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+    return kb1, kb2, vb1, vb2
+
+
+@jit
+def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, max_len,
             inv_freq_off, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SCALE_LOG2: tl.constexpr,
-            ROPE_SCALE: tl.constexpr):  # fmt: skip
-    """One query head: RoPE on its query and its kv head's new key (rounded to the cache's
-    dtype, as the cache holds them), the new key and value into the cache (by the group's
-    first head), then online softmax over the new key and the cached positions before it."""
+            HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
+            SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr):  # fmt: skip
+    """One query head over one split of the cached positions (flash-decoding): split s of S
+    covers positions [s * span, (s + 1) * span) before the step's own, span a whole number
+    of BLOCK_L blocks. The split's first block is loaded before the wait for q/k/v (the cache
+    before this step's position depends on nothing). Split 0 also takes the step's own key:
+    RoPE on the query and the kv head's new key (rounded to the cache's dtype, as the cache
+    holds them), which the group's first head writes to the cache with the new value. Writes
+    the split's running max, sum and unnormalised output; the o projection combines them."""
     HALF: tl.constexpr = HEAD_DIM // 2
     GROUP: tl.constexpr = HEADS // KV_HEADS
     dtype = base_ptr.dtype.element_ty
+    head, split = task // SPLITS, task % SPLITS
     qkv_off, k_cache, v_cache = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
     out_off, wait, stage = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
     kv = head // GROUP
     d = tl.arange(0, HALF)
     position = tl.load(pos_ptr)
+    span = tl.cdiv(position, SPLITS * BLOCK_L) * BLOCK_L
+    start = split * span
+    end = tl.minimum(start + span, position)
+    keys = base_ptr + k_cache + kv * max_len * HEAD_DIM
+    values = base_ptr + v_cache + kv * max_len * HEAD_DIM
+    idx = start + tl.arange(0, BLOCK_L)
+    ok = idx < end
+    at = idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+    kb1, kb2, vb1, vb2 = _load_block(keys, values, at, ok, HALF)  # the first block, early
     angle = position.to(tl.float32) * tl.load(act_ptr + inv_freq_off + d)
     cos = (tl.cos(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
@@ -266,44 +321,45 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, head, pos_ptr, ma
     v_ptr = act_ptr + qkv_off + (HEADS + KV_HEADS + kv) * HEAD_DIM
     q1 = tl.load(q_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
     q2 = tl.load(q_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
-    k1 = tl.load(k_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
-    k2 = tl.load(k_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
-    v1 = tl.load(v_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
-    v2 = tl.load(v_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
     rq1 = (q1 * cos - q2 * sin).to(dtype).to(tl.float32)
     rq2 = (q2 * cos + q1 * sin).to(dtype).to(tl.float32)
-    rk1 = (k1 * cos - k2 * sin).to(dtype).to(tl.float32)
-    rk2 = (k2 * cos + k1 * sin).to(dtype).to(tl.float32)
-    keys = base_ptr + k_cache + kv * max_len * HEAD_DIM
-    values = base_ptr + v_cache + kv * max_len * HEAD_DIM
-    if head % GROUP == 0:
-        tl.store(keys + position * HEAD_DIM + d, rk1.to(dtype))
-        tl.store(keys + position * HEAD_DIM + HALF + d, rk2.to(dtype))
-        tl.store(values + position * HEAD_DIM + d, v1.to(dtype))
-        tl.store(values + position * HEAD_DIM + HALF + d, v2.to(dtype))
-    running_max = (tl.sum(rq1 * rk1, axis=0) + tl.sum(rq2 * rk2, axis=0)) * SCALE_LOG2
-    total = running_max * 0.0 + 1.0
-    acc1, acc2 = v1, v2
-    for j in range(0, position, BLOCK_L):
+    acc1 = rq1 * 0.0
+    acc2 = rq1 * 0.0
+    total = tl.sum(acc1, axis=0)
+    running_max = total - float("inf")
+    if split == 0:  # the step's own key and value
+        k1 = tl.load(k_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+        k2 = tl.load(k_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+        v1 = tl.load(v_ptr + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+        v2 = tl.load(v_ptr + HALF + d, cache_modifier=".cg").to(dtype).to(tl.float32)
+        rk1 = (k1 * cos - k2 * sin).to(dtype).to(tl.float32)
+        rk2 = (k2 * cos + k1 * sin).to(dtype).to(tl.float32)
+        if head % GROUP == 0:
+            tl.store(keys + position * HEAD_DIM + d, rk1.to(dtype))
+            tl.store(keys + position * HEAD_DIM + HALF + d, rk2.to(dtype))
+            tl.store(values + position * HEAD_DIM + d, v1.to(dtype))
+            tl.store(values + position * HEAD_DIM + HALF + d, v2.to(dtype))
+        running_max = (tl.sum(rq1 * rk1, axis=0) + tl.sum(rq2 * rk2, axis=0)) * SCALE_LOG2
+        total = running_max * 0.0 + 1.0
+        acc1, acc2 = v1, v2
+    if start < end:  # the prefetched block (a split past the position holds none)
+        running_max, total, acc1, acc2 = _online_softmax(
+            kb1, kb2, vb1, vb2, ok, rq1, rq2, running_max, total, acc1, acc2, SCALE_LOG2
+        )
+    for j in range(start + BLOCK_L, end, BLOCK_L):
         idx = j + tl.arange(0, BLOCK_L)
-        ok = idx < position
         at = idx.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-        kb1 = tl.load(keys + at, mask=ok[:, None], other=0.0).to(tl.float32)
-        kb2 = tl.load(keys + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-        scores = (tl.sum(kb1 * rq1[None, :], axis=1) + tl.sum(kb2 * rq2[None, :], axis=1)) * SCALE_LOG2  # fmt: skip
-        scores = tl.where(ok, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        alpha = tl.exp2(running_max - new_max)
-        p = tl.exp2(scores - new_max)
-        total = total * alpha + tl.sum(p, axis=0)
-        vb1 = tl.load(values + at, mask=ok[:, None], other=0.0).to(tl.float32)
-        vb2 = tl.load(values + at + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-        acc1 = acc1 * alpha + tl.sum(p[:, None] * vb1, axis=0)
-        acc2 = acc2 * alpha + tl.sum(p[:, None] * vb2, axis=0)
-        running_max = new_max
-    out_ptr = act_ptr + out_off + head * HEAD_DIM
-    tl.store(out_ptr + d, acc1 / total)
-    tl.store(out_ptr + HALF + d, acc2 / total)
+        kb1, kb2, vb1, vb2 = _load_block(keys, values, at, idx < end, HALF)
+        running_max, total, acc1, acc2 = _online_softmax(
+            kb1, kb2, vb1, vb2, idx < end, rq1, rq2, running_max, total, acc1, acc2, SCALE_LOG2
+        )
+    # Partials: [SPLITS, HEADS * HEAD_DIM] outputs, then [SPLITS, HEADS] maxima and sums.
+    out_ptr = act_ptr + out_off + split * HEADS * HEAD_DIM + head * HEAD_DIM
+    tl.store(out_ptr + d, acc1)
+    tl.store(out_ptr + HALF + d, acc2)
+    stats = act_ptr + out_off + SPLITS * HEADS * HEAD_DIM + split * HEADS + head
+    tl.store(stats, running_max)
+    tl.store(stats + SPLITS * HEADS, total)
     _publish(counters_ptr, stage)
 
 
@@ -315,8 +371,8 @@ def _fused_decode_kernel(
     DIM: tl.constexpr, DIM_P2: tl.constexpr, ATTN: tl.constexpr, ATTN_P2: tl.constexpr,
     FFN: tl.constexpr, FFN_P2: tl.constexpr, ROWS_DIM: tl.constexpr, ROWS_ATTN: tl.constexpr,
     ROWS_FFN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, EPS: tl.constexpr,
-    SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
+    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left."""
     task = tl.atomic_add(counters_ptr, 1)
@@ -330,18 +386,18 @@ def _fused_decode_kernel(
             if reads == 0:  # READS_DIM: the residual stream
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        DIM, DIM_P2, ROWS_DIM, False, EPS, BLOCK_V)  # fmt: skip
+                        DIM, DIM_P2, ROWS_DIM, 0, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
             elif reads == 1:  # READS_ATTENTION: the heads' outputs
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        ATTN, ATTN_P2, ROWS_ATTN, False, EPS, BLOCK_V)  # fmt: skip
+                        ATTN, ATTN_P2, ROWS_ATTN, 1, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
             else:  # READS_SWIGLU: silu(gate) * up
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        FFN, FFN_P2, ROWS_FFN, True, EPS, BLOCK_V)  # fmt: skip
-        elif kind == 2:  # ATTEND
+                        FFN, FFN_P2, ROWS_FFN, 2, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
+        elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 6, tile,
-                    pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L,
+                    pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
                     SCALE_LOG2, ROPE_SCALE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
             cols = tl.arange(0, DIM_P2)
@@ -385,6 +441,7 @@ class FusedDecodeStep:
         position_1: torch.Tensor,
         tile_elements: int = DEFAULT_TILE,
         block_l: int = 64,
+        splits: int = DEFAULT_SPLITS,
         num_warps: int = DEFAULT_WARPS,
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
@@ -396,8 +453,10 @@ class FusedDecodeStep:
         first = w.layers[0]
         dim, attn, ffn = w.embed.shape[1], first.o.shape[1], first.gate.shape[0]
         self.dims = {"DIM": dim, "ATTN": attn, "FFN": ffn}
-        if tile_elements < 1 or tile_elements & (tile_elements - 1):
-            raise ValueError(f"tile_elements must be a power of two; got {tile_elements}")
+        for name, value in (("tile_elements", tile_elements), ("splits", splits),
+                            ("block_l", block_l)):  # fmt: skip
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two; got {value}")
         self.rows = {k: max(1, tile_elements // _pow2(n)) for k, n in self.dims.items()}
         self.block_v = 1024
         self.token_1, self.position_1 = token_1, position_1
@@ -450,10 +509,10 @@ class FusedDecodeStep:
             wait = matrix_stage([(layer.q, READS_DIM, h, qkv, -1, norm),
                                  (layer.k, READS_DIM, h, k_off, -1, norm),
                                  (layer.v, READS_DIM, h, v_off, -1, norm)], wait)  # fmt: skip
-            out = take(w.heads * hd)
-            stage = stage_of(w.heads)
+            out = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
+            stage = stage_of(w.heads * splits)
             layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), out, wait, stage])
-            tasks.extend((ATTEND, len(layers) - 1, head) for head in range(w.heads))
+            tasks.extend((ATTEND, len(layers) - 1, j) for j in range(w.heads * splits))
             h_mid = take(dim)
             wait = matrix_stage([(layer.o, READS_ATTENTION, out, h_mid, h, -1)], stage)
             gate_up = take(2 * ffn)
@@ -486,7 +545,7 @@ class FusedDecodeStep:
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
         self.programs = programs or programs_per_sm * sms
-        self.block_l = block_l
+        self.block_l, self.splits = block_l, splits
 
     @staticmethod
     def _tensors(w: DecodeWeights) -> list[torch.Tensor]:
@@ -515,7 +574,8 @@ class FusedDecodeStep:
             "ROWS_DIM": self.rows["DIM"], "ROWS_ATTN": self.rows["ATTN"],
             "ROWS_FFN": self.rows["FFN"], "HEADS": self.weights.heads,
             "KV_HEADS": self.weights.kv_heads, "HEAD_DIM": self.weights.head_dim,
-            "BLOCK_L": self.block_l, "BLOCK_V": self.block_v, "EPS": self.weights.eps,
+            "BLOCK_L": self.block_l, "BLOCK_V": self.block_v, "SPLITS": self.splits,
+            "EPS": self.weights.eps,
             "SCALE_LOG2": self.weights.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": self.weights.rope_scale,
         }  # fmt: skip
