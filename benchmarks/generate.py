@@ -178,6 +178,10 @@ def main() -> None:
     parser.add_argument("--score-kernel", default="torch", choices=("auto", "torch", "triton"),
                         help="how our rows take each forward's log-softmax and argmax "
                              "(Generator's score_kernel; auto: the Triton kernels on CUDA)")  # fmt: skip
+    parser.add_argument("--step-kernel", default="torch", choices=("auto", "torch", "triton"),
+                        help="how our rows run a decode step of one sequence (Generator's "
+                             "step_kernel; auto/triton: the fused one-launch step, "
+                             "kernels/fused_decode.py)")  # fmt: skip
     parser.add_argument("--max-len", type=int, default=0,
                         help="our rows' cache length (0: prompt + new tokens); a longer cache "
                              "shows what reading every cached index costs")  # fmt: skip
@@ -224,6 +228,7 @@ def main() -> None:
                     options["decode_attention"] = args.decode_attention
                     if row != "ours-bi":  # batch-invariant scoring stays PyTorch's (refused)
                         options["score_kernel"] = args.score_kernel
+                        options["step_kernel"] = args.step_kernel
                     m = models.get(row.removesuffix("-compiled"), model)
                     length = args.max_len or args.prompt_len + args.new_tokens
                     run = lambda p, n, m=m, o=options, L=length: ours(m, p, n, L, **o)  # noqa: E731
@@ -282,7 +287,7 @@ def main() -> None:
         "command": " ".join(sys.argv), "shape": args.shape, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "tp": args.tp, "train_batch": args.train_batch,
         "train_seq": args.train_seq, "decode_attention": args.decode_attention,
-        "score_kernel": args.score_kernel,
+        "score_kernel": args.score_kernel, "step_kernel": args.step_kernel,
         "max_len": args.max_len or args.prompt_len + args.new_tokens,
         "rows": results, "train_step_s": train,
         "train_step_profiles": train_profiles,

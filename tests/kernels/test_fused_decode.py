@@ -87,6 +87,8 @@ def test_refusals() -> None:
         Generator(qwen3, max_batch=1, max_len=16, step_kernel="triton")
     with pytest.raises(ValueError, match="step_kernel must be one of"):
         Generator(llama, max_batch=1, max_len=16, step_kernel="fused")
+    with pytest.raises(ValueError, match="runs on CUDA .*not on cpu"):
+        Generator(llama, max_batch=1, max_len=16, step_kernel="triton")
     assert Generator(qwen3, max_batch=1, max_len=16, step_kernel="auto").graphs is None
     assert Generator(llama, max_batch=1, max_len=16, step_kernel="auto").graphs is None  # CPU
     mixed = tiny()

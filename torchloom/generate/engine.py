@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -752,6 +753,9 @@ def _fused_step(step_kernel: str, model: nn.Module, cache: ModelCache) -> bool:
     problem = fused_step_problem(model, cache)
     if problem is None and triton is None:
         problem = "Triton is not installed"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if problem is None and cache.device.type != "cuda" and not interpreted:
+        problem = f"it runs on CUDA (or under TRITON_INTERPRET=1), not on {cache.device.type}"
     if step_kernel == "auto":
         return problem is None and cache.device.type == "cuda"
     if problem is not None:
