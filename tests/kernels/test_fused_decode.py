@@ -185,12 +185,9 @@ def test_kernel_compiles_for_hopper() -> None:
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
     with torch.device("meta"):
         model = build_model(config)
-    weights = decode_weights(model, model.new_cache(1, 384, "meta", torch.float32))
-    step = FusedDecodeStep.__new__(FusedDecodeStep)  # the constants only: no launch, no tables
-    step.weights, step.block_l, step.block_v = weights, 64, 1024
-    step.splits = fused_decode.DEFAULT_SPLITS
-    step.dims = {"DIM": 2048, "ATTN": 2048, "FFN": 8192}
-    step.rows = {"DIM": 8, "ATTN": 8, "FFN": 2}  # the default 16,384-element tiles
+    cache = model.new_cache(1, 384, "meta", torch.bfloat16)
+    position = torch.zeros(1, dtype=torch.long, device="meta")
+    step = FusedDecodeStep(decode_weights(model.to(torch.bfloat16), cache), position, position)
     types = {"base_ptr": "*bf16", "act_ptr": "*fp32", "tasks_ptr": "*i32", "matrices_ptr": "*i64",
              "layers_ptr": "*i64", "stages_ptr": "*i32", "counters_ptr": "*i32",
              "token_ptr": "*i64", "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",

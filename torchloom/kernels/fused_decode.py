@@ -53,11 +53,12 @@ _LOG2E = 1.4426950408889634
 EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 READS_DIM, READS_ATTENTION, READS_SWIGLU = 0, 1, 2
 MATRIX_FIELDS = 10  # weight, N, input class, x, y, residual, norm, wait stage, stage, is head
-LAYER_FIELDS = 6  # q/k/v outputs, key cache, value cache, output, wait stage, stage
+LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
-# The default tiling: 16,384 weights a tile (32 KB of bf16 in flight per program), 8 warps,
-# one program per multiprocessor (the kernel holds ~173 registers a thread at 8 warps on sm_90).
-DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
+# The default tiling: 8,192 weights a tile (16 KB of bf16 in flight per program), 4 warps,
+# two programs per multiprocessor (each holds up to 255 registers a thread on sm_90, so two
+# fit: one's waits and reductions overlap the other's loads).
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 8192, 4, 2
 DEFAULT_SPLITS = 4  # each query head's cached positions in 4 tasks (flash-decoding)
 
 
@@ -196,9 +197,8 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
 @jit
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage,
-            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, READS: tl.constexpr,
-            EPS: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-            HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, SWIGLU: tl.constexpr,
+            EPS: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
     """``ROWS`` outputs of one matrix: its weight tile loaded first, then (once the input is
     ready) the input (RMS-normed where the matrix has a norm weight, SwiGLU of two halves where
     it reads the MLP's gate and up), the residual rows added. A head tile also writes its
@@ -214,22 +214,10 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
                 eviction_policy="evict_first")  # fmt: skip
     gain = tl.load(base_ptr + norm_off + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     _wait(counters_ptr, stages_ptr, wait)
-    if READS == 2:  # SwiGLU of the gate and up halves
+    if SWIGLU:  # of the gate and up halves
         gate = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
         up = tl.load(act_ptr + x_off + K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
         x = gate * tl.sigmoid(gate) * up
-    elif READS == 1:  # the attention splits' partial sums, combined per head
-        split = tl.arange(0, SPLITS)[:, None]
-        stat = split * HEADS + cols[None, :] // HEAD_DIM
-        ok = (split < SPLITS) & col_ok[None, :]
-        maxima = tl.load(act_ptr + x_off + SPLITS * K + stat, mask=ok, other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
-        sums = tl.load(act_ptr + x_off + SPLITS * (K + HEADS) + stat, mask=ok, other=1.0,
-                       cache_modifier=".cg")  # fmt: skip
-        outs = tl.load(act_ptr + x_off + split * K + cols[None, :], mask=ok, other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-        weight = tl.exp2(maxima - tl.max(maxima, axis=0)[None, :])
-        x = tl.sum(weight * outs, axis=0) / tl.sum(weight * sums, axis=0)
     else:
         x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
@@ -299,7 +287,8 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, ma
     dtype = base_ptr.dtype.element_ty
     head, split = task // SPLITS, task % SPLITS
     qkv_off, k_cache, v_cache = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-    out_off, wait, stage = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+    parts_off, out_off, wait = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+    stage, head_counters = tl.load(meta + 6), tl.load(meta + 7)
     kv = head // GROUP
     d = tl.arange(0, HALF)
     position = tl.load(pos_ptr)
@@ -354,12 +343,26 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, ma
             kb1, kb2, vb1, vb2, idx < end, rq1, rq2, running_max, total, acc1, acc2, SCALE_LOG2
         )
     # Partials: [SPLITS, HEADS * HEAD_DIM] outputs, then [SPLITS, HEADS] maxima and sums.
-    out_ptr = act_ptr + out_off + split * HEADS * HEAD_DIM + head * HEAD_DIM
-    tl.store(out_ptr + d, acc1)
-    tl.store(out_ptr + HALF + d, acc2)
-    stats = act_ptr + out_off + SPLITS * HEADS * HEAD_DIM + split * HEADS + head
+    parts = act_ptr + parts_off
+    tl.store(parts + split * HEADS * HEAD_DIM + head * HEAD_DIM + d, acc1)
+    tl.store(parts + split * HEADS * HEAD_DIM + head * HEAD_DIM + HALF + d, acc2)
+    stats = parts + SPLITS * HEADS * HEAD_DIM + split * HEADS + head
     tl.store(stats, running_max)
     tl.store(stats + SPLITS * HEADS, total)
+    tl.debug_barrier()
+    finished = tl.atomic_add(counters_ptr + head_counters + head, 1, sem="acq_rel", scope="gpu")
+    if finished == SPLITS - 1:  # the head's last split: combine them (all visible now)
+        every = tl.arange(0, SPLITS)
+        dims = tl.arange(0, HEAD_DIM)
+        maxima = tl.load(parts + SPLITS * HEADS * HEAD_DIM + every * HEADS + head,
+                         cache_modifier=".cg")  # fmt: skip
+        sums = tl.load(parts + SPLITS * HEADS * (HEAD_DIM + 1) + every * HEADS + head,
+                       cache_modifier=".cg")  # fmt: skip
+        outs = tl.load(parts + every[:, None] * HEADS * HEAD_DIM + head * HEAD_DIM + dims[None, :],
+                       cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(maxima - tl.max(maxima, axis=0))
+        merged = tl.sum(weight[:, None] * outs, axis=0) / tl.sum(weight * sums, axis=0)
+        tl.store(act_ptr + out_off + head * HEAD_DIM + dims, merged)
     _publish(counters_ptr, stage)
 
 
@@ -386,17 +389,17 @@ def _fused_decode_kernel(
             if reads == 0:  # READS_DIM: the residual stream
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        DIM, DIM_P2, ROWS_DIM, 0, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
+                        DIM, DIM_P2, ROWS_DIM, False, EPS, BLOCK_V)  # fmt: skip
             elif reads == 1:  # READS_ATTENTION: the heads' outputs
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        ATTN, ATTN_P2, ROWS_ATTN, 1, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
+                        ATTN, ATTN_P2, ROWS_ATTN, False, EPS, BLOCK_V)  # fmt: skip
             else:  # READS_SWIGLU: silu(gate) * up
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        FFN, FFN_P2, ROWS_FFN, 2, EPS, BLOCK_V, SPLITS, HEADS, HEAD_DIM)  # fmt: skip
+                        FFN, FFN_P2, ROWS_FFN, True, EPS, BLOCK_V)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
-            _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 6, tile,
+            _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
                     SCALE_LOG2, ROPE_SCALE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
@@ -484,6 +487,7 @@ class FusedDecodeStep:
         tasks: list[tuple[int, int, int]] = [(EMBED, h, 0)]
         matrices: list[list[int]] = []
         layers: list[list[int]] = []
+        head_counters: list[int] = []  # each layer's first per-head count of finished splits
 
         def stage_of(count: int) -> int:
             stages.append(count)
@@ -509,9 +513,12 @@ class FusedDecodeStep:
             wait = matrix_stage([(layer.q, READS_DIM, h, qkv, -1, norm),
                                  (layer.k, READS_DIM, h, k_off, -1, norm),
                                  (layer.v, READS_DIM, h, v_off, -1, norm)], wait)  # fmt: skip
-            out = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
+            parts = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
+            out = take(w.heads * hd)
             stage = stage_of(w.heads * splits)
-            layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), out, wait, stage])
+            head_counters.append(len(head_counters) * w.heads)
+            layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), parts, out, wait,
+                           stage, head_counters[-1]])  # fmt: skip
             tasks.extend((ATTEND, len(layers) - 1, j) for j in range(w.heads * splits))
             h_mid = take(dim)
             wait = matrix_stage([(layer.o, READS_ATTENTION, out, h_mid, h, -1)], stage)
@@ -538,9 +545,13 @@ class FusedDecodeStep:
         i32, i64 = torch.int32, torch.int64
         self.tasks = torch.tensor(tasks, dtype=i32, device=device)
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
+        for row in layers:  # the per-head counts come after the stages' in the counters
+            row[7] += 1 + len(stages)
         self.layers = torch.tensor(layers, dtype=i64, device=device)
         self.stages = torch.tensor(stages, dtype=i32, device=device)
-        self.counters = torch.zeros(1 + len(stages), dtype=i32, device=device)
+        # The task counter, each stage's finished tasks, each (layer, head)'s finished splits.
+        self.counters = torch.zeros(1 + len(stages) + len(layers) * w.heads, dtype=i32,
+                                    device=device)  # fmt: skip
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
