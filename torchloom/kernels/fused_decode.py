@@ -10,15 +10,22 @@ H200 cuBLAS's one-row matmuls alone took 0.80 ms and the whole step 1.17 ms
 The step is a list of tasks in dependency order, each belonging to a stage:
 
 - embed: the token's embedding row into the residual stream (one task);
-- per layer: q, k and v tiles (RMS norm in the prologue); one attention task per query head
-  (RoPE on its query and its kv head's new key, the new key and value written to the cache by
-  the group's first head, online softmax over the cached positions); o tiles (+ the residual);
-  gate and up tiles (norm in the prologue); down tiles (SwiGLU in the prologue, + the
+- per layer: q, k and v tiles (RMS norm in the prologue); attention tasks per query head
+  and split (RoPE on its query and its kv head's new key, the new key and value written to the cache by
+  the group's first head, online softmax over a split of the cached positions; the head's
+  last split merges the splits); o tiles (+ the residual); gated tiles holding the same rows
+  of gate and up (norm in the prologue) that write silu(gate) * up; down tiles (+ the
   residual);
 - the head's tiles (final norm in the prologue), each also writing its rows' max, sum of
   exponentials and argmax; the last head tile to finish combines them (log-sum-exp, argmax,
   the next step's token and position);
 - log-probability tiles (logits minus the log-sum-exp).
+
+Every matrix tile is ROWS rows by one CHUNK-wide slice of the input (CHUNK = the model's width
+rounded up to a power of two, so a normed input is one slice and the norm is taken in the
+tile); a wider input (the down projection's) is split into slices whose partial sums the row
+block's last slice to finish adds in slice order, so each tile re-reads only its slice of the
+input, never the whole 8,192-wide one.
 
 Programs take tasks from a global counter in order. A matrix tile loads its whole weight tile
 first, then waits (spinning on an acquire load of the previous stage's count of finished
@@ -51,8 +58,9 @@ _LOG2E = 1.4426950408889634
 # Task kinds and matrix input classes, as the kernel spells them (literals there: a jit function
 # reads no plain globals).
 EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
-READS_DIM, READS_ATTENTION, READS_SWIGLU = 0, 1, 2
-MATRIX_FIELDS = 10  # weight, N, input class, x, y, residual, norm, wait stage, stage, is head
+# Per matrix: weight, N, K, input, output, residual, norm weight, wait stage, stage, is head,
+# up weight (gated), chunks, partial sums, first row block's count of finished chunks.
+MATRIX_FIELDS = 14
 LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling: 8,192 weights a tile (16 KB of bf16 in flight per program), 4 warps,
@@ -196,43 +204,63 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
 
 @jit
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
-            pos_ptr, max_len, partials_off, lse_off, combine_stage,
-            K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, SWIGLU: tl.constexpr,
-            EPS: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
-    """``ROWS`` outputs of one matrix: its weight tile loaded first, then (once the input is
-    ready) the input (RMS-normed where the matrix has a norm weight, SwiGLU of two halves where
-    it reads the MLP's gate and up), the residual rows added. A head tile also writes its
-    rows' max, sum of exponentials and argmax; the last one to finish combines them."""
-    w_off, N = tl.load(meta), tl.load(meta + 1)
+            pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
+            ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
+            BLOCK_V: tl.constexpr):  # fmt: skip
+    """``ROWS`` outputs of one matrix over one CHUNK-wide slice of its input (tile = row
+    block * chunks + chunk). The weight tile (with ``GATED``, the gate's and the up
+    projection's rows) is loaded first, then, once the input is ready, the input slice
+    (RMS-normed where the matrix has a norm weight: such a matrix has one chunk). Gated, the
+    output is silu(gate) * up. With several chunks each writes its partial sums and the row
+    block's last chunk to finish adds them in chunk order; the residual rows are added to the
+    finished sums. A head tile also writes its rows' max, sum of exponentials and argmax; the
+    last one to finish combines them."""
+    w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
     x_off, y_off, resid_off, norm_off = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)  # fmt: skip
     wait, stage, is_head = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, K_P2)
+    up_off, chunks = tl.load(meta + 10), tl.load(meta + 11)
+    parts_off, row_counters = tl.load(meta + 12), tl.load(meta + 13)
+    block, chunk = tile // chunks, tile % chunks
+    rows = block * ROWS + tl.arange(0, ROWS)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     row_ok, col_ok = rows < N, cols < K
-    w = tl.load(base_ptr + w_off + rows.to(tl.int64)[:, None] * K + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-                eviction_policy="evict_first")  # fmt: skip
+    at = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+    if GATED:
+        w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
     gain = tl.load(base_ptr + norm_off + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     _wait(counters_ptr, stages_ptr, wait)
-    if SWIGLU:  # of the gate and up halves
-        gate = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-        up = tl.load(act_ptr + x_off + K + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-        x = gate * tl.sigmoid(gate) * up
-    else:
-        x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+    x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
-    y = tl.sum(w.to(tl.float32) * (x * scale * gain.to(tl.float32))[None, :], axis=1)
-    resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-    y = y + resid
-    tl.store(act_ptr + y_off + rows, y, mask=row_ok)
-    if is_head != 0:
+    x = x * scale * gain.to(tl.float32)
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if GATED:
+        up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+        y = y * tl.sigmoid(y) * up
+    finished = chunks == 1
+    if chunks > 1:  # partial sums; the row block's last chunk adds them up, in chunk order
+        tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + row_counters + block, 1, sem="acq_rel", scope="gpu")
+        finished = done == chunks - 1
+        if finished:
+            y = tl.load(act_ptr + parts_off + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            for c in range(1, chunks):
+                y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+    if finished:
+        resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
+                        other=0.0, cache_modifier=".cg")  # fmt: skip
+        y = y + resid
+        tl.store(act_ptr + y_off + rows, y, mask=row_ok)
+    if is_head != 0:  # one chunk: every head tile finishes its rows
         masked = tl.where(row_ok, y, float("-inf"))
         top = tl.max(masked, axis=0)
-        tl.store(act_ptr + partials_off + tile * 3, top)
-        tl.store(act_ptr + partials_off + tile * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
-        tl.store(act_ptr + partials_off + tile * 3 + 2,
-                 (tile * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+        tl.store(act_ptr + partials_off + block * 3, top)
+        tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
+        tl.store(act_ptr + partials_off + block * 3 + 2,
+                 (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
         tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
         tiles = tl.load(stages_ptr + stage)
@@ -371,9 +399,8 @@ def _fused_decode_kernel(
     base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, counters_ptr,
     token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off, inv_freq_off,
     partials_off, lse_off, logits_off, vocab, combine_stage,
-    DIM: tl.constexpr, DIM_P2: tl.constexpr, ATTN: tl.constexpr, ATTN_P2: tl.constexpr,
-    FFN: tl.constexpr, FFN_P2: tl.constexpr, ROWS_DIM: tl.constexpr, ROWS_ATTN: tl.constexpr,
-    ROWS_FFN: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+    DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
 ):  # fmt: skip
@@ -383,27 +410,22 @@ def _fused_decode_kernel(
         kind = tl.load(tasks_ptr + 3 * task)
         index = tl.load(tasks_ptr + 3 * task + 1)
         tile = tl.load(tasks_ptr + 3 * task + 2)
-        if kind == 1:  # MATVEC: by what the matrix reads
-            meta = matrices_ptr + index * 10
-            reads = tl.load(meta + 2)
-            if reads == 0:  # READS_DIM: the residual stream
+        if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
+            meta = matrices_ptr + index * 14
+            if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        DIM, DIM_P2, ROWS_DIM, False, EPS, BLOCK_V)  # fmt: skip
-            elif reads == 1:  # READS_ATTENTION: the heads' outputs
+                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V)  # fmt: skip
+            else:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        ATTN, ATTN_P2, ROWS_ATTN, False, EPS, BLOCK_V)  # fmt: skip
-            else:  # READS_SWIGLU: silu(gate) * up
-                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
-                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        FFN, FFN_P2, ROWS_FFN, True, EPS, BLOCK_V)  # fmt: skip
+                        CHUNK, ROWS, False, EPS, BLOCK_V)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
                     SCALE_LOG2, ROPE_SCALE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
-            cols = tl.arange(0, DIM_P2)
+            cols = tl.arange(0, CHUNK)
             token = tl.load(token_ptr)
             row = tl.load(base_ptr + embed_off + token * DIM + cols, mask=cols < DIM, other=0.0)
             tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
@@ -454,13 +476,16 @@ class FusedDecodeStep:
         w = self.weights = weights
         self._check(w)
         first = w.layers[0]
-        dim, attn, ffn = w.embed.shape[1], first.o.shape[1], first.gate.shape[0]
-        self.dims = {"DIM": dim, "ATTN": attn, "FFN": ffn}
+        dim, ffn = w.embed.shape[1], first.gate.shape[0]
         for name, value in (("tile_elements", tile_elements), ("splits", splits),
                             ("block_l", block_l)):  # fmt: skip
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two; got {value}")
-        self.rows = {k: max(1, tile_elements // _pow2(n)) for k, n in self.dims.items()}
+        # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
+        # input is whole in one chunk); wider inputs (the down projection's) take several.
+        self.dim, self.chunk = dim, _pow2(dim)
+        self.rows = max(1, tile_elements // self.chunk)
+        self.gated_rows = max(1, self.rows // 2)
         self.block_v = 1024
         self.token_1, self.position_1 = token_1, position_1
         self.max_len = first.k_cache.shape[1]
@@ -468,7 +493,9 @@ class FusedDecodeStep:
         # Offsets from the lowest-addressed tensor: all >= 0, so -1 can mean "none".
         base = self.base = min(self._tensors(w), key=torch.Tensor.data_ptr)
 
-        def offset(t: torch.Tensor) -> int:
+        def offset(t: torch.Tensor | None) -> int:
+            if t is None:
+                return -1
             gap = t.data_ptr() - base.data_ptr()
             assert gap % base.element_size() == 0, "every tensor aligned to its elements"
             return gap // base.element_size()
@@ -481,28 +508,42 @@ class FusedDecodeStep:
             cursor += n
             return cursor - n
 
+        # Counters after the task counter and the stages' counts (placed once all are known):
+        # each (layer, head)'s finished splits, each chunked row block's finished chunks.
+        extra = 0
+
+        def counters(n: int) -> int:
+            nonlocal extra
+            extra += n
+            return extra - n
+
         inv_freq_off = take(w.head_dim // 2)
         h = take(dim)
         stages = [1]  # stage 0: the embedding
         tasks: list[tuple[int, int, int]] = [(EMBED, h, 0)]
         matrices: list[list[int]] = []
         layers: list[list[int]] = []
-        head_counters: list[int] = []  # each layer's first per-head count of finished splits
 
         def stage_of(count: int) -> int:
             stages.append(count)
             return len(stages) - 1
 
-        def matrix_stage(mats: list[tuple[torch.Tensor, int, int, int, int]], wait: int,
-                         head: bool = False) -> int:  # fmt: skip
-            """One stage of matrices (weight, reads, x offset, y offset, residual, norm)."""
-            counts = [-(-m[0].shape[0] // self.rows[_CLASS_DIMS[m[1]]]) for m in mats]
-            stage = stage_of(sum(counts))
-            for (weight, reads, x_off, y_off, resid, norm), count in zip(mats, counts):
-                matrices.append([offset(weight), weight.shape[0], reads, x_off, y_off, resid,
-                                 norm, wait, stage, int(head)])  # fmt: skip
-                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(count))
-            return stage
+        Entry = tuple[torch.Tensor, torch.Tensor | None, int, int, int, int]
+
+        def matrix_stage(entries: list[Entry], wait: int, head: bool = False) -> int:
+            """One stage of matrices: (weight, up weight of a gated one, input offset, output
+            offset, residual offset, norm weight offset)."""
+            first_task = len(tasks)
+            for weight, up, x_off, y_off, resid, norm in entries:
+                n, k = weight.shape
+                rows = self.gated_rows if up is not None else self.rows
+                chunks, blocks = -(-k // self.chunk), -(-n // rows)
+                parts = take(chunks * n) if chunks > 1 else -1
+                finished = counters(blocks) if chunks > 1 else 0
+                matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
+                                 len(stages), int(head), offset(up), chunks, parts, finished])  # fmt: skip
+                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(blocks * chunks))
+            return stage_of(len(tasks) - first_task)
 
         wait = 0
         hd = w.head_dim
@@ -510,33 +551,35 @@ class FusedDecodeStep:
             qkv = take((w.heads + 2 * w.kv_heads) * hd)
             k_off, v_off = qkv + w.heads * hd, qkv + (w.heads + w.kv_heads) * hd
             norm = offset(layer.attention_norm)
-            wait = matrix_stage([(layer.q, READS_DIM, h, qkv, -1, norm),
-                                 (layer.k, READS_DIM, h, k_off, -1, norm),
-                                 (layer.v, READS_DIM, h, v_off, -1, norm)], wait)  # fmt: skip
+            wait = matrix_stage([(layer.q, None, h, qkv, -1, norm),
+                                 (layer.k, None, h, k_off, -1, norm),
+                                 (layer.v, None, h, v_off, -1, norm)], wait)  # fmt: skip
             parts = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
             out = take(w.heads * hd)
             stage = stage_of(w.heads * splits)
-            head_counters.append(len(head_counters) * w.heads)
             layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), parts, out, wait,
-                           stage, head_counters[-1]])  # fmt: skip
+                           stage, counters(w.heads)])  # fmt: skip
             tasks.extend((ATTEND, len(layers) - 1, j) for j in range(w.heads * splits))
             h_mid = take(dim)
-            wait = matrix_stage([(layer.o, READS_ATTENTION, out, h_mid, h, -1)], stage)
-            gate_up = take(2 * ffn)
-            norm = offset(layer.mlp_norm)
-            wait = matrix_stage([(layer.gate, READS_DIM, h_mid, gate_up, -1, norm),
-                                 (layer.up, READS_DIM, h_mid, gate_up + ffn, -1, norm)], wait)  # fmt: skip
+            wait = matrix_stage([(layer.o, None, out, h_mid, h, -1)], stage)
+            gated = take(ffn)  # silu(gate) * up
+            wait = matrix_stage([(layer.gate, layer.up, h_mid, gated, -1,
+                                  offset(layer.mlp_norm))], wait)  # fmt: skip
             h = take(dim)
-            wait = matrix_stage([(layer.down, READS_SWIGLU, gate_up, h, h_mid, -1)], wait)
+            wait = matrix_stage([(layer.down, None, gated, h, h_mid, -1)], wait)
         vocab = w.head.shape[0]
         logits = take(vocab)
-        head_stage = matrix_stage([(w.head, READS_DIM, h, logits, -1, offset(w.norm))], wait,
+        head_stage = matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait,
                                   head=True)  # fmt: skip
         head_tiles = stages[head_stage]
         self.partials_off = take(3 * head_tiles)
         self.lse_off = take(1)
         combine = stage_of(1)
         tasks.extend((LOGPROB, 0, j) for j in range(-(-vocab // self.block_v)))
+        for row in layers:
+            row[7] += 1 + len(stages)
+        for row in matrices:
+            row[13] += 1 + len(stages)
         device = w.embed.device
         self.act = torch.zeros(cursor, device=device, dtype=torch.float32)
         self.act[inv_freq_off : inv_freq_off + hd // 2] = w.inv_freq.float()
@@ -545,13 +588,9 @@ class FusedDecodeStep:
         i32, i64 = torch.int32, torch.int64
         self.tasks = torch.tensor(tasks, dtype=i32, device=device)
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
-        for row in layers:  # the per-head counts come after the stages' in the counters
-            row[7] += 1 + len(stages)
         self.layers = torch.tensor(layers, dtype=i64, device=device)
         self.stages = torch.tensor(stages, dtype=i32, device=device)
-        # The task counter, each stage's finished tasks, each (layer, head)'s finished splits.
-        self.counters = torch.zeros(1 + len(stages) + len(layers) * w.heads, dtype=i32,
-                                    device=device)  # fmt: skip
+        self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
@@ -578,17 +617,13 @@ class FusedDecodeStep:
 
     def constants(self) -> dict[str, object]:
         """The kernel's constexpr arguments for these weights."""
-        dims = self.dims
+        w = self.weights
         return {
-            "DIM": dims["DIM"], "DIM_P2": _pow2(dims["DIM"]), "ATTN": dims["ATTN"],
-            "ATTN_P2": _pow2(dims["ATTN"]), "FFN": dims["FFN"], "FFN_P2": _pow2(dims["FFN"]),
-            "ROWS_DIM": self.rows["DIM"], "ROWS_ATTN": self.rows["ATTN"],
-            "ROWS_FFN": self.rows["FFN"], "HEADS": self.weights.heads,
-            "KV_HEADS": self.weights.kv_heads, "HEAD_DIM": self.weights.head_dim,
-            "BLOCK_L": self.block_l, "BLOCK_V": self.block_v, "SPLITS": self.splits,
-            "EPS": self.weights.eps,
-            "SCALE_LOG2": self.weights.head_dim**-0.5 * _LOG2E,
-            "ROPE_SCALE": self.weights.rope_scale,
+            "DIM": self.dim, "CHUNK": self.chunk, "ROWS": self.rows,
+            "GATED_ROWS": self.gated_rows, "HEADS": w.heads, "KV_HEADS": w.kv_heads,
+            "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
+            "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
+            "ROPE_SCALE": w.rope_scale,
         }  # fmt: skip
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -599,6 +634,3 @@ class FusedDecodeStep:
             *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
         return self.logprobs_1V, self.best_21
-
-
-_CLASS_DIMS = {READS_DIM: "DIM", READS_ATTENTION: "ATTN", READS_SWIGLU: "FFN"}
