@@ -404,8 +404,9 @@ def _fused_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """Each program takes tasks (kind, index, tile) from the counter until none is left."""
-    task = tl.atomic_add(counters_ptr, 1)
+    """Each program takes tasks (kind, index, tile) from the counter until none is left (a
+    relaxed increment: the order of tasks needs no memory ordering, the waits carry it)."""
+    task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
     while task < num_tasks:
         kind = tl.load(tasks_ptr + 3 * task)
         index = tl.load(tasks_ptr + 3 * task + 1)
@@ -437,7 +438,7 @@ def _fused_decode_kernel(
             logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
             tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
-        task = tl.atomic_add(counters_ptr, 1)
+        task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
 
 
 # -- the plan --------------------------------------------------------------------------------
