@@ -184,6 +184,9 @@ def main() -> None:
     parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM")  # fmt: skip
+    parser.add_argument("--fused-only", action="store_true",
+                        help="with --fused: skip the profiled compiled step (the fused rows keep "
+                             "their own compiled-forward baseline)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -194,7 +197,7 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=generator).tolist()
     report = {"matmuls_alone": matmuls_alone(config, device)}
     print("matmuls alone", report["matmuls_alone"], flush=True)
-    settings = {"compiled": ({}, "torch", False)}
+    settings = {} if args.fused_only else {"compiled": ({}, "torch", False)}
     if args.eager_prefill:
         settings["compiled_eager_prefill"] = ({}, "torch", True)
     if args.kernels:
@@ -212,10 +215,16 @@ def main() -> None:
             eager_prefill,
         )  # fmt: skip
         print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
-    if args.fused:
+    if args.fused:  # the compiled forward's tokens (and speed, as a same-call baseline)
         generator = Generator(model, max_batch=1, max_len=args.prompt_len + args.new_tokens,
                               compile=True)  # fmt: skip
-        _, reference = timed_generate(generator, prompt, args.new_tokens)
+        timed_generate(generator, prompt, args.new_tokens)  # compiles
+        tokens_per_s, reference = timed_generate(generator, prompt, args.new_tokens)
+        replay = generator.graphs._graphs[1].replay
+        ms_per_call(replay, 10)
+        report["fused_baseline"] = {"tokens_per_s": tokens_per_s,
+                                    "replay_ms": round(ms_per_call(replay, 300), 4)}  # fmt: skip
+        print("compiled forward (fused rows' baseline)", report["fused_baseline"], flush=True)
         del generator
         report["fused"] = fused(model, prompt, args.new_tokens, args.fused, reference)
     args.json.parent.mkdir(parents=True, exist_ok=True)
