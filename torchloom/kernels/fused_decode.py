@@ -67,7 +67,7 @@ TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # two programs per multiprocessor (each holds up to 255 registers a thread on sm_90, so two
 # fit: one's waits and reductions overlap the other's loads).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 8192, 4, 2
-DEFAULT_SPLITS = 4  # each query head's cached positions in 4 tasks (flash-decoding)
+MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
 @dataclass
@@ -457,8 +457,10 @@ class FusedDecodeStep:
     ``position_1`` (one further, at most the cache's last index). No host synchronisation: a
     call can be captured in a CUDA graph.
 
-    Tiles hold about ``tile_elements`` weights (rows of the matrix's input width, a power of
-    two); ``programs`` defaults to ``programs_per_sm`` per streaming multiprocessor."""
+    Tiles hold about ``tile_elements`` weights (rows of the model's width, a power of two);
+    each query head attends in ``splits`` tasks (default: enough that each covers at most two
+    ``block_l`` blocks of the whole cache, at most 16); ``programs`` defaults to
+    ``programs_per_sm`` per streaming multiprocessor."""
 
     def __init__(
         self,
@@ -467,7 +469,7 @@ class FusedDecodeStep:
         position_1: torch.Tensor,
         tile_elements: int = DEFAULT_TILE,
         block_l: int = 64,
-        splits: int = DEFAULT_SPLITS,
+        splits: int | None = None,
         num_warps: int = DEFAULT_WARPS,
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
@@ -478,6 +480,9 @@ class FusedDecodeStep:
         self._check(w)
         first = w.layers[0]
         dim, ffn = w.embed.shape[1], first.gate.shape[0]
+        max_len = weights.layers[0].k_cache.shape[1]
+        if splits is None:  # enough that a split holds at most two key blocks of the cache
+            splits = min(MAX_SPLITS, _pow2(-(-max_len // (2 * block_l))))
         for name, value in (("tile_elements", tile_elements), ("splits", splits),
                             ("block_l", block_l)):  # fmt: skip
             if value < 1 or value & (value - 1):
@@ -489,7 +494,7 @@ class FusedDecodeStep:
         self.gated_rows = max(1, self.rows // 2)
         self.block_v = 1024
         self.token_1, self.position_1 = token_1, position_1
-        self.max_len = first.k_cache.shape[1]
+        self.max_len = max_len
         self.num_warps = num_warps
         # Offsets from the lowest-addressed tensor: all >= 0, so -1 can mean "none".
         base = self.base = min(self._tensors(w), key=torch.Tensor.data_ptr)
