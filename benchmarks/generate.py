@@ -178,9 +178,9 @@ def main() -> None:
     parser.add_argument("--score-kernel", default="torch", choices=("auto", "torch", "triton"),
                         help="how our rows take each forward's log-softmax and argmax "
                              "(Generator's score_kernel; auto: the Triton kernels on CUDA)")  # fmt: skip
-    parser.add_argument("--step-kernel", default="torch", choices=("auto", "torch", "triton"),
+    parser.add_argument("--step-kernel", default="torch", choices=("torch", "triton"),
                         help="how our rows run a decode step of one sequence (Generator's "
-                             "step_kernel; auto/triton: the fused one-launch step, "
+                             "step_kernel; triton: the fused one-launch step, "
                              "kernels/fused_decode.py)")  # fmt: skip
     parser.add_argument("--max-len", type=int, default=0,
                         help="our rows' cache length (0: prompt + new tokens); a longer cache "

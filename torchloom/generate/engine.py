@@ -52,7 +52,7 @@ from torchloom.models.components.fused_linear import fuse_projections_
 from torchloom.models.components.moe import experts_reading_the_host
 from torchloom.models.components.multimodal import MEDIA_KEYS, MultimodalDecoder, check_media
 
-STEP_IMPLS = ("auto", "torch", "triton")
+STEP_IMPLS = ("torch", "triton")
 """``Generator(step_kernel=...)``: how one sequence's decode step runs (the class docstring)."""
 
 MIXED_PREFILL_TOKENS = 64
@@ -120,9 +120,9 @@ class Generator:
     ``step_kernel``: how a decode step of one sequence (slot 0 alone) runs: "torch" (default)
     the model's forward; "triton" the one-launch step of torchloom/kernels/fused_decode.py
     (Llama-shaped models only: generate/fused_step.py; CPU tensors under TRITON_INTERPRET=1),
-    refused in one line where it cannot run; "auto" that step where it can run (CUDA, such a
-    model, not batch-invariant), the forward elsewhere. Its numbers are the forward's up to
-    rounding (fp32 activations), not bitwise.
+    refused in one line where it cannot run. Experimental: correct (its numbers are the
+    forward's up to rounding, fp32 activations, not bitwise) but on an H100 2.3x slower than
+    the compiled forward so far (docs/generate.md), hence no "auto".
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -745,8 +745,8 @@ def _fused_step(step_kernel: str, model: nn.Module, cache: ModelCache) -> bool:
     kernel (generate/fused_step.py); "triton" where it cannot is refused."""
     if step_kernel not in STEP_IMPLS:
         raise ValueError(
-            f"step_kernel must be one of {STEP_IMPLS} ('auto': the fused Triton step where it "
-            f"runs); got {step_kernel!r}"
+            f"step_kernel must be one of {STEP_IMPLS} ('triton': the fused one-launch step); "
+            f"got {step_kernel!r}"
         )
     if step_kernel == "torch":
         return False
@@ -756,13 +756,10 @@ def _fused_step(step_kernel: str, model: nn.Module, cache: ModelCache) -> bool:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if problem is None and cache.device.type != "cuda" and not interpreted:
         problem = f"it runs on CUDA (or under TRITON_INTERPRET=1), not on {cache.device.type}"
-    if step_kernel == "auto":
-        return problem is None and cache.device.type == "cuda"
     if problem is not None:
         raise ValueError(
             f"step_kernel 'triton' cannot run this model's decode step: {problem}. Pass "
-            "step_kernel 'auto' (the model's forward where the fused step cannot run) or "
-            "'torch'."
+            "step_kernel 'torch' (the model's forward)."
         )
     return True
 
