@@ -189,6 +189,13 @@ def main() -> None:
                              "their own compiled-forward baseline)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
+    for spec in args.fused:
+        parts = spec.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--fused {spec!r}: want TxWxP, e.g. 16384x8x1 (tile weights x warps x "
+                         "programs an SM)")  # fmt: skip
+    if args.fused_only and not args.fused:
+        parser.error("--fused-only needs --fused TxWxP ...")
     if not torch.cuda.is_available():
         sys.exit("decode_step.py replays captured CUDA graphs: it needs a CUDA GPU.")
     device = torch.device("cuda")
