@@ -63,10 +63,10 @@ EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 MATRIX_FIELDS = 14
 LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
-# The default tiling: 8,192 weights a tile (16 KB of bf16 in flight per program), 4 warps,
-# two programs per multiprocessor (each holds up to 255 registers a thread on sm_90, so two
-# fit: one's waits and reductions overlap the other's loads).
-DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 8192, 4, 2
+# The default tiling, the fastest of five on an H100 (benchmarks/RESULTS.md, s36): 16,384
+# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (182
+# registers a thread on sm_90).
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -592,6 +592,9 @@ class FusedDecodeStep:
         self.logprobs_1V = torch.empty(1, vocab, device=device, dtype=torch.float32)
         self.best_21 = torch.empty(2, 1, device=device, dtype=torch.float64)
         i32, i64 = torch.int32, torch.int64
+        # The kernel spells these widths as literals (a jit function reads no plain globals).
+        assert len(matrices[0]) == MATRIX_FIELDS and len(layers[0]) == LAYER_FIELDS
+        assert all(len(task) == TASK_FIELDS for task in tasks[:1])
         self.tasks = torch.tensor(tasks, dtype=i32, device=device)
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
         self.layers = torch.tensor(layers, dtype=i64, device=device)
