@@ -11,7 +11,8 @@ the one-launch fused step (``--fused``: kernels/fused_decode.py, ``Generator(ste
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
     python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
     python3 benchmarks/decode_step.py --kernels --autotune
-    python3 benchmarks/decode_step.py --fused 16384x8x1 8192x4x2   # tile elements x warps x per SM
+    python3 benchmarks/decode_step.py --fused 16384x8x1 16384x8x1x2  # tile weights x warps x
+                                               # programs an SM [x waves: strips of row blocks]
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -89,8 +90,9 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int]) -> dict:
-    """The compiled generator with the fused step, re-captured at each tiling "TxWxP" (tile
-    elements x warps x programs per SM): generate tokens/s, the step replayed alone, and how
+    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV]" (tile
+    elements x warps x programs per SM [x waves: a matrix task streams a strip of row blocks,
+    about V tasks a program a stage]): generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix)."""
     torch._dynamo.reset()
@@ -99,12 +101,12 @@ def fused(model, prompt: list[int], new: int, configs: list[str], reference: lis
     graphs = generator.graphs
     rows = {}
     for spec in configs:
-        tile, warps, per_sm = (int(v) for v in spec.split("x"))
+        tile, warps, per_sm, *waves = (int(v) for v in spec.split("x"))
         try:
             graphs._fused = FusedDecodeStep(
                 decode_weights(model, generator.cache), graphs._tokens_B1[:1],
                 graphs._positions_B1[:1], tile_elements=tile, num_warps=warps,
-                programs_per_sm=per_sm,
+                programs_per_sm=per_sm, waves=waves[0] if waves else None,
             )  # fmt: skip
             graphs._capture(generator.device)
             timed_generate(generator, prompt, new)  # warm-up (the prefill compiles once)
@@ -113,6 +115,7 @@ def fused(model, prompt: list[int], new: int, configs: list[str], reference: lis
             replay = graphs._graphs[1].replay
             ms_per_call(replay, 10)
             rows[spec] = {"tokens_per_s": tokens_per_s, "replay_ms": round(ms_per_call(replay, 300), 4),
+                          "tasks": len(graphs._fused.tasks),
                           "tokens_agreeing_before_the_first_difference": agree}  # fmt: skip
         except Exception as exc:  # a tiling that does not compile or fit: say which
             rows[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -181,9 +184,10 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
-                             "tiling: tile elements x warps x programs per SM")  # fmt: skip
+                             "tiling: tile elements x warps x programs per SM [x waves: matrix "
+                             "tasks stream strips of row blocks, about V a program a stage]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -191,11 +195,11 @@ def main() -> None:
     args = parser.parse_args()
     for spec in args.fused:
         parts = spec.split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            parser.error(f"--fused {spec!r}: want TxWxP, e.g. 16384x8x1 (tile weights x warps x "
-                         "programs an SM)")  # fmt: skip
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--fused {spec!r}: want TxWxP or TxWxPxV, e.g. 16384x8x1 (tile weights "
+                         "x warps x programs an SM) or 16384x8x1x2 (and 2 waves of strips)")  # fmt: skip
     if args.fused_only and not args.fused:
-        parser.error("--fused-only needs --fused TxWxP ...")
+        parser.error("--fused-only needs --fused TxWxP[xV] ...")
     if not torch.cuda.is_available():
         sys.exit("decode_step.py replays captured CUDA graphs: it needs a CUDA GPU.")
     device = torch.device("cuda")

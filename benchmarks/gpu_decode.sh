@@ -8,8 +8,9 @@
 # also compiled with programmatic dependent launch, with and without the kernels) and `probe`
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
-# step's GPU test, then its replay and tokens/s at larger tiles than the thirty-sixth session's
-# H100 call measured, against the compiled forward: does its time keep following its task count?).
+# step's GPU test, then its replay and tokens/s against the compiled forward: one tile a task as
+# the thirty-sixth session measured it, and tasks streaming strips of row blocks (waves 1-4):
+# does the step stop following its task count?).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
@@ -43,7 +44,8 @@ for part in $PARTS; do
       run 60 python3 benchmarks/one_row_matmul.py --json "$OUT/one_row_matmul.json" 2>&1 | tail -n 8 ;;
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
-      run 300 python3 benchmarks/decode_step.py --fused-only --fused 16384x8x1 32768x16x1 65536x32x1 65536x16x1 \
+      run 300 python3 benchmarks/decode_step.py --fused-only --fused 16384x8x1 16384x8x1x1 16384x8x1x2 16384x8x1x4 \
+        8192x8x1x1 8192x4x2x2 32768x16x1x1 32768x16x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused)"; exit 2 ;;
   esac

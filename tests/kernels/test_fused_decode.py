@@ -208,7 +208,8 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 @pytest.mark.gpu
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
-    positions 0, 300 and the cache's last, at the default tiling and three others; the
+    positions 0, 300 and the cache's last, at the default tiling and three others, and with
+    tasks streaming strips of row blocks (one and three waves); the
     generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
@@ -217,6 +218,8 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, tile_elements=8192, num_warps=4, programs_per_sm=2),
         check_kernel(weights, [300], 2e-2, tile_elements=32768, num_warps=8, programs_per_sm=1),
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
+        check_kernel(weights, [0, 300], 2e-2, waves=1),  # strips of row blocks
+        check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
         check_generator("cuda"),
         check_generator("cuda", compile=True),
     ]
@@ -234,6 +237,11 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_kernel(small, [0, 5, 39], 1e-5, tile_elements=256, block_l=8, programs=3),
         check_kernel(small, [17], 1e-5, tile_elements=64, block_l=64, splits=1, programs=1),
         check_kernel(small, [39], 1e-5, tile_elements=1024, block_l=4, splits=8, programs=2),
+        # strips: 3 programs, one wave (q/k/v's 32 row blocks in strips of 11, the down
+        # projection's 3 chunks of 16 blocks whole) and two (one row a block: strips of 22 over
+        # q's 64 and k's 32, the head's 300 in 6)
+        check_kernel(small, [0, 39], 1e-5, tile_elements=256, block_l=8, programs=3, waves=1),
+        check_kernel(small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2),
         check_generator("cpu"),
     ):
         print(line)

@@ -23,11 +23,15 @@ The step is a list of tasks in dependency order, each belonging to a stage:
 
 Every matrix tile is ROWS rows by one CHUNK-wide slice of the input (CHUNK = the model's width
 rounded up to a power of two, so a normed input is one slice and the norm is taken in the
-tile); a wider input (the down projection's) is split into slices whose partial sums the row
-block's last slice to finish adds in slice order, so each tile re-reads only its slice of the
-input, never the whole 8,192-wide one.
+tile); a wider input (the down projection's) is split into slices whose partial sums the
+last slice to finish adds in slice order, so each tile re-reads only its slice of the
+input, never the whole 8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
+consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and the
+next block's weights load while a block reduces (on an H100 one tile a task cost 5-8 us of
+serial round trips a task, so the step's time followed its count of tasks: benchmarks/
+RESULTS.md, s36).
 
-Programs take tasks from a global counter in order. A matrix tile loads its whole weight tile
+Programs take tasks from a global counter in order. A matrix task loads its first weight tile
 first, then waits (spinning on an acquire load of the previous stage's count of finished
 tasks) for the input it reads, so a stage's weight reads overlap the previous stage's tail; a
 finished task stores its outputs and publishes them with a release increment of its stage's
@@ -59,8 +63,9 @@ _LOG2E = 1.4426950408889634
 # reads no plain globals).
 EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 # Per matrix: weight, N, K, input, output, residual, norm weight, wait stage, stage, is head,
-# up weight (gated), chunks, partial sums, first row block's count of finished chunks.
-MATRIX_FIELDS = 14
+# up weight (gated), chunks, partial sums, first strip's count of finished chunks, row
+# blocks a task (its strip), row blocks.
+MATRIX_FIELDS = 16
 LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of five on an H100 (benchmarks/RESULTS.md, s36): 16,384
@@ -207,25 +212,29 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
             pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             BLOCK_V: tl.constexpr):  # fmt: skip
-    """``ROWS`` outputs of one matrix over one CHUNK-wide slice of its input (tile = row
-    block * chunks + chunk). The weight tile (with ``GATED``, the gate's and the up
-    projection's rows) is loaded first, then, once the input is ready, the input slice
-    (RMS-normed where the matrix has a norm weight: such a matrix has one chunk). Gated, the
-    output is silu(gate) * up. With several chunks each writes its partial sums and the row
-    block's last chunk to finish adds them in chunk order; the residual rows are added to the
-    finished sums. A head tile also writes its rows' max, sum of exponentials and argmax; the
-    last one to finish combines them."""
+    """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
+    CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The first block's
+    weights (with ``GATED``, the gate's and the up projection's rows) are loaded first, then,
+    once the input is ready, the input slice (RMS-normed where the matrix has a norm weight:
+    such a matrix has one chunk); each block's reduction runs while the next block's weights
+    load. Gated, the output is silu(gate) * up. With several chunks each writes its partial
+    sums and the strip's last chunk to finish adds them in chunk order (one count a strip, not
+    a block); the residual rows are added to the finished sums. A head block also writes its rows' max, sum of
+    exponentials and argmax; the head's last task to finish combines them."""
     w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
     x_off, y_off, resid_off, norm_off = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)  # fmt: skip
     wait, stage, is_head = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
     up_off, chunks = tl.load(meta + 10), tl.load(meta + 11)
     parts_off, row_counters = tl.load(meta + 12), tl.load(meta + 13)
-    block, chunk = tile // chunks, tile % chunks
-    rows = block * ROWS + tl.arange(0, ROWS)
+    strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
+    first, chunk = (tile // chunks) * strip, tile % chunks
+    count = tl.minimum(strip, blocks - first)
+    strip_end = tl.minimum(N, (first + count) * ROWS)  # the strip's rows end here
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    row_ok, col_ok = rows < N, cols < K
+    col_ok = cols < K
+    rows = first * ROWS + tl.arange(0, ROWS)
     at = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
+    ok = (rows < N)[:, None] & col_ok[None, :]
     w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
     if GATED:
         w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
@@ -234,39 +243,59 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
     x = x * scale * gain.to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if GATED:
-        up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-        y = y * tl.sigmoid(y) * up
-    finished = chunks == 1
-    if chunks > 1:  # partial sums; the row block's last chunk adds them up, in chunk order
-        tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
+    for i in range(0, count):
+        block = first + i
+        rows = block * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < N
+        # The next block's weights are in flight while this one reduces (none past the strip).
+        after = rows + ROWS
+        at = after.to(tl.int64)[:, None] * K + cols[None, :]
+        ok = (after < strip_end)[:, None] & col_ok[None, :]
+        w_next = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w = w_next
+        if GATED:
+            w_up_next = tl.load(base_ptr + up_off + at, mask=ok, other=0.0,
+                                eviction_policy="evict_first")  # fmt: skip
+            up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+            y = y * tl.sigmoid(y) * up
+            w_up = w_up_next
+        if chunks > 1:  # partial sums, added up once every chunk of the strip is in
+            tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
+        else:
+            resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+            y = y + resid
+            tl.store(act_ptr + y_off + rows, y, mask=row_ok)
+        if is_head != 0:  # one chunk: every head block finishes its rows
+            masked = tl.where(row_ok, y, float("-inf"))
+            top = tl.max(masked, axis=0)
+            tl.store(act_ptr + partials_off + block * 3, top)
+            tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
+            tl.store(act_ptr + partials_off + block * 3 + 2,
+                     (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+    if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
         tl.debug_barrier()
-        done = tl.atomic_add(counters_ptr + row_counters + block, 1, sem="acq_rel", scope="gpu")
-        finished = done == chunks - 1
-        if finished:
-            y = tl.load(act_ptr + parts_off + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            for c in range(1, chunks):
-                y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-    if finished:
-        resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-        y = y + resid
-        tl.store(act_ptr + y_off + rows, y, mask=row_ok)
-    if is_head != 0:  # one chunk: every head tile finishes its rows
-        masked = tl.where(row_ok, y, float("-inf"))
-        top = tl.max(masked, axis=0)
-        tl.store(act_ptr + partials_off + block * 3, top)
-        tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
-        tl.store(act_ptr + partials_off + block * 3 + 2,
-                 (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+        done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
+                             scope="gpu")  # fmt: skip
+        if done == chunks - 1:
+            for i in range(0, count):
+                rows = (first + i) * ROWS + tl.arange(0, ROWS)
+                row_ok = rows < N
+                y = tl.zeros((ROWS,), tl.float32)
+                for c in range(0, chunks):
+                    y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+                resid = tl.load(act_ptr + resid_off + rows,
+                                mask=row_ok & (rows * 0 + resid_off >= 0), other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                tl.store(act_ptr + y_off + rows, y + resid, mask=row_ok)
+    if is_head != 0:
         tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
-        tiles = tl.load(stages_ptr + stage)
-        if before == tiles - 1:  # the last head tile: every other one's partials are visible
+        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all partials visible
             _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
-                     tiles, lse_off, combine_stage, BLOCK_V)  # fmt: skip
+                     blocks.to(tl.int32), lse_off, combine_stage, BLOCK_V)  # fmt: skip
     else:
         _publish(counters_ptr, stage)
 
@@ -412,7 +441,7 @@ def _fused_decode_kernel(
         index = tl.load(tasks_ptr + 3 * task + 1)
         tile = tl.load(tasks_ptr + 3 * task + 2)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
-            meta = matrices_ptr + index * 14
+            meta = matrices_ptr + index * 16
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
@@ -460,7 +489,11 @@ class FusedDecodeStep:
     Tiles hold about ``tile_elements`` weights (rows of the model's width, a power of two);
     each query head attends in ``splits`` tasks (default: enough that each covers at most two
     ``block_l`` blocks of the whole cache, at most 16); ``programs`` defaults to
-    ``programs_per_sm`` per streaming multiprocessor."""
+    ``programs_per_sm`` per streaming multiprocessor. A matrix task is one tile, or with
+    ``waves`` a strip of consecutive row blocks, so that each stage is about ``waves`` tasks a
+    program: a strip pays the task's round trips (the counter, its table rows, the wait, the
+    input) once and streams its blocks with the next block's weights loading while one
+    reduces."""
 
     def __init__(
         self,
@@ -473,6 +506,7 @@ class FusedDecodeStep:
         num_warps: int = DEFAULT_WARPS,
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
+        waves: int | None = None,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -487,6 +521,12 @@ class FusedDecodeStep:
                             ("block_l", block_l)):  # fmt: skip
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two; got {value}")
+        if waves is not None and waves < 1:
+            raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
+        device = w.embed.device
+        sms = num_persistent_programs(device) if device.type == "cuda" else 1
+        self.programs = programs or programs_per_sm * sms
+        self.waves = waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
         self.dim, self.chunk = dim, _pow2(dim)
@@ -515,7 +555,7 @@ class FusedDecodeStep:
             return cursor - n
 
         # Counters after the task counter and the stages' counts (placed once all are known):
-        # each (layer, head)'s finished splits, each chunked row block's finished chunks.
+        # each (layer, head)'s finished splits, each chunked strip's finished chunks.
         extra = 0
 
         def counters(n: int) -> int:
@@ -540,15 +580,19 @@ class FusedDecodeStep:
             """One stage of matrices: (weight, up weight of a gated one, input offset, output
             offset, residual offset, norm weight offset)."""
             first_task = len(tasks)
-            for weight, up, x_off, y_off, resid, norm in entries:
+            shapes = [(-(-m.shape[1] // self.chunk),  # chunks, row blocks
+                       -(-m.shape[0] // (self.rows if up is None else self.gated_rows)))
+                      for m, up, *_ in entries]  # fmt: skip
+            strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes))
+            for (weight, up, x_off, y_off, resid, norm), (chunks, blocks) in zip(entries, shapes):
                 n, k = weight.shape
-                rows = self.gated_rows if up is not None else self.rows
-                chunks, blocks = -(-k // self.chunk), -(-n // rows)
+                strips = -(-blocks // strip)
                 parts = take(chunks * n) if chunks > 1 else -1
-                finished = counters(blocks) if chunks > 1 else 0
+                finished = counters(strips) if chunks > 1 else 0
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
-                                 len(stages), int(head), offset(up), chunks, parts, finished])  # fmt: skip
-                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(blocks * chunks))
+                                 len(stages), int(head), offset(up), chunks, parts, finished,
+                                 strip, blocks])  # fmt: skip
+                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(strips * chunks))
             return stage_of(len(tasks) - first_task)
 
         wait = 0
@@ -575,10 +619,8 @@ class FusedDecodeStep:
             wait = matrix_stage([(layer.down, None, gated, h, h_mid, -1)], wait)
         vocab = w.head.shape[0]
         logits = take(vocab)
-        head_stage = matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait,
-                                  head=True)  # fmt: skip
-        head_tiles = stages[head_stage]
-        self.partials_off = take(3 * head_tiles)
+        matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True)
+        self.partials_off = take(3 * matrices[-1][15])  # each head block's max, sum, argmax
         self.lse_off = take(1)
         combine = stage_of(1)
         tasks.extend((LOGPROB, 0, j) for j in range(-(-vocab // self.block_v)))
@@ -586,7 +628,6 @@ class FusedDecodeStep:
             row[7] += 1 + len(stages)
         for row in matrices:
             row[13] += 1 + len(stages)
-        device = w.embed.device
         self.act = torch.zeros(cursor, device=device, dtype=torch.float32)
         self.act[inv_freq_off : inv_freq_off + hd // 2] = w.inv_freq.float()
         self.logprobs_1V = torch.empty(1, vocab, device=device, dtype=torch.float32)
@@ -602,9 +643,12 @@ class FusedDecodeStep:
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
-        sms = num_persistent_programs(device) if device.type == "cuda" else 1
-        self.programs = programs or programs_per_sm * sms
         self.block_l, self.splits = block_l, splits
+
+    def _strip(self, tiles: int) -> int:
+        """Row blocks a task streams in a stage of ``tiles`` tiles: one (a task a tile) without
+        ``waves``, else enough that the stage is about ``waves`` tasks a program."""
+        return 1 if self.waves is None else max(1, -(-tiles // (self.programs * self.waves)))
 
     @staticmethod
     def _tensors(w: DecodeWeights) -> list[torch.Tensor]:
