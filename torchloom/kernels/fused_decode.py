@@ -434,12 +434,22 @@ def _fused_decode_kernel(
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
-    relaxed increment: the order of tasks needs no memory ordering, the waits carry it)."""
+    relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
+    program takes its next task, and loads its table row, as it starts one, so neither round
+    trip is paid between tasks. Holding two tasks cannot deadlock: the earliest unfinished task
+    is always some program's current one (its program's earlier task is done), and it waits
+    only for earlier tasks."""
     task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    more = task < num_tasks
+    kind = tl.load(tasks_ptr + 3 * task, mask=more, other=-1)
+    index = tl.load(tasks_ptr + 3 * task + 1, mask=more, other=0)
+    tile = tl.load(tasks_ptr + 3 * task + 2, mask=more, other=0)
     while task < num_tasks:
-        kind = tl.load(tasks_ptr + 3 * task)
-        index = tl.load(tasks_ptr + 3 * task + 1)
-        tile = tl.load(tasks_ptr + 3 * task + 2)
+        following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        more = following < num_tasks
+        next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
+        next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
+        next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
             meta = matrices_ptr + index * 16
             if tl.load(meta + 10) >= 0:
@@ -467,7 +477,7 @@ def _fused_decode_kernel(
             logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
             tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
-        task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        task, kind, index, tile = following, next_kind, next_index, next_tile
 
 
 # -- the plan --------------------------------------------------------------------------------
