@@ -6,7 +6,8 @@ for sm_90 (H100 / H200) with the same arguments' types, constants and warps.
 The interpreter runs a kernel's Python body on NumPy and never type-checks it as the compiler
 does: a value that changes type across branches or loop iterations runs there and fails to
 compile on the GPU. This bootstrap (what the ``run_in_triton_interpreter`` fixture starts)
-records each launch and compiles each distinct one with Triton's bundled ptxas
+records each launch (with the arguments the launcher would mark divisible by 16, as on a GPU)
+and compiles each distinct one with Triton's bundled ptxas
 (``kernels/triton_support.compile_for_hopper``): no GPU needed. The compiles run in a second
 process without TRITON_INTERPRET (the interpreter patches ``triton.language`` in place). It
 exits non-zero, naming the kernel, if any fails.
@@ -47,6 +48,14 @@ def _type_of(value: object) -> str | None:
     return None
 
 
+def _divisible(value: object) -> bool:
+    """Whether the launcher marks ``value`` divisible by 16 (an aligned tensor, an integer
+    multiple of 16), which lets the compiler vectorise the loads it addresses."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 launches: dict[str, dict] = {}
 
 
@@ -54,7 +63,7 @@ def _record(function: interpreter.InterpretedFunction, args: tuple, kwargs: dict
     kernel = JITFunction(function.fn)
     values = dict(zip((p.name for p in kernel.params), args))
     values.update((k, v) for k, v in kwargs.items() if k in kernel.arg_names)
-    types, constants = {}, {}
+    types, constants, divisible = {}, {}, []
     for param in kernel.params:
         value = values.get(param.name, param.default)
         kind = None if param.is_constexpr else _type_of(value)
@@ -62,8 +71,11 @@ def _record(function: interpreter.InterpretedFunction, args: tuple, kwargs: dict
             constants[param.name] = value
         else:
             types[param.name] = kind
+            if _divisible(value):
+                divisible.append(param.name)
     record = {"module": function.fn.__module__, "name": function.fn.__name__, "types": types,
-              "constants": constants, "warps": kwargs.get("num_warps", 4)}  # fmt: skip
+              "constants": constants, "warps": kwargs.get("num_warps", 4),
+              "divisible": divisible}  # fmt: skip
     try:
         key = json.dumps(record, sort_keys=True)
     except TypeError:  # a constant JSON cannot carry (a dtype object, say): named, not compiled
@@ -87,11 +99,13 @@ def compile_all(records: list[dict]) -> None:
         jit = getattr(importlib.import_module(record["module"]), record["name"])
         name = f"{record['module']}.{record['name']}"
         try:
-            usage = compile_for_hopper(jit, record["types"], record["constants"], record["warps"])
+            usage = compile_for_hopper(jit, record["types"], record["constants"], record["warps"],
+                                       record["divisible"])  # fmt: skip
         except Exception as exc:  # report every kernel, then fail
             failures.append(f"{name} {record['constants']}: {type(exc).__name__}: {exc}"[:2000])
             continue
-        print(f"sm_90: {name} ({record['warps']} warps): {usage.split(' STACK')[0]}")
+        registers, spills = usage.split()[0], usage.split()[-1]
+        print(f"sm_90: {name} ({record['warps']} warps): {registers} {spills}")
     print(f"compiled {len(records) - len(failures)} of {len(records)} launched kernels for sm_90")
     if failures:
         sys.exit("kernels that do not compile for sm_90:\n" + "\n".join(failures))

@@ -7,7 +7,7 @@ import to run the kernels on CPU tensors through Triton's interpreter (the tests
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -51,18 +51,69 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def compile_for_hopper(
-    kernel: Callable, arg_types: dict[str, str], constants: dict[str, object], num_warps: int = 4
+    kernel: Callable,
+    arg_types: dict[str, str],
+    constants: dict[str, object],
+    num_warps: int = 4,
+    divisible: Iterable[str] | None = None,
 ) -> str:
     """Compile a Triton kernel for sm_90 (H100 / H200) on any machine, with no GPU (Triton's
-    bundled ptxas), and return its resource line ("REG:<registers a thread> ... LOCAL:<bytes
-    spilled>"). Checks what Triton's interpreter never does: that every value keeps one type
-    across branches and loop iterations, and how many registers the kernel holds.
-    ``arg_types``: each runtime argument's Triton type ("*bf16", "*fp32", "*i64", "*i1",
-    "i32", ...); ``constants``: the constexpr arguments' values."""
+    bundled ptxas), and return its resource line ("REG:<registers a thread> ... STACK:<bytes of
+    stack frame> ... LOCAL:<bytes of local arrays> ... SPILLS:<bytes of registers spilled>"). Checks what Triton's
+    interpreter never does: that every value keeps one type across branches and loop
+    iterations, and how many registers the kernel holds. ``arg_types``: each runtime argument's
+    Triton type ("*bf16", "*fp32", "*i64", "*i1", "i32", ...); ``constants``: the constexpr
+    arguments' values; ``divisible``: the arguments the launcher would mark divisible by 16 (a
+    tensor whose address is 16-byte aligned, an integer that is a multiple of 16), as it does
+    on a GPU, which lets the compiler vectorise loads and pipeline them (default: every pointer,
+    as a tensor from PyTorch's allocator is aligned)."""
+    import re
     import subprocess
     import tempfile
     from pathlib import Path
 
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    compiled = _compile_sm90(kernel, arg_types, constants, num_warps, divisible)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
+        cubin.write_bytes(compiled.asm["cubin"])
+        ptx.write_text(compiled.asm["ptx"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        # Spills show only in ptxas's own report (the stack frame holds more than spills):
+        # ptxas again, with the flags Triton gave it, so it allocates the same registers.
+        ptxas = get_ptxas(90).path if get_ptxas.__code__.co_argcount else get_ptxas().path
+        report = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                 "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "again")],
+                                capture_output=True, text=True, check=True).stderr  # fmt: skip
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+    line = next(line.strip() for line in usage.splitlines() if "REG:" in line)
+    if re.findall(r"Used (\d+) registers", report) != re.findall(r"REG:(\d+)", line):
+        raise RuntimeError(f"ptxas's second run allocated other registers: {report} / {line}")
+    return f"{line} SPILLS:{spills}"
+
+
+def hopper_ptx(
+    kernel: Callable,
+    arg_types: dict[str, str],
+    constants: dict[str, object],
+    num_warps: int = 4,
+    divisible: Iterable[str] | None = None,
+) -> str:
+    """The PTX of ``compile_for_hopper``'s compile (the same arguments; Triton's cache makes
+    asking for both one compile): what a test reads to see how a kernel loads memory."""
+    return _compile_sm90(kernel, arg_types, constants, num_warps, divisible).asm["ptx"]
+
+
+def _compile_sm90(
+    kernel: Callable,
+    arg_types: dict[str, str],
+    constants: dict[str, object],
+    num_warps: int,
+    divisible: Iterable[str] | None,
+) -> object:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
@@ -70,16 +121,13 @@ def compile_for_hopper(
     if not isinstance(kernel, JITFunction):  # TRITON_INTERPRET=1 wraps the Python function
         kernel = JITFunction(kernel.fn)
     signature = {**arg_types, **dict.fromkeys(constants, "constexpr")}
-    source = ASTSource(kernel, signature, constants)
-    target = GPUTarget("cuda", 90, 32)
-    compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return next(line.strip() for line in usage.splitlines() if "REG:" in line)
+    if divisible is None:
+        divisible = [name for name, kind in arg_types.items() if kind.startswith("*")]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(kernel, signature, constants, attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
 
 
 def cuda_index(device: torch.device) -> int:
