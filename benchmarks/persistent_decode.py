@@ -66,7 +66,8 @@ def _task(tasks_ptr, meta_ptr, task):
     m = tl.load(tasks_ptr + 2 * task)
     tile = tl.load(tasks_ptr + 2 * task + 1)
     meta = meta_ptr + m * 9
-    w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+    # Multiples of 16 (asserted on the host): the weights load 16 bytes a thread, not 2.
+    w_off, N, K = tl.multiple_of(tl.load(meta), 16), tl.load(meta + 1), tl.multiple_of(tl.load(meta + 2), 16)  # fmt: skip
     x_off, y_off, mode = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
     return m, tile, w_off, N, K, x_off, y_off, mode, tl.load(meta + 7), tl.load(meta + 8)
 
@@ -285,6 +286,7 @@ class PersistentChain:
         meta = [[chain.offsets[m], x.N, x.K, x.x_off, x.y_off, x.mode, tiles[m], x.resid_off,
                  x.norm_off] for m, x in enumerate(chain.links)]  # fmt: skip
         assert len(meta[0]) == META
+        assert all(row[0] % 16 == 0 and row[2] % 16 == 0 for row in meta), "offsets, K: x16"
         self.meta = torch.tensor(meta, dtype=torch.int64, device=device)
         tasks = [(m, j) for m, count in enumerate(tiles) for j in range(count)]
         self.tasks = torch.tensor(tasks, dtype=torch.int32, device=device)

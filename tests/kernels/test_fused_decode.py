@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -179,10 +180,12 @@ def check_generator(device: str, compile: bool = False) -> str:
 def test_kernel_compiles_for_hopper() -> None:
     """The kernel compiles for sm_90 at the Llama-3.2-1B shape in bf16 (what the interpreter
     never checks: one type per value across branches and loops), its default tiling without
-    spilling registers."""
+    spilling registers (ptxas's report), and it reads weights 16
+    bytes a thread at a time: with offsets read from its tables the compiler knows nothing of
+    their alignment unless told (it issued one 2-byte load an element before the hints)."""
     pytest.importorskip("triton")
     from torchloom.kernels import fused_decode
-    from torchloom.kernels.triton_support import compile_for_hopper
+    from torchloom.kernels.triton_support import compile_for_hopper, hopper_ptx
 
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
     with torch.device("meta"):
@@ -196,9 +199,24 @@ def test_kernel_compiles_for_hopper() -> None:
              **dict.fromkeys(["num_tasks", "max_len", "inv_freq_off", "partials_off", "lse_off",
                               "logits_off", "vocab", "combine_stage"], "i32"),
              "embed_off": "i64"}  # fmt: skip
-    usage = compile_for_hopper(fused_decode._fused_decode_kernel, types, step.constants(),
-                               fused_decode.DEFAULT_WARPS)  # fmt: skip
-    assert "LOCAL:0 " in usage, usage
+    args = (fused_decode._fused_decode_kernel, types, step.constants(), fused_decode.DEFAULT_WARPS)
+    usage = compile_for_hopper(*args)
+    assert usage.endswith(" SPILLS:0"), usage
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", hopper_ptx(*args))
+    assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
+
+
+def test_widths_not_multiples_of_16_are_refused() -> None:
+    """The kernel loads rows 16 elements at a time: a model whose widths are not multiples of 16
+    is refused in one line, by the generator's check and by the plan itself."""
+    odd = tiny(ffn_dim=200)
+    problem = fused_step_problem(odd, odd.new_cache(1, 8, "cpu", torch.float32))
+    assert problem is not None and "multiple of 16" in problem, problem
+    weights = random_weights(64, 4, 2, 16, 200, 50, layers=1, max_len=8, device="cpu",
+                             dtype=torch.float32)  # fmt: skip
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="16 elements at a time.*MLP width 200"):
+        FusedDecodeStep(weights, one, one)
 
 
 def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:

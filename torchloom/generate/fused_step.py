@@ -58,6 +58,8 @@ def fused_step_problem(model: nn.Module, cache: ModelCache) -> str | None:
         return "its output head has a bias"
     if any(not isinstance(state, KVState) for state in cache.states.values()):
         return "a layer's generation state is not a key/value cache"
+    if model.rope.head_dim % 16 or any(p.shape[-1] % 16 for p in model.parameters()):
+        return "a weight's rows or the head_dim are not a multiple of 16 elements"
     dtypes = {p.dtype for p in model.parameters()} | {t.dtype for t in cache.tensors()}
     if len(dtypes) != 1:
         return f"its parameters and cache are in several dtypes ({sorted(map(str, dtypes))})"

@@ -221,11 +221,16 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     sums and the strip's last chunk to finish adds them in chunk order (one count a strip, not
     a block); the residual rows are added to the finished sums. A head block also writes its rows' max, sum of
     exponentials and argmax; the head's last task to finish combines them."""
-    w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-    x_off, y_off, resid_off, norm_off = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5), tl.load(meta + 6)  # fmt: skip
+    # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
+    # compiler load 16 bytes a thread at a time (without the hints it loads one element).
+    w_off, N, K = tl.multiple_of(tl.load(meta), 16), tl.load(meta + 1), tl.multiple_of(tl.load(meta + 2), 16)  # fmt: skip
+    x_off, y_off = tl.multiple_of(tl.load(meta + 3), 16), tl.multiple_of(tl.load(meta + 4), 16)
+    resid_off, norm_off = tl.load(meta + 5), tl.load(meta + 6)  # -1: none (loads masked off)
+    resid_at = tl.multiple_of(tl.maximum(resid_off, 0), 16)
+    norm_at = tl.multiple_of(tl.maximum(norm_off, 0), 16)
     wait, stage, is_head = tl.load(meta + 7), tl.load(meta + 8), tl.load(meta + 9)
-    up_off, chunks = tl.load(meta + 10), tl.load(meta + 11)
-    parts_off, row_counters = tl.load(meta + 12), tl.load(meta + 13)
+    up_off, chunks = tl.multiple_of(tl.load(meta + 10), 16), tl.load(meta + 11)
+    parts_off, row_counters = tl.multiple_of(tl.load(meta + 12), 16), tl.load(meta + 13)
     strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
     first, chunk = (tile // chunks) * strip, tile % chunks
     count = tl.minimum(strip, blocks - first)
@@ -238,7 +243,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
     if GATED:
         w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
-    gain = tl.load(base_ptr + norm_off + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
+    gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     _wait(counters_ptr, stages_ptr, wait)
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
@@ -263,7 +268,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
         if chunks > 1:  # partial sums, added up once every chunk of the strip is in
             tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
         else:
-            resid = tl.load(act_ptr + resid_off + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
+            resid = tl.load(act_ptr + resid_at + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
                             other=0.0, cache_modifier=".cg")  # fmt: skip
             y = y + resid
             tl.store(act_ptr + y_off + rows, y, mask=row_ok)
@@ -286,7 +291,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
                 for c in range(0, chunks):
                     y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                resid = tl.load(act_ptr + resid_off + rows,
+                resid = tl.load(act_ptr + resid_at + rows,
                                 mask=row_ok & (rows * 0 + resid_off >= 0), other=0.0,
                                 cache_modifier=".cg")  # fmt: skip
                 tl.store(act_ptr + y_off + rows, y + resid, mask=row_ok)
@@ -343,8 +348,13 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, ma
     GROUP: tl.constexpr = HEADS // KV_HEADS
     dtype = base_ptr.dtype.element_ty
     head, split = task // SPLITS, task % SPLITS
-    qkv_off, k_cache, v_cache = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-    parts_off, out_off, wait = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 5)
+    qkv_off = tl.multiple_of(tl.load(meta), 16)  # (multiples of 16: the plan checks it)
+    k_cache, v_cache = tl.multiple_of(tl.load(meta + 1), 16), tl.multiple_of(tl.load(meta + 2), 16)
+    parts_off, out_off = (
+        tl.multiple_of(tl.load(meta + 3), 16),
+        tl.multiple_of(tl.load(meta + 4), 16),
+    )
+    wait = tl.load(meta + 5)
     stage, head_counters = tl.load(meta + 6), tl.load(meta + 7)
     kv = head // GROUP
     d = tl.arange(0, HALF)
@@ -553,16 +563,18 @@ class FusedDecodeStep:
             if t is None:
                 return -1
             gap = t.data_ptr() - base.data_ptr()
-            assert gap % base.element_size() == 0, "every tensor aligned to its elements"
+            if gap % (16 * base.element_size()):
+                raise ValueError("the fused decode step reads tensors at addresses 16 elements "
+                                 f"apart; one is {gap} bytes from the first")  # fmt: skip
             return gap // base.element_size()
 
         # Scratch: inv_freq, the stream after the embedding, then every stage's outputs.
         cursor = 0
 
-        def take(n: int) -> int:
+        def take(n: int) -> int:  # n fp32 values at an offset that is a multiple of 16
             nonlocal cursor
-            cursor += n
-            return cursor - n
+            start, cursor = cursor, cursor + -(-n // 16) * 16
+            return start
 
         # Counters after the task counter and the stages' counts (placed once all are known):
         # each (layer, head)'s finished splits, each chunked strip's finished chunks.
@@ -677,6 +689,11 @@ class FusedDecodeStep:
                 f"the fused decode step needs a power-of-two head_dim and query heads a multiple "
                 f"of the kv heads; got head_dim {hd}, {w.heads} heads, {w.kv_heads} kv heads"
             )
+        widths = {"model width": w.embed.shape[1], "head_dim": hd,
+                  "query width": w.heads * hd, "MLP width": w.layers[0].gate.shape[0]}  # fmt: skip
+        if any(v % 16 for v in widths.values()):
+            raise ValueError("the fused decode step reads rows 16 elements at a time; got "
+                             + ", ".join(f"{k} {v}" for k, v in widths.items()))  # fmt: skip
 
     def constants(self) -> dict[str, object]:
         """The kernel's constexpr arguments for these weights."""
