@@ -69,8 +69,8 @@ MATRIX_FIELDS = 16
 LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of five on an H100 (benchmarks/RESULTS.md, s36): 16,384
-# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (182
-# registers a thread on sm_90).
+# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (250
+# registers a thread on sm_90 with the strips' double buffer, no spills).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
