@@ -208,6 +208,14 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
 
 
 @jit
+def _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok):
+    """``y`` plus the residual stream's ``rows`` (none where ``resid_off`` is -1)."""
+    resid = tl.load(act_ptr + resid_at + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+    return y + resid
+
+
+@jit
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
@@ -219,8 +227,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     such a matrix has one chunk); each block's reduction runs while the next block's weights
     load. Gated, the output is silu(gate) * up. With several chunks each writes its partial
     sums and the strip's last chunk to finish adds them in chunk order (one count a strip, not
-    a block); the residual rows are added to the finished sums. A head block also writes its rows' max, sum of
-    exponentials and argmax; the head's last task to finish combines them."""
+    a block); the residual rows are added to the finished sums. A head block also writes its
+    rows' max, sum of exponentials and argmax; the head's last task to finish combines them."""
     # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
     # compiler load 16 bytes a thread at a time (without the hints it loads one element).
     w_off, N, K = tl.multiple_of(tl.load(meta), 16), tl.load(meta + 1), tl.multiple_of(tl.load(meta + 2), 16)  # fmt: skip
@@ -268,9 +276,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
         if chunks > 1:  # partial sums, added up once every chunk of the strip is in
             tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
         else:
-            resid = tl.load(act_ptr + resid_at + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
-            y = y + resid
+            y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
             tl.store(act_ptr + y_off + rows, y, mask=row_ok)
         if is_head != 0:  # one chunk: every head block finishes its rows
             masked = tl.where(row_ok, y, float("-inf"))
@@ -291,10 +297,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
                 for c in range(0, chunks):
                     y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                resid = tl.load(act_ptr + resid_at + rows,
-                                mask=row_ok & (rows * 0 + resid_off >= 0), other=0.0,
-                                cache_modifier=".cg")  # fmt: skip
-                tl.store(act_ptr + y_off + rows, y + resid, mask=row_ok)
+                y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
+                tl.store(act_ptr + y_off + rows, y, mask=row_ok)
     if is_head != 0:
         tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
