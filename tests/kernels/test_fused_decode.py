@@ -185,7 +185,7 @@ def test_kernel_compiles_for_hopper() -> None:
     their alignment unless told (it issued one 2-byte load an element before the hints)."""
     pytest.importorskip("triton")
     from torchloom.kernels import fused_decode
-    from torchloom.kernels.triton_support import compile_for_hopper, hopper_ptx
+    from torchloom.kernels.triton_support import compile_for_hopper, compile_sm90
 
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
     with torch.device("meta"):
@@ -202,7 +202,7 @@ def test_kernel_compiles_for_hopper() -> None:
     args = (fused_decode._fused_decode_kernel, types, step.constants(), fused_decode.DEFAULT_WARPS)
     usage = compile_for_hopper(*args)
     assert usage.endswith(" SPILLS:0"), usage
-    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", hopper_ptx(*args))
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", compile_sm90(*args).asm["ptx"])
     assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
 
 

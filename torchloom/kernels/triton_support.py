@@ -50,23 +50,43 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def compile_for_hopper(
+def compile_sm90(
     kernel: Callable,
     arg_types: dict[str, str],
     constants: dict[str, object],
     num_warps: int = 4,
     divisible: Iterable[str] | None = None,
-) -> str:
+) -> object:
     """Compile a Triton kernel for sm_90 (H100 / H200) on any machine, with no GPU (Triton's
-    bundled ptxas), and return its resource line ("REG:<registers a thread> ... STACK:<bytes of
-    stack frame> ... LOCAL:<bytes of local arrays> ... SPILLS:<bytes of registers spilled>"). Checks what Triton's
-    interpreter never does: that every value keeps one type across branches and loop
-    iterations, and how many registers the kernel holds. ``arg_types``: each runtime argument's
-    Triton type ("*bf16", "*fp32", "*i64", "*i1", "i32", ...); ``constants``: the constexpr
-    arguments' values; ``divisible``: the arguments the launcher would mark divisible by 16 (a
-    tensor whose address is 16-byte aligned, an integer that is a multiple of 16), as it does
-    on a GPU, which lets the compiler vectorise loads and pipeline them (default: every pointer,
-    as a tensor from PyTorch's allocator is aligned)."""
+    bundled ptxas); Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Checks what
+    Triton's interpreter never does: that every value keeps one type across branches and loop
+    iterations. ``arg_types``: each runtime argument's Triton type ("*bf16", "*fp32", "*i64",
+    "*i1", "i32", ...); ``constants``: the constexpr arguments' values; ``divisible``: the
+    arguments the launcher would mark divisible by 16 (a tensor whose address is 16-byte
+    aligned, an integer that is a multiple of 16), as it does on a GPU, which decides whether
+    the compiler vectorises loads (default: every pointer, as a tensor from PyTorch's allocator
+    is aligned)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # TRITON_INTERPRET=1 wraps the Python function
+        kernel = JITFunction(kernel.fn)
+    signature = {**arg_types, **dict.fromkeys(constants, "constexpr")}
+    if divisible is None:
+        divisible = [name for name, kind in arg_types.items() if kind.startswith("*")]
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(kernel, signature, constants, attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+
+
+def compile_for_hopper(*args: object, **kwargs: object) -> str:
+    """``compile_sm90``'s compile (the same arguments), as its resource line: "REG:<registers a
+    thread> ... STACK:<bytes of stack frame> ... LOCAL:<bytes of local arrays> ...
+    SPILLS:<bytes of registers spilled>" (spills from ptxas's own report, run again with
+    Triton's flags: the stack frame is not a spill count)."""
     import re
     import subprocess
     import tempfile
@@ -74,7 +94,7 @@ def compile_for_hopper(
 
     from triton.backends.nvidia.compiler import get_ptxas
 
-    compiled = _compile_sm90(kernel, arg_types, constants, num_warps, divisible)
+    compiled = compile_sm90(*args, **kwargs)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
@@ -93,41 +113,6 @@ def compile_for_hopper(
     if re.findall(r"Used (\d+) registers", report) != re.findall(r"REG:(\d+)", line):
         raise RuntimeError(f"ptxas's second run allocated other registers: {report} / {line}")
     return f"{line} SPILLS:{spills}"
-
-
-def hopper_ptx(
-    kernel: Callable,
-    arg_types: dict[str, str],
-    constants: dict[str, object],
-    num_warps: int = 4,
-    divisible: Iterable[str] | None = None,
-) -> str:
-    """The PTX of ``compile_for_hopper``'s compile (the same arguments; Triton's cache makes
-    asking for both one compile): what a test reads to see how a kernel loads memory."""
-    return _compile_sm90(kernel, arg_types, constants, num_warps, divisible).asm["ptx"]
-
-
-def _compile_sm90(
-    kernel: Callable,
-    arg_types: dict[str, str],
-    constants: dict[str, object],
-    num_warps: int,
-    divisible: Iterable[str] | None,
-) -> object:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(kernel, JITFunction):  # TRITON_INTERPRET=1 wraps the Python function
-        kernel = JITFunction(kernel.fn)
-    signature = {**arg_types, **dict.fromkeys(constants, "constexpr")}
-    if divisible is None:
-        divisible = [name for name, kind in arg_types.items() if kind.startswith("*")]
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    source = ASTSource(kernel, signature, constants, attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-    )
 
 
 def cuda_index(device: torch.device) -> int:
