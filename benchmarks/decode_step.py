@@ -11,8 +11,8 @@ the one-launch fused step (``--fused``: kernels/fused_decode.py, ``Generator(ste
     python3 benchmarks/decode_step.py                    # Llama-3.2-1B shape, bf16
     python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
     python3 benchmarks/decode_step.py --kernels --autotune
-    python3 benchmarks/decode_step.py --fused 16384x8x1 16384x8x1x2  # tile weights x warps x
-                                               # programs an SM [x waves: strips of row blocks]
+    python3 benchmarks/decode_step.py --fused 16384x8x1 16384x8x1x2x4  # tile weights x warps
+        # x programs an SM [x waves: strips of row blocks [x stages: the strips' pipeline depth]]
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -90,9 +90,10 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int]) -> dict:
-    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV]" (tile
-    elements x warps x programs per SM [x waves: a matrix task streams a strip of row blocks,
-    about V tasks a program a stage]): generate tokens/s, the step replayed alone, tasks a step, and how
+    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS]]"
+    (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
+    blocks, about V tasks a program a stage [x stages: the strip's loop pipelined S deep]]):
+    generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix)."""
     torch._dynamo.reset()
@@ -101,12 +102,14 @@ def fused(model, prompt: list[int], new: int, configs: list[str], reference: lis
     graphs = generator.graphs
     rows = {}
     for spec in configs:
-        tile, warps, per_sm, *waves = (int(v) for v in spec.split("x"))
+        tile, warps, per_sm, *more = (int(v) for v in spec.split("x"))
+        waves, stages = [*more, None, None][:2]
         try:
             graphs._fused = FusedDecodeStep(
                 decode_weights(model, generator.cache), graphs._tokens_B1[:1],
                 graphs._positions_B1[:1], tile_elements=tile, num_warps=warps,
-                programs_per_sm=per_sm, waves=waves[0] if waves else None,
+                programs_per_sm=per_sm, waves=waves,
+                **({"stages": stages} if stages else {}),
             )  # fmt: skip
             graphs._capture(generator.device)
             timed_generate(generator, prompt, new)  # warm-up (the prefill compiles once)
@@ -184,10 +187,11 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV]",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
-                             "tasks stream strips of row blocks, about V a program a stage]")  # fmt: skip
+                             "tasks stream strips of row blocks, about V a program a stage [x "
+                             "stages: the strips' loop pipelined S deep]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -195,11 +199,12 @@ def main() -> None:
     args = parser.parse_args()
     for spec in args.fused:
         parts = spec.split("x")
-        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
-            parser.error(f"--fused {spec!r}: want TxWxP or TxWxPxV, e.g. 16384x8x1 (tile weights "
-                         "x warps x programs an SM) or 16384x8x1x2 (and 2 waves of strips)")  # fmt: skip
+        if len(parts) not in (3, 4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--fused {spec!r}: want TxWxP[xV[xS]], e.g. 16384x8x1 (tile weights x "
+                         "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
+                         "pipelined 4 deep)")  # fmt: skip
     if args.fused_only and not args.fused:
-        parser.error("--fused-only needs --fused TxWxP[xV] ...")
+        parser.error("--fused-only needs --fused TxWxP[xV[xS]] ...")
     if not torch.cuda.is_available():
         sys.exit("decode_step.py replays captured CUDA graphs: it needs a CUDA GPU.")
     device = torch.device("cuda")

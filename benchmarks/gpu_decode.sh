@@ -9,7 +9,8 @@
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
 # step's GPU test, then its replay and tokens/s against the compiled forward: one tile a task as
-# the thirty-sixth session measured it, and tasks streaming strips of row blocks (waves 1-4):
+# the thirty-sixth session measured it, and tasks streaming strips of row blocks (waves 1-4,
+# their loop pipelined 3 or 4 deep):
 # does the step stop following its task count?).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused ...]
 set -uo pipefail
@@ -45,7 +46,7 @@ for part in $PARTS; do
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
       run 300 python3 benchmarks/decode_step.py --fused-only --fused 16384x8x1 16384x8x1x1 16384x8x1x2 16384x8x1x4 \
-        32768x8x1x1 32768x8x1x2 8192x8x1x1 8192x4x2x2 \
+        16384x8x1x1x4 32768x8x1x1 8192x8x1x1x4 8192x4x2x2x4 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused)"; exit 2 ;;
   esac

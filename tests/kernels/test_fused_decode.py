@@ -182,7 +182,8 @@ def test_kernel_compiles_for_hopper() -> None:
     never checks: one type per value across branches and loops), its default tiling without
     spilling registers (ptxas's report), and it reads weights 16
     bytes a thread at a time: with offsets read from its tables the compiler knows nothing of
-    their alignment unless told (it issued one 2-byte load an element before the hints)."""
+    their alignment unless told (it issued one 2-byte load an element before the hints); and a
+    strip's blocks are copied into shared memory ahead of use."""
     pytest.importorskip("triton")
     from torchloom.kernels import fused_decode
     from torchloom.kernels.triton_support import compile_for_hopper, compile_sm90
@@ -202,8 +203,13 @@ def test_kernel_compiles_for_hopper() -> None:
     args = (fused_decode._fused_decode_kernel, types, step.constants(), fused_decode.DEFAULT_WARPS)
     usage = compile_for_hopper(*args)
     assert usage.endswith(" SPILLS:0"), usage
-    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", compile_sm90(*args).asm["ptx"])
+    compiled = compile_sm90(*args)
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", compiled.asm["ptx"])
     assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
+    # A strip's later blocks stream through asynchronous copies into shared memory (the loop
+    # Triton pipelines), within what one program may hold.
+    assert "cp.async.cg.shared.global" in compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
 
 
 def test_widths_not_multiples_of_16_are_refused() -> None:

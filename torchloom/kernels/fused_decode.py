@@ -72,6 +72,9 @@ TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (250
 # registers a thread on sm_90 with the strips' double buffer, no spills).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
+# A strip's row blocks stream through a loop Triton pipelines this deep (shared memory: this
+# many tiles, two half tiles for gate and up).
+DEFAULT_STAGES = 3
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -216,21 +219,53 @@ def _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok):
 
 
 @jit
+def _finish_block(y, block, rows, row_ok, act_ptr, N, chunk, chunks, parts_off, y_off, resid_at,
+                  resid_off, is_head, partials_off, ROWS: tl.constexpr):  # fmt: skip
+    """A row block's sums ``y``: with several chunks its partial sums (added up once every chunk
+    of the strip is in), else the output plus the residual; a head block also writes its rows'
+    max, sum of exponentials and argmax."""
+    if chunks > 1:
+        tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
+    else:
+        y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
+        tl.store(act_ptr + y_off + rows, y, mask=row_ok)
+    if is_head != 0:  # one chunk: every head block finishes its rows
+        masked = tl.where(row_ok, y, float("-inf"))
+        top = tl.max(masked, axis=0)
+        tl.store(act_ptr + partials_off + block * 3, top)
+        tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
+        tl.store(act_ptr + partials_off + block * 3 + 2,
+                 (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+
+
+@jit
+def _block_sums(w, w_up, x, GATED: tl.constexpr):
+    """One row block's dot products with the input (gated: silu(gate) * up)."""
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if GATED:
+        up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+        y = y * tl.sigmoid(y) * up
+    return y
+
+
+@jit
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
-            BLOCK_V: tl.constexpr):  # fmt: skip
+            BLOCK_V: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The first block's
     weights (with ``GATED``, the gate's and the up projection's rows) are loaded first, then,
     once the input is ready, the input slice (RMS-normed where the matrix has a norm weight:
-    such a matrix has one chunk); each block's reduction runs while the next block's weights
-    load. Gated, the output is silu(gate) * up. With several chunks each writes its partial
-    sums and the strip's last chunk to finish adds them in chunk order (one count a strip, not
-    a block); the residual rows are added to the finished sums. A head block also writes its
-    rows' max, sum of exponentials and argmax; the head's last task to finish combines them."""
+    such a matrix has one chunk). The strip's other blocks stream through a loop Triton
+    pipelines ``STAGES`` deep (their weights copied into shared memory ahead of use). Gated,
+    the output is silu(gate) * up. With several chunks each writes its partial sums and the
+    strip's last chunk to finish adds them in chunk order (one count a strip, not a block);
+    the residual rows are added to the finished sums. A head block also writes its rows' max,
+    sum of exponentials and argmax; the head's last task to finish combines them."""
     # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
-    # compiler load 16 bytes a thread at a time (without the hints it loads one element).
+    # compiler load 16 bytes a thread at a time (without the hints it loads one element) and
+    # pipeline the loads.
     w_off, N, K = tl.multiple_of(tl.load(meta), 16), tl.load(meta + 1), tl.multiple_of(tl.load(meta + 2), 16)  # fmt: skip
     x_off, y_off = tl.multiple_of(tl.load(meta + 3), 16), tl.multiple_of(tl.load(meta + 4), 16)
     resid_off, norm_off = tl.load(meta + 5), tl.load(meta + 6)  # -1: none (loads masked off)
@@ -242,13 +277,14 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
     first, chunk = (tile // chunks) * strip, tile % chunks
     count = tl.minimum(strip, blocks - first)
-    strip_end = tl.minimum(N, (first + count) * ROWS)  # the strip's rows end here
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     col_ok = cols < K
     rows = first * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
     at = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    ok = (rows < N)[:, None] & col_ok[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
     w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+    w_up = w
     if GATED:
         w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
@@ -256,35 +292,21 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
     x = x * scale * gain.to(tl.float32)
-    for i in range(0, count):
+    _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk, chunks,
+                  parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
+    for i in tl.range(1, count, num_stages=STAGES):
         block = first + i
         rows = block * ROWS + tl.arange(0, ROWS)
         row_ok = rows < N
-        # The next block's weights are in flight while this one reduces (none past the strip).
-        after = rows + ROWS
-        at = after.to(tl.int64)[:, None] * K + cols[None, :]
-        ok = (after < strip_end)[:, None] & col_ok[None, :]
-        w_next = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
-        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        w = w_next
+        at = rows.to(tl.int64)[:, None] * K + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+        w_up = w
         if GATED:
-            w_up_next = tl.load(base_ptr + up_off + at, mask=ok, other=0.0,
-                                eviction_policy="evict_first")  # fmt: skip
-            up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
-            y = y * tl.sigmoid(y) * up
-            w_up = w_up_next
-        if chunks > 1:  # partial sums, added up once every chunk of the strip is in
-            tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
-        else:
-            y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
-            tl.store(act_ptr + y_off + rows, y, mask=row_ok)
-        if is_head != 0:  # one chunk: every head block finishes its rows
-            masked = tl.where(row_ok, y, float("-inf"))
-            top = tl.max(masked, axis=0)
-            tl.store(act_ptr + partials_off + block * 3, top)
-            tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
-            tl.store(act_ptr + partials_off + block * 3 + 2,
-                     (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
+            w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0,
+                           eviction_policy="evict_first")  # fmt: skip
+        _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
+                      chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
@@ -445,7 +467,7 @@ def _fused_decode_kernel(
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
+    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -469,11 +491,11 @@ def _fused_decode_kernel(
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V)  # fmt: skip
+                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V, STAGES)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, ROWS, False, EPS, BLOCK_V)  # fmt: skip
+                        CHUNK, ROWS, False, EPS, BLOCK_V, STAGES)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -531,6 +553,7 @@ class FusedDecodeStep:
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
         waves: int | None = None,
+        stages: int = DEFAULT_STAGES,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -545,6 +568,9 @@ class FusedDecodeStep:
                             ("block_l", block_l)):  # fmt: skip
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two; got {value}")
+        if stages < 1:
+            raise ValueError(f"stages must be at least 1; got {stages}")
+        self.stages_in_flight = stages
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -707,7 +733,7 @@ class FusedDecodeStep:
             "GATED_ROWS": self.gated_rows, "HEADS": w.heads, "KV_HEADS": w.kv_heads,
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
-            "ROPE_SCALE": w.rope_scale,
+            "ROPE_SCALE": w.rope_scale, "STAGES": self.stages_in_flight,
         }  # fmt: skip
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
