@@ -26,8 +26,9 @@ rounded up to a power of two, so a normed input is one slice and the norm is tak
 tile); a wider input (the down projection's) is split into slices whose partial sums the
 last slice to finish adds in slice order, so each tile re-reads only its slice of the
 input, never the whole 8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
-consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and the
-next block's weights load while a block reduces (on an H100 one tile a task cost 5-8 us of
+consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and its
+blocks stream through a loop Triton pipelines (asynchronous copies into shared memory, several
+tiles in flight a program) (on an H100 one tile a task cost 5-8 us of
 serial round trips a task, so the step's time followed its count of tasks: benchmarks/
 RESULTS.md, s36).
 
@@ -69,8 +70,8 @@ MATRIX_FIELDS = 16
 LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of five on an H100 (benchmarks/RESULTS.md, s36): 16,384
-# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (250
-# registers a thread on sm_90 with the strips' double buffer, no spills).
+# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (216
+# registers a thread on sm_90, no spills; 64 KB of shared memory for the strips' pipeline).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
 # A strip's row blocks stream through a loop Triton pipelines this deep (shared memory: this
 # many tiles, two half tiles for gate and up).
@@ -538,8 +539,8 @@ class FusedDecodeStep:
     ``programs_per_sm`` per streaming multiprocessor. A matrix task is one tile, or with
     ``waves`` a strip of consecutive row blocks, so that each stage is about ``waves`` tasks a
     program: a strip pays the task's round trips (the counter, its table rows, the wait, the
-    input) once and streams its blocks with the next block's weights loading while one
-    reduces."""
+    input) once and streams its blocks through a loop pipelined ``stages`` deep (``stages`` - 1
+    tiles in flight a program, in shared memory)."""
 
     def __init__(
         self,
