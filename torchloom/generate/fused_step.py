@@ -31,7 +31,8 @@ def fused_step_problem(model: nn.Module, cache: ModelCache) -> str | None:
     """Why the fused step cannot run ``model``'s decode over ``cache``, or None. It runs
     Llama-3-shaped decoders: token embedding, pre-norm blocks of grouped-query attention (full
     rotate-half RoPE, no q/k norms, gates or windows) and a SwiGLU MLP, RMS norms of one eps, a
-    final RMS norm and a head without bias; unsharded, in one dtype."""
+    final RMS norm and a head without bias; unsharded, in one dtype, with every width a multiple
+    of 16 (the kernel loads 16 elements at a time)."""
     if not isinstance(model, Decoder) or type(model).forward is not Decoder.forward:
         return f"{type(model).__name__} is not a plain decoder"
     config = model.config
@@ -58,7 +59,7 @@ def fused_step_problem(model: nn.Module, cache: ModelCache) -> str | None:
         return "its output head has a bias"
     if any(not isinstance(state, KVState) for state in cache.states.values()):
         return "a layer's generation state is not a key/value cache"
-    if model.rope.head_dim % 16 or any(p.shape[-1] % 16 for p in model.parameters()):
+    if model.rope.head_dim % 16 or any(p.ndim and p.shape[-1] % 16 for p in model.parameters()):
         return "a weight's rows or the head_dim are not a multiple of 16 elements"
     dtypes = {p.dtype for p in model.parameters()} | {t.dtype for t in cache.tensors()}
     if len(dtypes) != 1:
