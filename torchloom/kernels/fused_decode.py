@@ -11,8 +11,8 @@ The step is a list of tasks in dependency order, each belonging to a stage:
 
 - embed: the token's embedding row into the residual stream (one task);
 - per layer: q, k and v tiles (RMS norm in the prologue); attention tasks per query head
-  and split (RoPE on its query and its kv head's new key, the new key and value written to the cache by
-  the group's first head, online softmax over a split of the cached positions; the head's
+  and split (RoPE on its query and its kv head's new key, the new key and value written to
+  the cache by the group's first head, online softmax over a split of the cached positions; the head's
   last split merges the splits); o tiles (+ the residual); gated tiles holding the same rows
   of gate and up (norm in the prologue) that write silu(gate) * up; down tiles (+ the
   residual);
@@ -28,9 +28,10 @@ last slice to finish adds in slice order, so each tile re-reads only its slice o
 input, never the whole 8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
 consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and its
 blocks stream through a loop Triton pipelines (asynchronous copies into shared memory, several
-tiles in flight a program) (on an H100 one tile a task cost 5-8 us of
-serial round trips a task, so the step's time followed its count of tasks: benchmarks/
-RESULTS.md, s36).
+tiles in flight a program). On an H100 one tile a task cost 5-8 us of serial round trips a
+task, so the step's time followed its count of tasks (benchmarks/RESULTS.md, s36). Offsets
+and widths are multiples of 16 elements and the kernel says so (``tl.multiple_of``): read
+from its tables, they would otherwise be loaded one element an instruction.
 
 Programs take tasks from a global counter in order. A matrix task loads its first weight tile
 first, then waits (spinning on an acquire load of the previous stage's count of finished
