@@ -241,6 +241,22 @@ def _finish_block(y, block, rows, row_ok, act_ptr, N, chunk, chunks, parts_off, 
 
 
 @jit
+def _block_weights(base_ptr, w_off, up_off, block, N, K, cols, col_ok, ROWS: tl.constexpr,
+                   GATED: tl.constexpr):  # fmt: skip
+    """Row block ``block``'s rows, which of them exist, and its weights over ``cols`` (gated:
+    the gate's and the up projection's; otherwise the weights twice)."""
+    rows = block * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    at = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+    w_up = w
+    if GATED:
+        w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+    return rows, row_ok, w, w_up
+
+
+@jit
 def _block_sums(w, w_up, x, GATED: tl.constexpr):
     """One row block's dot products with the input (gated: silu(gate) * up)."""
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -281,14 +297,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     count = tl.minimum(strip, blocks - first)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     col_ok = cols < K
-    rows = first * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
-    at = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
-    w_up = w
-    if GATED:
-        w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
+    rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols, col_ok,
+                                           ROWS, GATED)  # fmt: skip
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     _wait(counters_ptr, stages_ptr, wait)
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
@@ -298,15 +308,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
                   parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
     for i in tl.range(1, count, num_stages=STAGES):
         block = first + i
-        rows = block * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < N
-        at = rows.to(tl.int64)[:, None] * K + cols[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        w = tl.load(base_ptr + w_off + at, mask=ok, other=0.0, eviction_policy="evict_first")
-        w_up = w
-        if GATED:
-            w_up = tl.load(base_ptr + up_off + at, mask=ok, other=0.0,
-                           eviction_policy="evict_first")  # fmt: skip
+        rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, block, N, K, cols,
+                                               col_ok, ROWS, GATED)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
