@@ -194,13 +194,8 @@ def test_kernel_compiles_for_hopper() -> None:
     cache = model.new_cache(1, 384, "meta", torch.bfloat16)
     position = torch.zeros(1, dtype=torch.long, device="meta")
     step = FusedDecodeStep(decode_weights(model.to(torch.bfloat16), cache), position, position)
-    types = {"base_ptr": "*bf16", "act_ptr": "*fp32", "tasks_ptr": "*i32", "matrices_ptr": "*i64",
-             "layers_ptr": "*i64", "stages_ptr": "*i32", "counters_ptr": "*i32",
-             "token_ptr": "*i64", "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",
-             **dict.fromkeys(["num_tasks", "max_len", "inv_freq_off", "partials_off", "lse_off",
-                              "logits_off", "vocab", "combine_stage"], "i32"),
-             "embed_off": "i64"}  # fmt: skip
-    args = (fused_decode._fused_decode_kernel, types, step.constants(), fused_decode.DEFAULT_WARPS)
+    args = step.sm90_arguments()
+    assert args[3] == fused_decode.DEFAULT_WARPS
     usage = compile_for_hopper(*args)
     assert usage.endswith(" SPILLS:0"), usage
     compiled = compile_sm90(*args)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchloom.kernels.attention_mask import CAUSAL
-from torchloom.kernels.fused_decode import DecodeWeights, LayerWeights
+from torchloom.kernels.fused_decode import DecodeWeights, FusedDecodeStep, LayerWeights
 from torchloom.models.components.attention import Attention
 from torchloom.models.components.cache import KVState, ModelCache
 from torchloom.models.components.decoder import Block, Decoder
@@ -59,11 +59,13 @@ def fused_step_problem(model: nn.Module, cache: ModelCache) -> str | None:
         return "its output head has a bias"
     if any(not isinstance(state, KVState) for state in cache.states.values()):
         return "a layer's generation state is not a key/value cache"
-    if model.rope.head_dim % 16 or any(p.ndim and p.shape[-1] % 16 for p in model.parameters()):
-        return "a weight's rows or the head_dim are not a multiple of 16 elements"
     dtypes = {p.dtype for p in model.parameters()} | {t.dtype for t in cache.tensors()}
     if len(dtypes) != 1:
         return f"its parameters and cache are in several dtypes ({sorted(map(str, dtypes))})"
+    try:  # what the kernel itself reads: layout, head shape, widths
+        FusedDecodeStep.check(decode_weights(model, cache))
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -87,8 +89,8 @@ def _block_problem(block: nn.Module, head_dim: int) -> str | None:
         return "its attention rotates part of each head or none"
     if attention.mask != CAUSAL:
         return f"its attention mask is {attention.mask.describe()}"
-    if attention.head_dim != head_dim or head_dim & (head_dim - 1):
-        return f"head_dim {attention.head_dim} is not a power of two"
+    if attention.head_dim != head_dim:  # (the kernel's own check asks a power of two)
+        return f"head_dim {attention.head_dim} is not the rotary embedding's {head_dim}"
     if type(mlp) is not SwiGLU or mlp.gated not in (MLP_IMPLS["torch"], MLP_IMPLS["triton"]):
         return f"its MLP is {type(mlp).__name__}, not SwiGLU"
     linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,

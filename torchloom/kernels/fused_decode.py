@@ -74,9 +74,10 @@ TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (216
 # registers a thread on sm_90, no spills; 64 KB of shared memory for the strips' pipeline).
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
-# A strip's row blocks stream through a loop Triton pipelines this deep (shared memory: this
-# many tiles, two half tiles for gate and up).
-DEFAULT_STAGES = 3
+# A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
+# tiles in flight a program, in shared memory (64 KB at the default tiling). Not the stages of
+# the step (the groups of tasks one another waits for).
+DEFAULT_PIPELINE = 3
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -270,13 +271,13 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
-            BLOCK_V: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+            BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The first block's
     weights (with ``GATED``, the gate's and the up projection's rows) are loaded first, then,
     once the input is ready, the input slice (RMS-normed where the matrix has a norm weight:
     such a matrix has one chunk). The strip's other blocks stream through a loop Triton
-    pipelines ``STAGES`` deep (their weights copied into shared memory ahead of use). Gated,
+    pipelines ``PIPELINE`` deep (their weights copied into shared memory ahead of use). Gated,
     the output is silu(gate) * up. With several chunks each writes its partial sums and the
     strip's last chunk to finish adds them in chunk order (one count a strip, not a block);
     the residual rows are added to the finished sums. A head block also writes its rows' max,
@@ -306,7 +307,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     x = x * scale * gain.to(tl.float32)
     _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk, chunks,
                   parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
-    for i in tl.range(1, count, num_stages=STAGES):
+    for i in tl.range(1, count, num_stages=PIPELINE):
         block = first + i
         rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, block, N, K, cols,
                                                col_ok, ROWS, GATED)  # fmt: skip
@@ -472,7 +473,7 @@ def _fused_decode_kernel(
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, STAGES: tl.constexpr,
+    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -496,11 +497,11 @@ def _fused_decode_kernel(
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V, STAGES)  # fmt: skip
+                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, ROWS, False, EPS, BLOCK_V, STAGES)  # fmt: skip
+                        CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -543,8 +544,8 @@ class FusedDecodeStep:
     ``programs_per_sm`` per streaming multiprocessor. A matrix task is one tile, or with
     ``waves`` a strip of consecutive row blocks, so that each stage is about ``waves`` tasks a
     program: a strip pays the task's round trips (the counter, its table rows, the wait, the
-    input) once and streams its blocks through a loop pipelined ``stages`` deep (``stages`` - 1
-    tiles in flight a program, in shared memory)."""
+    input) once and streams its blocks through a loop pipelined ``pipeline`` deep (``pipeline``
+    - 1 tiles in flight a program, in shared memory)."""
 
     def __init__(
         self,
@@ -558,12 +559,12 @@ class FusedDecodeStep:
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
         waves: int | None = None,
-        stages: int = DEFAULT_STAGES,
+        pipeline: int = DEFAULT_PIPELINE,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
         w = self.weights = weights
-        self._check(w)
+        self.check(w)
         first = w.layers[0]
         dim, ffn = w.embed.shape[1], first.gate.shape[0]
         max_len = weights.layers[0].k_cache.shape[1]
@@ -573,9 +574,9 @@ class FusedDecodeStep:
                             ("block_l", block_l)):  # fmt: skip
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two; got {value}")
-        if stages < 1:
-            raise ValueError(f"stages must be at least 1; got {stages}")
-        self.stages_in_flight = stages
+        if pipeline < 1:
+            raise ValueError(f"pipeline must be at least 1; got {pipeline}")
+        self.pipeline = pipeline
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -712,7 +713,9 @@ class FusedDecodeStep:
         return [w.embed, w.norm, w.head] + [t for layer in w.layers for t in vars(layer).values()]
 
     @classmethod
-    def _check(cls, w: DecodeWeights) -> None:
+    def check(cls, w: DecodeWeights) -> None:
+        """ValueError naming what in ``w`` the kernel cannot read (dtypes, devices, layout,
+        head shape, widths), else None."""
         tensors = cls._tensors(w)
         if any(t.dtype != w.embed.dtype or t.device != w.embed.device for t in tensors):
             raise ValueError("the fused decode step reads every tensor in one dtype on one device")
@@ -727,7 +730,8 @@ class FusedDecodeStep:
         widths = {"model width": w.embed.shape[1], "head_dim": hd,
                   "query width": w.heads * hd, "MLP width": w.layers[0].gate.shape[0]}  # fmt: skip
         if any(v % 16 for v in widths.values()):
-            raise ValueError("the fused decode step reads rows 16 elements at a time; got "
+            raise ValueError("the fused decode step reads rows 16 elements at a time (every "
+                             "width a multiple of 16); got "
                              + ", ".join(f"{k} {v}" for k, v in widths.items()))  # fmt: skip
 
     def constants(self) -> dict[str, object]:
@@ -738,8 +742,21 @@ class FusedDecodeStep:
             "GATED_ROWS": self.gated_rows, "HEADS": w.heads, "KV_HEADS": w.kv_heads,
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
-            "ROPE_SCALE": w.rope_scale, "STAGES": self.stages_in_flight,
+            "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
         }  # fmt: skip
+
+    def sm90_arguments(self) -> tuple:
+        """(kernel, argument types, constants, warps) of this step's launch, for
+        kernels/triton_support.compile_for_hopper / compile_sm90 (no GPU needed)."""
+        pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+        types = {"base_ptr": pointer[self.base.dtype], "act_ptr": "*fp32", "tasks_ptr": "*i32",
+                 "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
+                 "counters_ptr": "*i32", "token_ptr": "*i64", "pos_ptr": "*i64",
+                 "best_ptr": "*fp64", "logprobs_ptr": "*fp32", "num_tasks": "i32",
+                 "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
+                 "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
+                 "combine_stage": "i32"}  # fmt: skip
+        return _fused_decode_kernel, types, self.constants(), self.num_warps
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.counters.zero_()
