@@ -12,7 +12,8 @@ the one-launch fused step (``--fused``: kernels/fused_decode.py, ``Generator(ste
     python3 benchmarks/decode_step.py --kernels --pdl --json outputs/decode_step.json
     python3 benchmarks/decode_step.py --kernels --autotune
     python3 benchmarks/decode_step.py --fused 16384x8x1 16384x8x1x2x4  # tile weights x warps
-        # x programs an SM [x waves: strips of row blocks [x stages: the strips' pipeline depth]]
+        # x programs an SM [x waves: strips of row blocks [x pipeline depth of the strips' loop]]
+    python3 benchmarks/decode_step.py --compile-only --fused 16384x8x1x1  # sm_90 build, no GPU
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -89,10 +90,47 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
     return tokens_per_s, completion.tokens
 
 
+def fused_tiling(spec: str) -> dict:
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS]]"; ValueError if malformed."""
+    parts = spec.split("x")
+    if len(parts) not in (3, 4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS]], e.g. 16384x8x1 (tile weights x "
+                         "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
+                         "pipelined 4 deep)")  # fmt: skip
+    names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
+    return dict(zip(names, map(int, parts)))
+
+
+def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -> dict:
+    """Each tiling's kernel at ``flavor``'s shape in bf16 compiled for sm_90 on any machine
+    (no GPU): tasks a step, registers a thread, bytes spilled, shared memory, and the
+    asynchronous copies of the strips' pipelined loop."""
+    from torchloom.kernels.triton_support import compile_for_hopper, compile_sm90
+
+    config = resolve_model_config(ModelConfig(name="llama3", flavor=flavor))
+    with torch.device("meta"):
+        model = build_model(config).to(torch.bfloat16)
+    cache = model.new_cache(1, max_len, "meta", torch.bfloat16)
+    position = torch.zeros(1, dtype=torch.long, device="meta")
+    rows = {}
+    for spec in specs:
+        tiling = fused_tiling(spec)
+        per_sm = tiling.pop("programs_per_sm")
+        step = FusedDecodeStep(decode_weights(model, cache), position, position,
+                               programs=per_sm * sms, **tiling)  # fmt: skip
+        usage = compile_for_hopper(*step.sm90_arguments()).split()
+        compiled = compile_sm90(*step.sm90_arguments())
+        rows[spec] = {"tasks": len(step.tasks), "registers": usage[0], "spills": usage[-1],
+                      "shared_kb": compiled.metadata.shared // 1024,
+                      "async_copies": compiled.asm["ptx"].count("cp.async.cg.shared.global")}  # fmt: skip
+        print(f"sm_90 {spec}", rows[spec], flush=True)
+    return rows
+
+
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int]) -> dict:
     """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS]]"
     (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
-    blocks, about V tasks a program a stage [x stages: the strip's loop pipelined S deep]]):
+    blocks, about V tasks a program a stage [x pipeline: the strip's loop pipelined S deep]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix)."""
@@ -102,14 +140,10 @@ def fused(model, prompt: list[int], new: int, configs: list[str], reference: lis
     graphs = generator.graphs
     rows = {}
     for spec in configs:
-        tile, warps, per_sm, *more = (int(v) for v in spec.split("x"))
-        waves, stages = [*more, None, None][:2]
         try:
             graphs._fused = FusedDecodeStep(
                 decode_weights(model, generator.cache), graphs._tokens_B1[:1],
-                graphs._positions_B1[:1], tile_elements=tile, num_warps=warps,
-                programs_per_sm=per_sm, waves=waves,
-                **({"stages": stages} if stages else {}),
+                graphs._positions_B1[:1], **fused_tiling(spec),
             )  # fmt: skip
             graphs._capture(generator.device)
             timed_generate(generator, prompt, new)  # warm-up (the prefill compiles once)
@@ -191,20 +225,26 @@ def main() -> None:
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
-                             "stages: the strips' loop pipelined S deep]]")  # fmt: skip
+                             "pipeline: the strips' loop pipelined S deep]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
+    parser.add_argument("--compile-only", action="store_true",
+                        help="with --fused: compile each tiling for sm_90 at --flavor's shape "
+                             "(no GPU needed) and print its tasks, registers, spills and shared "
+                             "memory")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     for spec in args.fused:
-        parts = spec.split("x")
-        if len(parts) not in (3, 4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
-            parser.error(f"--fused {spec!r}: want TxWxP[xV[xS]], e.g. 16384x8x1 (tile weights x "
-                         "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
-                         "pipelined 4 deep)")  # fmt: skip
-    if args.fused_only and not args.fused:
-        parser.error("--fused-only needs --fused TxWxP[xV[xS]] ...")
+        try:
+            fused_tiling(spec)
+        except ValueError as error:
+            parser.error(str(error))
+    if (args.fused_only or args.compile_only) and not args.fused:
+        parser.error("--fused-only and --compile-only need --fused TxWxP[xV[xS]] ...")
+    if args.compile_only:
+        compile_fused(args.flavor, args.prompt_len + args.new_tokens, args.fused)
+        return
     if not torch.cuda.is_available():
         sys.exit("decode_step.py replays captured CUDA graphs: it needs a CUDA GPU.")
     device = torch.device("cuda")
