@@ -39,7 +39,7 @@ import torch._inductor.config as inductor_config
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.engine import STEP_IMPLS, Generator, Request, SamplingParams
 from torchloom.generate.run import tensor_parallel
 from torchloom.models import ModelConfig, build_model, get_model_spec, resolve_model_config
 from torchloom.parallel.mesh import destroy, init_distributed
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--score-kernel", default="torch", choices=("auto", "torch", "triton"),
                         help="how our rows take each forward's log-softmax and argmax "
                              "(Generator's score_kernel; auto: the Triton kernels on CUDA)")  # fmt: skip
-    parser.add_argument("--step-kernel", default="torch", choices=("torch", "triton"),
+    parser.add_argument("--step-kernel", default="torch", choices=STEP_IMPLS,
                         help="how our rows run a decode step of one sequence (Generator's "
                              "step_kernel; triton: the fused one-launch step, "
                              "kernels/fused_decode.py)")  # fmt: skip
