@@ -98,7 +98,7 @@ def fused_tiling(spec: str) -> dict:
                          "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
                          "pipelined 4 deep)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
-    return dict(zip(names, map(int, parts)))
+    return {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
 
 
 def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -> dict:
@@ -127,13 +127,16 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
     return rows
 
 
-def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int]) -> dict:
+def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
+          without_waits: bool = False) -> dict:  # fmt: skip
     """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS]]"
     (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
     blocks, about V tasks a program a stage [x pipeline: the strip's loop pipelined S deep]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
-    flip one, and every token after it follows the new prefix)."""
+    flip one, and every token after it follows the new prefix). ``without_waits``: the step
+    also replayed with every wait's count set to zero (wrong numbers, right traffic): what
+    the waits between tasks cost."""
     torch._dynamo.reset()
     generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
                           step_kernel="triton")  # fmt: skip
@@ -154,6 +157,10 @@ def fused(model, prompt: list[int], new: int, configs: list[str], reference: lis
             rows[spec] = {"tokens_per_s": tokens_per_s, "replay_ms": round(ms_per_call(replay, 300), 4),
                           "tasks": len(graphs._fused.tasks),
                           "tokens_agreeing_before_the_first_difference": agree}  # fmt: skip
+            if without_waits:  # the graph reads the table when replayed: no re-capture
+                graphs._fused.waits[:, 1].zero_()
+                ms_per_call(replay, 10)
+                rows[spec]["replay_ms_without_waits"] = round(ms_per_call(replay, 300), 4)
         except Exception as exc:  # a tiling that does not compile or fit: say which
             rows[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(f"fused {spec}", rows[spec], flush=True)
@@ -233,6 +240,9 @@ def main() -> None:
                         help="with --fused: compile each tiling for sm_90 at --flavor's shape "
                              "(no GPU needed) and print its tasks, registers, spills and shared "
                              "memory")  # fmt: skip
+    parser.add_argument("--without-waits", action="store_true",
+                        help="with --fused: also time each tiling's step with its waits between "
+                             "tasks made free (wrong numbers, the same traffic): what they cost")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     for spec in args.fused:
@@ -240,8 +250,10 @@ def main() -> None:
             fused_tiling(spec)
         except ValueError as error:
             parser.error(str(error))
-    if (args.fused_only or args.compile_only) and not args.fused:
-        parser.error("--fused-only and --compile-only need --fused TxWxP[xV[xS]] ...")
+    if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
+        parser.error(
+            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS]] ..."
+        )
     if args.compile_only:
         compile_fused(args.flavor, args.prompt_len + args.new_tokens, args.fused)
         return
@@ -282,7 +294,8 @@ def main() -> None:
                                     "replay_ms": round(ms_per_call(replay, 300), 4)}  # fmt: skip
         print("compiled forward (fused rows' baseline)", report["fused_baseline"], flush=True)
         del generator
-        report["fused"] = fused(model, prompt, args.new_tokens, args.fused, reference)
+        report["fused"] = fused(model, prompt, args.new_tokens, args.fused, reference,
+                                args.without_waits)  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,

@@ -177,6 +177,95 @@ def check_generator(device: str, compile: bool = False) -> str:
     return f"generator (compile {compile}), fused vs forward: same tokens, logprobs within {worst:.1e}"  # fmt: skip
 
 
+def simulate_schedule(step: FusedDecodeStep) -> dict[int, list[tuple[int, int]]]:
+    """Run ``step``'s task list in order as the kernel reads its tables (no arithmetic): each
+    task's wait must already be met when it is taken (programs take tasks in order, so a wait
+    on a later task could deadlock), every wait's count must be exactly what its counter
+    reaches (fewer: a reader starts before its rows are written; more: it never starts), and a
+    reader waiting on a group's or a chunk's counter must read only rows counted there.
+    Returns each such counter's written scratch ranges [start, end)."""
+    tasks, waits = step.tasks.tolist(), step.waits.tolist()
+    matrices, layers, stages = step.matrices.tolist(), step.layers.tolist(), step.stages.tolist()
+    w = step.weights
+    hd, group, splits = w.head_dim, w.heads // w.kv_heads, step.splits
+    counts = [0] * len(step.counters)
+    written: dict[int, list[tuple[int, int]]] = {}
+    head_stage = next(m[8] for m in matrices if m[9])
+
+    def wait_then_read(wait: int, task: int, *ranges: tuple[int, int]) -> None:
+        counter, need = waits[wait]
+        assert counts[counter] >= need, f"task {task} waits for a later task ({tasks[task]})"
+        if counter in written:  # a group's or a chunk's counter: only rows counted there
+            merged: list[list[int]] = []
+            for lo, hi in sorted(written[counter]):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            for lo, hi in ranges:
+                assert any(a <= lo and hi <= b for a, b in merged), (task, counter, lo, hi)
+
+    for i, (kind, index, tile) in enumerate(tasks):
+        if kind == 1:  # MATVEC
+            m = matrices[index]
+            n, k, x_off, y_off, wait, stage, chunks, strip, blocks = (
+                m[1], m[2], m[3], m[4], m[7], m[8], m[11], m[14], m[15])  # fmt: skip
+            stride, signal, per_slot = m[16], m[17], m[18]
+            rows = step.gated_rows if m[10] >= 0 else step.rows
+            first, chunk = (tile // chunks) * strip, tile % chunks
+            lo, hi = first * rows, min(n, (first + min(strip, blocks - first)) * rows)
+            start = x_off + chunk * step.chunk
+            wait_then_read(
+                wait + chunk * stride, i, (start, x_off + min(k, (chunk + 1) * step.chunk))
+            )
+            if signal >= 0:
+                for slot in range(lo // per_slot, (hi - 1) // per_slot + 1):
+                    counts[signal + slot] += 1
+                    written.setdefault(signal + slot, []).append((y_off + lo, y_off + hi))
+            counts[1 + stage] += 1
+            if stage == head_stage and counts[1 + stage] == stages[stage]:
+                counts[1 + step.scalars[-1]] += 1  # the last head task combines
+        elif kind == 2:  # ATTEND
+            qkv, _, _, _, _, wait, stage, _ = layers[index]
+            head = tile // splits
+            kv = head // group
+            k_at, v_at = qkv + (w.heads + kv) * hd, qkv + (w.heads + w.kv_heads + kv) * hd
+            wait_then_read(wait + kv, i, (qkv + head * hd, qkv + (head + 1) * hd),
+                           (k_at, k_at + hd), (v_at, v_at + hd))  # fmt: skip
+            counts[1 + stage] += 1
+        elif kind == 0:  # EMBED
+            counts[1] += 1
+        else:  # LOGPROB
+            wait_then_read(index, i)
+    for counter, need in waits:
+        assert counts[counter] == need, f"counter {counter} reaches {counts[counter]}, wait {need}"
+    return written
+
+
+def test_tasks_wait_for_exactly_what_they_read() -> None:
+    """The plan's waits (simulated from its tables): attention waits for its kv group's q, k
+    and v rows only, the down projection's chunks for their own gated rows, and every wait is
+    met by earlier tasks and counts exactly its writers, at one tile a task and in strips, at
+    the Llama-3.2-1B shape (its weights allocated, never written) and at tilings whose strips
+    straddle groups and chunks."""
+    one = torch.zeros(1, dtype=torch.long)
+    small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
+                           dtype=torch.float32)  # fmt: skip
+    for tiling in ({"tile_elements": 256, "programs": 3}, {"tile_elements": 256, "programs": 3,
+                   "waves": 1}, {"tile_elements": 64, "programs": 3, "waves": 2},
+                   {"tile_elements": 1024, "programs": 5, "waves": 1}):  # fmt: skip
+        written = simulate_schedule(FusedDecodeStep(small, one, one, **tiling))
+        assert len(written) == 2 * (2 + 3), tiling  # a layer: 2 kv groups, 3 chunks of 64
+    config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
+    with torch.device("meta"):
+        model = build_model(config).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    weights = decode_weights(model, model.new_cache(1, 384, "cpu", torch.bfloat16))
+    for tiling in ({"programs": 264}, {"programs": 132, "tile_elements": 16384, "waves": None}):
+        step = FusedDecodeStep(weights, one, one, **tiling)
+        assert len(simulate_schedule(step)) == 16 * (8 + 4)  # a layer: 8 kv groups, 4 chunks
+
+
 def test_kernel_compiles_for_hopper() -> None:
     """The kernel compiles for sm_90 at the Llama-3.2-1B shape in bf16 (what the interpreter
     never checks: one type per value across branches and loops), its default tiling without
@@ -227,18 +316,19 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 @pytest.mark.gpu
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
-    positions 0, 300 and the cache's last, at the default tiling and three others, and with
-    tasks streaming strips of row blocks (one and three waves); the
+    positions 0, 300 and the cache's last, at the default tiling (strips of row blocks, two
+    waves) and at one and three waves, and at one tile a task; the
     generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    wide = {"tile_elements": 16384, "num_warps": 8, "programs_per_sm": 1}
     lines = [
-        check_kernel(weights, [0, 300, 511], 2e-2),
-        check_kernel(weights, [300], 2e-2, tile_elements=8192, num_warps=4, programs_per_sm=2),
-        check_kernel(weights, [300], 2e-2, tile_elements=32768, num_warps=8, programs_per_sm=1),
+        check_kernel(weights, [0, 300, 511], 2e-2),  # strips, two tasks a program a stage
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
-        check_kernel(weights, [0, 300], 2e-2, waves=1),  # strips of row blocks
+        check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
+        check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
+        check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
         check_generator("cuda", compile=True),
     ]
@@ -253,9 +343,14 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
     for line in (
         # 4 query heads on 2 kv heads; FFN 192 padded to 256; keys in blocks of 8, 4 splits:
         # at 39 each split holds two blocks (the first loaded early), at 5 split 0 alone
-        check_kernel(small, [0, 5, 39], 1e-5, tile_elements=256, block_l=8, programs=3),
-        check_kernel(small, [17], 1e-5, tile_elements=64, block_l=64, splits=1, programs=1),
-        check_kernel(small, [39], 1e-5, tile_elements=1024, block_l=4, splits=8, programs=2),
+        # (one tile a task: waves None)
+        check_kernel(small, [0, 5, 39], 1e-5, tile_elements=256, block_l=8, programs=3, waves=None),
+        check_kernel(
+            small, [17], 1e-5, tile_elements=64, block_l=64, splits=1, programs=1, waves=None
+        ),
+        check_kernel(
+            small, [39], 1e-5, tile_elements=1024, block_l=4, splits=8, programs=2, waves=None
+        ),
         # strips: 3 programs, one wave (q/k/v's 32 row blocks in strips of 11, the down
         # projection's 3 chunks of 16 blocks whole) and two (one row a block: strips of 22 over
         # q's 64 and k's 32, the head's 300 in 6)

@@ -29,15 +29,21 @@ input, never the whole 8,192-wide one. A matrix task is one tile or, with ``wave
 consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and its
 blocks stream through a loop Triton pipelines (asynchronous copies into shared memory, several
 tiles in flight a program). On an H100 one tile a task cost 5-8 us of serial round trips a
-task, so the step's time followed its count of tasks (benchmarks/RESULTS.md, s36). Offsets
+task, so the step's time followed its count of tasks (benchmarks/RESULTS.md, s36); strips of
+about two tasks a program a stage took 0.45 of that time (s38). Offsets
 and widths are multiples of 16 elements and the kernel says so (``tl.multiple_of``): read
 from its tables, they would otherwise be loaded one element an instruction.
 
 Programs take tasks from a global counter in order. A matrix task loads its first weight tile
-first, then waits (spinning on an acquire load of the previous stage's count of finished
-tasks) for the input it reads, so a stage's weight reads overlap the previous stage's tail; a
+first, then waits (spinning on an acquire load of a counter until it reaches the wait's
+count) for the input it reads, so a stage's weight reads overlap the previous stage's tail; a
 finished task stores its outputs and publishes them with a release increment of its stage's
-count. A task only ever waits for stages whose tasks were all taken before its own, by running
+count. Most waits are for a whole stage (a normed input needs every row of the stream), but
+two readers need only part of one: a query head waits for its kv group's q, k and v rows
+(their tasks are sorted by group and count in one counter a group) and a chunk of the down
+projection for that chunk of the gated rows (one counter a chunk; the down tasks go chunk by
+chunk), so each starts while the rest of the stage before is still being written. On an H100
+these took 0-5% off the step, whose waits cost 0.18 ms of 1.38 (timed by freeing them). A task only ever waits for stages whose tasks were all taken before its own, by running
 programs, so no schedule deadlocks (and under Triton's interpreter, where programs run one
 after another, every wait is already met).
 
@@ -64,18 +70,22 @@ _LOG2E = 1.4426950408889634
 # Task kinds and matrix input classes, as the kernel spells them (literals there: a jit function
 # reads no plain globals).
 EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
-# Per matrix: weight, N, K, input, output, residual, norm weight, wait stage, stage, is head,
+# Per matrix: weight, N, K, input, output, residual, norm weight, wait, stage, is head,
 # up weight (gated), chunks, partial sums, first strip's count of finished chunks, row
-# blocks a task (its strip), row blocks.
-MATRIX_FIELDS = 16
-LAYER_FIELDS = 8  # q/k/v, key cache, value cache, partials, output, wait, stage, head counters
+# blocks a task (its strip), row blocks, wait stride (a chunk's wait: wait + chunk * stride),
+# signal (the first counter its rows count in, or -1), rows a signal counter.
+MATRIX_FIELDS = 19
+# Per layer: q/k/v, key cache, value cache, partials, output, first wait (one a kv group),
+# stage, head counters.
+LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
-# The default tiling, the fastest of five on an H100 (benchmarks/RESULTS.md, s36): 16,384
-# weights a tile (32 KB of bf16 per program), 8 warps, one program a multiprocessor (216
-# registers a thread on sm_90, no spills; 64 KB of shared memory for the strips' pipeline).
-DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM = 16384, 8, 1
+# The default tiling, the fastest of 24 on an H100 (benchmarks/RESULTS.md, s38): 8,192
+# weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
+# strips a program (164 registers a thread on sm_90, no spills). One tile a task (waves None)
+# took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
-# tiles in flight a program, in shared memory (64 KB at the default tiling). Not the stages of
+# tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
 # the step (the groups of tasks one another waits for).
 DEFAULT_PIPELINE = 3
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
@@ -164,19 +174,34 @@ def fused_decode_reference(
 
 
 @jit
-def _wait(counters_ptr, stages_ptr, stage):
-    """Spin until every task of ``stage`` (none: -1) has published its outputs."""
-    if stage >= 0:
-        need = tl.load(stages_ptr + stage)
-        done = tl.atomic_add(counters_ptr + 1 + stage, 0, sem="acquire", scope="gpu")
+def _wait(counters_ptr, waits_ptr, wait):
+    """Spin until the counter of wait ``wait`` (none: -1) reaches the wait's count: every task
+    that writes what the waiting task reads has published it."""
+    if wait >= 0:
+        counter = counters_ptr + tl.load(waits_ptr + 2 * wait)
+        need = tl.load(waits_ptr + 2 * wait + 1)
+        done = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         while done < need:
-            done = tl.atomic_add(counters_ptr + 1 + stage, 0, sem="acquire", scope="gpu")
+            done = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
 
 
 @jit
 def _publish(counters_ptr, stage):
     """Every thread's stores first, then one release increment of the stage's count."""
     tl.debug_barrier()
+    tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
+
+
+@jit
+def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi):
+    """``_publish``, and first (with a ``signal`` counter, else -1) one release increment of
+    each counter ``signal + r // signal_rows`` of the rows [lo, hi) the task wrote: a reader of
+    some rows waits for their counters only, not for the whole stage."""
+    tl.debug_barrier()
+    first = lo // signal_rows
+    last = tl.where(signal >= 0, (hi - 1) // signal_rows + 1, first)
+    for slot in range(first, last):
+        tl.atomic_add(counters_ptr + signal + slot, 1, sem="release", scope="gpu")
     tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
 
 
@@ -268,7 +293,7 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 
 @jit
-def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
+def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
             pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
@@ -294,6 +319,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     up_off, chunks = tl.multiple_of(tl.load(meta + 10), 16), tl.load(meta + 11)
     parts_off, row_counters = tl.multiple_of(tl.load(meta + 12), 16), tl.load(meta + 13)
     strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
+    wait_stride, signal, signal_rows = tl.load(meta + 16), tl.load(meta + 17), tl.load(meta + 18)
     first, chunk = (tile // chunks) * strip, tile % chunks
     count = tl.minimum(strip, blocks - first)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -301,7 +327,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
     rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols, col_ok,
                                            ROWS, GATED)  # fmt: skip
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
-    _wait(counters_ptr, stages_ptr, wait)
+    _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
     x = x * scale * gain.to(tl.float32)
@@ -334,7 +360,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr, t
             _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
                      blocks.to(tl.int32), lse_off, combine_stage, BLOCK_V)  # fmt: skip
     else:
-        _publish(counters_ptr, stage)
+        _publish_rows(counters_ptr, stage, signal, signal_rows, first * ROWS,
+                      tl.minimum(N, (first + count) * ROWS))  # fmt: skip
 
 
 @jit
@@ -365,7 +392,7 @@ def _load_block(keys, values, at, ok, HALF: tl.constexpr):
 
 
 @jit
-def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, max_len,
+def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max_len,
             inv_freq_off, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
             SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr):  # fmt: skip
@@ -403,7 +430,7 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, ma
     angle = position.to(tl.float32) * tl.load(act_ptr + inv_freq_off + d)
     cos = (tl.cos(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
-    _wait(counters_ptr, stages_ptr, wait)
+    _wait(counters_ptr, waits_ptr, wait + kv)  # the kv group's q, k and v rows
     q_ptr = act_ptr + qkv_off + head * HEAD_DIM
     k_ptr = act_ptr + qkv_off + (HEADS + kv) * HEAD_DIM
     v_ptr = act_ptr + qkv_off + (HEADS + KV_HEADS + kv) * HEAD_DIM
@@ -467,7 +494,7 @@ def _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, task, pos_ptr, ma
 
 @jit
 def _fused_decode_kernel(
-    base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, counters_ptr,
+    base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr, counters_ptr,
     token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off, inv_freq_off,
     partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
@@ -493,17 +520,17 @@ def _fused_decode_kernel(
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
-            meta = matrices_ptr + index * 16
+            meta = matrices_ptr + index * 19
             if tl.load(meta + 10) >= 0:
-                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
+                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
                         CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
             else:
-                _matvec(base_ptr, act_ptr, stages_ptr, counters_ptr, meta, tile, best_ptr,
+                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
                         token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
                         CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
-            _attend(base_ptr, act_ptr, stages_ptr, counters_ptr, layers_ptr + index * 8, tile,
+            _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
                     SCALE_LOG2, ROPE_SCALE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
@@ -512,8 +539,8 @@ def _fused_decode_kernel(
             row = tl.load(base_ptr + embed_off + token * DIM + cols, mask=cols < DIM, other=0.0)
             tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
             _publish(counters_ptr, 0)
-        else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run
-            _wait(counters_ptr, stages_ptr, combine_stage)
+        else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run (index: its wait)
+            _wait(counters_ptr, waits_ptr, index)
             rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
             logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
@@ -558,7 +585,7 @@ class FusedDecodeStep:
         num_warps: int = DEFAULT_WARPS,
         programs_per_sm: int = DEFAULT_PER_SM,
         programs: int | None = None,
-        waves: int | None = None,
+        waves: int | None = DEFAULT_WAVES,
         pipeline: int = DEFAULT_PIPELINE,
     ) -> None:
         if triton is None:
@@ -627,65 +654,119 @@ class FusedDecodeStep:
         tasks: list[tuple[int, int, int]] = [(EMBED, h, 0)]
         matrices: list[list[int]] = []
         layers: list[list[int]] = []
+        # Waits: (counter, the count it must reach, whether the counter is an extra one).
+        waits: list[list[int]] = []
 
         def stage_of(count: int) -> int:
             stages.append(count)
             return len(stages) - 1
 
-        Entry = tuple[torch.Tensor, torch.Tensor | None, int, int, int, int]
+        def wait_for(stage: int) -> int:  # a wait for every task of a stage
+            waits.append([1 + stage, stages[stage], 0])
+            return len(waits) - 1
 
-        def matrix_stage(entries: list[Entry], wait: int, head: bool = False) -> int:
+        def waits_for(first: int, needs: list[int]) -> int:  # one wait an extra counter
+            waits.extend([first + i, need, 1] for i, need in enumerate(needs))
+            return len(waits) - len(needs)
+
+        Entry = tuple[torch.Tensor, torch.Tensor | None, int, int, int, int]
+        Signal = tuple[int, int, list[int]]  # first counter, its slots, rows a slot per entry
+
+        def matrix_stage(entries: list[Entry], wait: int, head: bool = False,
+                         wait_stride: int = 0, signal: Signal | None = None,
+                         order=None) -> tuple[int, list[int]]:  # fmt: skip
             """One stage of matrices: (weight, up weight of a gated one, input offset, output
-            offset, residual offset, norm weight offset)."""
+            offset, residual offset, norm weight offset). A task waits for wait ``wait`` (plus
+            ``wait_stride`` times its chunk); with ``signal`` each also counts itself in the
+            counters of the slots its rows fall in (row r of entry e: slot r // rows[e]), so
+            a reader of some rows can wait for those alone. ``order(entry, strip, chunk,
+            first slot)``: the key the stage's tasks are sorted by (default: as built). Returns
+            the stage and how many tasks count in each slot."""
             first_task = len(tasks)
             shapes = [(-(-m.shape[1] // self.chunk),  # chunks, row blocks
                        -(-m.shape[0] // (self.rows if up is None else self.gated_rows)))
                       for m, up, *_ in entries]  # fmt: skip
             strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes))
-            for (weight, up, x_off, y_off, resid, norm), (chunks, blocks) in zip(entries, shapes):
+            needs = [0] * (signal[1] if signal else 0)
+            keyed = []
+            for e, ((weight, up, x_off, y_off, resid, norm), (chunks, blocks)) in enumerate(
+                zip(entries, shapes)
+            ):
                 n, k = weight.shape
                 strips = -(-blocks // strip)
                 parts = take(chunks * n) if chunks > 1 else -1
                 finished = counters(strips) if chunks > 1 else 0
+                span = strip * (self.rows if up is None else self.gated_rows)
+                per_slot = signal[2][e] if signal else 1
+                if signal and chunks > 1:
+                    raise AssertionError("a chunked matrix's rows are whole only once summed")
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
                                  len(stages), int(head), offset(up), chunks, parts, finished,
-                                 strip, blocks])  # fmt: skip
-                tasks.extend((MATVEC, len(matrices) - 1, j) for j in range(strips * chunks))
-            return stage_of(len(tasks) - first_task)
+                                 strip, blocks, wait_stride, signal[0] if signal else -1,
+                                 per_slot])  # fmt: skip
+                for j in range(strips * chunks):
+                    lo = (j // chunks) * span
+                    slots = range(lo // per_slot, (min(n, lo + span) - 1) // per_slot + 1)
+                    for slot in slots if signal else ():
+                        needs[slot] += 1
+                    key = order(e, j // chunks, j % chunks, slots[0]) if order else 0
+                    keyed.append((key, (MATVEC, len(matrices) - 1, j)))
+            keyed.sort(key=lambda pair: pair[0])  # stable: ties keep the built order
+            tasks.extend(task for _, task in keyed)
+            return stage_of(len(tasks) - first_task), needs
 
-        wait = 0
-        hd = w.head_dim
+        wait = wait_for(0)
+        hd, group = w.head_dim, w.heads // w.kv_heads
         for layer in w.layers:
             qkv = take((w.heads + 2 * w.kv_heads) * hd)
             k_off, v_off = qkv + w.heads * hd, qkv + (w.heads + w.kv_heads) * hd
             norm = offset(layer.attention_norm)
-            wait = matrix_stage([(layer.q, None, h, qkv, -1, norm),
-                                 (layer.k, None, h, k_off, -1, norm),
-                                 (layer.v, None, h, v_off, -1, norm)], wait)  # fmt: skip
+            # q, k and v count their rows in one counter a kv group, their tasks sorted by
+            # group: a query head attends once its group's rows are in, not the whole stage.
+            groups = counters(w.kv_heads)
+            stage, needs = matrix_stage(
+                [(layer.q, None, h, qkv, -1, norm), (layer.k, None, h, k_off, -1, norm),
+                 (layer.v, None, h, v_off, -1, norm)], wait,
+                signal=(groups, w.kv_heads, [group * hd, hd, hd]),
+                order=lambda e, strip, chunk, slot: slot,
+            )  # fmt: skip
             parts = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
             out = take(w.heads * hd)
             stage = stage_of(w.heads * splits)
-            layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), parts, out, wait,
-                           stage, counters(w.heads)])  # fmt: skip
+            layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), parts, out,
+                           waits_for(groups, needs), stage, counters(w.heads)])  # fmt: skip
             tasks.extend((ATTEND, len(layers) - 1, j) for j in range(w.heads * splits))
             h_mid = take(dim)
-            wait = matrix_stage([(layer.o, None, out, h_mid, h, -1)], stage)
+            stage, _ = matrix_stage([(layer.o, None, out, h_mid, h, -1)], wait_for(stage))
+            # The gated rows count in one counter a chunk of the down projection's input, whose
+            # tasks go chunk by chunk: chunk 0's start while the last gated rows are written.
             gated = take(ffn)  # silu(gate) * up
-            wait = matrix_stage([(layer.gate, layer.up, h_mid, gated, -1,
-                                  offset(layer.mlp_norm))], wait)  # fmt: skip
+            slots = -(-ffn // self.chunk)
+            chunks = counters(slots)
+            stage, needs = matrix_stage(
+                [(layer.gate, layer.up, h_mid, gated, -1, offset(layer.mlp_norm))],
+                wait_for(stage), signal=(chunks, slots, [self.chunk]),
+            )  # fmt: skip
             h = take(dim)
-            wait = matrix_stage([(layer.down, None, gated, h, h_mid, -1)], wait)
+            stage, _ = matrix_stage([(layer.down, None, gated, h, h_mid, -1)],
+                                    waits_for(chunks, needs), wait_stride=1,
+                                    order=lambda e, strip, chunk, slot: chunk)  # fmt: skip
+            wait = wait_for(stage)
         vocab = w.head.shape[0]
         logits = take(vocab)
         matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True)
         self.partials_off = take(3 * matrices[-1][15])  # each head block's max, sum, argmax
         self.lse_off = take(1)
         combine = stage_of(1)
-        tasks.extend((LOGPROB, 0, j) for j in range(-(-vocab // self.block_v)))
+        combined = wait_for(combine)
+        tasks.extend((LOGPROB, combined, j) for j in range(-(-vocab // self.block_v)))
         for row in layers:
             row[7] += 1 + len(stages)
         for row in matrices:
             row[13] += 1 + len(stages)
+            row[17] += (1 + len(stages)) if row[17] >= 0 else 0
+        for row in waits:
+            row[0] += (1 + len(stages)) if row.pop() else 0
         self.act = torch.zeros(cursor, device=device, dtype=torch.float32)
         self.act[inv_freq_off : inv_freq_off + hd // 2] = w.inv_freq.float()
         self.logprobs_1V = torch.empty(1, vocab, device=device, dtype=torch.float32)
@@ -698,6 +779,7 @@ class FusedDecodeStep:
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
         self.layers = torch.tensor(layers, dtype=i64, device=device)
         self.stages = torch.tensor(stages, dtype=i32, device=device)
+        self.waits = torch.tensor(waits, dtype=i32, device=device)
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
@@ -750,7 +832,7 @@ class FusedDecodeStep:
         kernels/triton_support.compile_for_hopper / compile_sm90 (no GPU needed)."""
         pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
         types = {"base_ptr": pointer[self.base.dtype], "act_ptr": "*fp32", "tasks_ptr": "*i32",
-                 "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
+                 "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32", "waits_ptr": "*i32",
                  "counters_ptr": "*i32", "token_ptr": "*i64", "pos_ptr": "*i64",
                  "best_ptr": "*fp64", "logprobs_ptr": "*fp32", "num_tasks": "i32",
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
@@ -761,7 +843,7 @@ class FusedDecodeStep:
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.counters.zero_()
         _fused_decode_kernel[(self.programs,)](
-            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
+            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages, self.waits,
             self.counters, self.token_1, self.position_1, self.best_21, self.logprobs_1V,
             *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
