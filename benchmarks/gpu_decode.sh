@@ -8,10 +8,9 @@
 # also compiled with programmatic dependent launch, with and without the kernels) and `probe`
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
-# step's GPU test, then its replay and tokens/s against the compiled forward: one tile a task as
-# the thirty-sixth session measured it, and tasks streaming strips of row blocks (waves 1-4,
-# their loop pipelined 3 or 4 deep):
-# does the step stop following its task count?).
+# step's GPU test, then its replay and tokens/s against the compiled forward at one tile a task
+# and at the thirty-eighth session's best strip tilings, each also with its waits freed: what
+# the waits between tasks cost against the streaming itself).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}

@@ -79,7 +79,7 @@ MATRIX_FIELDS = 19
 # stage, head counters.
 LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
-# The default tiling, the fastest of 24 on an H100 (benchmarks/RESULTS.md, s38): 8,192
+# The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
 # strips a program (164 registers a thread on sm_90, no spills). One tile a task (waves None)
 # took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
