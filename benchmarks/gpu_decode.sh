@@ -9,7 +9,8 @@
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
 # step's GPU test, then its replay and tokens/s against the compiled forward at one tile a task
-# and at the thirty-eighth session's best strip tilings, each also with its waits freed: what
+# and at the thirty-eighth session's best strip tilings and two untimed ones of 1 and 2 warps a
+# program (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
 # the waits between tasks cost against the streaming itself).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused ...]
 set -uo pipefail
@@ -44,8 +45,8 @@ for part in $PARTS; do
       run 60 python3 benchmarks/one_row_matmul.py --json "$OUT/one_row_matmul.json" 2>&1 | tail -n 8 ;;
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
-      run 300 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 16384x8x1 16384x8x1x2 8192x4x2x2x3 \
-        8192x4x2x2x2 16384x4x2x2x3 8192x4x2x2x4 \
+      run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 16384x8x1 16384x8x1x2 8192x4x2x2x3 \
+        8192x4x2x2x2 16384x4x2x2x3 8192x4x2x2x4 4096x1x8x2x3 4096x2x4x2x3 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused)"; exit 2 ;;
   esac
