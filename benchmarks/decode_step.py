@@ -241,8 +241,9 @@ def main() -> None:
                              "(no GPU needed) and print its tasks, registers, spills and shared "
                              "memory")  # fmt: skip
     parser.add_argument("--without-waits", action="store_true",
-                        help="with --fused: also time each tiling's step with its waits between "
-                             "tasks made free (wrong numbers, the same traffic): what they cost")  # fmt: skip
+                        help="with --fused: also time each tiling's step with its waits "
+                             "between tasks made free (wrong numbers, the same traffic): what "
+                             "they cost")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     for spec in args.fused:

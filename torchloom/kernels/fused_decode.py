@@ -43,9 +43,10 @@ two readers need only part of one: a query head waits for its kv group's q, k an
 (their tasks are sorted by group and count in one counter a group) and a chunk of the down
 projection for that chunk of the gated rows (one counter a chunk; the down tasks go chunk by
 chunk), so each starts while the rest of the stage before is still being written. On an H100
-these took 0-5% off the step, whose waits cost 0.18 ms of 1.38 (timed by freeing them). A task only ever waits for stages whose tasks were all taken before its own, by running
-programs, so no schedule deadlocks (and under Triton's interpreter, where programs run one
-after another, every wait is already met).
+these took 0-5% off the step, whose waits cost 0.18 ms of 1.38 (timed by freeing them). A task
+only ever waits for tasks taken before its own, by running programs, so no schedule deadlocks
+(and under Triton's interpreter, where programs run one after another, every wait is already
+met).
 
 Activations stay in fp32 in one scratch buffer (each stage writes fresh rows: nothing is
 overwritten while a reader may still need it); the cache gets the model's dtype. The numbers
@@ -293,8 +294,8 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 
 @jit
-def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr, token_ptr,
-            pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
+def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
+            token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
@@ -494,9 +495,9 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
 
 @jit
 def _fused_decode_kernel(
-    base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr, counters_ptr,
-    token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off, inv_freq_off,
-    partials_off, lse_off, logits_off, vocab, combine_stage,
+    base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
+    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off,
+    inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
@@ -522,13 +523,13 @@ def _fused_decode_kernel(
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
             meta = matrices_ptr + index * 19
             if tl.load(meta + 10) >= 0:
-                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
-                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
+                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
+                        best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
+                        combine_stage, CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
             else:
-                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
-                        token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage,
-                        CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
+                _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
+                        best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
+                        combine_stage, CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -568,9 +569,9 @@ class FusedDecodeStep:
     Tiles hold about ``tile_elements`` weights (rows of the model's width, a power of two);
     each query head attends in ``splits`` tasks (default: enough that each covers at most two
     ``block_l`` blocks of the whole cache, at most 16); ``programs`` defaults to
-    ``programs_per_sm`` per streaming multiprocessor. A matrix task is one tile, or with
-    ``waves`` a strip of consecutive row blocks, so that each stage is about ``waves`` tasks a
-    program: a strip pays the task's round trips (the counter, its table rows, the wait, the
+    ``programs_per_sm`` per streaming multiprocessor. A matrix task is a strip of consecutive
+    row blocks, so that each stage is about ``waves`` tasks a program (``waves`` None: one
+    tile a task): a strip pays the task's round trips (the counter, its table rows, the wait, the
     input) once and streams its blocks through a loop pipelined ``pipeline`` deep (``pipeline``
     - 1 tiles in flight a program, in shared memory)."""
 
@@ -698,8 +699,7 @@ class FusedDecodeStep:
                 finished = counters(strips) if chunks > 1 else 0
                 span = strip * (self.rows if up is None else self.gated_rows)
                 per_slot = signal[2][e] if signal else 1
-                if signal and chunks > 1:
-                    raise AssertionError("a chunked matrix's rows are whole only once summed")
+                assert not (signal and chunks > 1), "a chunked matrix's rows are whole once summed"
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
                                  len(stages), int(head), offset(up), chunks, parts, finished,
                                  strip, blocks, wait_stride, signal[0] if signal else -1,
@@ -832,9 +832,9 @@ class FusedDecodeStep:
         kernels/triton_support.compile_for_hopper / compile_sm90 (no GPU needed)."""
         pointer = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
         types = {"base_ptr": pointer[self.base.dtype], "act_ptr": "*fp32", "tasks_ptr": "*i32",
-                 "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32", "waits_ptr": "*i32",
-                 "counters_ptr": "*i32", "token_ptr": "*i64", "pos_ptr": "*i64",
-                 "best_ptr": "*fp64", "logprobs_ptr": "*fp32", "num_tasks": "i32",
+                 "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
+                 "waits_ptr": "*i32", "counters_ptr": "*i32", "token_ptr": "*i64",
+                 "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32", "num_tasks": "i32",
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
                  "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
                  "combine_stage": "i32"}  # fmt: skip
@@ -843,8 +843,8 @@ class FusedDecodeStep:
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.counters.zero_()
         _fused_decode_kernel[(self.programs,)](
-            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages, self.waits,
-            self.counters, self.token_1, self.position_1, self.best_21, self.logprobs_1V,
-            *self.scalars, **self.constants(), num_warps=self.num_warps,
+            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
+            self.waits, self.counters, self.token_1, self.position_1, self.best_21,
+            self.logprobs_1V, *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
         return self.logprobs_1V, self.best_21
