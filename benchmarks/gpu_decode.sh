@@ -11,8 +11,10 @@
 # step's GPU test, then its replay and tokens/s against the compiled forward at one tile a task
 # and at the thirty-eighth session's best strip tilings and two untimed ones of 1 and 2 warps a
 # program (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
-# the waits between tasks cost against the streaming itself).
-# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused ...]
+# the waits between tasks cost against the streaming itself) and `strip` (the fused step's
+# inner loop alone, benchmarks/strip_loop.py: whole rows summed every iteration against row
+# segments summed once a row block, in TB/s beside torch.mv and F.linear).
+# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
 shift || true
@@ -48,6 +50,8 @@ for part in $PARTS; do
       run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 16384x8x1 16384x8x1x2 8192x4x2x2x3 \
         8192x4x2x2x2 16384x4x2x2x3 8192x4x2x2x4 4096x1x8x2x3 4096x2x4x2x3 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
-    *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused)"; exit 2 ;;
+    strip)
+      run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;
+    *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused, strip)"; exit 2 ;;
   esac
 done
