@@ -11,14 +11,15 @@ forms:
 - ``whole``: a block is ROWS whole rows ([ROWS, K]); its sums are taken every iteration. With
   4 warps Triton spreads each row over all of them, so every iteration also reduces across
   warps through shared memory (kernels/fused_decode.py's strips do this; benchmarks/RESULTS.md,
-  thirty-eighth session: 5 ``bar.sync`` an iteration in its sm_90 build);
+  thirty-eighth session: 4 ``bar.sync`` an iteration in its sm_90 build);
 - ``seg``: a block is ROWS rows by one SEG-wide segment of K ([ROWS, SEG], SEG x 8 lanes x 32
   = a warp's width, so each warp holds whole rows); products accumulate elementwise over the
   row block's K / SEG segments and are summed (inside each warp) once a row block.
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
-the barriers, shuffles and shared-memory loads in the loop's code (read from the PTX; the
-``seg`` form's summing branch among them runs once a row block, not every iteration).
+the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
+the PTX; the ``seg`` form's summing branch among them runs once a row block, not every
+iteration).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def compile_only(configs: list[dict], specs: list[str]) -> dict:
         compiled = compile_sm90(*args[:3], num_warps=config["warps"],
                                 divisible=["w_ptr", "x_ptr", "y_ptr", "K"])  # fmt: skip
         ptx = compiled.asm["ptx"]
-        loop = ptx[ptx.index("Loop Header") :]
+        start = ptx.index("Loop Header")
+        loop = ptx[start : ptx.index("._crit_edge", start)]  # the loop's code, not its exit
         # Bytes of weights an iteration: the pipelined loop's body runs once a block / segment.
         per_iteration = (
             config["rows"] * (K_WIDTH if config["form"] == "whole" else config["seg"]) * 2
