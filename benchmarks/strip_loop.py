@@ -12,9 +12,10 @@ forms:
   4 warps Triton spreads each row over all of them, so every iteration also reduces across
   warps through shared memory (kernels/fused_decode.py's strips do this; benchmarks/RESULTS.md,
   thirty-eighth session: 4 ``bar.sync`` an iteration in its sm_90 build);
-- ``seg``: a block is ROWS rows by one SEG-wide segment of K ([ROWS, SEG], SEG x 8 lanes x 32
-  = a warp's width, so each warp holds whole rows); products accumulate elementwise over the
-  row block's K / SEG segments and are summed (inside each warp) once a row block.
+- ``seg``: a block is ROWS rows by one SEG-wide segment of K ([ROWS, SEG]; at SEG = 256, 8
+  bf16 a lane x 32 lanes, one warp spans a segment, so the warps hold whole rows); products
+  accumulate elementwise over the row block's K / SEG segments and are summed (inside each
+  warp) once a row block.
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
 the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
@@ -83,8 +84,8 @@ def _segmented_rows(w_ptr, x_ptr, y_ptr, N, K, strip, ROWS: tl.constexpr, SEG: t
 
 
 def parse(spec: str) -> dict:
-    """ "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline depth) or
-    "seg-RxGxWxPxS" (G: segment width); ValueError if malformed."""
+    """A configuration from "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline
+    depth) or "seg-RxGxWxPxS" (G: segment width); ValueError if malformed."""
     form, _, numbers = spec.partition("-")
     parts = numbers.split("x")
     names = {"whole": ("rows", "warps", "per_sm", "pipeline"),
