@@ -18,10 +18,12 @@ from torchloom.models import ModelConfig, resolve_model_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, interpreted: bool = False) -> str:
+    """``script``'s stdout (it must succeed); ``interpreted``: under Triton's interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if interpreted else None
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
@@ -362,13 +364,7 @@ def test_persistent_decode_chain_matches_its_reference():
     (the RMS norms and residual adds, the o projection's slice, the SwiGLU read, the head)
     against PyTorch's chain, at several tilings and program counts, both kernels."""
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "persistent_decode.py"), "--check"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "check passed" in result.stdout
+    assert "check passed" in _run("persistent_decode.py", "--check", interpreted=True)
 
 
 def test_persistent_decode_kernels_compile_for_hopper():
@@ -397,14 +393,9 @@ def test_strip_loop_forms_match_their_reference():
     every iteration; row segments accumulated, summed once a row block) in Triton's interpreter
     against w @ x, with uneven strips and a ragged last row block."""
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "strip_loop.py"), "--check", "--configs",
-         "whole-4x4x2x3", "seg-16x256x4x2x3", "seg-8x32x4x1x2"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "check passed: 3 configurations" in result.stdout
+    stdout = _run("strip_loop.py", "--check", "--configs", "whole-4x4x2x3", "seg-16x256x4x2x3",
+                  "seg-8x32x4x1x2", interpreted=True)  # fmt: skip
+    assert "check passed: 3 configurations" in stdout
 
 
 def test_strip_loop_compiles_for_hopper():
