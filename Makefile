@@ -1,6 +1,8 @@
 # The two commands of the README: `make train` and `make test`. Both set up what is missing first.
 # `make test-gpu` (on a machine with a CUDA GPU) runs every GPU test and a short GPU training run
 # of each family; it uses .venv when there is one, else the machine's python3 (PY=... to choose).
+# SHARD=I/N runs the I-th of N interleaved parts of them (the device's calls stop at ten minutes,
+# and the whole suite takes nine to twelve: `make test-gpu SHARD=1/2`, then SHARD=2/2).
 VENV := .venv
 BIN := $(VENV)/bin
 RECIPE ?= llama3_tiny
@@ -26,7 +28,7 @@ test-slow: setup
 
 test-gpu:
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make test-gpu needs a CUDA GPU; this machine has none (make test skips the GPU tests)')"
-	$(PY) -m pytest -q -m gpu -rs tests
+	$(PY) -m pytest -q -m gpu -rs tests $(if $(SHARD),--shard $(SHARD))
 
 lint: setup
 	$(BIN)/ruff check .

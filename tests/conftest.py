@@ -12,7 +12,33 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only the I-th of N interleaved parts of the selected tests (1 <= I <= N; "
+        "`make test-gpu SHARD=1/2` then SHARD=2/2 fits a device's ten-minute limit a call)",
+    )
+
+
+def _shard(config, items):
+    """Keep every N-th selected test from the I-th on: N shards are disjoint and, together,
+    every test (nothing to keep in sync by hand as tests are added)."""
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    index, _, count = spec.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise pytest.UsageError(f"--shard {spec!r}: want I/N with 1 <= I <= N, e.g. --shard 1/2")
+    keep = items[int(index) - 1 :: int(count)]
+    config.hook.pytest_deselected(items=list(set(items) - set(keep)))
+    items[:] = keep
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shard what is left
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     # `make test` stays short (-m "not slow"): a multi-process test (torchrun, 5-15 s a launch
     # before it does anything) is slow unless it is one of the trimmed core; `make test-slow`
     # runs the rest, and CI runs both.
