@@ -91,18 +91,13 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xF]]]"; ValueError if malformed."""
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS]]"; ValueError if malformed."""
     parts = spec.split("x")
-    if (
-        len(parts) not in (3, 4, 5, 6)
-        or not all(p.isdigit() for p in parts)
-        or not all(int(p) > 0 for p in parts[:5])
-    ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xF]]], e.g. 16384x8x1 (tile "
-                         "weights x warps x programs an SM) or 16384x8x1x2x4x16 (2 waves of "
-                         "strips, pipelined 4 deep, each task's next 16 rows prefetched into "
-                         "L2)")  # fmt: skip
-    names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline", "prefetch")
+    if len(parts) not in (3, 4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS]], e.g. 16384x8x1 (tile weights x "
+                         "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
+                         "pipelined 4 deep)")  # fmt: skip
+    names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     return {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
 
 
@@ -127,15 +122,14 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
         compiled = compile_sm90(*step.sm90_arguments())
         rows[spec] = {"tasks": len(step.tasks), "registers": usage[0], "spills": usage[-1],
                       "shared_kb": compiled.metadata.shared // 1024,
-                      "async_copies": compiled.asm["ptx"].count("cp.async.cg.shared.global"),
-                      "l2_prefetches": compiled.asm["ptx"].count("prefetch.global.L2")}  # fmt: skip
+                      "async_copies": compiled.asm["ptx"].count("cp.async.cg.shared.global")}  # fmt: skip
         print(f"sm_90 {spec}", rows[spec], flush=True)
     return rows
 
 
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
-    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS[xF]]]"
+    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS]]"
     (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
     blocks, about V tasks a program a stage [x pipeline: the strip's loop pipelined S deep]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
@@ -234,12 +228,11 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xF]]]",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
-                             "pipeline: the strips' loop pipelined S deep [x prefetch: a task's "
-                             "first F rows asked of L2 as the task before it starts]]]")  # fmt: skip
+                             "pipeline: the strips' loop pipelined S deep]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -260,7 +253,7 @@ def main() -> None:
             parser.error(str(error))
     if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
         parser.error(
-            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xF]]] ..."
+            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS]] ..."
         )
     if args.compile_only:
         compile_fused(args.flavor, args.prompt_len + args.new_tokens, args.fused)

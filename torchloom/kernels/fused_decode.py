@@ -60,7 +60,6 @@ torchloom/generate/fused_step.py). ``fused_decode_reference`` is the same step i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +89,6 @@ DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
 # the step (the groups of tasks one another waits for).
 DEFAULT_PIPELINE = 3
-# Rows of its next task's strip a program asks L2 for as it starts a task (0: none).
-DEFAULT_PREFETCH = 0
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -297,42 +294,10 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 
 @jit
-def _prefetch_l2(ptrs, ok):
-    """Ask L2 for the 128-byte lines holding ``ptrs`` where ``ok``: no registers held, nothing
-    waited for (sm_90 PTX ``prefetch.global.L2``; the interpreter has no inline PTX)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@jit
-def _prefetch_strip(base_ptr, meta, tile, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                    GATED_ROWS: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
-    """Into L2, the first ``AHEAD`` rows of matrix task (``meta``, ``tile``)'s strip over its
-    chunk (and of its up projection's, gated): asked for while this program still waits for or
-    computes its current task, they stream from memory meanwhile."""
-    w_off, N, K = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
-    up_off, chunks = tl.load(meta + 10), tl.load(meta + 11)
-    strip = tl.load(meta + 14)
-    span = strip * tl.where(up_off >= 0, GATED_ROWS, ROWS)  # rows a strip
-    start = (tile // chunks) * span
-    end = tl.minimum(N, start + tl.minimum(span, AHEAD))
-    LINES: tl.constexpr = CHUNK // 64  # 128-byte lines of 2-byte weights in a chunk of a row
-    idx = tl.arange(0, AHEAD * LINES)
-    rows, col = start + idx // LINES, (tile % chunks) * CHUNK + (idx % LINES) * 64
-    at = rows.to(tl.int64) * K + col
-    ok = (rows < end) & (col < K)
-    _prefetch_l2(base_ptr + w_off + at, ok)
-    _prefetch_l2(base_ptr + tl.maximum(up_off, 0) + at, ok & (up_off >= 0))
-
-
-@jit
 def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
-            token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, next_meta,
-            next_tile, next_matvec, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr,
-            EPS: tl.constexpr, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
-            PLAIN_ROWS: tl.constexpr, GATED_ROWS: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+            token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
+            ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
+            BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The first block's
     weights (with ``GATED``, the gate's and the up projection's rows) are loaded first, then,
@@ -363,10 +328,6 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols, col_ok,
                                            ROWS, GATED)  # fmt: skip
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
-    if PREFETCH > 0:  # noqa: SIM102 (a constexpr test: compiled out at 0)
-        if next_matvec:
-            _prefetch_strip(base_ptr, next_meta, next_tile, CHUNK, PLAIN_ROWS, GATED_ROWS,
-                            PREFETCH)  # fmt: skip
     _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
@@ -541,7 +502,6 @@ def _fused_decode_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -560,22 +520,16 @@ def _fused_decode_kernel(
         next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
-        next_meta = matrices_ptr + next_index * 19
-        if PREFETCH > 0:  # noqa: SIM102 (a constexpr test: compiled out at 0)
-            if (next_kind == 1) & (kind != 1):
-                _prefetch_strip(base_ptr, next_meta, next_tile, CHUNK, ROWS, GATED_ROWS, PREFETCH)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
             meta = matrices_ptr + index * 19
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, next_meta, next_tile, next_kind == 1, CHUNK, GATED_ROWS,
-                        True, EPS, BLOCK_V, PIPELINE, ROWS, GATED_ROWS, PREFETCH)  # fmt: skip
+                        combine_stage, CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, next_meta, next_tile, next_kind == 1, CHUNK, ROWS,
-                        False, EPS, BLOCK_V, PIPELINE, ROWS, GATED_ROWS, PREFETCH)  # fmt: skip
+                        combine_stage, CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -634,7 +588,6 @@ class FusedDecodeStep:
         programs: int | None = None,
         waves: int | None = DEFAULT_WAVES,
         pipeline: int = DEFAULT_PIPELINE,
-        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -652,10 +605,6 @@ class FusedDecodeStep:
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
         self.pipeline = pipeline
-        if prefetch < 0 or prefetch & (prefetch - 1):
-            raise ValueError(f"prefetch must be 0 or a power of two; got {prefetch}")
-        # The interpreter runs no inline PTX: there the prefetch (a hint, no result) is off.
-        self.prefetch = 0 if os.environ.get("TRITON_INTERPRET") == "1" else prefetch
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -876,7 +825,6 @@ class FusedDecodeStep:
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
-            "PREFETCH": self.prefetch,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
