@@ -13,7 +13,9 @@
 # program (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
 # the waits between tasks cost against the streaming itself) and `strip` (the fused step's
 # inner loop alone, benchmarks/strip_loop.py: whole rows summed every iteration against row
-# segments summed once a row block, in TB/s beside torch.mv and F.linear).
+# segments summed once a row block, then tasks of 1-16 row blocks taken from a counter, bare,
+# as the fused step runs them and with the wait inside the loop, in TB/s beside torch.mv and
+# F.linear).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}

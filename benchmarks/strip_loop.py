@@ -3,7 +3,7 @@ weight's rows into their dot products with one input row (batch-1 decode's only 
 
     python3 benchmarks/strip_loop.py                       # on a GPU: TB/s of each form
     python3 benchmarks/strip_loop.py --compile-only        # sm_90 builds, no GPU needed
-    TRITON_INTERPRET=1 python3 benchmarks/strip_loop.py --check   # both forms, CPU
+    TRITON_INTERPRET=1 python3 benchmarks/strip_loop.py --check   # every form, CPU
 
 Each persistent program streams one strip of consecutive row blocks of a [N, K] bf16 weight
 (K = 2,048, the Llama-3.2-1B width, in one slice) through a loop Triton pipelines, in one of two
@@ -16,6 +16,18 @@ forms:
   bf16 a lane x 32 lanes, one warp spans a segment, so the warps hold whole rows); products
   accumulate elementwise over the row block's K / SEG segments and are summed (inside each
   warp) once a row block.
+On an H200 (benchmarks/RESULTS.md, thirty-ninth session) ``whole`` streamed 4.19 TB/s, above
+``torch.mv`` and every ``seg`` configuration, while the fused step as a whole streams about
+half that: its programs run 127 short tasks each. The task forms measure what a task costs
+beside its streaming, as the fused step's tasks do it and as they might: programs take tasks of
+B row blocks (the fused step's strips are mostly 1 to 4 blocks) from a counter, and
+- ``bare``: a task streams its blocks through the pipelined loop, nothing else;
+- ``peeled``: the fused step's task: the first block loaded, then a wait for the input (on a
+  flag already set: one acquire round trip), the input loaded, the first block summed, the
+  rest through the loop, then a barrier and a release increment (what publishing costs);
+- ``inloop``: the same work with every block in the loop and the wait and input at its first
+  iteration, so that the loop's prologue asks for the first PIPELINE - 1 blocks before the wait
+  (a candidate for the fused step: its first block alone is in flight during a wait today).
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
 the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
@@ -83,42 +95,115 @@ def _segmented_rows(w_ptr, x_ptr, y_ptr, N, K, strip, ROWS: tl.constexpr, SEG: t
             acc = tl.zeros((ROWS, SEG), tl.float32)
 
 
+@jit
+def _ready(flags_ptr):
+    """The fused step's wait for its input, on a flag already set: one acquire round trip."""
+    done = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+    while done < 1:
+        done = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+
+
+@jit
+def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, flags_ptr, N, K, num_tasks,
+                 ROWS: tl.constexpr, KB: tl.constexpr, PIPELINE: tl.constexpr,
+                 BLOCKS: tl.constexpr, FORM: tl.constexpr):  # fmt: skip
+    """Programs take tasks of BLOCKS row blocks of ROWS whole rows from a counter (the next one
+    as they start one, as the fused step does) until none is left. FORM 0 (``bare``): a task
+    streams its blocks through the pipelined loop, nothing else (x loaded once a program).
+    FORM 1 (``peeled``), the fused step's task: the first block's weights loaded, then the wait
+    for the input, the input, the first block summed, the rest through the loop, then a barrier
+    and a release increment (its publishing). FORM 2 (``inloop``): every block in the loop, the
+    wait and the input at its first iteration, so the loop's prologue asks for the first blocks'
+    copies before the wait; published as FORM 1."""
+    K = tl.multiple_of(K, 16)
+    cols = tl.arange(0, KB)
+    col_ok = cols < K
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    while task < num_tasks:
+        following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        first = task * BLOCKS
+        count = tl.minimum(BLOCKS, tl.cdiv(N, ROWS) - first)
+        start = 0
+        if FORM == 1:
+            rows = first * ROWS + tl.arange(0, ROWS)
+            ok = (rows < N)[:, None] & col_ok[None, :]
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
+                        other=0.0, eviction_policy="evict_first")  # fmt: skip
+            _ready(flags_ptr)
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
+            start = 1
+        for i in tl.range(start, count, num_stages=PIPELINE):
+            rows = (first + i) * ROWS + tl.arange(0, ROWS)
+            ok = (rows < N)[:, None] & col_ok[None, :]
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
+                        other=0.0, eviction_policy="evict_first")  # fmt: skip
+            if FORM == 2:  # noqa: SIM102 (a constexpr test: compiled out of the other forms)
+                if i == 0:
+                    _ready(flags_ptr)
+                    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
+        if FORM != 0:
+            tl.debug_barrier()
+            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
+        task = following
+
+
+TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2}
+
+
 def parse(spec: str) -> dict:
     """A configuration from "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline
     depth) or "seg-RxGxWxPxS" (G: segment width); ValueError if malformed."""
     form, _, numbers = spec.partition("-")
     parts = numbers.split("x")
+    task = ("rows", "warps", "per_sm", "pipeline", "blocks")
     names = {"whole": ("rows", "warps", "per_sm", "pipeline"),
-             "seg": ("rows", "seg", "warps", "per_sm", "pipeline")}.get(form)  # fmt: skip
+             "seg": ("rows", "seg", "warps", "per_sm", "pipeline"),
+             **dict.fromkeys(TASK_FORMS, task)}.get(form)  # fmt: skip
     if (
         names is None
         or len(parts) != len(names)
         or not all(p.isdigit() and int(p) > 0 for p in parts)
     ):
-        raise ValueError(f"{spec!r}: want whole-RxWxPxS or seg-RxGxWxPxS, e.g. whole-4x4x2x3 or "
-                         "seg-16x256x4x2x3")  # fmt: skip
+        raise ValueError(f"{spec!r}: want whole-RxWxPxS, seg-RxGxWxPxS or "
+                         "{bare,peeled,inloop}-RxWxPxSxB, e.g. whole-4x4x2x3, seg-16x256x4x2x3 "
+                         "or peeled-4x4x2x3x2")  # fmt: skip
     return {"form": form, **dict(zip(names, map(int, parts)))}
 
 
-def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, programs: int):
-    """One pass of ``config``'s kernel over ``w`` (``programs`` persistent programs)."""
+def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, programs: int,
+           counters: torch.Tensor | None = None) -> None:  # fmt: skip
+    """One pass of ``config``'s kernel over ``w`` (``programs`` persistent programs); a task
+    form takes its tasks from ``counters`` ([3] int32: the task counter, the publishing
+    counter, the ready flag; default a fresh one)."""
     n, k = w.shape
     kb = triton.next_power_of_2(k)
     blocks = -(-n // config["rows"])
     strip = -(-blocks // programs)
     common = {"ROWS": config["rows"], "KB": kb, "PIPELINE": config["pipeline"],
               "num_warps": config["warps"]}  # fmt: skip
-    if config["form"] == "whole":
+    if config["form"] in TASK_FORMS:
+        if counters is None:
+            counters = torch.tensor([0, 0, 1], dtype=torch.int32, device=w.device)
+        tasks = -(-blocks // config["blocks"])
+        _task_strips[(programs,)](w, x, y, counters, counters[2:], n, k, tasks,
+                                  BLOCKS=config["blocks"], FORM=TASK_FORMS[config["form"]],
+                                  **common)  # fmt: skip
+    elif config["form"] == "whole":
         _whole_rows[(programs,)](w, x, y, n, k, strip, **common)
     else:
         _segmented_rows[(programs,)](w, x, y, n, k, strip, SEG=config["seg"], **common)
 
 
 def stream(config: dict, weights: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-           programs: int) -> None:  # fmt: skip
-    """One pass of ``config``'s kernel over each of ``weights``."""
-    for w in weights:
-        launch(config, w, x, y, programs)
+           programs: int, counters: torch.Tensor) -> None:  # fmt: skip
+    """One pass of ``config``'s kernel over each of ``weights`` (``counters``: [len(weights),
+    3], reset first: one memset, the same for every form)."""
+    counters[:, :2] = 0
+    for w, row in zip(weights, counters):
+        launch(config, w, x, y, programs, row)
 
 
 def check(configs: list[dict]) -> None:
@@ -131,9 +216,14 @@ def check(configs: list[dict]) -> None:
         small = config | {"seg": min(config.get("seg", 16), 16)}
         for programs in (1, 3, 7):
             y = torch.full((203,), float("nan"))
-            launch(small, w, x, y, programs)
+            counters = torch.tensor([0, 0, 1], dtype=torch.int32)
+            launch(small, w, x, y, programs, counters)
             error = (y - w @ x).abs().max().item()
             assert error < 1e-4, f"{small} with {programs} programs: max |diff| {error:.1e}"
+            if config["form"] in ("peeled", "inloop"):  # every task published once
+                blocks = -(-203 // small["rows"])
+                tasks = -(-blocks // small["blocks"])
+                assert counters[1].item() == tasks, (small, counters.tolist(), tasks)
     print(f"check passed: {len(configs)} configurations x 1, 3, 7 programs")
 
 
@@ -141,19 +231,32 @@ def compile_only(configs: list[dict], specs: list[str]) -> dict:
     """Each configuration's sm_90 build at K = 2,048 (bf16 weights), no GPU needed."""
     from torchloom.kernels.triton_support import compile_for_hopper, compile_sm90
 
-    types = {"w_ptr": "*bf16", "x_ptr": "*fp32", "y_ptr": "*fp32", "N": "i32", "K": "i32",
-             "strip": "i32"}  # fmt: skip
     rows = {}
     for spec, config in zip(specs, configs):
+        types = {"w_ptr": "*bf16", "x_ptr": "*fp32", "y_ptr": "*fp32", "N": "i32", "K": "i32",
+                 "strip": "i32"}  # fmt: skip
         kernel = _whole_rows if config["form"] == "whole" else _segmented_rows
         constants = {"ROWS": config["rows"], "KB": K_WIDTH, "PIPELINE": config["pipeline"]}
         if config["form"] == "seg":
             constants["SEG"] = config["seg"]
+        if config["form"] in TASK_FORMS:
+            kernel = _task_strips
+            types = {"w_ptr": "*bf16", "x_ptr": "*fp32", "y_ptr": "*fp32",
+                     "counters_ptr": "*i32", "flags_ptr": "*i32", "N": "i32", "K": "i32",
+                     "num_tasks": "i32"}  # fmt: skip
+            constants |= {"BLOCKS": config["blocks"], "FORM": TASK_FORMS[config["form"]]}
         args = (kernel, types, constants, config["warps"])
         usage = compile_for_hopper(*args, divisible=["w_ptr", "x_ptr", "y_ptr", "K"]).split()
         compiled = compile_sm90(*args[:3], num_warps=config["warps"],
                                 divisible=["w_ptr", "x_ptr", "y_ptr", "K"])  # fmt: skip
         ptx = compiled.asm["ptx"]
+        if config["form"] in TASK_FORMS:  # the task loop's code holds the strip loop
+            rows[spec] = {"registers": usage[0], "spills": usage[-1],
+                          "shared_kb": compiled.metadata.shared // 1024,
+                          "async_copies": ptx.count("cp.async.cg"),
+                          "acquire_loads": ptx.count(".acquire")}  # fmt: skip
+            print(f"sm_90 {spec}", rows[spec], flush=True)
+            continue
         start = ptx.index("Loop Header")
         loop = ptx[start : ptx.index("._crit_edge", start)]  # the loop's code, not its exit
         # Bytes of weights an iteration: the pipelined loop's body runs once a block / segment.
@@ -202,8 +305,9 @@ def time_on_gpu(configs: list[dict], specs: list[str], rows_n: int, copies: int)
         try:
             launch(config, weights[0], x, y, programs)
             error = ((y - want).abs().max() / want.abs().max()).item()
-            report[spec] = {"TB_per_s": rate(partial(stream, config, weights, x, y, programs)),
-                            "relative_error": round(error, 6)}  # fmt: skip
+            counters = torch.tensor([[0, 0, 1]] * copies, dtype=torch.int32, device=device)
+            one_pass = partial(stream, config, weights, x, y, programs, counters)
+            report[spec] = {"TB_per_s": rate(one_pass), "relative_error": round(error, 6)}
         except Exception as exc:  # a configuration that does not compile or fit: say which
             report[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(spec, report[spec], flush=True)
@@ -213,10 +317,12 @@ def time_on_gpu(configs: list[dict], specs: list[str], rows_n: int, copies: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", metavar="SPEC",
-                        default=["whole-4x4x2x3", "whole-8x8x1x3", "seg-16x256x4x2x3",
-                                 "seg-32x256x4x2x3", "seg-16x256x4x2x4", "seg-32x256x8x1x3"],
+                        default=["whole-4x4x2x3", "seg-32x256x4x2x3"]
+                        + [f"{form}-4x4x2x3x{blocks}" for form in TASK_FORMS
+                           for blocks in (1, 2, 4, 16)],
                         help="whole-RxWxPxS (rows a block x warps x programs an SM x pipeline "
-                             "depth) or seg-RxGxWxPxS (G: the segment width)")  # fmt: skip
+                             "depth), seg-RxGxWxPxS (G: the segment width) or "
+                             "{bare,peeled,inloop}-RxWxPxSxB (tasks of B row blocks)")  # fmt: skip
     parser.add_argument("--rows", type=int, default=131072, help="rows of each weight (GPU)")
     parser.add_argument("--copies", type=int, default=2, help="weights streamed a pass (GPU)")
     parser.add_argument(

@@ -391,28 +391,33 @@ def test_decode_step_compiles_fused_tilings_for_hopper():
 
 
 def test_strip_loop_forms_match_their_reference():
-    """benchmarks/strip_loop.py's two forms of the fused step's inner loop (whole rows summed
-    every iteration; row segments accumulated, summed once a row block) in Triton's interpreter
-    against w @ x, with uneven strips and a ragged last row block."""
+    """benchmarks/strip_loop.py's forms of the fused step's inner loop (whole rows summed
+    every iteration; row segments accumulated, summed once a row block; tasks of a few blocks
+    taken from a counter, bare, as the fused step runs them and with the wait inside the loop)
+    in Triton's interpreter against w @ x, with uneven strips and a ragged last row block; the
+    publishing forms count every task once."""
     pytest.importorskip("triton")
     stdout = _run("strip_loop.py", "--check", "--configs", "whole-4x4x2x3", "seg-16x256x4x2x3",
-                  "seg-8x32x4x1x2", interpreted=True)  # fmt: skip
-    assert "check passed: 3 configurations" in stdout
+                  "seg-8x32x4x1x2", "bare-4x4x2x3x2", "peeled-4x4x2x3x1", "peeled-8x4x2x2x3",
+                  "inloop-4x4x2x3x3", "inloop-8x4x1x2x1", interpreted=True)  # fmt: skip
+    assert "check passed: 8 configurations" in stdout
 
 
 def test_strip_loop_compiles_for_hopper():
     """Both forms build for sm_90 without spills, and the segmented one's loop holds fewer
     barriers (its sums stay inside each warp): the figures benchmarks/RESULTS.md quotes."""
     pytest.importorskip("triton")
-    stdout = _run(
-        "strip_loop.py", "--compile-only", "--configs", "whole-4x4x2x3", "seg-16x256x4x2x3"
-    )
+    stdout = _run("strip_loop.py", "--compile-only", "--configs", "whole-4x4x2x3",
+                  "seg-16x256x4x2x3", "peeled-4x4x2x3x2", "inloop-4x4x2x3x2")  # fmt: skip
     rows = {line.split()[1]: ast.literal_eval(line.split(" ", 2)[2])
             for line in stdout.splitlines() if line.startswith("sm_90 ")}  # fmt: skip
     whole, seg = rows["whole-4x4x2x3"], rows["seg-16x256x4x2x3"]
-    assert whole["spills"] == seg["spills"] == "SPILLS:0", rows
+    assert {row["spills"] for row in rows.values()} == {"SPILLS:0"}, rows
     assert whole["async_copies_in_loop"] > 0 and seg["async_copies_in_loop"] > 0, rows
     assert seg["bar_sync_in_loop"] < whole["bar_sync_in_loop"], rows
+    # The wait inside the loop leaves it pipelined (asynchronous copies), as the peeled form is.
+    for form in ("peeled-4x4x2x3x2", "inloop-4x4x2x3x2"):
+        assert rows[form]["async_copies"] > 0 and rows[form]["acquire_loads"] > 0, rows
 
 
 @pytest.mark.parametrize(
