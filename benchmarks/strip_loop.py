@@ -349,6 +349,9 @@ def main() -> None:
         check(configs)
         return
     if args.compile_only:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit("strip_loop.py --compile-only builds for sm_90: run it without "
+                     "TRITON_INTERPRET=1")  # fmt: skip
         compile_only(configs, args.configs)
         return
     if not torch.cuda.is_available():
