@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -256,6 +257,9 @@ def main() -> None:
             "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS]] ..."
         )
     if args.compile_only:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit("decode_step.py --compile-only builds for sm_90: run it without "
+                     "TRITON_INTERPRET=1")  # fmt: skip
         compile_fused(args.flavor, args.prompt_len + args.new_tokens, args.fused)
         return
     if not torch.cuda.is_available():

@@ -440,6 +440,23 @@ def test_decode_benchmarks_need_a_gpu(script, message):
 
 
 @pytest.mark.parametrize(
+    "args",
+    [["strip_loop.py"], ["decode_step.py", "--fused", "8192x4x2x2x3"]],
+    ids=["strip", "step"],
+)
+def test_compile_only_under_the_interpreter_says_to_run_without_it(args):
+    """--compile-only builds with Triton's compiler, which TRITON_INTERPRET=1 replaces: one line
+    naming the fix, not the compiler's traceback about an interpreted function."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / args[0]), "--compile-only", *args[1:]],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "run it without TRITON_INTERPRET=1" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [(["--words", "0"], "--words must be at least 1"), (["--flavor", "nope"], "Unknown flavor")],
 )
