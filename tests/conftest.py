@@ -36,21 +36,23 @@ def _shard(config, items):
     items[:] = keep
 
 
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shard what is left
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    _shard(config, items)
+    """Marks first (before -m reads them), then, once -m and -k have deselected, the shard of
+    what is left."""
     # `make test` stays short (-m "not slow"): a multi-process test (torchrun, 5-15 s a launch
     # before it does anything) is slow unless it is one of the trimmed core; `make test-slow`
     # runs the rest, and CI runs both.
     for item in items:
         if "distributed" in item.keywords and "multiprocess_core" not in item.keywords:
             item.add_marker(pytest.mark.slow)
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    yield  # every other plugin's hook: -m and -k deselect here
+    _shard(config, items)
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

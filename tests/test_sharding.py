@@ -35,3 +35,20 @@ def test_a_malformed_shard_names_the_form_it_wants():
         result = _collect("--shard", spec)
         assert result.returncode == 4, (spec, result.stdout, result.stderr)  # usage error
         assert f"--shard '{spec}': want I/N with 1 <= I <= N" in result.stdout + result.stderr
+
+
+def test_the_slow_marks_conftest_adds_are_read_by_dash_m():
+    """tests/conftest.py marks every multi-process test slow (bar the trimmed core) before -m
+    deselects, and shards after: `make test` (-m "not slow") must not run them."""
+    path = str(TESTS / "parallel" / "test_pipeline.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+         "-m", "not slow", path],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    selected = [line for line in result.stdout.splitlines() if "::" in line]
+    launched = ("test_every_schedule_matches_single_process", "test_pp_composes_with_fsdp_and_tp",
+                "test_an_objective_reading_batch_extras_runs_on_the_last_stage")  # fmt: skip
+    assert selected, result.stdout
+    assert not [line for line in selected if line.split("::")[1].startswith(launched)], selected
