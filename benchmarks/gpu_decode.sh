@@ -9,8 +9,8 @@
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
 # step's GPU test, then its replay and tokens/s against the compiled forward at one tile a task
-# and at the thirty-eighth session's best strip tilings and two untimed ones of 1 and 2 warps a
-# program (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
+# and at the thirty-eighth session's best strip tilings and two of 1 and 2 warps a program
+# (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
 # the waits between tasks cost against the streaming itself) and `strip` (the fused step's
 # inner loop alone, benchmarks/strip_loop.py: whole rows summed every iteration against row
 # segments summed once a row block, then tasks of 1-16 row blocks taken from a counter, bare,

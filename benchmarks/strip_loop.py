@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from torchloom.kernels.fused_decode import _publish, _wait
 from torchloom.kernels.triton_support import jit, tl, triton
 
 K_WIDTH = 2048
@@ -96,15 +97,7 @@ def _segmented_rows(w_ptr, x_ptr, y_ptr, N, K, strip, ROWS: tl.constexpr, SEG: t
 
 
 @jit
-def _ready(flags_ptr):
-    """The fused step's wait for its input, on a flag already set: one acquire round trip."""
-    done = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
-    while done < 1:
-        done = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
-
-
-@jit
-def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, flags_ptr, N, K, num_tasks,
+def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
                  ROWS: tl.constexpr, KB: tl.constexpr, PIPELINE: tl.constexpr,
                  BLOCKS: tl.constexpr, FORM: tl.constexpr):  # fmt: skip
     """Programs take tasks of BLOCKS row blocks of ROWS whole rows from a counter (the next one
@@ -114,7 +107,9 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, flags_ptr, N, K, num_tasks,
     for the input, the input, the first block summed, the rest through the loop, then a barrier
     and a release increment (its publishing). FORM 2 (``inloop``): every block in the loop, the
     wait and the input at its first iteration, so the loop's prologue asks for the first blocks'
-    copies before the wait; published as FORM 1."""
+    copies before the wait; published as FORM 1. The wait and the publishing are the fused
+    step's own (kernels/fused_decode.py's ``_wait`` on wait 0 of ``waits_ptr``, met from the
+    start: one acquire round trip; ``_publish`` of stage 0: counter 1)."""
     K = tl.multiple_of(K, 16)
     cols = tl.arange(0, KB)
     col_ok = cols < K
@@ -130,7 +125,7 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, flags_ptr, N, K, num_tasks,
             ok = (rows < N)[:, None] & col_ok[None, :]
             w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
                         other=0.0, eviction_policy="evict_first")  # fmt: skip
-            _ready(flags_ptr)
+            _wait(counters_ptr, waits_ptr, 0)
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
             start = 1
@@ -141,12 +136,11 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, flags_ptr, N, K, num_tasks,
                         other=0.0, eviction_policy="evict_first")  # fmt: skip
             if FORM == 2:  # noqa: SIM102 (a constexpr test: compiled out of the other forms)
                 if i == 0:
-                    _ready(flags_ptr)
+                    _wait(counters_ptr, waits_ptr, 0)
                     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
         if FORM != 0:
-            tl.debug_barrier()
-            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
+            _publish(counters_ptr, 0)
         task = following
 
 
@@ -155,7 +149,8 @@ TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2}
 
 def parse(spec: str) -> dict:
     """A configuration from "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline
-    depth) or "seg-RxGxWxPxS" (G: segment width); ValueError if malformed."""
+    depth), "seg-RxGxWxPxS" (G: segment width) or "{bare,peeled,inloop}-RxWxPxSxB" (B: row
+    blocks a task); ValueError if malformed."""
     form, _, numbers = spec.partition("-")
     parts = numbers.split("x")
     task = ("rows", "warps", "per_sm", "pipeline", "blocks")
@@ -177,7 +172,7 @@ def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, prog
            counters: torch.Tensor | None = None) -> None:  # fmt: skip
     """One pass of ``config``'s kernel over ``w`` (``programs`` persistent programs); a task
     form takes its tasks from ``counters`` ([3] int32: the task counter, the publishing
-    counter, the ready flag; default a fresh one)."""
+    counter, the input's counter, already 1; default a fresh one)."""
     n, k = w.shape
     kb = triton.next_power_of_2(k)
     blocks = -(-n // config["rows"])
@@ -188,7 +183,8 @@ def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, prog
         if counters is None:
             counters = torch.tensor([0, 0, 1], dtype=torch.int32, device=w.device)
         tasks = -(-blocks // config["blocks"])
-        _task_strips[(programs,)](w, x, y, counters, counters[2:], n, k, tasks,
+        waits = torch.tensor([2, 1], dtype=torch.int32, device=w.device)  # counter 2 at 1
+        _task_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
                                   BLOCKS=config["blocks"], FORM=TASK_FORMS[config["form"]],
                                   **common)  # fmt: skip
     elif config["form"] == "whole":
@@ -242,7 +238,7 @@ def compile_only(configs: list[dict], specs: list[str]) -> dict:
         if config["form"] in TASK_FORMS:
             kernel = _task_strips
             types = {"w_ptr": "*bf16", "x_ptr": "*fp32", "y_ptr": "*fp32",
-                     "counters_ptr": "*i32", "flags_ptr": "*i32", "N": "i32", "K": "i32",
+                     "counters_ptr": "*i32", "waits_ptr": "*i32", "N": "i32", "K": "i32",
                      "num_tasks": "i32"}  # fmt: skip
             constants |= {"BLOCKS": config["blocks"], "FORM": TASK_FORMS[config["form"]]}
         args = (kernel, types, constants, config["warps"])

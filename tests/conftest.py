@@ -32,7 +32,8 @@ def _shard(config, items):
     if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
         raise pytest.UsageError(f"--shard {spec!r}: want I/N with 1 <= I <= N, e.g. --shard 1/2")
     keep = items[int(index) - 1 :: int(count)]
-    config.hook.pytest_deselected(items=list(set(items) - set(keep)))
+    kept = set(keep)
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = keep
 
 

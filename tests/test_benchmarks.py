@@ -18,13 +18,18 @@ from torchloom.models import ModelConfig, resolve_model_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, interpreted: bool = False) -> str:
-    """``script``'s stdout (it must succeed); ``interpreted``: under Triton's interpreter."""
+def _result(script: str, *args: str, interpreted: bool = False) -> subprocess.CompletedProcess:
+    """benchmarks/``script`` run with ``args``; ``interpreted``: under Triton's interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"} if interpreted else None
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
     )  # fmt: skip
+
+
+def _run(script: str, *args: str, interpreted: bool = False) -> str:
+    """``script``'s stdout (it must succeed)."""
+    result = _result(script, *args, interpreted=interpreted)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -404,8 +409,9 @@ def test_strip_loop_forms_match_their_reference():
 
 
 def test_strip_loop_compiles_for_hopper():
-    """Both forms build for sm_90 without spills, and the segmented one's loop holds fewer
-    barriers (its sums stay inside each warp): the figures benchmarks/RESULTS.md quotes."""
+    """The loop's forms build for sm_90 without spills, the segmented one's loop holds fewer
+    barriers (its sums stay inside each warp): the figures benchmarks/RESULTS.md quotes; and the
+    task forms stay pipelined with the fused step's wait before and inside the loop."""
     pytest.importorskip("triton")
     stdout = _run("strip_loop.py", "--compile-only", "--configs", "whole-4x4x2x3",
                   "seg-16x256x4x2x3", "peeled-4x4x2x3x2", "inloop-4x4x2x3x2")  # fmt: skip
@@ -433,8 +439,7 @@ def test_decode_benchmarks_need_a_gpu(script, message):
     """The decode-step benchmarks replay CUDA graphs; without a GPU each says so in one line."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    result = _result(script)
     assert result.returncode == 1 and message in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -447,11 +452,7 @@ def test_decode_benchmarks_need_a_gpu(script, message):
 def test_compile_only_under_the_interpreter_says_to_run_without_it(args):
     """--compile-only builds with Triton's compiler, which TRITON_INTERPRET=1 replaces: one line
     naming the fix, not the compiler's traceback about an interpreted function."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / args[0]), "--compile-only", *args[1:]],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
+    result = _result(args[0], "--compile-only", *args[1:], interpreted=True)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "run it without TRITON_INTERPRET=1" in result.stderr and "Traceback" not in result.stderr
 

@@ -8,10 +8,11 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 
 
-def _collect(*args: str) -> subprocess.CompletedProcess:
+def _collect(*args: str, marks: str = "gpu", path: Path = TESTS / "kernels"):
+    """`pytest --collect-only -m MARKS PATH ARGS` in a fresh process."""
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-         "-m", "gpu", str(TESTS / "kernels"), *args],
+         "-m", marks, str(path), *args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -40,12 +41,7 @@ def test_a_malformed_shard_names_the_form_it_wants():
 def test_the_slow_marks_conftest_adds_are_read_by_dash_m():
     """tests/conftest.py marks every multi-process test slow (bar the trimmed core) before -m
     deselects, and shards after: `make test` (-m "not slow") must not run them."""
-    path = str(TESTS / "parallel" / "test_pipeline.py")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-         "-m", "not slow", path],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = _collect(marks="not slow", path=TESTS / "parallel" / "test_pipeline.py")
     assert result.returncode == 0, result.stdout + result.stderr
     selected = [line for line in result.stdout.splitlines() if "::" in line]
     launched = ("test_every_schedule_matches_single_process", "test_pp_composes_with_fsdp_and_tp",

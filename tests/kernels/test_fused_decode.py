@@ -7,8 +7,9 @@ interpreter (this file run as a script with TRITON_INTERPRET=1, fp32) at several
 positions (the first, past several key blocks, the cache's last index) and program counts,
 and the generator decoding with it against the generator on the model's forward; the plan's
 waits, simulated from its tables (each met by earlier tasks, counting exactly the tasks that
-write what its reader reads); the kernel compiled for sm_90 at the Llama-3.2-1B shape in bf16 without spilling; on a CUDA GPU, the
-kernel in bf16 at the 1B layer shapes and the generator from CUDA graphs.
+write what its reader reads); the kernel compiled for sm_90 at the Llama-3.2-1B shape in bf16
+without spilling; on a CUDA GPU, the kernel in bf16 at the 1B layer shapes and the generator
+from CUDA graphs.
 """
 
 from __future__ import annotations
