@@ -290,11 +290,14 @@ def test_kernel_compiles_for_hopper() -> None:
     usage = compile_for_hopper(*args)
     assert usage.endswith(" SPILLS:0"), usage
     compiled = compile_sm90(*args)
-    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", compiled.asm["ptx"])
-    assert weight_loads and all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
-    # A strip's later blocks stream through asynchronous copies into shared memory (the loop
-    # Triton pipelines), within what one program may hold.
-    assert "cp.async.cg.shared.global" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
+    # Every block of a strip streams through asynchronous copies into shared memory (the loop
+    # Triton pipelines), 16 bytes a copy, within what one program may hold; any weight load
+    # outside them is 16 bytes a thread too.
+    copies = re.findall(r"cp\.async\.cg\.shared\.global\S* \[[^]]*\], \[[^]]*\], (\w+)", ptx)
+    assert copies and set(copies) == {"0x10"}, copies
+    weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
+    assert all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
 
 

@@ -82,7 +82,7 @@ LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
-# strips a program (164 registers a thread on sm_90, no spills). One tile a task (waves None)
+# strips a program (226 registers a thread on sm_90 with the wait inside the loop, no spills). One tile a task (waves None)
 # took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
@@ -299,11 +299,12 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
-    CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The first block's
-    weights (with ``GATED``, the gate's and the up projection's rows) are loaded first, then,
-    once the input is ready, the input slice (RMS-normed where the matrix has a norm weight:
-    such a matrix has one chunk). The strip's other blocks stream through a loop Triton
-    pipelines ``PIPELINE`` deep (their weights copied into shared memory ahead of use). Gated,
+    CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
+    stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
+    gate's and the up projection's rows, copied into shared memory ahead of use); its first
+    iteration waits for the input and loads its slice (RMS-normed where the matrix has a norm
+    weight: such a matrix has one chunk), so the first PIPELINE - 1 blocks are already asked
+    for while the task waits. Gated,
     the output is silu(gate) * up. With several chunks each writes its partial sums and the
     strip's last chunk to finish adds them in chunk order (one count a strip, not a block);
     the residual rows are added to the finished sums. A head block also writes its rows' max,
@@ -325,19 +326,20 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     count = tl.minimum(strip, blocks - first)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     col_ok = cols < K
-    rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols, col_ok,
-                                           ROWS, GATED)  # fmt: skip
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
-    _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
-    x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-    scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
-    x = x * scale * gain.to(tl.float32)
-    _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk, chunks,
-                  parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
-    for i in tl.range(1, count, num_stages=PIPELINE):
+    x = tl.zeros((CHUNK,), tl.float32)
+    # Every block goes through the pipelined loop and the wait sits in its first iteration, so
+    # the loop's prologue has asked for the first PIPELINE - 1 blocks' weights before the task
+    # waits for its input (the input's own load is not pipelined: it stays after the wait).
+    for i in tl.range(0, count, num_stages=PIPELINE):
         block = first + i
         rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, block, N, K, cols,
                                                col_ok, ROWS, GATED)  # fmt: skip
+        if i == 0:
+            _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
+            x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
+            x = x * scale * gain.to(tl.float32)
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
