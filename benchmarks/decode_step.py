@@ -92,14 +92,22 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS]]"; ValueError if malformed."""
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL]]]"; ValueError if malformed."""
     parts = spec.split("x")
-    if len(parts) not in (3, 4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS]], e.g. 16384x8x1 (tile weights x "
-                         "warps x programs an SM) or 16384x8x1x2x4 (2 waves of strips, "
-                         "pipelined 4 deep)")  # fmt: skip
+    if (
+        len(parts) not in (3, 4, 5, 6)
+        or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
+        or parts[5:] not in ([], ["0"], ["1"])
+    ):
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL]]], e.g. 16384x8x1 (tile "
+                         "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of "
+                         "strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
+                         "inside, the default)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
-    return {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
+    tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
+    if parts[5:]:
+        tiling["wait_in_loop"] = parts[5] == "1"
+    return tiling
 
 
 def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -> dict:
@@ -130,7 +138,7 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
-    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS]]"
+    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS[xL]]]"
     (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
     blocks, about V tasks a program a stage [x pipeline: the strip's loop pipelined S deep]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
@@ -229,11 +237,12 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS]]",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xL]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
-                             "pipeline: the strips' loop pipelined S deep]]")  # fmt: skip
+                             "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
+                             "input before the strip loop, 1: inside it]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -254,7 +263,7 @@ def main() -> None:
             parser.error(str(error))
     if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
         parser.error(
-            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS]] ..."
+            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xL]]] ..."
         )
     if args.compile_only:
         if os.environ.get("TRITON_INTERPRET") == "1":

@@ -8,10 +8,10 @@
 # also compiled with programmatic dependent launch, with and without the kernels) and `probe`
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
-# step's GPU test, then its replay and tokens/s against the compiled forward at one tile a task
-# and at the thirty-eighth session's best strip tilings and two of 1 and 2 warps a program
-# (fewer warps, fewer barriers in the strip loop), each also with its waits freed: what
-# the waits between tasks cost against the streaming itself) and `strip` (the fused step's
+# step's GPU test, then its replay and tokens/s against the compiled forward at the best strip
+# tilings with the wait for a task's input before its strip loop (x0) and inside it (x1), each
+# also with its waits freed: what the waits between tasks cost against the streaming itself)
+# and `strip` (the fused step's
 # inner loop alone, benchmarks/strip_loop.py: whole rows summed every iteration against row
 # segments summed once a row block, then tasks of 1-16 row blocks taken from a counter, bare,
 # as the fused step runs them and with the wait inside the loop, in TB/s beside torch.mv and
@@ -49,8 +49,8 @@ for part in $PARTS; do
       run 60 python3 benchmarks/one_row_matmul.py --json "$OUT/one_row_matmul.json" 2>&1 | tail -n 8 ;;
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
-      run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 16384x8x1 16384x8x1x2 8192x4x2x2x3 \
-        8192x4x2x2x2 16384x4x2x2x3 8192x4x2x2x4 4096x1x8x2x3 4096x2x4x2x3 \
+      run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 8192x4x2x2x3x0 8192x4x2x2x3x1 \
+        16384x4x2x2x3x0 16384x4x2x2x3x1 8192x4x2x2x4x1 8192x4x2x2x2x1 8192x4x2x1x3x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;

@@ -322,7 +322,8 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
     positions 0, 300 and the cache's last, at the default tiling (strips of row blocks, two
-    waves) and at one and three waves, and at one tile a task; the
+    waves; the wait inside the strip loop, and before it) and at one and three waves, and at one
+    tile a task; the
     generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
@@ -332,6 +333,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
+        check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -361,6 +363,17 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         # q's 64 and k's 32, the head's 300 in 6)
         check_kernel(small, [0, 39], 1e-5, tile_elements=256, block_l=8, programs=3, waves=1),
         check_kernel(small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2),
+        # the first block loaded alone before the wait, the loop from the second
+        check_kernel(
+            small,
+            [0, 39],
+            1e-5,
+            tile_elements=256,
+            block_l=8,
+            programs=3,
+            waves=1,
+            wait_in_loop=False,
+        ),
         check_generator("cpu"),
     ):
         print(line)

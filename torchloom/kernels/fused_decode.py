@@ -82,13 +82,17 @@ LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
-# strips a program (226 registers a thread on sm_90 with the wait inside the loop, no spills). One tile a task (waves None)
+# strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the loop). One tile a task (waves None)
 # took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
 # tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
 # the step (the groups of tasks one another waits for).
 DEFAULT_PIPELINE = 3
+# Whether a strip's first block goes through the pipelined loop too, the wait for its input in
+# the loop's first iteration (so PIPELINE - 1 blocks are asked for before the wait), rather than
+# loaded alone before the wait with the loop starting at the second block.
+DEFAULT_WAIT_IN_LOOP = True
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -294,18 +298,29 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 
 @jit
+def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols, col_ok,
+           norm_off, gain, K, EPS: tl.constexpr):  # fmt: skip
+    """Once its writers have published it, a task's slice of its input, RMS-normed where the
+    matrix has a norm weight."""
+    _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
+    x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+    scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
+    return x * scale * gain.to(tl.float32)
+
+
+@jit
 def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
             token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
-            BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
+            BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr, WAIT_IN_LOOP: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
     stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
-    gate's and the up projection's rows, copied into shared memory ahead of use); its first
-    iteration waits for the input and loads its slice (RMS-normed where the matrix has a norm
-    weight: such a matrix has one chunk), so the first PIPELINE - 1 blocks are already asked
-    for while the task waits. Gated,
-    the output is silu(gate) * up. With several chunks each writes its partial sums and the
+    gate's and the up projection's rows, copied into shared memory ahead of use). The task
+    waits for its input and loads its slice (RMS-normed where the matrix has a norm weight:
+    such a matrix has one chunk) in the loop's first iteration with ``WAIT_IN_LOOP`` (the first
+    PIPELINE - 1 blocks are then asked for before the wait), else after loading the first
+    block alone, the loop starting at the second. Gated, the output is silu(gate) * up. With several chunks each writes its partial sums and the
     strip's last chunk to finish adds them in chunk order (one count a strip, not a block);
     the residual rows are added to the finished sums. A head block also writes its rows' max,
     sum of exponentials and argmax; the head's last task to finish combines them."""
@@ -328,18 +343,27 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     col_ok = cols < K
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
     x = tl.zeros((CHUNK,), tl.float32)
-    # Every block goes through the pipelined loop and the wait sits in its first iteration, so
-    # the loop's prologue has asked for the first PIPELINE - 1 blocks' weights before the task
-    # waits for its input (the input's own load is not pipelined: it stays after the wait).
-    for i in tl.range(0, count, num_stages=PIPELINE):
+    start = 0
+    if not WAIT_IN_LOOP:  # the first block loaded, then the wait and the input, then the rest
+        rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols,
+                                               col_ok, ROWS, GATED)  # fmt: skip
+        x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols,
+                   col_ok, norm_off, gain, K, EPS)  # fmt: skip
+        _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk,
+                      chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
+        start = 1
+    # WAIT_IN_LOOP: every block goes through the pipelined loop and the wait sits in its first
+    # iteration, so the loop's prologue has asked for the first PIPELINE - 1 blocks' weights
+    # before the task waits for its input (the input's own load is not pipelined: it stays
+    # after the wait).
+    for i in tl.range(start, count, num_stages=PIPELINE):
         block = first + i
         rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, block, N, K, cols,
                                                col_ok, ROWS, GATED)  # fmt: skip
-        if i == 0:
-            _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
-            x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-            scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
-            x = x * scale * gain.to(tl.float32)
+        if WAIT_IN_LOOP:  # noqa: SIM102 (a constexpr test: compiled out when off)
+            if i == 0:
+                x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off,
+                           cols, col_ok, norm_off, gain, K, EPS)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
@@ -504,6 +528,7 @@ def _fused_decode_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
+    WAIT_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -527,11 +552,13 @@ def _fused_decode_kernel(
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE)  # fmt: skip
+                        combine_stage, CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE,
+                        WAIT_IN_LOOP)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE)  # fmt: skip
+                        combine_stage, CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE,
+                        WAIT_IN_LOOP)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -590,6 +617,7 @@ class FusedDecodeStep:
         programs: int | None = None,
         waves: int | None = DEFAULT_WAVES,
         pipeline: int = DEFAULT_PIPELINE,
+        wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -606,7 +634,7 @@ class FusedDecodeStep:
                 raise ValueError(f"{name} must be a power of two; got {value}")
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
-        self.pipeline = pipeline
+        self.pipeline, self.wait_in_loop = pipeline, wait_in_loop
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -827,6 +855,7 @@ class FusedDecodeStep:
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
+            "WAIT_IN_LOOP": self.wait_in_loop,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
