@@ -82,8 +82,9 @@ LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
 # The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
-# strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the loop). One tile a task (waves None)
-# took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
+# strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the
+# loop). One tile a task (waves None) took 2.2 times as long: a task's serial round trips,
+# 77,599 times a 1B step.
 DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
 # tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
@@ -320,9 +321,10 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     waits for its input and loads its slice (RMS-normed where the matrix has a norm weight:
     such a matrix has one chunk) in the loop's first iteration with ``WAIT_IN_LOOP`` (the first
     PIPELINE - 1 blocks are then asked for before the wait), else after loading the first
-    block alone, the loop starting at the second. Gated, the output is silu(gate) * up. With several chunks each writes its partial sums and the
-    strip's last chunk to finish adds them in chunk order (one count a strip, not a block);
-    the residual rows are added to the finished sums. A head block also writes its rows' max,
+    block alone, the loop starting at the second. Gated, the output is silu(gate) * up. With
+    several chunks each writes its partial sums and the strip's last chunk to finish adds them
+    in chunk order (one count a strip, not a block); the residual rows are added to the
+    finished sums. A head block also writes its rows' max,
     sum of exponentials and argmax; the head's last task to finish combines them."""
     # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
     # compiler load 16 bytes a thread at a time (without the hints it loads one element) and
