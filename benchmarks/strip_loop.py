@@ -27,7 +27,10 @@ B row blocks (the fused step's strips are mostly 1 to 4 blocks) from a counter, 
   rest through the loop, then a barrier and a release increment (what publishing costs);
 - ``inloop``: the same work with every block in the loop and the wait and input at its first
   iteration, so that the loop's prologue asks for the first PIPELINE - 1 blocks before the wait
-  (a candidate for the fused step: its first block alone is in flight during a wait today).
+  (a candidate for the fused step: its first block alone is in flight during a wait today);
+- ``flow``: tasks assigned to programs in turn (no counter), a program's tasks one stream of
+  row blocks through one pipelined loop, each task's wait at its first block and its publishing
+  after its last: the loop never drains between tasks (a candidate shape for the whole step).
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
 the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
@@ -144,12 +147,48 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
         task = following
 
 
-TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2}
+@jit
+def _flow_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
+                 ROWS: tl.constexpr, KB: tl.constexpr, PIPELINE: tl.constexpr,
+                 BLOCKS: tl.constexpr, ASM_BARRIER: tl.constexpr):  # fmt: skip
+    """Program p of P: tasks p, p + P, p + 2P, ... of BLOCKS row blocks, as one stream of row
+    blocks through one pipelined loop: a task's wait and input at its first block, its
+    publishing after its last. The blocks' addresses follow from the loop's index alone, so
+    the loop asks for the next task's weights while this one waits and publishes: tasks
+    pipelined across their boundaries (the fused step's ``peeled`` and ``inloop`` tasks drain
+    their loop at every task's end and refill it at the next one's start)."""
+    K = tl.multiple_of(K, 16)
+    cols = tl.arange(0, KB)
+    col_ok = cols < K
+    program, programs = tl.program_id(0), tl.num_programs(0)
+    mine = tl.cdiv(num_tasks - program, programs)
+    x = tl.zeros((KB,), tl.float32)
+    for i in tl.range(0, mine * BLOCKS, num_stages=PIPELINE):
+        step = i % BLOCKS
+        block = (program + (i // BLOCKS) * programs) * BLOCKS + step
+        rows = block * ROWS + tl.arange(0, ROWS)
+        ok = (rows < N)[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok, other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        if step == 0:
+            _wait(counters_ptr, waits_ptr, 0)
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
+        if step == BLOCKS - 1:  # publish: the block's stores, a barrier, a release increment
+            if ASM_BARRIER:  # tl.debug_barrier would keep Triton from pipelining the loop
+                tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [step],
+                                          dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            else:  # Triton's interpreter (no inline PTX; programs run one after another)
+                tl.debug_barrier()
+            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
+
+
+TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2, "flow": 3}
 
 
 def parse(spec: str) -> dict:
     """A configuration from "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline
-    depth), "seg-RxGxWxPxS" (G: segment width) or "{bare,peeled,inloop}-RxWxPxSxB" (B: row
+    depth), "seg-RxGxWxPxS" (G: segment width) or "{bare,peeled,inloop,flow}-RxWxPxSxB" (B: row
     blocks a task); ValueError if malformed."""
     form, _, numbers = spec.partition("-")
     parts = numbers.split("x")
@@ -163,7 +202,7 @@ def parse(spec: str) -> dict:
         or not all(p.isdigit() and int(p) > 0 for p in parts)
     ):
         raise ValueError(f"{spec!r}: want whole-RxWxPxS, seg-RxGxWxPxS or "
-                         "{bare,peeled,inloop}-RxWxPxSxB, e.g. whole-4x4x2x3, seg-16x256x4x2x3 "
+                         "{bare,peeled,inloop,flow}-RxWxPxSxB, e.g. whole-4x4x2x3, seg-16x256x4x2x3 "
                          "or peeled-4x4x2x3x2")  # fmt: skip
     return {"form": form, **dict(zip(names, map(int, parts)))}
 
@@ -184,9 +223,13 @@ def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, prog
             counters = torch.tensor([0, 0, 1], dtype=torch.int32, device=w.device)
         tasks = -(-blocks // config["blocks"])
         waits = torch.tensor([2, 1], dtype=torch.int32, device=w.device)  # counter 2 at 1
-        _task_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
-                                  BLOCKS=config["blocks"], FORM=TASK_FORMS[config["form"]],
-                                  **common)  # fmt: skip
+        if config["form"] == "flow":
+            _flow_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
+                                      BLOCKS=config["blocks"], ASM_BARRIER=w.is_cuda, **common)  # fmt: skip
+        else:
+            _task_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
+                                      BLOCKS=config["blocks"], FORM=TASK_FORMS[config["form"]],
+                                      **common)  # fmt: skip
     elif config["form"] == "whole":
         _whole_rows[(programs,)](w, x, y, n, k, strip, **common)
     else:
@@ -216,7 +259,7 @@ def check(configs: list[dict]) -> None:
             launch(small, w, x, y, programs, counters)
             error = (y - w @ x).abs().max().item()
             assert error < 1e-4, f"{small} with {programs} programs: max |diff| {error:.1e}"
-            if config["form"] in ("peeled", "inloop"):  # every task published once
+            if config["form"] in ("peeled", "inloop", "flow"):  # every task published once
                 blocks = -(-203 // small["rows"])
                 tasks = -(-blocks // small["blocks"])
                 assert counters[1].item() == tasks, (small, counters.tolist(), tasks)
@@ -236,11 +279,15 @@ def compile_only(configs: list[dict], specs: list[str]) -> dict:
         if config["form"] == "seg":
             constants["SEG"] = config["seg"]
         if config["form"] in TASK_FORMS:
-            kernel = _task_strips
+            kernel = _flow_strips if config["form"] == "flow" else _task_strips
             types = {"w_ptr": "*bf16", "x_ptr": "*fp32", "y_ptr": "*fp32",
                      "counters_ptr": "*i32", "waits_ptr": "*i32", "N": "i32", "K": "i32",
                      "num_tasks": "i32"}  # fmt: skip
-            constants |= {"BLOCKS": config["blocks"], "FORM": TASK_FORMS[config["form"]]}
+            constants["BLOCKS"] = config["blocks"]
+            if config["form"] == "flow":
+                constants["ASM_BARRIER"] = True
+            else:
+                constants["FORM"] = TASK_FORMS[config["form"]]
         args = (kernel, types, constants, config["warps"])
         usage = compile_for_hopper(*args, divisible=["w_ptr", "x_ptr", "y_ptr", "K"]).split()
         compiled = compile_sm90(*args[:3], num_warps=config["warps"],
@@ -318,7 +365,7 @@ def main() -> None:
                            for blocks in (1, 2, 4, 16)],
                         help="whole-RxWxPxS (rows a block x warps x programs an SM x pipeline "
                              "depth), seg-RxGxWxPxS (G: the segment width) or "
-                             "{bare,peeled,inloop}-RxWxPxSxB (tasks of B row blocks)")  # fmt: skip
+                             "{bare,peeled,inloop,flow}-RxWxPxSxB (tasks of B row blocks)")  # fmt: skip
     parser.add_argument("--rows", type=int, default=131072, help="rows of each weight (GPU)")
     parser.add_argument("--copies", type=int, default=2, help="weights streamed a pass (GPU)")
     parser.add_argument(
