@@ -92,25 +92,21 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "[flow-]TxWxP[xV[xS[xL]]]" (flow-: the flow
-    schedule, whose one loop has no L); ValueError if malformed."""
-    flow = spec.startswith("flow-")
-    parts = spec.removeprefix("flow-").split("x")
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL]]]"; ValueError if malformed."""
+    parts = spec.split("x")
     if (
-        len(parts) not in ((3, 4, 5) if flow else (3, 4, 5, 6))
+        len(parts) not in (3, 4, 5, 6)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
         or parts[5:] not in ([], ["0"], ["1"])
     ):
-        raise ValueError(f"--fused {spec!r}: want [flow-]TxWxP[xV[xS[xL]]], e.g. 16384x8x1 "
-                         "(tile weights x warps x programs an SM), 16384x8x1x2x4x0 (2 waves "
-                         "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
-                         "inside, the default) or flow-8192x4x2x2x3 (the flow schedule)")  # fmt: skip
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL]]], e.g. 16384x8x1 (tile "
+                         "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of "
+                         "strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
+                         "inside, the default)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
         tiling["wait_in_loop"] = parts[5] == "1"
-    if flow:
-        tiling["schedule"] = "flow"
     return tiling
 
 
@@ -241,13 +237,12 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="[flow-]TxWxP[xV[xS[xL]]]",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xL]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
                              "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
-                             "input before the strip loop, 1: inside it]]]; flow-: the flow "
-                             "schedule, each program's tasks one pipelined loop")  # fmt: skip
+                             "input before the strip loop, 1: inside it]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip

@@ -143,7 +143,7 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
                     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
         if FORM != 0:
-            _publish(counters_ptr, 0, False)
+            _publish(counters_ptr, 0)
         task = following
 
 
@@ -174,8 +174,13 @@ def _flow_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
             _wait(counters_ptr, waits_ptr, 0)
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
         tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
-        if step == BLOCKS - 1:  # the barrier in PTX on a GPU: Triton still pipelines the loop
-            _publish(counters_ptr, 0, ASM_BARRIER)
+        if step == BLOCKS - 1:  # publish: the block's stores, a barrier, a release increment
+            if ASM_BARRIER:  # tl.debug_barrier would keep Triton from pipelining the loop
+                tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [step],
+                                          dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+            else:  # Triton's interpreter (no inline PTX; programs run one after another)
+                tl.debug_barrier()
+            tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
 
 
 TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2, "flow": 3}

@@ -314,57 +314,6 @@ def test_widths_not_multiples_of_16_are_refused() -> None:
         FusedDecodeStep(weights, one, one)
 
 
-def test_flow_lists_deal_every_block_once_in_task_order() -> None:
-    """The flow schedule's lists (kernels/fused_decode.py, ``_flow_items``): task t goes to
-    program t % programs; a program's items keep task order (so every wait is on an earlier
-    task, as in the counter schedule: no deadlock while all programs are resident); a matrix
-    task is one item a row block, first and last flagged, and its items' fields (weight
-    offsets, rows, columns, stride) address exactly its blocks' rows; padding is kind 7. Its
-    bad arguments are refused in one line."""
-    one = torch.zeros(1, dtype=torch.long)
-    small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
-                           dtype=torch.float32)  # fmt: skip
-    for tiling in ({"tile_elements": 256, "programs": 3}, {"tile_elements": 128, "programs": 5,
-                   "waves": 1}, {"tile_elements": 512, "programs": 4, "waves": None}):  # fmt: skip
-        step = FusedDecodeStep(small, one, one, schedule="flow", **tiling)
-        items, tasks = step.items.tolist(), step.tasks.tolist()
-        matrices, half = step.matrices.tolist(), step.rows // 2
-        seen: dict[tuple[int, int], set[int]] = {}  # (matrix, weight) -> weight rows read
-        for p, mine in enumerate(items):
-            order = [t for t in range(len(tasks)) if t % step.programs == p]
-            position = 0
-            for a_off, b_off, code, where in mine:
-                kind = code & 7
-                if kind == 7:
-                    continue
-                index, tile = where & 0xFFFFF, (where >> 20) & 0xFFFFFF
-                task = order[position]
-                assert tasks[task][:3] == [kind, index, tile], (p, task, tasks[task], code)
-                last = kind != 1 or (code >> 4) & 1
-                position += bool(last)
-                if kind != 1:
-                    continue
-                m = matrices[index]
-                n, k, up = m[1], m[2], m[10]
-                assert (code >> 40) == k and (code >> 8) & 0xFFFF == min(step.chunk, k)
-                for off, rows in ((a_off, (code >> 24) & 0xFF), (b_off, (code >> 32) & 0xFF)):
-                    base = up if (up >= 0 and off == b_off) else m[0]
-                    first_row, column = divmod(off - base, k)
-                    assert column % step.chunk == 0 and first_row >= 0 and rows <= half
-                    assert first_row + rows <= n and (rows == half or first_row + rows == n)
-                    key = (index, base, column)
-                    got = seen.setdefault(key, set())
-                    assert not got & set(range(first_row, first_row + rows)), key
-                    got |= set(range(first_row, first_row + rows))
-            assert position == len(order), (p, position, len(order))
-        for (index, base, column), rows in seen.items():  # every row of every weight, once
-            assert rows == set(range(matrices[index][1])), (index, base, column)
-    with pytest.raises(ValueError, match="schedule must be one of counter, flow"):
-        FusedDecodeStep(small, one, one, schedule="static")
-    with pytest.raises(ValueError, match="at least twice the model width"):
-        FusedDecodeStep(small, one, one, tile_elements=64, schedule="flow")
-
-
 def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
     run_in_triton_interpreter(__file__)
 
@@ -385,8 +334,6 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
-        check_kernel(weights, [0, 300, 511], 2e-2, schedule="flow"),  # every program's list
-        check_kernel(weights, [300], 2e-2, waves=1, pipeline=4, schedule="flow"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -427,17 +374,6 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
             waves=1,
             wait_in_loop=False,
         ),
-        # the flow schedule (one program: the interpreter runs programs one after another, so
-        # a list waiting on another program's task would wait for ever): two waves, one (the
-        # down projection's chunks), and a block a task; a head whose last block is half
-        # past its end (300 rows in blocks of 8: the last block's second half holds none)
-        check_kernel(
-            small, [0, 39], 1e-5, tile_elements=256, block_l=8, programs=1, schedule="flow"
-        ),
-        check_kernel(
-            small, [21], 1e-5, tile_elements=128, block_l=8, programs=1, waves=1, schedule="flow"
-        ),
-        check_kernel(small, [5], 1e-5, tile_elements=512, programs=1, waves=None, schedule="flow"),
         check_generator("cpu"),
     ):
         print(line)

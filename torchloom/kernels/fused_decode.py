@@ -95,10 +95,6 @@ DEFAULT_PIPELINE = 3
 # loaded alone before the wait with the loop starting at the second block.
 DEFAULT_WAIT_IN_LOOP = True
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
-# How programs get their tasks: "counter" (the next task in order from a global counter, each
-# strip its own pipelined loop) or "flow" (dealt out in turn before the launch, each program's
-# tasks one stream of row blocks through one pipelined loop: see _fused_flow_kernel).
-SCHEDULES = ("counter", "flow")
 
 
 @dataclass
@@ -196,31 +192,18 @@ def _wait(counters_ptr, waits_ptr, wait):
 
 
 @jit
-def _barrier(ASM: tl.constexpr):
-    """Every thread of the program here before any goes on. ``ASM``: as inline PTX (bar.sync),
-    which Triton's loop pipeliner does not look into: it leaves a loop that holds a
-    tl.debug_barrier unpipelined (the flow schedule's one loop holds every task). The
-    interpreter runs no PTX (nor needs a barrier: a program is one thread there)."""
-    if ASM:
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-    else:
-        tl.debug_barrier()
-
-
-@jit
-def _publish(counters_ptr, stage, ASM: tl.constexpr):
+def _publish(counters_ptr, stage):
     """Every thread's stores first, then one release increment of the stage's count."""
-    _barrier(ASM)
+    tl.debug_barrier()
     tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
 
 
 @jit
-def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi, ASM: tl.constexpr):
+def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi):
     """``_publish``, and first (with a ``signal`` counter, else -1) one release increment of
     each counter ``signal + r // signal_rows`` of the rows [lo, hi) the task wrote: a reader of
     some rows waits for their counters only, not for the whole stage."""
-    _barrier(ASM)
+    tl.debug_barrier()
     first = lo // signal_rows
     last = tl.where(signal >= 0, (hi - 1) // signal_rows + 1, first)
     for slot in range(first, last):
@@ -230,7 +213,7 @@ def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi, ASM: tl.cons
 
 @jit
 def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
-             tiles, lse_off, combine_stage, BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+             tiles, lse_off, combine_stage, BLOCK: tl.constexpr):  # fmt: skip
     """The head tiles' (max, sum of exponentials, argmax) into the log-sum-exp and the first
     argmax; the next step's token and position (clamped inside the cache)."""
     offs = tl.arange(0, BLOCK)
@@ -258,7 +241,7 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
     tl.store(token_ptr, token.to(tl.int64))
     position = tl.load(pos_ptr)
     tl.store(pos_ptr, tl.minimum(position + 1, max_len - 1))
-    _publish(counters_ptr, combine_stage, ASM)
+    _publish(counters_ptr, combine_stage)
 
 
 @jit
@@ -284,10 +267,7 @@ def _finish_block(y, block, rows, row_ok, act_ptr, N, chunk, chunks, parts_off, 
         masked = tl.where(row_ok, y, float("-inf"))
         top = tl.max(masked, axis=0)
         tl.store(act_ptr + partials_off + block * 3, top)
-        # (rows past N add nothing; a block of none, the flow schedule's half block past the
-        # head's end, leaves a max of -inf that the combine weighs by exp(-inf) = 0)
-        tl.store(act_ptr + partials_off + block * 3 + 1,
-                 tl.sum(tl.where(row_ok, tl.exp(masked - top), 0.0), axis=0))  # fmt: skip
+        tl.store(act_ptr + partials_off + block * 3 + 1, tl.sum(tl.exp(masked - top), axis=0))
         tl.store(act_ptr + partials_off + block * 3 + 2,
                  (block * ROWS + tl.argmax(masked, axis=0)).to(tl.float32))  # fmt: skip
 
@@ -327,42 +307,6 @@ def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, co
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
     return x * scale * gain.to(tl.float32)
-
-
-@jit
-def _strip_done(act_ptr, counters_ptr, stages_ptr, best_ptr, token_ptr, pos_ptr, max_len,
-                partials_off, lse_off, combine_stage, tile, first, count, N, chunks, row_counters,
-                parts_off, y_off, resid_at, resid_off, is_head, stage, head_tiles, signal,
-                signal_rows, block_rows, ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-                ASM: tl.constexpr):  # fmt: skip
-    """A strip's end, once its ``count`` blocks of ``block_rows`` rows from block ``first``
-    are summed: with several chunks (blocks of ``ROWS`` rows then), the strip's last chunk to
-    finish adds its rows' partial sums in chunk order (and the residual); the head's last task
-    to finish combines its ``head_tiles`` tiles' partials; any other task publishes its
-    rows."""
-    if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
-        _barrier(ASM)
-        done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
-                             scope="gpu")  # fmt: skip
-        if done == chunks - 1:
-            for i in range(0, count):
-                rows = (first + i) * ROWS + tl.arange(0, ROWS)
-                row_ok = rows < N
-                y = tl.zeros((ROWS,), tl.float32)
-                for c in range(0, chunks):
-                    y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-                y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
-                tl.store(act_ptr + y_off + rows, y, mask=row_ok)
-    if is_head != 0:
-        _barrier(ASM)
-        before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
-        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all partials visible
-            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
-                     head_tiles, lse_off, combine_stage, BLOCK_V, ASM)  # fmt: skip
-    else:
-        _publish_rows(counters_ptr, stage, signal, signal_rows, first * block_rows,
-                      tl.minimum(N, (first + count) * block_rows), ASM)  # fmt: skip
 
 
 @jit
@@ -424,10 +368,29 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                            cols, col_ok, norm_off, gain, K, EPS)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
-    _strip_done(act_ptr, counters_ptr, stages_ptr, best_ptr, token_ptr, pos_ptr, max_len,
-                partials_off, lse_off, combine_stage, tile, first, count, N, chunks, row_counters,
-                parts_off, y_off, resid_at, resid_off, is_head, stage, blocks.to(tl.int32),
-                signal, signal_rows, ROWS, ROWS, BLOCK_V, False)  # fmt: skip
+    if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
+        tl.debug_barrier()
+        done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
+                             scope="gpu")  # fmt: skip
+        if done == chunks - 1:
+            for i in range(0, count):
+                rows = (first + i) * ROWS + tl.arange(0, ROWS)
+                row_ok = rows < N
+                y = tl.zeros((ROWS,), tl.float32)
+                for c in range(0, chunks):
+                    y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+                y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
+                tl.store(act_ptr + y_off + rows, y, mask=row_ok)
+    if is_head != 0:
+        tl.debug_barrier()
+        before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
+        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all partials visible
+            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
+                     blocks.to(tl.int32), lse_off, combine_stage, BLOCK_V)  # fmt: skip
+    else:
+        _publish_rows(counters_ptr, stage, signal, signal_rows, first * ROWS,
+                      tl.minimum(N, (first + count) * ROWS))  # fmt: skip
 
 
 @jit
@@ -461,7 +424,7 @@ def _load_block(keys, values, at, ok, HALF: tl.constexpr):
 def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max_len,
             inv_freq_off, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
-            SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+            SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr):  # fmt: skip
     """One query head over one split of the cached positions (flash-decoding): split s of S
     covers positions [s * span, (s + 1) * span) before the step's own, span a whole number
     of BLOCK_L blocks. The split's first block is loaded before the wait for q/k/v (the cache
@@ -541,7 +504,7 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
     stats = parts + SPLITS * HEADS * HEAD_DIM + split * HEADS + head
     tl.store(stats, running_max)
     tl.store(stats + SPLITS * HEADS, total)
-    _barrier(ASM)
+    tl.debug_barrier()
     finished = tl.atomic_add(counters_ptr + head_counters + head, 1, sem="acq_rel", scope="gpu")
     if finished == SPLITS - 1:  # the head's last split: combine them (all visible now)
         every = tl.arange(0, SPLITS)
@@ -555,31 +518,7 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
         weight = tl.exp2(maxima - tl.max(maxima, axis=0))
         merged = tl.sum(weight[:, None] * outs, axis=0) / tl.sum(weight * sums, axis=0)
         tl.store(act_ptr + out_off + head * HEAD_DIM + dims, merged)
-    _publish(counters_ptr, stage, ASM)
-
-
-@jit
-def _embed(base_ptr, act_ptr, counters_ptr, token_ptr, embed_off, h_off, DIM: tl.constexpr,
-           CHUNK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """The token's embedding row into the stream at ``h_off``; publishes stage 0."""
-    cols = tl.arange(0, CHUNK)
-    token = tl.load(token_ptr)
-    row = tl.load(base_ptr + embed_off + token * DIM + cols, mask=cols < DIM, other=0.0)
-    tl.store(act_ptr + h_off + cols, row.to(tl.float32), mask=cols < DIM)
-    _publish(counters_ptr, 0, ASM)
-
-
-@jit
-def _logprobs(act_ptr, waits_ptr, counters_ptr, logprobs_ptr, wait, tile, lse_off, logits_off,
-              vocab, BLOCK_V: tl.constexpr):  # fmt: skip
-    """Block ``tile`` of the logits minus the log-sum-exp, once the combine (``wait``) has
-    run."""
-    _wait(counters_ptr, waits_ptr, wait)
-    rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
-    logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
-    tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
+    _publish(counters_ptr, stage)
 
 
 @jit
@@ -625,116 +564,21 @@ def _fused_decode_kernel(
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
-                    SCALE_LOG2, ROPE_SCALE, False)  # fmt: skip
+                    SCALE_LOG2, ROPE_SCALE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
-            _embed(base_ptr, act_ptr, counters_ptr, token_ptr, embed_off, index, DIM, CHUNK,
-                   False)  # fmt: skip
+            cols = tl.arange(0, CHUNK)
+            token = tl.load(token_ptr)
+            row = tl.load(base_ptr + embed_off + token * DIM + cols, mask=cols < DIM, other=0.0)
+            tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
+            _publish(counters_ptr, 0)
         else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run (index: its wait)
-            _logprobs(act_ptr, waits_ptr, counters_ptr, logprobs_ptr, index, tile, lse_off,
-                      logits_off, vocab, BLOCK_V)  # fmt: skip
+            _wait(counters_ptr, waits_ptr, index)
+            rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
+            logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+            tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
         task, kind, index, tile = following, next_kind, next_index, next_tile
-
-
-@jit
-def _fused_flow_kernel(
-    base_ptr, act_ptr, items_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
-    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, per_program, max_len, embed_off,
-    inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
-    DIM: tl.constexpr, CHUNK: tl.constexpr, HALF: tl.constexpr,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
-    EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    ASM: tl.constexpr,
-):  # fmt: skip
-    """The flow schedule: program p runs its own list of ``per_program`` items (the plan's
-    tasks dealt out in turn, in task order, a matrix task as one item a row block) through ONE
-    loop Triton pipelines, so the next items' weights are copied in while an item waits for
-    its input, publishes its rows or attends: the weights stream across task boundaries.
-
-    An item is 4 int64: the offsets of its two half blocks' first weights (HALF rows each: a
-    plain block's two halves, or a gated block's gate and up rows), a code (kind | first item
-    of its task << 3 | last << 4 | columns << 8 | rows of the first half << 24 | of the second
-    << 32 | the weight's row stride << 40) and where it belongs (matrix or layer | tile << 20
-    | row block << 44). Only the first three feed the weight loads, so the loop can issue them
-    ahead. A task still waits only for tasks before it in the plan's order and every program's
-    list keeps that order, so with every program resident (the plan checks it) the earliest
-    unfinished task can always run."""
-    halves = tl.arange(0, HALF)
-    offs = tl.arange(0, CHUNK)
-    x = tl.zeros((CHUNK,), tl.float32)
-    items = items_ptr + tl.program_id(0).to(tl.int64) * per_program * 4
-    for i in tl.range(0, per_program, num_stages=PIPELINE):
-        item = items + i * 4
-        a_off = tl.multiple_of(tl.load(item), 16)
-        b_off = tl.multiple_of(tl.load(item + 1), 16)
-        code = tl.load(item + 2)
-        # (multiples of 16, and said so: the copies are then 16 bytes with masks whole per
-        # copy; unhinted, a mask per element leaves the loop unpipelined)
-        width = tl.multiple_of((code >> 8) & 0xFFFF, 16)
-        stride = tl.multiple_of(code >> 40, 16)
-        at = halves.to(tl.int64)[:, None] * stride + offs[None, :]
-        col_ok = offs < width
-        a_ok = (halves < ((code >> 24) & 0xFF))[:, None] & col_ok[None, :]
-        b_ok = (halves < ((code >> 32) & 0xFF))[:, None] & col_ok[None, :]
-        wa = tl.load(base_ptr + a_off + at, mask=a_ok, other=0.0, eviction_policy="evict_first")
-        wb = tl.load(base_ptr + b_off + at, mask=b_ok, other=0.0, eviction_policy="evict_first")
-        kind = code & 7
-        where = tl.load(item + 3)
-        index = (where & 0xFFFFF).to(tl.int32)
-        tile = ((where >> 20) & 0xFFFFFF).to(tl.int32)
-        if kind == 1:  # MATVEC: one row block of a strip
-            block = (where >> 44).to(tl.int32)
-            meta = matrices_ptr + index * 19
-            N, K = tl.load(meta + 1), tl.multiple_of(tl.load(meta + 2), 16)
-            x_off, y_off = (
-                tl.multiple_of(tl.load(meta + 3), 16),
-                tl.multiple_of(tl.load(meta + 4), 16),
-            )
-            resid_off, norm_off = tl.load(meta + 5), tl.load(meta + 6)
-            resid_at = tl.multiple_of(tl.maximum(resid_off, 0), 16)
-            norm_at = tl.multiple_of(tl.maximum(norm_off, 0), 16)
-            up_off, chunks = tl.load(meta + 10), tl.load(meta + 11)
-            parts_off, is_head = tl.multiple_of(tl.load(meta + 12), 16), tl.load(meta + 9)
-            chunk = tile % chunks
-            if (code >> 3) & 1:  # the task's first block: its input, once written
-                cols = chunk * CHUNK + offs
-                gain = tl.load(base_ptr + norm_at + cols,
-                               mask=(cols < K) & (cols * 0 + norm_off >= 0), other=1.0)  # fmt: skip
-                x = _input(act_ptr, counters_ptr, waits_ptr, tl.load(meta + 7), chunk,
-                           tl.load(meta + 16), x_off, cols, cols < K, norm_off, gain, K, EPS)  # fmt: skip
-            sums_a = tl.sum(wa.to(tl.float32) * x[None, :], axis=1)
-            sums_b = tl.sum(wb.to(tl.float32) * x[None, :], axis=1)
-            if up_off >= 0:  # gated: HALF rows of silu(gate) * up
-                rows = block * HALF + halves
-                _finish_block(sums_a * tl.sigmoid(sums_a) * sums_b, block, rows, rows < N,
-                              act_ptr, N, chunk, chunks, parts_off, y_off, resid_at, resid_off,
-                              is_head, partials_off, HALF)  # fmt: skip
-            else:  # a plain block's two halves (the head's partials: one a half)
-                rows = 2 * block * HALF + halves
-                _finish_block(sums_a, 2 * block, rows, rows < N, act_ptr, N, chunk, chunks,
-                              parts_off, y_off, resid_at, resid_off, is_head, partials_off, HALF)  # fmt: skip
-                rows = rows + HALF
-                _finish_block(sums_b, 2 * block + 1, rows, rows < N, act_ptr, N, chunk, chunks,
-                              parts_off, y_off, resid_at, resid_off, is_head, partials_off, HALF)  # fmt: skip
-            if (code >> 4) & 1:  # the task's last block: the strip's end
-                strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
-                first = (tile // chunks) * strip
-                # A block is HALF rows gated, 2 HALF plain (a gated matrix has one chunk).
-                _strip_done(act_ptr, counters_ptr, stages_ptr, best_ptr, token_ptr, pos_ptr,
-                            max_len, partials_off, lse_off, combine_stage, tile, first,
-                            tl.minimum(strip, blocks - first), N, chunks, tl.load(meta + 13),
-                            parts_off, y_off, resid_at, resid_off, is_head, tl.load(meta + 8),
-                            2 * blocks.to(tl.int32), tl.load(meta + 17), tl.load(meta + 18),
-                            tl.where(up_off >= 0, HALF, 2 * HALF), 2 * HALF, BLOCK_V, ASM)  # fmt: skip
-        elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
-            _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
-                    pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
-                    SCALE_LOG2, ROPE_SCALE, ASM)  # fmt: skip
-        elif kind == 0:  # EMBED (index: the stream's offset)
-            _embed(base_ptr, act_ptr, counters_ptr, token_ptr, embed_off, index, DIM, CHUNK, ASM)
-        elif kind == 3:  # LOGPROB (index: its wait); kind 7 pads a list: nothing to do
-            _logprobs(act_ptr, waits_ptr, counters_ptr, logprobs_ptr, index, tile, lse_off,
-                      logits_off, vocab, BLOCK_V)  # fmt: skip
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -776,7 +620,6 @@ class FusedDecodeStep:
         waves: int | None = DEFAULT_WAVES,
         pipeline: int = DEFAULT_PIPELINE,
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
-        schedule: str = "counter",
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -794,9 +637,6 @@ class FusedDecodeStep:
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
         self.pipeline, self.wait_in_loop = pipeline, wait_in_loop
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
-        self.schedule, self._resident = schedule, False
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -808,10 +648,6 @@ class FusedDecodeStep:
         self.dim, self.chunk = dim, _pow2(dim)
         self.rows = max(1, tile_elements // self.chunk)
         self.gated_rows = max(1, self.rows // 2)
-        if schedule == "flow" and self.rows < 2:
-            raise ValueError(f"the flow schedule loads a block as two halves of whole rows: "
-                             f"tile_elements must be at least twice the model width rounded up "
-                             f"to a power of two ({2 * self.chunk}); got {tile_elements}")  # fmt: skip
         self.block_v = 1024
         self.token_1, self.position_1 = token_1, position_1
         self.max_len = max_len
@@ -951,8 +787,7 @@ class FusedDecodeStep:
         vocab = w.head.shape[0]
         logits = take(vocab)
         matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True)
-        # Each head block's max, sum, argmax (the flow schedule's: each half block's).
-        self.partials_off = take(3 * matrices[-1][15] * (2 if schedule == "flow" else 1))
+        self.partials_off = take(3 * matrices[-1][15])  # each head block's max, sum, argmax
         self.lse_off = take(1)
         combine = stage_of(1)
         combined = wait_for(combine)
@@ -973,10 +808,6 @@ class FusedDecodeStep:
         assert len(matrices[0]) == MATRIX_FIELDS and len(layers[0]) == LAYER_FIELDS
         assert all(len(task) == TASK_FIELDS for task in tasks[:1])
         self.tasks = torch.tensor(tasks, dtype=i32, device=device)
-        if schedule == "flow":
-            items = self._flow_items(tasks, matrices)
-            self.per_program = items.shape[1]
-            self.items = items.to(device)
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
         self.layers = torch.tensor(layers, dtype=i64, device=device)
         self.stages = torch.tensor(stages, dtype=i32, device=device)
@@ -985,44 +816,6 @@ class FusedDecodeStep:
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         self.block_l, self.splits = block_l, splits
-
-    def _flow_items(self, tasks: list[tuple[int, int, int]],
-                    matrices: list[list[int]]) -> torch.Tensor:  # fmt: skip
-        """The flow schedule's lists: task t to program t % programs, in task order, a matrix
-        task as one item a row block; [programs, items a program, 4] int64 (the kernel's
-        fields), shorter lists padded with items of kind 7 (nothing)."""
-        half, chunk = self.rows // 2, self.chunk
-        lists: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.programs)]
-        for t, (kind, index, tile) in enumerate(tasks):
-            mine = lists[t % self.programs]
-            if kind != MATVEC:
-                assert 0 <= index < 1 << 20 and 0 <= tile < 1 << 24, (kind, index, tile)
-                mine.append((0, 0, kind, index | tile << 20))
-                continue
-            w_off, n, k, up_off, chunks, strip, blocks = (matrices[index][f]
-                                                          for f in (0, 1, 2, 10, 11, 14, 15))  # fmt: skip
-            first, part = (tile // chunks) * strip, tile % chunks
-            count = min(strip, blocks - first)
-            width = min(chunk, k - part * chunk)
-            assert index < 1 << 20 and tile < 1 << 24 and blocks < 1 << 19 and k < 1 << 23
-            for step in range(count):
-                block = first + step
-                if up_off >= 0:  # gated: HALF rows of the gate, the same rows of up
-                    row = block * half
-                    a, b = w_off + row * k, up_off + row * k
-                    a_rows = b_rows = max(0, min(half, n - row))
-                else:  # plain: the block's 2 HALF rows as two halves
-                    row = 2 * block * half
-                    a, b = w_off + row * k, w_off + (row + half) * k
-                    a_rows, b_rows = max(0, min(half, n - row)), max(0, min(half, n - row - half))
-                code = (MATVEC | (step == 0) << 3 | (step == count - 1) << 4 | width << 8
-                        | a_rows << 24 | b_rows << 32 | k << 40)  # fmt: skip
-                mine.append(
-                    (a + part * chunk, b + part * chunk, code, index | tile << 20 | block << 44)
-                )
-        longest = max(map(len, lists))
-        return torch.tensor([mine + [(0, 0, 7, 0)] * (longest - len(mine)) for mine in lists],
-                            dtype=torch.int64)  # fmt: skip
 
     def _strip(self, tiles: int) -> int:
         """Row blocks a task streams in a stage of ``tiles`` tiles: one (a task a tile) without
@@ -1055,21 +848,17 @@ class FusedDecodeStep:
                              "width a multiple of 16); got "
                              + ", ".join(f"{k} {v}" for k, v in widths.items()))  # fmt: skip
 
-    def constants(self, on_gpu: bool | None = None) -> dict[str, object]:
-        """The kernel's constexpr arguments for these weights (``on_gpu``: whether the flow
-        schedule's barriers are inline PTX; default: whether the weights are on a GPU)."""
+    def constants(self) -> dict[str, object]:
+        """The kernel's constexpr arguments for these weights."""
         w = self.weights
-        shared = {
-            "DIM": self.dim, "CHUNK": self.chunk, "HEADS": w.heads, "KV_HEADS": w.kv_heads,
+        return {
+            "DIM": self.dim, "CHUNK": self.chunk, "ROWS": self.rows,
+            "GATED_ROWS": self.gated_rows, "HEADS": w.heads, "KV_HEADS": w.kv_heads,
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
+            "WAIT_IN_LOOP": self.wait_in_loop,
         }  # fmt: skip
-        if self.schedule == "flow":
-            on_gpu = w.embed.is_cuda if on_gpu is None else on_gpu
-            return shared | {"HALF": self.rows // 2, "ASM": on_gpu}
-        return shared | {"ROWS": self.rows, "GATED_ROWS": self.gated_rows,
-                         "WAIT_IN_LOOP": self.wait_in_loop}  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
         """(kernel, argument types, constants, warps) of this step's launch, for
@@ -1082,48 +871,13 @@ class FusedDecodeStep:
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
                  "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
                  "combine_stage": "i32"}  # fmt: skip
-        if self.schedule == "flow":
-            types = {("items_ptr" if name == "tasks_ptr" else "per_program" if name ==
-                      "num_tasks" else name): ("*i64" if name == "tasks_ptr" else kind)
-                     for name, kind in types.items()}  # fmt: skip
-            return _fused_flow_kernel, types, self.constants(on_gpu=True), self.num_warps
         return _fused_decode_kernel, types, self.constants(), self.num_warps
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.counters.zero_()
-        kernel, table, length = _fused_decode_kernel, self.tasks, self.scalars[0]
-        if self.schedule == "flow":  # each program's list of items, all of one length
-            kernel, table, length = _fused_flow_kernel, self.items, self.per_program
-        args = (self.base, self.act, table, self.matrices, self.layers, self.stages, self.waits,
-                self.counters, self.token_1, self.position_1, self.best_21, self.logprobs_1V,
-                length, *self.scalars[1:])  # fmt: skip
-        if self.schedule == "flow" and not self._resident and self.base.is_cuda:
-            compiled = kernel.warmup(*args, grid=(self.programs,), **self.constants(),
-                                     num_warps=self.num_warps)  # fmt: skip
-            self._check_resident(compiled)
-        kernel[(self.programs,)](*args, **self.constants(), num_warps=self.num_warps)
-        return self.logprobs_1V, self.best_21
-
-    def _check_resident(self, compiled) -> None:
-        """RuntimeError unless all the flow schedule's programs fit on the GPU at once (its
-        programs' lists are fixed before the launch: one left waiting for a free
-        multiprocessor would never run, and the programs waiting for its tasks would spin
-        for ever)."""
-        compiled._init_handles()  # loads the binary: its register count
-        props = torch.cuda.get_device_properties(self.base.device)
-        warps = self.num_warps
-        registers = -(-compiled.n_regs * 32 // 256) * 256 * warps  # a warp's in units of 256
-        shared = max(1, compiled.metadata.shared)
-        fits = min(getattr(props, "regs_per_multiprocessor", 65536) // registers,
-                   getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
-                   getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)  # fmt: skip
-        if self.programs > fits * props.multi_processor_count:
-            raise RuntimeError(
-                f"the flow schedule's {self.programs} programs must all be resident at once, "
-                f"but at {compiled.n_regs} registers a thread, {warps} warps and "
-                f"{shared // 1024} KB of shared memory a program only {fits} fit on each of the "
-                f"{props.multi_processor_count} multiprocessors: pass programs_per_sm={fits} or "
-                "fewer (or a shallower pipeline)"
-            )
-        self._resident = True
+        _fused_decode_kernel[(self.programs,)](
+            self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
+            self.waits, self.counters, self.token_1, self.position_1, self.best_21,
+            self.logprobs_1V, *self.scalars, **self.constants(), num_warps=self.num_warps,
+        )  # fmt: skip
         return self.logprobs_1V, self.best_21
