@@ -30,7 +30,11 @@ B row blocks (the fused step's strips are mostly 1 to 4 blocks) from a counter, 
   (a candidate for the fused step: its first block alone is in flight during a wait today);
 - ``flow``: tasks assigned to programs in turn (no counter), a program's tasks one stream of
   row blocks through one pipelined loop, each task's wait at its first block and its publishing
-  after its last: the loop never drains between tasks (a candidate shape for the whole step).
+  after its last: the loop never drains between tasks (at one block a task Triton leaves it
+  unpipelined: the wait is then unconditional). On an H100 (benchmarks/RESULTS.md, fortieth
+  session) it gained 6% over ``peeled`` at 2 blocks a task and nothing at 4, and the whole
+  step built this way (commit ``ff12c18``) was 14% slower: the round trips of the wait, the
+  input and the publishing, not the loop's drain, are what a task costs.
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
 the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
