@@ -11,11 +11,10 @@
 # step's GPU test, then its replay and tokens/s against the compiled forward at the best strip
 # tilings with the wait for a task's input before its strip loop (x0) and inside it (x1), each
 # also with its waits freed: what the waits between tasks cost against the streaming itself)
-# and `strip` (the fused step's
-# inner loop alone, benchmarks/strip_loop.py: whole rows summed every iteration against row
-# segments summed once a row block, then tasks of 1-16 row blocks taken from a counter, bare,
-# as the fused step runs them and with the wait inside the loop, in TB/s beside torch.mv and
-# F.linear).
+# and `strip` (the fused step's inner loop alone, benchmarks/strip_loop.py: whole rows summed
+# every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
+# bare, as the fused step runs them (the wait before the loop and inside it) and as one stream
+# a program, in TB/s beside torch.mv and F.linear).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}

@@ -322,9 +322,8 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
     positions 0, 300 and the cache's last, at the default tiling (strips of row blocks, two
-    waves; the wait inside the strip loop, and before it) and at one and three waves, and at one
-    tile a task; the
-    generator from CUDA graphs, eager and compiled."""
+    waves; the wait inside the strip loop, and before it) and at one and three waves, and at
+    one tile a task; the generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
     wide = {"tile_elements": 16384, "num_warps": 8, "programs_per_sm": 1}

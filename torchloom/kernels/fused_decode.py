@@ -34,9 +34,11 @@ about two tasks a program a stage took 0.45 of that time (s38). Offsets
 and widths are multiples of 16 elements and the kernel says so (``tl.multiple_of``): read
 from its tables, they would otherwise be loaded one element an instruction.
 
-Programs take tasks from a global counter in order. A matrix task loads its first weight tile
-first, then waits (spinning on an acquire load of a counter until it reaches the wait's
-count) for the input it reads, so a stage's weight reads overlap the previous stage's tail; a
+Programs take tasks from a global counter in order. A matrix task asks for its first weight
+tiles (PIPELINE - 1 of them: its strip loop's prologue), then waits (spinning on an acquire
+load of a counter until it reaches the wait's count) for the input it reads, in the loop's
+first iteration, so a stage's weight reads overlap the previous stage's tail (on an H100
+3.5-4% faster than loading one tile alone before the wait; benchmarks/RESULTS.md, s40); a
 finished task stores its outputs and publishes them with a release increment of its stage's
 count. Most waits are for a whole stage (a normed input needs every row of the stream), but
 two readers need only part of one: a query head waits for its kv group's q, k and v rows
@@ -324,8 +326,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     block alone, the loop starting at the second. Gated, the output is silu(gate) * up. With
     several chunks each writes its partial sums and the strip's last chunk to finish adds them
     in chunk order (one count a strip, not a block); the residual rows are added to the
-    finished sums. A head block also writes its rows' max,
-    sum of exponentials and argmax; the head's last task to finish combines them."""
+    finished sums. A head block also writes its rows' max, sum of exponentials and argmax; the
+    head's last task to finish combines them."""
     # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
     # compiler load 16 bytes a thread at a time (without the hints it loads one element) and
     # pipeline the loads.
