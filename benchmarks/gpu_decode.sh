@@ -13,8 +13,8 @@
 # also with its waits freed: what the waits between tasks cost against the streaming itself)
 # and `strip` (the fused step's inner loop alone, benchmarks/strip_loop.py: whole rows summed
 # every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
-# bare, as the fused step runs them (the wait before the loop and inside it) and as one stream
-# a program, in TB/s beside torch.mv and F.linear).
+# bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
+# the publishing alone, and as one stream a program, in TB/s beside torch.mv and F.linear).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}

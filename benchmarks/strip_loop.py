@@ -35,6 +35,8 @@ B row blocks (the fused step's strips are mostly 1 to 4 blocks) from a counter, 
   session) it gained 6% over ``peeled`` at 2 blocks a task and nothing at 4, and the whole
   step built this way (commit ``ff12c18``) was 14% slower: the round trips of the wait, the
   input and the publishing, not the loop's drain, are what a task costs.
+- ``waiting`` and ``publishing``: ``inloop``'s two costs alone, its wait and input without
+  its publishing, and its publishing without the wait and input.
 Reported: the weights' rate (TB/s) of each form and configuration, against ``torch.mv`` and
 ``F.linear`` on the same weight; ``--compile-only`` gives registers, spills, shared memory and
 the barriers, shuffles and shared-memory loads in the loop's code, header to exit (read from
@@ -114,9 +116,12 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
     for the input, the input, the first block summed, the rest through the loop, then a barrier
     and a release increment (its publishing). FORM 2 (``inloop``): every block in the loop, the
     wait and the input at its first iteration, so the loop's prologue asks for the first blocks'
-    copies before the wait; published as FORM 1. The wait and the publishing are the fused
-    step's own (kernels/fused_decode.py's ``_wait`` on wait 0 of ``waits_ptr``, met from the
-    start: one acquire round trip; ``_publish`` of stage 0: counter 1)."""
+    copies before the wait; published as FORM 1. FORM 4 (``waiting``): FORM 2 without its
+    publishing; FORM 5 (``publishing``): FORM 0 with it (so FORM 2 = FORM 0 + what a task's
+    wait and input cost + what its publishing costs, each timed alone). The wait and the
+    publishing are the fused step's own (kernels/fused_decode.py's ``_wait`` on wait 0 of
+    ``waits_ptr``, met from the start: one acquire round trip; ``_publish`` of stage 0:
+    counter 1)."""
     K = tl.multiple_of(K, 16)
     cols = tl.arange(0, KB)
     col_ok = cols < K
@@ -141,12 +146,12 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
             ok = (rows < N)[:, None] & col_ok[None, :]
             w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
                         other=0.0, eviction_policy="evict_first")  # fmt: skip
-            if FORM == 2:  # noqa: SIM102 (a constexpr test: compiled out of the other forms)
+            if FORM == 2 or FORM == 4:  # noqa: SIM102 (constexpr: compiled out of the others)
                 if i == 0:
                     _wait(counters_ptr, waits_ptr, 0)
                     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
-        if FORM != 0:
+        if FORM == 1 or FORM == 2 or FORM == 5:
             _publish(counters_ptr, 0)
         task = following
 
@@ -187,13 +192,13 @@ def _flow_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
             tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
 
 
-TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2, "flow": 3}
+TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2, "flow": 3, "waiting": 4, "publishing": 5}
 
 
 def parse(spec: str) -> dict:
     """A configuration from "whole-RxWxPxS" (rows a block, warps, programs an SM, pipeline
-    depth), "seg-RxGxWxPxS" (G: segment width) or "{bare,peeled,inloop,flow}-RxWxPxSxB" (B: row
-    blocks a task); ValueError if malformed."""
+    depth), "seg-RxGxWxPxS" (G: segment width) or "TASK-RxWxPxSxB" (TASK: one of TASK_FORMS;
+    B: row blocks a task); ValueError if malformed."""
     form, _, numbers = spec.partition("-")
     parts = numbers.split("x")
     task = ("rows", "warps", "per_sm", "pipeline", "blocks")
@@ -205,9 +210,9 @@ def parse(spec: str) -> dict:
         or len(parts) != len(names)
         or not all(p.isdigit() and int(p) > 0 for p in parts)
     ):
-        raise ValueError(f"{spec!r}: want whole-RxWxPxS, seg-RxGxWxPxS or "
-                         "{bare,peeled,inloop,flow}-RxWxPxSxB, e.g. whole-4x4x2x3, seg-16x256x4x2x3 "
-                         "or peeled-4x4x2x3x2")  # fmt: skip
+        raise ValueError(f"{spec!r}: want whole-RxWxPxS, seg-RxGxWxPxS or TASK-RxWxPxSxB "
+                         f"(TASK: {', '.join(TASK_FORMS)}), e.g. whole-4x4x2x3, "
+                         "seg-16x256x4x2x3 or peeled-4x4x2x3x2")  # fmt: skip
     return {"form": form, **dict(zip(names, map(int, parts)))}
 
 
@@ -263,7 +268,7 @@ def check(configs: list[dict]) -> None:
             launch(small, w, x, y, programs, counters)
             error = (y - w @ x).abs().max().item()
             assert error < 1e-4, f"{small} with {programs} programs: max |diff| {error:.1e}"
-            if config["form"] in ("peeled", "inloop", "flow"):  # every task published once
+            if config["form"] in ("peeled", "inloop", "flow", "publishing"):  # each task once
                 blocks = -(-203 // small["rows"])
                 tasks = -(-blocks // small["blocks"])
                 assert counters[1].item() == tasks, (small, counters.tolist(), tasks)
@@ -369,7 +374,8 @@ def main() -> None:
                            for blocks in (1, 2, 4, 16)],
                         help="whole-RxWxPxS (rows a block x warps x programs an SM x pipeline "
                              "depth), seg-RxGxWxPxS (G: the segment width) or "
-                             "{bare,peeled,inloop,flow}-RxWxPxSxB (tasks of B row blocks)")  # fmt: skip
+                             f"TASK-RxWxPxSxB (tasks of B row blocks; TASK: "
+                             f"{', '.join(TASK_FORMS)})")  # fmt: skip
     parser.add_argument("--rows", type=int, default=131072, help="rows of each weight (GPU)")
     parser.add_argument("--copies", type=int, default=2, help="weights streamed a pass (GPU)")
     parser.add_argument(

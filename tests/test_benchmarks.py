@@ -398,23 +398,28 @@ def test_decode_step_compiles_fused_tilings_for_hopper():
 def test_strip_loop_forms_match_their_reference():
     """benchmarks/strip_loop.py's forms of the fused step's inner loop (whole rows summed
     every iteration; row segments accumulated, summed once a row block; tasks of a few blocks
-    taken from a counter, bare, as the fused step runs them and with the wait inside the loop)
-    in Triton's interpreter against w @ x, with uneven strips and a ragged last row block; the
-    publishing forms count every task once."""
+    taken from a counter, bare, as the fused step runs them, with the wait inside the loop and
+    each of its two costs alone; dealt out as one stream a program) in Triton's interpreter
+    against w @ x, with uneven strips and a ragged last row block; the publishing forms count
+    every task once."""
     pytest.importorskip("triton")
     stdout = _run("strip_loop.py", "--check", "--configs", "whole-4x4x2x3", "seg-16x256x4x2x3",
                   "seg-8x32x4x1x2", "bare-4x4x2x3x2", "peeled-4x4x2x3x1", "peeled-8x4x2x2x3",
-                  "inloop-4x4x2x3x3", "inloop-8x4x1x2x1", interpreted=True)  # fmt: skip
-    assert "check passed: 8 configurations" in stdout
+                  "inloop-4x4x2x3x3", "inloop-8x4x1x2x1", "waiting-4x4x2x3x2",
+                  "publishing-4x4x2x3x3", "flow-4x4x2x3x2", "flow-8x4x1x2x1",
+                  interpreted=True)  # fmt: skip
+    assert "check passed: 12 configurations" in stdout
 
 
 def test_strip_loop_compiles_for_hopper():
     """The loop's forms build for sm_90 without spills, the segmented one's loop holds fewer
     barriers (its sums stay inside each warp): the figures benchmarks/RESULTS.md quotes; and the
-    task forms stay pipelined with the fused step's wait before and inside the loop."""
+    task forms stay pipelined with the fused step's wait before and inside the loop, and with
+    waits and publishing inside one loop over a program's tasks (its barrier in PTX)."""
     pytest.importorskip("triton")
     stdout = _run("strip_loop.py", "--compile-only", "--configs", "whole-4x4x2x3",
-                  "seg-16x256x4x2x3", "peeled-4x4x2x3x2", "inloop-4x4x2x3x2")  # fmt: skip
+                  "seg-16x256x4x2x3", "peeled-4x4x2x3x2", "inloop-4x4x2x3x2",
+                  "flow-4x4x2x3x2")  # fmt: skip
     rows = {line.split()[1]: ast.literal_eval(line.split(" ", 2)[2])
             for line in stdout.splitlines() if line.startswith("sm_90 ")}  # fmt: skip
     whole, seg = rows["whole-4x4x2x3"], rows["seg-16x256x4x2x3"]
@@ -422,7 +427,7 @@ def test_strip_loop_compiles_for_hopper():
     assert whole["async_copies_in_loop"] > 0 and seg["async_copies_in_loop"] > 0, rows
     assert seg["bar_sync_in_loop"] < whole["bar_sync_in_loop"], rows
     # The wait inside the loop leaves it pipelined (asynchronous copies), as the peeled form is.
-    for form in ("peeled-4x4x2x3x2", "inloop-4x4x2x3x2"):
+    for form in ("peeled-4x4x2x3x2", "inloop-4x4x2x3x2", "flow-4x4x2x3x2"):
         assert rows[form]["async_copies"] > 0 and rows[form]["acquire_loads"] > 0, rows
 
 
