@@ -108,20 +108,17 @@ def _segmented_rows(w_ptr, x_ptr, y_ptr, N, K, strip, ROWS: tl.constexpr, SEG: t
 @jit
 def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
                  ROWS: tl.constexpr, KB: tl.constexpr, PIPELINE: tl.constexpr,
-                 BLOCKS: tl.constexpr, FORM: tl.constexpr):  # fmt: skip
+                 BLOCKS: tl.constexpr, WAIT: tl.constexpr, PUBLISH: tl.constexpr):  # fmt: skip
     """Programs take tasks of BLOCKS row blocks of ROWS whole rows from a counter (the next one
-    as they start one, as the fused step does) until none is left. FORM 0 (``bare``): a task
-    streams its blocks through the pipelined loop, nothing else (x loaded once a program).
-    FORM 1 (``peeled``), the fused step's task: the first block's weights loaded, then the wait
-    for the input, the input, the first block summed, the rest through the loop, then a barrier
-    and a release increment (its publishing). FORM 2 (``inloop``): every block in the loop, the
-    wait and the input at its first iteration, so the loop's prologue asks for the first blocks'
-    copies before the wait; published as FORM 1. FORM 4 (``waiting``): FORM 2 without its
-    publishing; FORM 5 (``publishing``): FORM 0 with it (so FORM 2 = FORM 0 + what a task's
-    wait and input cost + what its publishing costs, each timed alone). The wait and the
-    publishing are the fused step's own (kernels/fused_decode.py's ``_wait`` on wait 0 of
-    ``waits_ptr``, met from the start: one acquire round trip; ``_publish`` of stage 0:
-    counter 1)."""
+    as they start one, as the fused step does) until none is left; each task streams its blocks
+    through the pipelined loop. WAIT 0: no wait (x loaded once a program); WAIT 1 (the fused
+    step's old task): the first block's weights loaded, then the wait for the input, the input,
+    the first block summed, the rest through the loop; WAIT 2 (its task now): every block in the
+    loop, the wait and the input at its first iteration, so the loop's prologue asks for the
+    first blocks' copies before the wait. PUBLISH: then a barrier and a release increment (its
+    publishing). The wait and the publishing are the fused step's own (kernels/fused_decode.py's
+    ``_wait`` on wait 0 of ``waits_ptr``, met from the start: one acquire round trip;
+    ``_publish`` of stage 0: counter 1)."""
     K = tl.multiple_of(K, 16)
     cols = tl.arange(0, KB)
     col_ok = cols < K
@@ -132,7 +129,7 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
         first = task * BLOCKS
         count = tl.minimum(BLOCKS, tl.cdiv(N, ROWS) - first)
         start = 0
-        if FORM == 1:
+        if WAIT == 1:
             rows = first * ROWS + tl.arange(0, ROWS)
             ok = (rows < N)[:, None] & col_ok[None, :]
             w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
@@ -146,12 +143,12 @@ def _task_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
             ok = (rows < N)[:, None] & col_ok[None, :]
             w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=ok,
                         other=0.0, eviction_policy="evict_first")  # fmt: skip
-            if FORM == 2 or FORM == 4:  # noqa: SIM102 (constexpr: compiled out of the others)
+            if WAIT == 2:  # noqa: SIM102 (a constexpr test: compiled out of the other forms)
                 if i == 0:
                     _wait(counters_ptr, waits_ptr, 0)
                     x = tl.load(x_ptr + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + rows, tl.sum(w.to(tl.float32) * x[None, :], axis=1), mask=rows < N)
-        if FORM == 1 or FORM == 2 or FORM == 5:
+        if PUBLISH:
             _publish(counters_ptr, 0)
         task = following
 
@@ -192,7 +189,12 @@ def _flow_strips(w_ptr, x_ptr, y_ptr, counters_ptr, waits_ptr, N, K, num_tasks,
             tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
 
 
-TASK_FORMS = {"bare": 0, "peeled": 1, "inloop": 2, "flow": 3, "waiting": 4, "publishing": 5}
+# The forms that take tasks from a counter: (WAIT, PUBLISH) of _task_strips. ``waiting`` and
+# ``publishing`` are ``inloop``'s two costs alone.
+COUNTER_FORMS = {"bare": (0, False), "peeled": (1, True), "inloop": (2, True),
+                 "waiting": (2, False), "publishing": (0, True)}  # fmt: skip
+TASK_FORMS = (*COUNTER_FORMS, "flow")
+PUBLISHING_FORMS = {form for form, (_, publish) in COUNTER_FORMS.items() if publish} | {"flow"}
 
 
 def parse(spec: str) -> dict:
@@ -236,8 +238,9 @@ def launch(config: dict, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, prog
             _flow_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
                                       BLOCKS=config["blocks"], ASM_BARRIER=w.is_cuda, **common)  # fmt: skip
         else:
+            wait, publish = COUNTER_FORMS[config["form"]]
             _task_strips[(programs,)](w, x, y, counters, waits, n, k, tasks,
-                                      BLOCKS=config["blocks"], FORM=TASK_FORMS[config["form"]],
+                                      BLOCKS=config["blocks"], WAIT=wait, PUBLISH=publish,
                                       **common)  # fmt: skip
     elif config["form"] == "whole":
         _whole_rows[(programs,)](w, x, y, n, k, strip, **common)
@@ -268,7 +271,7 @@ def check(configs: list[dict]) -> None:
             launch(small, w, x, y, programs, counters)
             error = (y - w @ x).abs().max().item()
             assert error < 1e-4, f"{small} with {programs} programs: max |diff| {error:.1e}"
-            if config["form"] in ("peeled", "inloop", "flow", "publishing"):  # each task once
+            if config["form"] in PUBLISHING_FORMS:  # every task published once
                 blocks = -(-203 // small["rows"])
                 tasks = -(-blocks // small["blocks"])
                 assert counters[1].item() == tasks, (small, counters.tolist(), tasks)
@@ -296,7 +299,7 @@ def compile_only(configs: list[dict], specs: list[str]) -> dict:
             if config["form"] == "flow":
                 constants["ASM_BARRIER"] = True
             else:
-                constants["FORM"] = TASK_FORMS[config["form"]]
+                constants["WAIT"], constants["PUBLISH"] = COUNTER_FORMS[config["form"]]
         args = (kernel, types, constants, config["warps"])
         usage = compile_for_hopper(*args, divisible=["w_ptr", "x_ptr", "y_ptr", "K"]).split()
         compiled = compile_sm90(*args[:3], num_warps=config["warps"],
