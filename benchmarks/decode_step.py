@@ -92,21 +92,25 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL]]]"; ValueError if malformed."""
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC]]]]"; ValueError if
+    malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in (3, 4, 5, 6)
+        len(parts) not in (3, 4, 5, 6, 7)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
-        or parts[5:] not in ([], ["0"], ["1"])
+        or not all(p in ("0", "1") for p in parts[5:])
     ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL]]], e.g. 16384x8x1 (tile "
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC]]]], e.g. 16384x8x1 (tile "
                          "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of "
                          "strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
-                         "inside, the default)")  # fmt: skip
+                         "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
+                         "their stages' counters, which no wait reads)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
         tiling["wait_in_loop"] = parts[5] == "1"
+    if parts[6:]:
+        tiling["count_signalled_stages"] = parts[6] == "1"
     return tiling
 
 
@@ -138,9 +142,10 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
-    """The compiled generator with the fused step, re-captured at each tiling "TxWxP[xV[xS[xL]]]"
-    (tile elements x warps x programs per SM [x waves: a matrix task streams a strip of row
-    blocks, about V tasks a program a stage [x pipeline: the strip's loop pipelined S deep]]):
+    """The compiled generator with the fused step, re-captured at each tiling
+    "TxWxP[xV[xS[xL[xC]]]]" (tile elements x warps x programs per SM [x waves: a matrix task
+    streams a strip of row blocks, about V tasks a program a stage [x pipeline: the strip's
+    loop pipelined S deep [x the wait in the loop [x signalled stages counted]]]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix). ``without_waits``: the step
@@ -237,12 +242,13 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xL]]]",
+    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xL[xC]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
                              "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
-                             "input before the strip loop, 1: inside it]]]")  # fmt: skip
+                             "input before the strip loop, 1: inside it [x 1: also count the "
+                             "signalled stages' tasks (the old form)]]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -263,7 +269,7 @@ def main() -> None:
             parser.error(str(error))
     if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
         parser.error(
-            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xL]]] ..."
+            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xL[xC]]]] ..."
         )
     if args.compile_only:
         if os.environ.get("TRITON_INTERPRET") == "1":

@@ -49,7 +49,7 @@ for part in $PARTS; do
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
       run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 8192x4x2x2x3x0 8192x4x2x2x3x1 \
-        16384x4x2x2x3x0 16384x4x2x2x3x1 8192x4x2x2x4x1 8192x4x2x2x2x1 8192x4x2x1x3x1 \
+        8192x4x2x2x3x1x1 16384x4x2x2x3x1 8192x4x2x2x4x1 8192x4x2x1x3x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;

@@ -224,7 +224,7 @@ def simulate_schedule(step: FusedDecodeStep) -> dict[int, list[tuple[int, int]]]
                 for slot in range(lo // per_slot, (hi - 1) // per_slot + 1):
                     counts[signal + slot] += 1
                     written.setdefault(signal + slot, []).append((y_off + lo, y_off + hi))
-            counts[1 + stage] += 1
+            counts[1 + stage] += m[19]  # (a signalled stage's count: only when asked)
             if stage == head_stage and counts[1 + stage] == stages[stage]:
                 counts[1 + step.scalars[-1]] += 1  # the last head task combines
         elif kind == 2:  # ATTEND
@@ -255,7 +255,8 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
                            dtype=torch.float32)  # fmt: skip
     for tiling in ({"tile_elements": 256, "programs": 3}, {"tile_elements": 256, "programs": 3,
                    "waves": 1}, {"tile_elements": 64, "programs": 3, "waves": 2},
-                   {"tile_elements": 1024, "programs": 5, "waves": 1}):  # fmt: skip
+                   {"tile_elements": 1024, "programs": 5, "waves": 1},
+                   {"tile_elements": 256, "programs": 3, "count_signalled_stages": True}):  # fmt: skip
         written = simulate_schedule(FusedDecodeStep(small, one, one, **tiling))
         assert len(written) == 2 * (2 + 3), tiling  # a layer: 2 kv groups, 3 chunks of 64
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
@@ -333,6 +334,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
+        check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -373,6 +375,8 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
             waves=1,
             wait_in_loop=False,
         ),
+        # every task also counted in its stage (q/k/v and gate/up: read by no wait)
+        check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, count_signalled_stages=True),
         check_generator("cpu"),
     ):
         print(line)

@@ -76,8 +76,9 @@ EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 # Per matrix: weight, N, K, input, output, residual, norm weight, wait, stage, is head,
 # up weight (gated), chunks, partial sums, first strip's count of finished chunks, row
 # blocks a task (its strip), row blocks, wait stride (a chunk's wait: wait + chunk * stride),
-# signal (the first counter its rows count in, or -1), rows a signal counter.
-MATRIX_FIELDS = 19
+# signal (the first counter its rows count in, or -1), rows a signal counter, whether its
+# tasks count in the stage's counter too (a signalled stage's count has no reader).
+MATRIX_FIELDS = 20
 # Per layer: q/k/v, key cache, value cache, partials, output, first wait (one a kv group),
 # stage, head counters.
 LAYER_FIELDS = 8
@@ -201,16 +202,20 @@ def _publish(counters_ptr, stage):
 
 
 @jit
-def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi):
-    """``_publish``, and first (with a ``signal`` counter, else -1) one release increment of
-    each counter ``signal + r // signal_rows`` of the rows [lo, hi) the task wrote: a reader of
-    some rows waits for their counters only, not for the whole stage."""
+def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi, count_stage):
+    """With a ``signal`` counter (else -1): one release increment of each counter ``signal +
+    r // signal_rows`` of the rows [lo, hi) the task wrote, where a reader of some rows waits
+    for their counters only; then, if ``count_stage``, one of the stage's count. A signalled
+    stage's count has no reader (the plan checks it: q, k and v are read per kv group, the
+    gated rows per chunk), so the plan keeps it only when asked (``count_signalled_stages``),
+    which spares every such task a release round trip."""
     tl.debug_barrier()
     first = lo // signal_rows
     last = tl.where(signal >= 0, (hi - 1) // signal_rows + 1, first)
     for slot in range(first, last):
         tl.atomic_add(counters_ptr + signal + slot, 1, sem="release", scope="gpu")
-    tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
+    if count_stage != 0:
+        tl.atomic_add(counters_ptr + 1 + stage, 1, sem="release", scope="gpu")
 
 
 @jit
@@ -392,7 +397,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                      blocks.to(tl.int32), lse_off, combine_stage, BLOCK_V)  # fmt: skip
     else:
         _publish_rows(counters_ptr, stage, signal, signal_rows, first * ROWS,
-                      tl.minimum(N, (first + count) * ROWS))  # fmt: skip
+                      tl.minimum(N, (first + count) * ROWS), tl.load(meta + 19))  # fmt: skip
 
 
 @jit
@@ -552,7 +557,7 @@ def _fused_decode_kernel(
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
-            meta = matrices_ptr + index * 19
+            meta = matrices_ptr + index * 20
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
@@ -622,6 +627,7 @@ class FusedDecodeStep:
         waves: int | None = DEFAULT_WAVES,
         pipeline: int = DEFAULT_PIPELINE,
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
+        count_signalled_stages: bool = False,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -737,7 +743,7 @@ class FusedDecodeStep:
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
                                  len(stages), int(head), offset(up), chunks, parts, finished,
                                  strip, blocks, wait_stride, signal[0] if signal else -1,
-                                 per_slot])  # fmt: skip
+                                 per_slot, int(signal is None or count_signalled_stages)])  # fmt: skip
                 for j in range(strips * chunks):
                     lo = (j // chunks) * span
                     slots = range(lo // per_slot, (min(n, lo + span) - 1) // per_slot + 1)
@@ -801,6 +807,10 @@ class FusedDecodeStep:
             row[17] += (1 + len(stages)) if row[17] >= 0 else 0
         for row in waits:
             row[0] += (1 + len(stages)) if row.pop() else 0
+        # A stage whose tasks do not count in its counter (_publish_rows): nothing may wait
+        # for its count.
+        uncounted = {1 + row[8] for row in matrices if not row[19]}
+        assert not uncounted & {counter for counter, _ in waits}, "a wait on an uncounted stage"
         self.act = torch.zeros(cursor, device=device, dtype=torch.float32)
         self.act[inv_freq_off : inv_freq_off + hd // 2] = w.inv_freq.float()
         self.logprobs_1V = torch.empty(1, vocab, device=device, dtype=torch.float32)
