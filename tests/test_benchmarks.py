@@ -474,3 +474,52 @@ def test_vs_torchtitan_bad_options_are_one_line(tmp_path, args, message):
     )  # fmt: skip
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_fused_trace_summary_recovers_known_phases():
+    """benchmarks/fused_trace.py: stamps made up with known phase lengths (2 cycles a ns, the
+    tasks one after another on three multiprocessors) come back as those lengths for every
+    kind of task, the programs' shares and the stage timeline add up to the step, and the
+    strip's bytes are the weights' (q/k/v's: its rows times the model's width)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+    try:
+        from test_fused_decode import random_weights
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "kernels"))
+    from torchloom.kernels.fused_decode import TRACE_FIELDS, FusedDecodeStep
+
+    trace = _benchmark("fused_trace")
+    weights = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
+                             dtype=torch.float32)  # fmt: skip
+    one = torch.zeros(1, dtype=torch.long)
+    step = FusedDecodeStep(weights, one, one, tile_elements=256, programs=3)
+    lengths = [100, 200, 50, 400, 30]  # ns: table, wait, input, strip, finish
+    stamps = torch.zeros(len(step.tasks), TRACE_FIELDS, dtype=torch.long)
+    for i in range(len(step.tasks)):
+        start = 1000 * i
+        cycles = [2 * (start + sum(lengths[:j])) for j in range(len(lengths) + 1)]
+        stamps[i, trace.START_NS], stamps[i, trace.END_NS] = start, start + sum(lengths)
+        stamps[i, trace.START], stamps[i, trace.WAIT], stamps[i, trace.WAITED] = cycles[:3]
+        stamps[i, trace.INPUT], stamps[i, trace.STRIP], stamps[i, trace.END] = cycles[3:]
+        stamps[i, trace.SM] = i % 3
+    summary = trace.summarize(step, stamps)
+    assert summary["cycles_per_ns"] == 2.0
+    kinds = summary["kinds"]
+    assert set(kinds) == {"embed", "q/k/v", "attention", "o", "gate/up", "down", "head",
+                          "logprob"}  # fmt: skip
+    for label in ("q/k/v", "o", "gate/up", "down", "head"):
+        phases = [kinds[label][name]["mean_us"] for name in trace.MATRIX_PHASES]
+        assert phases == [n / 1e3 for n in lengths], (label, phases)
+    assert kinds["attention"]["wait"]["mean_us"] == 0.2
+    assert kinds["attention"]["attend"]["mean_us"] == 0.48
+    assert kinds["logprob"]["whole"]["mean_us"] == 0.78
+    shares = sum(v["per_program_us"] for kind in kinds.values() for v in kind.values()
+                 if isinstance(v, dict))  # fmt: skip
+    assert abs(shares - len(step.tasks) * 0.78 / 3) < 0.1, shares
+    # q/k/v: 2 layers x (4 + 2 + 2) heads x 16 rows, 64 wide, fp32; its strips took 400 ns each
+    qkv = kinds["q/k/v"]
+    assert qkv["strip_GB_per_s_a_program"] == round(2 * 128 * 64 * 4 / (qkv["tasks"] * 400), 2)
+    timeline = summary["timeline"]
+    assert abs(sum(t["total_us"] for t in timeline.values()) - summary["step_us"]) < 0.2
+    assert timeline["q/k/v"]["stages"] == 2 and timeline["head"]["stages"] == 1

@@ -300,6 +300,12 @@ def test_kernel_compiles_for_hopper() -> None:
     weight_loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
     assert all(load.endswith(".v4.b32") for load in weight_loads), weight_loads
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    # Untraced, the trace's stamps compile to nothing; traced, the strip stays pipelined.
+    assert "%clock64" not in ptx and "%globaltimer" not in ptx
+    traced = FusedDecodeStep(decode_weights(model, cache), position, position, trace=True)
+    assert compile_for_hopper(*traced.sm90_arguments()).endswith(" SPILLS:0")
+    ptx = compile_sm90(*traced.sm90_arguments()).asm["ptx"]
+    assert ptx.count("%clock64") >= 6 and "cp.async.cg.shared.global" in ptx
 
 
 def test_widths_not_multiples_of_16_are_refused() -> None:
@@ -335,12 +341,36 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
+        check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
         check_generator("cuda", compile=True),
     ]
     print("\n".join(lines))
+
+
+@pytest.mark.gpu
+def test_traced_stamps_are_in_order_on_gpu() -> None:
+    """A traced step (bf16, the 1B layer shapes, 2 layers) stamps every task: each matrix
+    task's start, wait, input, strip and end in that order on one multiprocessor, within the
+    step's span on the global timer."""
+    from torchloom.kernels.fused_decode import TRACE_FIELDS
+
+    weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
+                             device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    token_1 = torch.tensor([7], device="cuda")
+    position_1 = torch.tensor([300], device="cuda")
+    step = FusedDecodeStep(weights, token_1, position_1, trace=True)
+    step()
+    stamps = step.stamps.view(-1, TRACE_FIELDS).cpu()
+    matrix = step.tasks[:, 0].cpu() == 1
+    start, wait, waited, got_input, strip, end = (stamps[matrix, i] for i in (1, 8, 2, 3, 4, 5))
+    for earlier, later in ((start, wait), (wait, waited), (waited, got_input),
+                           (got_input, strip), (strip, end)):  # fmt: skip
+        assert bool((later >= earlier).all())
+    assert bool((stamps[:, 7] >= stamps[:, 0]).all()) and bool((stamps[:, 0] > 0).all())
+    assert int(stamps[:, 6].max()) < torch.cuda.get_device_properties(0).multi_processor_count
 
 
 if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
@@ -380,3 +410,10 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_generator("cpu"),
     ):
         print(line)
+    try:  # the trace reads the GPU's clocks in inline PTX, which the interpreter does not run
+        FusedDecodeStep(small, torch.zeros(1, dtype=torch.long),
+                        torch.zeros(1, dtype=torch.long), trace=True)  # fmt: skip
+        raise AssertionError("trace=True ran under the interpreter")
+    except ValueError as error:
+        assert "interpreter" in str(error), error
+        print("trace=True refused under the interpreter")

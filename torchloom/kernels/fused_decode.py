@@ -62,6 +62,7 @@ torchloom/generate/fused_step.py). ``fused_decode_reference`` is the same step i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,10 @@ MATRIX_FIELDS = 20
 # stage, head counters.
 LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
+# A traced task's row: its start's global time (ns), then cycle counts of its start, the wait's
+# end, the input's arrival, the strip's end and the task's end, its multiprocessor, its end's
+# global time, the wait's start (cycles), and one unused.
+TRACE_FIELDS = 10
 # The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
 # strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the
@@ -185,13 +190,26 @@ def fused_decode_reference(
 @jit
 def _wait(counters_ptr, waits_ptr, wait):
     """Spin until the counter of wait ``wait`` (none: -1) reaches the wait's count: every task
-    that writes what the waiting task reads has published it."""
+    that writes what the waiting task reads has published it. Returns the count seen (0
+    without a wait): a value that exists only once the wait is over (for ``_stamp``)."""
+    done = 0
     if wait >= 0:
         counter = counters_ptr + tl.load(waits_ptr + 2 * wait)
         need = tl.load(waits_ptr + 2 * wait + 1)
         done = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         while done < need:
             done = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    return done
+
+
+@jit
+def _stamp(trace_row, field, after, TRACE: tl.constexpr):
+    """With ``TRACE``: the multiprocessor's cycle count into ``trace_row[field]``, read once
+    ``after`` (an int32 value) exists, so the stamp cannot be taken before what computes it."""
+    if TRACE:
+        clock = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [after],
+                                          dtype=tl.int64, is_pure=False, pack=1)  # fmt: skip
+        tl.store(trace_row + field, clock)
 
 
 @jit
@@ -307,12 +325,16 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 @jit
 def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols, col_ok,
-           norm_off, gain, K, EPS: tl.constexpr):  # fmt: skip
+           norm_off, gain, K, trace_row, EPS: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """Once its writers have published it, a task's slice of its input, RMS-normed where the
-    matrix has a norm weight."""
-    _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
+    matrix has a norm weight (traced: the wait's end, then the input's arrival)."""
+    _stamp(trace_row, 8, wait, TRACE)
+    done = _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
+    _stamp(trace_row, 2, done, TRACE)
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-    scale = tl.where(norm_off >= 0, tl.rsqrt(tl.sum(x * x, axis=0) / K + EPS), 1.0)
+    squares = tl.sum(x * x, axis=0)
+    _stamp(trace_row, 3, squares.to(tl.int32, bitcast=True), TRACE)
+    scale = tl.where(norm_off >= 0, tl.rsqrt(squares / K + EPS), 1.0)
     return x * scale * gain.to(tl.float32)
 
 
@@ -320,7 +342,8 @@ def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, co
 def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
             token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
-            BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr, WAIT_IN_LOOP: tl.constexpr):  # fmt: skip
+            trace_row, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
+            WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
     stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
@@ -357,7 +380,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
         rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols,
                                                col_ok, ROWS, GATED)  # fmt: skip
         x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols,
-                   col_ok, norm_off, gain, K, EPS)  # fmt: skip
+                   col_ok, norm_off, gain, K, trace_row, EPS, TRACE)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
         start = 1
@@ -372,9 +395,10 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
         if WAIT_IN_LOOP:  # noqa: SIM102 (a constexpr test: compiled out when off)
             if i == 0:
                 x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off,
-                           cols, col_ok, norm_off, gain, K, EPS)  # fmt: skip
+                           cols, col_ok, norm_off, gain, K, trace_row, EPS, TRACE)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
+    _stamp(trace_row, 4, count, TRACE)
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
@@ -431,7 +455,8 @@ def _load_block(keys, values, at, ok, HALF: tl.constexpr):
 def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max_len,
             inv_freq_off, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS: tl.constexpr,
-            SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr):  # fmt: skip
+            trace_row, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr,
+            TRACE: tl.constexpr):  # fmt: skip
     """One query head over one split of the cached positions (flash-decoding): split s of S
     covers positions [s * span, (s + 1) * span) before the step's own, span a whole number
     of BLOCK_L blocks. The split's first block is loaded before the wait for q/k/v (the cache
@@ -466,7 +491,9 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
     angle = position.to(tl.float32) * tl.load(act_ptr + inv_freq_off + d)
     cos = (tl.cos(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
-    _wait(counters_ptr, waits_ptr, wait + kv)  # the kv group's q, k and v rows
+    _stamp(trace_row, 8, wait, TRACE)
+    done = _wait(counters_ptr, waits_ptr, wait + kv)  # the kv group's q, k and v rows
+    _stamp(trace_row, 2, done, TRACE)
     q_ptr = act_ptr + qkv_off + head * HEAD_DIM
     k_ptr = act_ptr + qkv_off + (HEADS + kv) * HEAD_DIM
     v_ptr = act_ptr + qkv_off + (HEADS + KV_HEADS + kv) * HEAD_DIM
@@ -531,13 +558,14 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
 @jit
 def _fused_decode_kernel(
     base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
-    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, num_tasks, max_len, embed_off,
+    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, num_tasks, max_len,
+    embed_off,
     inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr,
+    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -551,6 +579,16 @@ def _fused_decode_kernel(
     index = tl.load(tasks_ptr + 3 * task + 1, mask=more, other=0)
     tile = tl.load(tasks_ptr + 3 * task + 2, mask=more, other=0)
     while task < num_tasks:
+        # Traced: each task's row of stamps (TRACE_FIELDS); untraced, they compile to nothing.
+        trace_row = trace_ptr + 10 * task
+        if TRACE:
+            tl.store(trace_row, tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l,r", [task], dtype=tl.int64, is_pure=False,
+                pack=1))  # fmt: skip
+            tl.store(trace_row + 6, tl.inline_asm_elementwise(
+                "mov.u32 $0, %smid;", "=r,r", [task], dtype=tl.int32, is_pure=False,
+                pack=1).to(tl.int64))  # fmt: skip
+        _stamp(trace_row, 1, task, TRACE)
         following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         more = following < num_tasks
         next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
@@ -561,17 +599,17 @@ def _fused_decode_kernel(
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, GATED_ROWS, True, EPS, BLOCK_V, PIPELINE,
-                        WAIT_IN_LOOP)  # fmt: skip
+                        combine_stage, CHUNK, GATED_ROWS, True, EPS, trace_row, BLOCK_V,
+                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, ROWS, False, EPS, BLOCK_V, PIPELINE,
-                        WAIT_IN_LOOP)  # fmt: skip
+                        combine_stage, CHUNK, ROWS, False, EPS, trace_row, BLOCK_V,
+                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
-                    SCALE_LOG2, ROPE_SCALE)  # fmt: skip
+                    trace_row, SCALE_LOG2, ROPE_SCALE, TRACE)  # fmt: skip
         elif kind == 0:  # EMBED: the token's row into the stream (stage 0, index: its offset)
             cols = tl.arange(0, CHUNK)
             token = tl.load(token_ptr)
@@ -579,12 +617,17 @@ def _fused_decode_kernel(
             tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
             _publish(counters_ptr, 0)
         else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run (index: its wait)
-            _wait(counters_ptr, waits_ptr, index)
+            _stamp(trace_row, 2, _wait(counters_ptr, waits_ptr, index), TRACE)
             rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
             logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
             tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
+        _stamp(trace_row, 5, following, TRACE)
+        if TRACE:
+            tl.store(trace_row + 7, tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l,r", [following], dtype=tl.int64,
+                is_pure=False, pack=1))  # fmt: skip
         task, kind, index, tile = following, next_kind, next_index, next_tile
 
 
@@ -628,6 +671,7 @@ class FusedDecodeStep:
         pipeline: int = DEFAULT_PIPELINE,
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
         count_signalled_stages: bool = False,
+        trace: bool = False,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -645,6 +689,10 @@ class FusedDecodeStep:
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
         self.pipeline, self.wait_in_loop = pipeline, wait_in_loop
+        if trace and os.environ.get("TRITON_INTERPRET") == "1":
+            raise ValueError("trace=True reads the GPU's clocks (inline PTX), which Triton's "
+                             "interpreter does not run: trace on a CUDA device")  # fmt: skip
+        self.trace = trace
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -825,6 +873,9 @@ class FusedDecodeStep:
         self.stages = torch.tensor(stages, dtype=i32, device=device)
         self.waits = torch.tensor(waits, dtype=i32, device=device)
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
+        # Traced: a row of stamps a task (``trace_rows``), else one unused element.
+        self.stamps = torch.zeros(len(tasks) * TRACE_FIELDS if trace else 1, dtype=i64,
+                                  device=device)  # fmt: skip
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         self.block_l, self.splits = block_l, splits
@@ -869,7 +920,7 @@ class FusedDecodeStep:
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
-            "WAIT_IN_LOOP": self.wait_in_loop,
+            "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
@@ -879,7 +930,8 @@ class FusedDecodeStep:
         types = {"base_ptr": pointer[self.base.dtype], "act_ptr": "*fp32", "tasks_ptr": "*i32",
                  "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
                  "waits_ptr": "*i32", "counters_ptr": "*i32", "token_ptr": "*i64",
-                 "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32", "num_tasks": "i32",
+                 "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",
+                 "trace_ptr": "*i64", "num_tasks": "i32",
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
                  "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
                  "combine_stage": "i32"}  # fmt: skip
@@ -890,6 +942,6 @@ class FusedDecodeStep:
         _fused_decode_kernel[(self.programs,)](
             self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
             self.waits, self.counters, self.token_1, self.position_1, self.best_21,
-            self.logprobs_1V, *self.scalars, **self.constants(), num_warps=self.num_warps,
+            self.logprobs_1V, self.stamps, *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
         return self.logprobs_1V, self.best_21
