@@ -342,7 +342,6 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
-        check_kernel(weights, [300], 2e-2, head_waves=8),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -395,8 +394,6 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         # q's 64 and k's 32, the head's 300 in 6)
         check_kernel(small, [0, 39], 1e-5, tile_elements=256, block_l=8, programs=3, waves=1),
         check_kernel(small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2),
-        # the head in more, shorter strips than the layers (strips of 5 of its 75 blocks)
-        check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, waves=1, head_waves=6),
         # the first block loaded alone before the wait, the loop from the second
         check_kernel(
             small,

@@ -98,10 +98,6 @@ DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
 # tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
 # the step (the groups of tasks one another waits for).
 DEFAULT_PIPELINE = 3
-# The head's waves (None: as ``waves``). The head is one 525 MB stage at the 1B shape, and no
-# task waits for it but the log-probabilities: its long strips end unevenly (on an H100 its
-# stage spanned 229 us while a program streamed in it for 171; benchmarks/RESULTS.md, s41).
-DEFAULT_HEAD_WAVES = None
 # Whether a strip's first block goes through the pipelined loop too, the wait for its input in
 # the loop's first iteration (so PIPELINE - 1 blocks are asked for before the wait), rather than
 # loaded alone before the wait with the loop starting at the second block.
@@ -676,7 +672,6 @@ class FusedDecodeStep:
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
         count_signalled_stages: bool = False,
         trace: bool = False,
-        head_waves: int | None = DEFAULT_HEAD_WAVES,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -700,13 +695,10 @@ class FusedDecodeStep:
         self.trace = trace
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
-        if head_waves is not None and head_waves < 1:
-            raise ValueError(f"head_waves must be at least 1 (or None: as waves); got {head_waves}")
         device = w.embed.device
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
         self.programs = programs or programs_per_sm * sms
         self.waves = waves
-        self.head_waves = waves if head_waves is None or waves is None else head_waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
         self.dim, self.chunk = dim, _pow2(dim)
@@ -783,8 +775,7 @@ class FusedDecodeStep:
             shapes = [(-(-m.shape[1] // self.chunk),  # chunks, row blocks
                        -(-m.shape[0] // (self.rows if up is None else self.gated_rows)))
                       for m, up, *_ in entries]  # fmt: skip
-            strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes),
-                                self.head_waves if head else self.waves)  # fmt: skip
+            strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes))
             needs = [0] * (signal[1] if signal else 0)
             keyed = []
             for e, ((weight, up, x_off, y_off, resid, norm), (chunks, blocks)) in enumerate(
@@ -889,10 +880,10 @@ class FusedDecodeStep:
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         self.block_l, self.splits = block_l, splits
 
-    def _strip(self, tiles: int, waves: int | None) -> int:
+    def _strip(self, tiles: int) -> int:
         """Row blocks a task streams in a stage of ``tiles`` tiles: one (a task a tile) without
         ``waves``, else enough that the stage is about ``waves`` tasks a program."""
-        return 1 if waves is None else max(1, -(-tiles // (self.programs * waves)))
+        return 1 if self.waves is None else max(1, -(-tiles // (self.programs * self.waves)))
 
     @staticmethod
     def _tensors(w: DecodeWeights) -> list[torch.Tensor]:
