@@ -114,6 +114,16 @@ def fused_tiling(spec: str) -> dict:
     return tiling
 
 
+def tiling_argument(spec: str) -> str:
+    """``spec`` when it is a well-formed "TxWxP[...]" tiling (argparse's ``type`` for
+    ``--fused``), else argparse's error naming the form."""
+    try:
+        fused_tiling(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return spec
+
+
 def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -> dict:
     """Each tiling's kernel at ``flavor``'s shape in bf16 compiled for sm_90 on any machine
     (no GPU): tasks a step, registers a thread, bytes spilled, shared memory, and the
@@ -242,7 +252,7 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], metavar="TxWxP[xV[xS[xL[xC]]]]",
+    parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument, metavar="TxWxP[xV[xS[xL[xC]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
@@ -262,11 +272,6 @@ def main() -> None:
                              "they cost")  # fmt: skip
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
-    for spec in args.fused:
-        try:
-            fused_tiling(spec)
-        except ValueError as error:
-            parser.error(str(error))
     if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
         parser.error(
             "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xL[xC]]]] ..."

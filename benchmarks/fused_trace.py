@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
-from decode_step import build, fused_tiling
+from decode_step import build, fused_tiling, tiling_argument
 from gpu_bench import ms_per_call, write_report
 
 from torchloom.generate.fused_step import decode_weights
@@ -139,16 +139,12 @@ def main() -> None:
         "--fused",
         nargs="*",
         default=["8192x4x2x2x3"],
+        type=tiling_argument,
         metavar="TxWxP[xV[xS[xL[xC]]]]",
         help="tilings, as decode_step.py's",
     )
     parser.add_argument("--json", type=Path, default=Path("outputs/fused_trace.json"))
     args = parser.parse_args()
-    for spec in args.fused:
-        try:
-            fused_tiling(spec)
-        except ValueError as error:
-            parser.error(str(error))
     if not torch.cuda.is_available():
         sys.exit("fused_trace.py reads the GPU's clocks: it needs a CUDA GPU.")
     device = torch.device("cuda")

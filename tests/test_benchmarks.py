@@ -523,3 +523,12 @@ def test_fused_trace_summary_recovers_known_phases():
     timeline = summary["timeline"]
     assert abs(sum(t["total_us"] for t in timeline.values()) - summary["step_us"]) < 0.2
     assert timeline["q/k/v"]["stages"] == 2 and timeline["head"]["stages"] == 1
+
+
+@pytest.mark.parametrize("script", ["decode_step.py", "fused_trace.py"])
+def test_fused_tiling_typos_are_one_usage_error(script):
+    """A malformed --fused tiling is refused before anything is built (no GPU needed), in one
+    usage line naming the form."""
+    result = _result(script, "--fused", "8192x4x2", "8192x4")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "argument --fused: --fused '8192x4': want TxWxP" in result.stderr, result.stderr
