@@ -559,8 +559,7 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
 def _fused_decode_kernel(
     base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
     counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, num_tasks, max_len,
-    embed_off,
-    inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
+    embed_off, inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
@@ -654,7 +653,12 @@ class FusedDecodeStep:
     row blocks, so that each stage is about ``waves`` tasks a program (``waves`` None: one
     tile a task): a strip pays the task's round trips (the counter, its table rows, the wait, the
     input) once and streams its blocks through a loop pipelined ``pipeline`` deep (``pipeline``
-    - 1 tiles in flight a program, in shared memory)."""
+    - 1 tiles in flight a program, in shared memory). ``trace``: every task also stamps its
+    multiprocessor's cycle counter at its start, its wait's start and end, its input's arrival,
+    its strip's end and its end (and the global timer at its start and end) into ``stamps``
+    ([tasks, TRACE_FIELDS] int64), each stamp taking a value computed by what it follows, so
+    it cannot be issued early; benchmarks/fused_trace.py reads them. A CUDA device only (the
+    clocks are read in inline PTX); untraced, no stamp is compiled in."""
 
     def __init__(
         self,
@@ -866,6 +870,7 @@ class FusedDecodeStep:
         i32, i64 = torch.int32, torch.int64
         # The kernel spells these widths as literals (a jit function reads no plain globals).
         assert len(matrices[0]) == MATRIX_FIELDS and len(layers[0]) == LAYER_FIELDS
+        assert TRACE_FIELDS == 10
         assert all(len(task) == TASK_FIELDS for task in tasks[:1])
         self.tasks = torch.tensor(tasks, dtype=i32, device=device)
         self.matrices = torch.tensor(matrices, dtype=i64, device=device)
@@ -873,7 +878,8 @@ class FusedDecodeStep:
         self.stages = torch.tensor(stages, dtype=i32, device=device)
         self.waits = torch.tensor(waits, dtype=i32, device=device)
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
-        # Traced: a row of stamps a task (``trace_rows``), else one unused element.
+        # Traced: a row of TRACE_FIELDS stamps a task (benchmarks/fused_trace.py reads them),
+        # else one element the kernel never writes.
         self.stamps = torch.zeros(len(tasks) * TRACE_FIELDS if trace else 1, dtype=i64,
                                   device=device)  # fmt: skip
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
