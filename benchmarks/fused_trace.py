@@ -7,7 +7,9 @@ them, for each kind of task (q/k/v, attention, o, gate/up, down, head, log-proba
 how long a task spends on its table rows and first copies, waiting, reading its input,
 streaming its strip and publishing, and what that adds up to for a program; and each stage's
 period on the step's timeline (from the previous stage's last task's end to its own), with
-the TB/s its weights stream at over it. Needs a CUDA GPU.
+the TB/s its weights stream at over it, and its hand-off (its first wait's end after the
+previous stage's last end). ``--stamps DIR`` also keeps the raw stamps and tables. Needs a
+CUDA GPU.
 
     python3 benchmarks/fused_trace.py                      # Llama-3.2-1B shape, bf16
     python3 benchmarks/fused_trace.py --fused 8192x4x2x1x3 --position 300
@@ -95,7 +97,7 @@ def summarize(step: FusedDecodeStep, stamps: torch.Tensor) -> dict:
             row[name] = {"mean_us": round(float(us.mean()), 3),
                          "per_program_us": round(float(us.sum()) / step.programs, 2)}  # fmt: skip
         if "strip" in row:
-            strip_s = ((rows[mine, INPUT + 1] - rows[mine, INPUT]) / per_ns / 1e9).sum()
+            strip_s = ((rows[mine, STRIP] - rows[mine, INPUT]) / per_ns / 1e9).sum()
             total = sum(b for b, keep in zip(weight_bytes, mine.tolist()) if keep)
             row["strip_GB_per_s_a_program"] = round(total / float(strip_s) / 1e9, 2)
         kinds[label] = row
@@ -111,23 +113,49 @@ def summarize(step: FusedDecodeStep, stamps: torch.Tensor) -> dict:
     for stage, label, b in zip(stages, labels, weight_bytes):
         stage_bytes[stage] = stage_bytes.get(stage, 0) + b
         stage_label[stage] = label
+    # Each task's wait's end on the global timer (its start's, plus the cycles since over the
+    # rate): a stage's first release after the previous stage's last end is the hand-off's
+    # latency (negative: a reader of some rows started before the rest were written).
+    released = rows[:, START_NS] + (rows[:, WAITED] - rows[:, START]) / per_ns
+    first_release: dict[int, float] = {}
+    for stage, label, at in zip(stages, labels, released.tolist()):
+        if label not in ("embed", "logprob"):
+            first_release[stage] = min(first_release.get(stage, at), at)
     previous = start
     period_bytes: dict[str, int] = {}
+    handoffs: dict[str, list[float]] = {}
     for stage in order:
         label = stage_label[stage]
         periods.setdefault(label, []).append(ends[stage] - previous)
         period_bytes[label] = period_bytes.get(label, 0) + stage_bytes[stage]
+        if stage in first_release:
+            handoffs.setdefault(label, []).append(first_release[stage] - previous)
         previous = ends[stage]
     timeline = {}
     for label, spans in periods.items():
         total_ns = sum(spans)
         timeline[label] = {"stages": len(spans), "mean_us": round(total_ns / len(spans) / 1e3, 3),
                            "total_us": round(total_ns / 1e3, 1),
+                           "first_release_after_previous_end_us": round(
+                               sum(handoffs[label]) / len(handoffs[label]) / 1e3, 3)
+                           if label in handoffs else None,
                            "TB_per_s": round(period_bytes[label] / total_ns / 1e3, 3)
                            if period_bytes[label] else None}  # fmt: skip
     return {"step_us": round((float(rows[:, END_NS].max()) - start) / 1e3, 1),
             "cycles_per_ns": round(per_ns, 3), "programs": step.programs, "kinds": kinds,
             "timeline": timeline}  # fmt: skip
+
+
+def save_tables(step: FusedDecodeStep, path: Path) -> None:
+    """``step``'s stamps and the tables that say what each task was (tasks, matrices, layers,
+    stages, waits; its programs and row counts) at ``path`` (``torch.save``), for analyses
+    ``summarize`` does not make."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = ("stamps", "tasks", "matrices", "layers", "stages", "waits")
+    tables = {name: getattr(step, name).cpu() for name in names}
+    sizes = {"programs": step.programs, "rows": step.rows, "gated_rows": step.gated_rows,
+             "chunk": step.chunk}  # fmt: skip
+    torch.save(tables | sizes, path)
 
 
 def main() -> None:
@@ -144,6 +172,13 @@ def main() -> None:
         help="tilings, as decode_step.py's",
     )
     parser.add_argument("--json", type=Path, default=Path("outputs/fused_trace.json"))
+    parser.add_argument(
+        "--stamps",
+        type=Path,
+        default=None,
+        help="also save each tiling's raw stamps and the step's tables here "
+        "(torch.save; one file a tiling, the tiling in its name)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fused_trace.py reads the GPU's clocks: it needs a CUDA GPU.")
@@ -175,6 +210,8 @@ def main() -> None:
         call()  # the traced step once more: its stamps
         torch.cuda.synchronize()
         row |= summarize(step, step.stamps.cpu())
+        if args.stamps is not None:  # for analyses the summary does not make
+            save_tables(step, args.stamps / f"stamps_{spec}.pt")
         report[spec] = row
         print(
             f"fused {spec}: {row['ms']} ms a call ({row['traced_ms']} traced), the traced "

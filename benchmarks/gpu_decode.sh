@@ -15,7 +15,9 @@
 # every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
 # bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
 # the publishing alone, and as one stream a program, in TB/s beside torch.mv and F.linear).
-# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|strip ...]
+# And `trace` (benchmarks/fused_trace.py: where the fused step's time goes inside its launch,
+# from each task's clock stamps; the raw stamps kept under OUT_DIR/stamps).
+# Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|trace|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
 shift || true
@@ -51,8 +53,11 @@ for part in $PARTS; do
       run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 8192x4x2x2x3x0 8192x4x2x2x3x1 \
         8192x4x2x2x3x1x1 16384x4x2x2x3x1 8192x4x2x2x4x1 8192x4x2x1x3x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
+    trace)
+      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x2x3 --stamps "$OUT/stamps" \
+        --json "$OUT/fused_trace.json" 2>&1 | tail -n 14 ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;
-    *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused, strip)"; exit 2 ;;
+    *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused, trace, strip)"; exit 2 ;;
   esac
 done

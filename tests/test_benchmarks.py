@@ -476,11 +476,12 @@ def test_vs_torchtitan_bad_options_are_one_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_fused_trace_summary_recovers_known_phases():
+def test_fused_trace_summary_recovers_known_phases(tmp_path):
     """benchmarks/fused_trace.py: stamps made up with known phase lengths (2 cycles a ns, the
     tasks one after another on three multiprocessors) come back as those lengths for every
-    kind of task, the programs' shares and the stage timeline add up to the step, and the
-    strip's bytes are the weights' (q/k/v's: its rows times the model's width)."""
+    kind of task, the programs' shares and the stage timeline add up to the step, the strip's
+    bytes are the weights' (q/k/v's: its rows times the model's width), and each stage's
+    hand-off (its first wait's end after the previous stage's end) is the gap made up."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(ROOT / "tests" / "kernels"))
     try:
@@ -523,6 +524,15 @@ def test_fused_trace_summary_recovers_known_phases():
     timeline = summary["timeline"]
     assert abs(sum(t["total_us"] for t in timeline.values()) - summary["step_us"]) < 0.2
     assert timeline["q/k/v"]["stages"] == 2 and timeline["head"]["stages"] == 1
+    # each stage's first wait ends 520 ns after the stage before it ends (its first task starts
+    # 220 ns after that one's end, then 100 + 200 ns to its wait's end)
+    handoffs = {k: t["first_release_after_previous_end_us"] for k, t in timeline.items()}
+    trace.save_tables(step, tmp_path / "raw" / "stamps.pt")
+    saved = torch.load(tmp_path / "raw" / "stamps.pt")
+    assert torch.equal(saved["tasks"], step.tasks) and saved["programs"] == 3
+    assert handoffs == {"embed": None, "logprob": None} | {
+        k: 0.52 for k in ("q/k/v", "attention", "o", "gate/up", "down", "head")
+    }, handoffs
 
 
 @pytest.mark.parametrize("script", ["decode_step.py", "fused_trace.py"])
