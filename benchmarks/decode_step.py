@@ -252,7 +252,8 @@ def main() -> None:
                         help="also the step with the kernels compiled under inductor's "
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
-    parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument, metavar="TxWxP[xV[xS[xL[xC]]]]",
+    parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument,
+                        metavar="TxWxP[xV[xS[xL[xC]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "

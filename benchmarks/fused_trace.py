@@ -27,10 +27,16 @@ from decode_step import build, fused_tiling, tiling_argument
 from gpu_bench import ms_per_call, write_report
 
 from torchloom.generate.fused_step import decode_weights
-from torchloom.kernels.fused_decode import ATTEND, EMBED, MATVEC, TRACE_FIELDS, FusedDecodeStep
+from torchloom.kernels.fused_decode import (
+    ATTEND,
+    EMBED,
+    MATVEC,
+    TRACE_FIELDS,
+    FusedDecodeStep,
+    Stamp,
+)
 
-# The stamps' columns (kernels/fused_decode.py: TRACE_FIELDS a task).
-START_NS, START, WAITED, INPUT, STRIP, END, SM, END_NS, WAIT = range(9)
+START_NS, START, WAITED, INPUT, STRIP, END, SM, END_NS, WAIT = Stamp  # the stamps' columns
 # A matrix task's phases, between its stamps in this order.
 MATRIX_PHASES = {"table and first copies": (START, WAIT), "wait": (WAIT, WAITED),
                  "input": (WAITED, INPUT), "strip": (INPUT, STRIP), "finish": (STRIP, END)}  # fmt: skip

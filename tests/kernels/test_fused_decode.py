@@ -355,7 +355,7 @@ def test_traced_stamps_are_in_order_on_gpu() -> None:
     """A traced step (bf16, the 1B layer shapes, 2 layers) stamps every task: each matrix
     task's start, wait, input, strip and end in that order on one multiprocessor, within the
     step's span on the global timer."""
-    from torchloom.kernels.fused_decode import TRACE_FIELDS
+    from torchloom.kernels.fused_decode import TRACE_FIELDS, Stamp
 
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
@@ -365,12 +365,15 @@ def test_traced_stamps_are_in_order_on_gpu() -> None:
     step()
     stamps = step.stamps.view(-1, TRACE_FIELDS).cpu()
     matrix = step.tasks[:, 0].cpu() == 1
-    start, wait, waited, got_input, strip, end = (stamps[matrix, i] for i in (1, 8, 2, 3, 4, 5))
+    columns = (Stamp.START, Stamp.WAIT, Stamp.WAITED, Stamp.INPUT, Stamp.STRIP, Stamp.END)
+    start, wait, waited, got_input, strip, end = (stamps[matrix, i] for i in columns)
     for earlier, later in ((start, wait), (wait, waited), (waited, got_input),
                            (got_input, strip), (strip, end)):  # fmt: skip
         assert bool((later >= earlier).all())
-    assert bool((stamps[:, 7] >= stamps[:, 0]).all()) and bool((stamps[:, 0] > 0).all())
-    assert int(stamps[:, 6].max()) < torch.cuda.get_device_properties(0).multi_processor_count
+    assert bool((stamps[:, Stamp.END_NS] >= stamps[:, Stamp.START_NS]).all())
+    assert bool((stamps[:, Stamp.START_NS] > 0).all())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert int(stamps[:, Stamp.SM].max()) < sms
 
 
 if __name__ == "__main__":  # run by test_kernel_in_the_interpreter

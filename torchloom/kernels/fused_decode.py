@@ -62,8 +62,8 @@ torchloom/generate/fused_step.py). ``fused_decode_reference`` is the same step i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 import torch.nn.functional as F
@@ -84,10 +84,24 @@ MATRIX_FIELDS = 20
 # stage, head counters.
 LAYER_FIELDS = 8
 TASK_FIELDS = 3  # kind, index (matrix or layer), tile (or query head)
-# A traced task's row: its start's global time (ns), then cycle counts of its start, the wait's
-# end, the input's arrival, the strip's end and the task's end, its multiprocessor, its end's
-# global time, the wait's start (cycles), and one unused.
-TRACE_FIELDS = 10
+
+
+class Stamp(IntEnum):
+    """The columns of a traced task's row of ``FusedDecodeStep.stamps`` (the kernel writes
+    them by these numbers): global times in ns, the rest the multiprocessor's cycle counts."""
+
+    START_NS = 0  # the task's start (global timer)
+    START = 1  # its start
+    WAITED = 2  # its wait's end
+    INPUT = 3  # its input's arrival
+    STRIP = 4  # its strip's end
+    END = 5  # its end
+    SM = 6  # its multiprocessor
+    END_NS = 7  # its end (global timer)
+    WAIT = 8  # its wait's start
+
+
+TRACE_FIELDS = 10  # a row's width (one column spare)
 # The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
 # weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
 # strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the
@@ -328,12 +342,12 @@ def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, co
            norm_off, gain, K, trace_row, EPS: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """Once its writers have published it, a task's slice of its input, RMS-normed where the
     matrix has a norm weight (traced: the wait's end, then the input's arrival)."""
-    _stamp(trace_row, 8, wait, TRACE)
+    _stamp(trace_row, 8, wait, TRACE)  # Stamp.WAIT
     done = _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
-    _stamp(trace_row, 2, done, TRACE)
+    _stamp(trace_row, 2, done, TRACE)  # Stamp.WAITED
     x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
     squares = tl.sum(x * x, axis=0)
-    _stamp(trace_row, 3, squares.to(tl.int32, bitcast=True), TRACE)
+    _stamp(trace_row, 3, squares.to(tl.int32, bitcast=True), TRACE)  # Stamp.INPUT
     scale = tl.where(norm_off >= 0, tl.rsqrt(squares / K + EPS), 1.0)
     return x * scale * gain.to(tl.float32)
 
@@ -398,7 +412,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                            cols, col_ok, norm_off, gain, K, trace_row, EPS, TRACE)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
                       chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
-    _stamp(trace_row, 4, count, TRACE)
+    _stamp(trace_row, 4, count, TRACE)  # Stamp.STRIP
     if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
@@ -491,9 +505,9 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
     angle = position.to(tl.float32) * tl.load(act_ptr + inv_freq_off + d)
     cos = (tl.cos(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * ROPE_SCALE).to(dtype).to(tl.float32)
-    _stamp(trace_row, 8, wait, TRACE)
+    _stamp(trace_row, 8, wait, TRACE)  # Stamp.WAIT
     done = _wait(counters_ptr, waits_ptr, wait + kv)  # the kv group's q, k and v rows
-    _stamp(trace_row, 2, done, TRACE)
+    _stamp(trace_row, 2, done, TRACE)  # Stamp.WAITED
     q_ptr = act_ptr + qkv_off + head * HEAD_DIM
     k_ptr = act_ptr + qkv_off + (HEADS + kv) * HEAD_DIM
     v_ptr = act_ptr + qkv_off + (HEADS + KV_HEADS + kv) * HEAD_DIM
@@ -578,16 +592,17 @@ def _fused_decode_kernel(
     index = tl.load(tasks_ptr + 3 * task + 1, mask=more, other=0)
     tile = tl.load(tasks_ptr + 3 * task + 2, mask=more, other=0)
     while task < num_tasks:
-        # Traced: each task's row of stamps (TRACE_FIELDS); untraced, they compile to nothing.
+        # Traced: each task's row of stamps (TRACE_FIELDS wide, the columns numbered as in
+        # ``Stamp``); untraced, they compile to nothing.
         trace_row = trace_ptr + 10 * task
         if TRACE:
-            tl.store(trace_row, tl.inline_asm_elementwise(
+            tl.store(trace_row, tl.inline_asm_elementwise(  # Stamp.START_NS
                 "mov.u64 $0, %globaltimer;", "=l,r", [task], dtype=tl.int64, is_pure=False,
                 pack=1))  # fmt: skip
-            tl.store(trace_row + 6, tl.inline_asm_elementwise(
+            tl.store(trace_row + 6, tl.inline_asm_elementwise(  # Stamp.SM
                 "mov.u32 $0, %smid;", "=r,r", [task], dtype=tl.int32, is_pure=False,
                 pack=1).to(tl.int64))  # fmt: skip
-        _stamp(trace_row, 1, task, TRACE)
+        _stamp(trace_row, 1, task, TRACE)  # Stamp.START
         following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         more = following < num_tasks
         next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
@@ -616,15 +631,15 @@ def _fused_decode_kernel(
             tl.store(act_ptr + index + cols, row.to(tl.float32), mask=cols < DIM)
             _publish(counters_ptr, 0)
         else:  # LOGPROB: logits minus the log-sum-exp, once the combine has run (index: its wait)
-            _stamp(trace_row, 2, _wait(counters_ptr, waits_ptr, index), TRACE)
+            _stamp(trace_row, 2, _wait(counters_ptr, waits_ptr, index), TRACE)  # Stamp.WAITED
             rows = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             lse = tl.load(act_ptr + lse_off, cache_modifier=".cg")
             logits = tl.load(act_ptr + logits_off + rows, mask=rows < vocab, other=0.0,
                              cache_modifier=".cg")  # fmt: skip
             tl.store(logprobs_ptr + rows, logits - lse, mask=rows < vocab)
-        _stamp(trace_row, 5, following, TRACE)
+        _stamp(trace_row, 5, following, TRACE)  # Stamp.END
         if TRACE:
-            tl.store(trace_row + 7, tl.inline_asm_elementwise(
+            tl.store(trace_row + 7, tl.inline_asm_elementwise(  # Stamp.END_NS
                 "mov.u64 $0, %globaltimer;", "=l,r", [following], dtype=tl.int64,
                 is_pure=False, pack=1))  # fmt: skip
         task, kind, index, tile = following, next_kind, next_index, next_tile
@@ -693,9 +708,9 @@ class FusedDecodeStep:
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
         self.pipeline, self.wait_in_loop = pipeline, wait_in_loop
-        if trace and os.environ.get("TRITON_INTERPRET") == "1":
-            raise ValueError("trace=True reads the GPU's clocks (inline PTX), which Triton's "
-                             "interpreter does not run: trace on a CUDA device")  # fmt: skip
+        if trace and w.embed.device.type == "cpu":
+            raise ValueError("trace=True reads the GPU's clocks in inline PTX, which Triton's "
+                             "interpreter (CPU tensors) does not run: trace on a CUDA device")  # fmt: skip
         self.trace = trace
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
