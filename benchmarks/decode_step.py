@@ -91,36 +91,26 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
     return tokens_per_s, completion.tokens
 
 
-# --fused's F field: FusedDecodeStep's (prefetch, prefetch_policy).
-PREFETCH_CODES = {"0": (None, "normal"), "1": ("gate", "normal"), "2": ("down", "normal"),
-                  "3": ("gate", "evict_last"), "4": ("down", "evict_last")}  # fmt: skip
-
-
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xF]]]]]"; ValueError if
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC]]]]"; ValueError if
     malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in (3, 4, 5, 6, 7, 8)
+        len(parts) not in (3, 4, 5, 6, 7)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
-        or not all(p in ("0", "1") for p in parts[5:7])
-        or not all(p in PREFETCH_CODES for p in parts[7:])
+        or not all(p in ("0", "1") for p in parts[5:])
     ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xF]]]]], e.g. 16384x8x1 "
-                         "(tile weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves "
-                         "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC]]]], e.g. 16384x8x1 (tile "
+                         "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of "
+                         "strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
                          "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
-                         "their stages' counters, which no wait reads; F 1-4: the gate/up (1, "
-                         "3) or down (2, 4) tasks prefetch the next layer's q/k/v/o into L2, "
-                         "evict-normal (1, 2) or evict-last (3, 4))")  # fmt: skip
+                         "their stages' counters, which no wait reads)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
         tiling["wait_in_loop"] = parts[5] == "1"
     if parts[6:]:
         tiling["count_signalled_stages"] = parts[6] == "1"
-    if parts[7:]:
-        tiling["prefetch"], tiling["prefetch_policy"] = PREFETCH_CODES[parts[7]]
     return tiling
 
 
@@ -263,15 +253,13 @@ def main() -> None:
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
     parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument,
-                        metavar="TxWxP[xV[xS[xL[xC[xF]]]]]",
+                        metavar="TxWxP[xV[xS[xL[xC]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
                              "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
                              "input before the strip loop, 1: inside it [x 1: also count the "
-                             "signalled stages' tasks (the old form) [x F 1-4: the next layer's "
-                             "attention weights prefetched into L2 by the gate/up (1, 3) or "
-                             "down (2, 4) tasks, evict-normal (1, 2) or evict-last (3, 4)]]]]]")  # fmt: skip
+                             "signalled stages' tasks (the old form)]]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip

@@ -269,53 +269,6 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
         assert len(simulate_schedule(step)) == 16 * (8 + 4)  # a layer: 8 kv groups, 4 chunks
 
 
-def test_prefetch_regions_cover_the_next_layer() -> None:
-    """With ``prefetch``, each layer's gate/up (or down) tasks but the last layer's ask L2 for
-    the next layer's q, k, v and o weights: the tasks' shares (as the kernel computes them)
-    cover each of those tensors exactly once, 16 elements aligned; nothing else prefetches.
-    Bad values are refused, and so is a run on CPU weights (the interpreter runs no inline
-    PTX). The 1B shape's weights are allocated, never written."""
-    config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
-    with torch.device("meta"):
-        model = build_model(config).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    weights = decode_weights(model, model.new_cache(1, 384, "cpu", torch.bfloat16))
-    one = torch.zeros(1, dtype=torch.long)
-    base = FusedDecodeStep._tensors(weights)
-    lowest = min(t.data_ptr() for t in base)
-    for stage, column in (("gate", 10), ("down", 16)):  # gate/up: an up weight; down: a stride
-        step = FusedDecodeStep(weights, one, one, prefetch=stage)
-        assert step.constants()["PREFETCH"] == 1
-        rows = step.matrices.tolist()
-        regions = step.regions.tolist()
-        tasks = step.tasks.tolist()
-        prefetching = [i for i, row in enumerate(rows) if row[20] >= 0]
-        chosen = [i for i, row in enumerate(rows) if row[column] > (0 if column == 16 else -1)]
-        assert prefetching == chosen[:-1], stage  # every layer's but the last
-        for layer, i in enumerate(prefetching):
-            row = rows[i]
-            assert row[22] == sum(1 for kind, index, _ in tasks if kind == 1 and index == i)
-            after = weights.layers[layer + 1]
-            wanted = [after.q, after.k, after.v, after.o]
-            for r, t in enumerate(wanted):
-                at, length = regions[row[20] + r]
-                assert at == (t.data_ptr() - lowest) // 2 and length == t.numel()
-                share = -(-length // (row[22] * 16)) * 16
-                pieces = [(j * share, min(length - j * share, share)) for j in range(row[22])]
-                pieces = [(lo, n) for lo, n in pieces if n > 0]
-                assert all(lo % 16 == 0 for lo, _ in pieces)
-                assert [lo for lo, _ in pieces] == list(range(0, length, share))
-                assert sum(n for _, n in pieces) == length
-    policy = FusedDecodeStep(weights, one, one, prefetch="down", prefetch_policy="evict_last")
-    assert policy.constants()["PREFETCH"] == 2
-    assert FusedDecodeStep(weights, one, one).constants()["PREFETCH"] == 0
-    for bad in ({"prefetch": "up"}, {"prefetch": "gate", "prefetch_policy": "last"}):
-        with pytest.raises(ValueError, match="prefetch must be None or one of"):
-            FusedDecodeStep(weights, one, one, **bad)
-    with pytest.raises(ValueError, match="prefetch on a CUDA device"):
-        policy()
-
-
 def test_kernel_compiles_for_hopper() -> None:
     """The kernel compiles for sm_90 at the Llama-3.2-1B shape in bf16 (what the interpreter
     never checks: one type per value across branches and loops), its default tiling without
@@ -353,16 +306,6 @@ def test_kernel_compiles_for_hopper() -> None:
     assert compile_for_hopper(*traced.sm90_arguments()).endswith(" SPILLS:0")
     ptx = compile_sm90(*traced.sm90_arguments()).asm["ptx"]
     assert ptx.count("%clock64") >= 6 and "cp.async.cg.shared.global" in ptx
-    # Without prefetch no bulk prefetch is compiled in; with it, one thread's hint a region
-    # (both matrix forms), evict-last through a policy, the strips still pipelined.
-    assert "cp.async.bulk.prefetch" not in compiled.asm["ptx"]
-    for policy, hint in (("normal", "global ["), ("evict_last", "global.L2::cache_hint [")):
-        step = FusedDecodeStep(decode_weights(model, cache), position, position,
-                               prefetch="gate", prefetch_policy=policy)  # fmt: skip
-        assert compile_for_hopper(*step.sm90_arguments()).endswith(" SPILLS:0")
-        ptx = compile_sm90(*step.sm90_arguments()).asm["ptx"]
-        assert ptx.count("cp.async.bulk.prefetch.L2." + hint) == 2, policy
-        assert ptx.count("cp.async.cg.shared.global") == len(copies)
 
 
 def test_widths_not_multiples_of_16_are_refused() -> None:
@@ -399,8 +342,6 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
-        check_kernel(weights, [300], 2e-2, prefetch="gate"),  # L2 hints change no result
-        check_kernel(weights, [300], 2e-2, prefetch="down", prefetch_policy="evict_last"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),

@@ -78,15 +78,8 @@ EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 # up weight (gated), chunks, partial sums, first strip's count of finished chunks, row
 # blocks a task (its strip), row blocks, wait stride (a chunk's wait: wait + chunk * stride),
 # signal (the first counter its rows count in, or -1), rows a signal counter, whether its
-# tasks count in the stage's counter too (a signalled stage's count has no reader), its
-# first L2 prefetch region (-1: none), its regions, its stage's tasks (a task prefetches its
-# share of each region).
-MATRIX_FIELDS = 23
-# The L2 prefetch (``prefetch``): which stage's tasks ask L2 for the next layer's q, k, v and
-# o weights while they stream their own, and the kernel's PREFETCH constant (0: none, 1: an
-# evict-normal hint, 2: evict-last).
-PREFETCH_STAGES = ("gate", "down")
-PREFETCH_POLICIES = {"normal": 1, "evict_last": 2}
+# tasks count in the stage's counter too (a signalled stage's count has no reader).
+MATRIX_FIELDS = 20
 # Per layer: q/k/v, key cache, value cache, partials, output, first wait (one a kv group),
 # stage, head counters.
 LAYER_FIELDS = 8
@@ -234,37 +227,6 @@ def _stamp(trace_row, field, after, TRACE: tl.constexpr):
 
 
 @jit
-def _prefetch_l2(base_ptr, prefetch_ptr, meta, tile, ELEMENT_BYTES: tl.constexpr,
-                 PREFETCH: tl.constexpr):  # fmt: skip
-    """With ``PREFETCH`` and regions in the matrix's row: this task's share of each region
-    (the matrix's tasks split it evenly, in 16-element pieces) asked of L2 by one thread's bulk
-    prefetch, a hint that needs no wait (1: evict-normal, 2: evict-last)."""
-    if PREFETCH != 0:
-        first, regions, tasks = tl.load(meta + 20), tl.load(meta + 21), tl.load(meta + 22)
-        for r in range(0, tl.where(first >= 0, regions, 0)):
-            at = tl.load(prefetch_ptr + 2 * (first + r))
-            length = tl.load(prefetch_ptr + 2 * (first + r) + 1)
-            share = (length + tasks * 16 - 1) // (tasks * 16) * 16
-            lo = tile * share
-            size = (tl.minimum(length - lo, share) * ELEMENT_BYTES).to(tl.int32)
-            if size > 0:
-                if PREFETCH == 1:
-                    tl.inline_asm_elementwise(
-                        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                        "=r,l,r", [base_ptr + at + lo, size], dtype=tl.int32, is_pure=False,
-                        pack=1)  # fmt: skip
-                else:
-                    tl.inline_asm_elementwise(
-                        "{ .reg .pred p; .reg .u32 t; .reg .b64 q; mov.u32 t, %tid.x; "
-                        "setp.eq.u32 p, t, 0; createpolicy.fractional.L2::evict_last.b64 q, 1.0; "
-                        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, q; "
-                        "mov.u32 $0, 0; }",
-                        "=r,l,r", [base_ptr + at + lo, size], dtype=tl.int32, is_pure=False,
-                        pack=1)  # fmt: skip
-
-
-@jit
 def _publish(counters_ptr, stage):
     """Every thread's stores first, then one release increment of the stage's count."""
     tl.debug_barrier()
@@ -394,9 +356,8 @@ def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, co
 def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, best_ptr,
             token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
-            trace_row, prefetch_ptr, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
-            WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, PREFETCH: tl.constexpr,
-            ELEMENT_BYTES: tl.constexpr):  # fmt: skip
+            trace_row, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
+            WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
     stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
@@ -424,7 +385,6 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     wait_stride, signal, signal_rows = tl.load(meta + 16), tl.load(meta + 17), tl.load(meta + 18)
     first, chunk = (tile // chunks) * strip, tile % chunks
     count = tl.minimum(strip, blocks - first)
-    _prefetch_l2(base_ptr, prefetch_ptr, meta, tile, ELEMENT_BYTES, PREFETCH)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     col_ok = cols < K
     gain = tl.load(base_ptr + norm_at + cols, mask=col_ok & (cols * 0 + norm_off >= 0), other=1.0)
@@ -612,15 +572,13 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
 @jit
 def _fused_decode_kernel(
     base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
-    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, prefetch_ptr,
-    num_tasks, max_len,
+    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, num_tasks, max_len,
     embed_off, inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, PREFETCH: tl.constexpr,
-    ELEMENT_BYTES: tl.constexpr,
+    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -651,17 +609,17 @@ def _fused_decode_kernel(
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
-            meta = matrices_ptr + index * 23
+            meta = matrices_ptr + index * 20
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, GATED_ROWS, True, EPS, trace_row, prefetch_ptr,
-                        BLOCK_V, PIPELINE, WAIT_IN_LOOP, TRACE, PREFETCH, ELEMENT_BYTES)  # fmt: skip
+                        combine_stage, CHUNK, GATED_ROWS, True, EPS, trace_row, BLOCK_V,
+                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
-                        combine_stage, CHUNK, ROWS, False, EPS, trace_row, prefetch_ptr,
-                        BLOCK_V, PIPELINE, WAIT_IN_LOOP, TRACE, PREFETCH, ELEMENT_BYTES)  # fmt: skip
+                        combine_stage, CHUNK, ROWS, False, EPS, trace_row, BLOCK_V,
+                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -733,8 +691,6 @@ class FusedDecodeStep:
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
         count_signalled_stages: bool = False,
         trace: bool = False,
-        prefetch: str | None = None,
-        prefetch_policy: str = "normal",
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -756,11 +712,6 @@ class FusedDecodeStep:
             raise ValueError("trace=True reads the GPU's clocks in inline PTX, which Triton's "
                              "interpreter (CPU tensors) does not run: trace on a CUDA device")  # fmt: skip
         self.trace = trace
-        if prefetch not in (None, *PREFETCH_STAGES) or prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"prefetch must be None or one of {PREFETCH_STAGES} and "
-                             f"prefetch_policy one of {tuple(PREFETCH_POLICIES)}; got "
-                             f"{prefetch!r}, {prefetch_policy!r}")  # fmt: skip
-        self.prefetch = PREFETCH_POLICIES[prefetch_policy] if prefetch else 0
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -859,8 +810,7 @@ class FusedDecodeStep:
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
                                  len(stages), int(head), offset(up), chunks, parts, finished,
                                  strip, blocks, wait_stride, signal[0] if signal else -1,
-                                 per_slot, int(signal is None or count_signalled_stages),
-                                 -1, 0, strips * chunks])  # fmt: skip
+                                 per_slot, int(signal is None or count_signalled_stages)])  # fmt: skip
                 for j in range(strips * chunks):
                     lo = (j // chunks) * span
                     slots = range(lo // per_slot, (min(n, lo + span) - 1) // per_slot + 1)
@@ -874,8 +824,7 @@ class FusedDecodeStep:
 
         wait = wait_for(0)
         hd, group = w.head_dim, w.heads // w.kv_heads
-        regions: list[list[int]] = []  # L2 prefetch regions: offset, length (elements)
-        for number, layer in enumerate(w.layers):
+        for layer in w.layers:
             qkv = take((w.heads + 2 * w.kv_heads) * hd)
             k_off, v_off = qkv + w.heads * hd, qkv + (w.heads + w.kv_heads) * hd
             norm = offset(layer.attention_norm)
@@ -905,17 +854,11 @@ class FusedDecodeStep:
                 [(layer.gate, layer.up, h_mid, gated, -1, offset(layer.mlp_norm))],
                 wait_for(stage), signal=(chunks, slots, [self.chunk]),
             )  # fmt: skip
-            gate_matrix = len(matrices) - 1
             h = take(dim)
             stage, _ = matrix_stage([(layer.down, None, gated, h, h_mid, -1)],
                                     waits_for(chunks, needs), wait_stride=1,
                                     order=lambda e, strip, chunk, slot: chunk)  # fmt: skip
             wait = wait_for(stage)
-            if prefetch and number + 1 < len(w.layers):  # the next layer's attention weights
-                row = matrices[gate_matrix if prefetch == "gate" else len(matrices) - 1]
-                after = w.layers[number + 1]
-                row[20], row[21] = len(regions), 4
-                regions.extend([offset(t), t.numel()] for t in (after.q, after.k, after.v, after.o))
         vocab = w.head.shape[0]
         logits = take(vocab)
         matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True)
@@ -949,7 +892,6 @@ class FusedDecodeStep:
         self.layers = torch.tensor(layers, dtype=i64, device=device)
         self.stages = torch.tensor(stages, dtype=i32, device=device)
         self.waits = torch.tensor(waits, dtype=i32, device=device)
-        self.regions = torch.tensor(regions or [[0, 0]], dtype=torch.int64, device=device)
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
         # Traced: a row of TRACE_FIELDS stamps a task (benchmarks/fused_trace.py reads them),
         # else one element the kernel never writes.
@@ -999,8 +941,7 @@ class FusedDecodeStep:
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
-            "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace, "PREFETCH": self.prefetch,
-            "ELEMENT_BYTES": self.base.element_size(),
+            "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
@@ -1011,20 +952,17 @@ class FusedDecodeStep:
                  "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
                  "waits_ptr": "*i32", "counters_ptr": "*i32", "token_ptr": "*i64",
                  "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",
-                 "trace_ptr": "*i64", "prefetch_ptr": "*i64", "num_tasks": "i32",
+                 "trace_ptr": "*i64", "num_tasks": "i32",
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
                  "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
                  "combine_stage": "i32"}  # fmt: skip
         return _fused_decode_kernel, types, self.constants(), self.num_warps
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.prefetch and self.base.device.type == "cpu":  # the plan itself builds anywhere
-            raise ValueError("prefetch asks L2 in inline PTX, which Triton's interpreter (CPU "
-                             "tensors) does not run: prefetch on a CUDA device")  # fmt: skip
         self.counters.zero_()
         _fused_decode_kernel[(self.programs,)](
             self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
             self.waits, self.counters, self.token_1, self.position_1, self.best_21,
-            self.logprobs_1V, self.stamps, self.regions, *self.scalars, **self.constants(), num_warps=self.num_warps,
+            self.logprobs_1V, self.stamps, *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
         return self.logprobs_1V, self.best_21
