@@ -308,6 +308,22 @@ def test_kernel_compiles_for_hopper() -> None:
     assert ptx.count("%clock64") >= 6 and "cp.async.cg.shared.global" in ptx
 
 
+def test_stamp_columns_are_the_kernels() -> None:
+    """The kernel writes its trace columns as literals (a jit function reads no plain globals),
+    each marked with its ``Stamp`` name: every mark's literal is that member's number, and
+    every member is written somewhere. (A ``Stamp`` renumbered alone would otherwise pass every
+    CPU test and mislabel the trace.)"""
+    from torchloom.kernels import fused_decode
+
+    source = Path(fused_decode.__file__).read_text()
+    uses = re.findall(r"trace_row(?: \+ (\d+)|, (\d+))?,[^\n]*# Stamp\.(\w+)", source)
+    assert len(uses) >= len(fused_decode.Stamp), uses
+    for plus, field, name in uses:
+        assert int(plus or field or 0) == fused_decode.Stamp[name], (name, plus or field or 0)
+    assert {name for *_, name in uses} == set(fused_decode.Stamp.__members__)
+    assert max(fused_decode.Stamp) < fused_decode.TRACE_FIELDS
+
+
 def test_widths_not_multiples_of_16_are_refused() -> None:
     """The kernel loads rows 16 elements at a time: a model whose widths are not multiples of 16
     is refused in one line, by the generator's check and by the plan itself."""
