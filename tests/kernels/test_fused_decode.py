@@ -96,6 +96,11 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="step_kernel must be one of"):
         Generator(llama, max_batch=1, max_len=16, step_kernel="auto")
     assert Generator(qwen3, max_batch=1, max_len=16).graphs is None  # "torch" by default
+    weights = random_weights(64, 4, 2, 16, 192, 300, layers=1, max_len=8, device="cpu",
+                             dtype=torch.float32)  # fmt: skip
+    one = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="schedule must be 'dynamic' or 'static'"):
+        FusedDecodeStep(weights, one, one, schedule="round-robin")
     mixed = tiny()
     mixed.norm.weight.data = mixed.norm.weight.data.double()
     problem = fused_step_problem(mixed, mixed.new_cache(1, 8, "cpu", torch.float32))
@@ -306,6 +311,14 @@ def test_kernel_compiles_for_hopper() -> None:
     assert compile_for_hopper(*traced.sm90_arguments()).endswith(" SPILLS:0")
     ptx = compile_sm90(*traced.sm90_arguments()).asm["ptx"]
     assert ptx.count("%clock64") >= 6 and "cp.async.cg.shared.global" in ptx
+    # Tasks dealt from the counter: one relaxed atomic to start, one a task. Dealt round-robin
+    # (schedule "static"): none, and the strips stay pipelined.
+    assert compiled.asm["ptx"].count("atom.global.gpu.relaxed.add") == 2
+    static = FusedDecodeStep(decode_weights(model, cache), position, position, schedule="static")
+    assert compile_for_hopper(*static.sm90_arguments()).endswith(" SPILLS:0")
+    ptx = compile_sm90(*static.sm90_arguments()).asm["ptx"]
+    assert "atom.global.gpu.relaxed" not in ptx
+    assert ptx.count("cp.async.cg.shared.global") == len(copies)
 
 
 def test_stamp_columns_are_the_kernels() -> None:
@@ -358,6 +371,8 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
+        check_kernel(weights, [0, 300, 511], 2e-2, schedule="static"),  # dealt round-robin
+        check_kernel(weights, [300], 2e-2, schedule="static", waves=3, programs_per_sm=1),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -426,6 +441,8 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         ),
         # every task also counted in its stage (q/k/v and gate/up: read by no wait)
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, count_signalled_stages=True),
+        # dealt round-robin: one program here (the interpreter runs programs one by one)
+        check_kernel(small, [21], 1e-5, tile_elements=256, programs=1, schedule="static"),
         check_generator("cpu"),
     ):
         print(line)
@@ -436,3 +453,10 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
     except ValueError as error:
         assert "interpreter" in str(error), error
         print("trace=True refused under the interpreter")
+    one = torch.zeros(1, dtype=torch.long)
+    try:  # round-robin programs wait for one another: the interpreter would spin forever
+        FusedDecodeStep(small, one, one, programs=3, schedule="static")()
+        raise AssertionError("a static schedule of 3 programs ran under the interpreter")
+    except ValueError as error:
+        assert "one after another" in str(error), error
+        print("a static schedule of several programs refused under the interpreter")

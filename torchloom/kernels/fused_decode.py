@@ -34,7 +34,8 @@ about two tasks a program a stage took 0.45 of that time (s38). Offsets
 and widths are multiples of 16 elements and the kernel says so (``tl.multiple_of``): read
 from its tables, they would otherwise be loaded one element an instruction.
 
-Programs take tasks from a global counter in order. A matrix task asks for its first weight
+Programs take tasks from a global counter in order (or, ``schedule="static"``, are dealt them
+round-robin). A matrix task asks for its first weight
 tiles (PIPELINE - 1 of them: its strip loop's prologue), then waits (spinning on an acquire
 load of a counter until it reaches the wait's count) for the input it reads, in the loop's
 first iteration, so a stage's weight reads overlap the previous stage's tail (on an H100
@@ -578,15 +579,20 @@ def _fused_decode_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr,
+    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, STATIC: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
     program takes its next task, and loads its table row, as it starts one, so neither round
     trip is paid between tasks. Holding two tasks cannot deadlock: the earliest unfinished task
     is always some program's current one (its program's earlier task is done), and it waits
-    only for earlier tasks."""
-    task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    only for earlier tasks. ``STATIC``: program p is dealt tasks p, p + P, ... (no counter, so
+    no atomic and no barrier a task); the same argument holds while every program runs (the
+    earliest unfinished task's program has finished its earlier ones)."""
+    if STATIC:
+        task = tl.program_id(0)
+    else:
+        task = tl.atomic_add(counters_ptr, 1, sem="relaxed")
     more = task < num_tasks
     kind = tl.load(tasks_ptr + 3 * task, mask=more, other=-1)
     index = tl.load(tasks_ptr + 3 * task + 1, mask=more, other=0)
@@ -603,7 +609,10 @@ def _fused_decode_kernel(
                 "mov.u32 $0, %smid;", "=r,r", [task], dtype=tl.int32, is_pure=False,
                 pack=1).to(tl.int64))  # fmt: skip
         _stamp(trace_row, 1, task, TRACE)  # Stamp.START
-        following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        if STATIC:  # every program's P-th task: no round trip, no barrier
+            following = task + tl.num_programs(0)
+        else:  # one thread's atomic, its result broadcast through shared memory
+            following = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         more = following < num_tasks
         next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
@@ -673,7 +682,11 @@ class FusedDecodeStep:
     its strip's end and its end (and the global timer at its start and end) into ``stamps``
     ([tasks, TRACE_FIELDS] int64), each stamp taking a value computed by what it follows, so
     it cannot be issued early; benchmarks/fused_trace.py reads them. A CUDA device only (the
-    clocks are read in inline PTX); untraced, no stamp is compiled in."""
+    clocks are read in inline PTX); untraced, no stamp is compiled in. ``schedule``: tasks
+    taken from a global counter ("dynamic": one thread's atomic a task, its result broadcast
+    to the program's threads through shared memory between two barriers) or dealt round-robin
+    ("static": program p runs tasks p, p + P, ...; no round trip, but every program must be
+    running at once, since one waits for tasks dealt to others)."""
 
     def __init__(
         self,
@@ -691,6 +704,7 @@ class FusedDecodeStep:
         wait_in_loop: bool = DEFAULT_WAIT_IN_LOOP,
         count_signalled_stages: bool = False,
         trace: bool = False,
+        schedule: str = "dynamic",
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -712,6 +726,9 @@ class FusedDecodeStep:
             raise ValueError("trace=True reads the GPU's clocks in inline PTX, which Triton's "
                              "interpreter (CPU tensors) does not run: trace on a CUDA device")  # fmt: skip
         self.trace = trace
+        if schedule not in ("dynamic", "static"):
+            raise ValueError(f"schedule must be 'dynamic' or 'static'; got {schedule!r}")
+        self.static = schedule == "static"
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
         device = w.embed.device
@@ -941,7 +958,7 @@ class FusedDecodeStep:
             "HEAD_DIM": w.head_dim, "BLOCK_L": self.block_l, "BLOCK_V": self.block_v,
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
-            "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace,
+            "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace, "STATIC": self.static,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
@@ -959,6 +976,11 @@ class FusedDecodeStep:
         return _fused_decode_kernel, types, self.constants(), self.num_warps
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.static and self.programs > 1 and self.base.device.type == "cpu":
+            raise ValueError("a static schedule needs its programs running at once (a program "
+                             "waits for tasks dealt to the others); Triton's interpreter (CPU "
+                             "tensors) runs them one after another: use schedule='dynamic' or "
+                             "programs=1 there")  # fmt: skip
         self.counters.zero_()
         _fused_decode_kernel[(self.programs,)](
             self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
