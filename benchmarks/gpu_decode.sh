@@ -8,15 +8,16 @@
 # also compiled with programmatic dependent launch, with and without the kernels) and `probe`
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
-# step's GPU test, then its replay and tokens/s against the compiled forward at the best strip
-# tilings with the wait for a task's input before its strip loop (x0) and inside it (x1), each
-# also with its waits freed: what the waits between tasks cost against the streaming itself)
+# step's GPU test, then its replay and tokens/s against the compiled forward: the default
+# tiling with tasks taken from the counter, then dealt round-robin (x1x0x1) at 2 and 3
+# programs an SM, at 3 waves, and with 16,384-weight tiles)
 # and `strip` (the fused step's inner loop alone, benchmarks/strip_loop.py: whole rows summed
 # every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
 # bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
 # the publishing alone, and as one stream a program, in TB/s beside torch.mv and F.linear).
 # And `trace` (benchmarks/fused_trace.py: where the fused step's time goes inside its launch,
-# from each task's clock stamps; the raw stamps kept under OUT_DIR/stamps).
+# from each task's clock stamps, counter and round-robin; the raw stamps kept under
+# OUT_DIR/stamps).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|trace|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}
@@ -50,11 +51,11 @@ for part in $PARTS; do
       run 60 python3 benchmarks/one_row_matmul.py --json "$OUT/one_row_matmul.json" 2>&1 | tail -n 8 ;;
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
-      run 400 python3 benchmarks/decode_step.py --fused-only --without-waits --fused 8192x4x2x2x3x0 8192x4x2x2x3x1 \
-        8192x4x2x2x3x1x1 16384x4x2x2x3x1 8192x4x2x2x4x1 8192x4x2x1x3x1 \
+      run 300 python3 benchmarks/decode_step.py --fused-only --fused 8192x4x2x2x3x1 8192x4x2x2x3x1x0x1 \
+        8192x4x3x2x3x1x0x1 8192x4x2x3x3x1x0x1 16384x4x2x2x3x1x0x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     trace)
-      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x2x3 --stamps "$OUT/stamps" \
+      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x2x3 8192x4x2x2x3x1x0x1 --stamps "$OUT/stamps" \
         --json "$OUT/fused_trace.json" 2>&1 | tail -n 14 ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;
