@@ -92,20 +92,21 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD]]]]]"; ValueError if
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR]]]]]]"; ValueError if
     malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in (3, 4, 5, 6, 7, 8)
+        len(parts) not in (3, 4, 5, 6, 7, 8, 9)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
         or not all(p in ("0", "1") for p in parts[5:])
     ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xD]]]]], e.g. 16384x8x1 "
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xD[xR]]]]]], e.g. 16384x8x1 "
                          "(tile weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves "
                          "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
                          "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
                          "their stages' counters, which no wait reads; D 1 deals the tasks "
-                         "round-robin instead of from a counter)")  # fmt: skip
+                         "round-robin instead of from a counter; R 1: the down projection's "
+                         "chunk partials summed by the stream's readers)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
@@ -114,6 +115,8 @@ def fused_tiling(spec: str) -> dict:
         tiling["count_signalled_stages"] = parts[6] == "1"
     if parts[7:]:
         tiling["schedule"] = "static" if parts[7] == "1" else "dynamic"
+    if parts[8:]:
+        tiling["reader_sums"] = parts[8] == "1"
     return tiling
 
 
@@ -256,14 +259,16 @@ def main() -> None:
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
     parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument,
-                        metavar="TxWxP[xV[xS[xL[xC[xD]]]]]",
+                        metavar="TxWxP[xV[xS[xL[xC[xD[xR]]]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
                              "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
                              "input before the strip loop, 1: inside it [x 1: also count the "
                              "signalled stages' tasks (the old form) [x 1: tasks dealt "
-                             "round-robin (program p: p, p + P, ...), not from a counter]]]]]")  # fmt: skip
+                             "round-robin (program p: p, p + P, ...), not from a counter [x 1: "
+                             "the down projection's chunk partials summed by the stream's "
+                             "readers, not by the last chunk]]]]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip

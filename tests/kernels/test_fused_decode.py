@@ -261,7 +261,9 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
     for tiling in ({"tile_elements": 256, "programs": 3}, {"tile_elements": 256, "programs": 3,
                    "waves": 1}, {"tile_elements": 64, "programs": 3, "waves": 2},
                    {"tile_elements": 1024, "programs": 5, "waves": 1},
-                   {"tile_elements": 256, "programs": 3, "count_signalled_stages": True}):  # fmt: skip
+                   {"tile_elements": 256, "programs": 3, "count_signalled_stages": True},
+                   {"tile_elements": 256, "programs": 3, "reader_sums": True},
+                   {"tile_elements": 64, "programs": 3, "waves": 2, "reader_sums": True}):  # fmt: skip
         written = simulate_schedule(FusedDecodeStep(small, one, one, **tiling))
         assert len(written) == 2 * (2 + 3), tiling  # a layer: 2 kv groups, 3 chunks of 64
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
@@ -269,9 +271,24 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
         model = build_model(config).to(torch.bfloat16)
     model.to_empty(device="cpu")
     weights = decode_weights(model, model.new_cache(1, 384, "cpu", torch.bfloat16))
-    for tiling in ({"programs": 264}, {"programs": 132, "tile_elements": 16384, "waves": None}):
+    for tiling in ({"programs": 264}, {"programs": 132, "tile_elements": 16384, "waves": None},
+                   {"programs": 264, "reader_sums": True}):  # fmt: skip
         step = FusedDecodeStep(weights, one, one, **tiling)
         assert len(simulate_schedule(step)) == 16 * (8 + 4)  # a layer: 8 kv groups, 4 chunks
+    # reader_sums: the stream after a layer is the down projection's 4 chunk partials and o's
+    # output after them; the first layer reads the embedding (one part), every later reader of
+    # the stream (q/k/v's input, o's residual, the head's input) sums 5, and no down strip
+    # counts its finished chunks.
+    rows = step.matrices.tolist()
+    assert step.constants()["PARTS"] == 5
+    x_parts = [row[20] for row in rows]
+    resid_parts = [row[21] for row in rows]
+    downs = [row for row in rows if row[16] == 1]  # the chunk-strided waits
+    assert len(downs) == 16 and all(row[13] == -1 and row[11] == 4 for row in downs)
+    assert x_parts == [1, 1, 1] + [1, 1, 1] + [5, 5, 5, 1, 1, 1] * 15 + [5]
+    assert resid_parts == [1, 1, 1, 1, 1, 1] + [1, 1, 1, 5, 1, 1] * 15 + [1]
+    for down, o in zip(downs, rows[3::6]):  # o's output sits after the down's partials
+        assert o[4] == down[12] + 4 * 2048
 
 
 def test_kernel_compiles_for_hopper() -> None:
@@ -319,6 +336,8 @@ def test_kernel_compiles_for_hopper() -> None:
     ptx = compile_sm90(*static.sm90_arguments()).asm["ptx"]
     assert "atom.global.gpu.relaxed" not in ptx
     assert ptx.count("cp.async.cg.shared.global") == len(copies)
+    summed = FusedDecodeStep(decode_weights(model, cache), position, position, reader_sums=True)
+    assert compile_for_hopper(*summed.sm90_arguments()).endswith(" SPILLS:0")
 
 
 def test_stamp_columns_are_the_kernels() -> None:
@@ -373,6 +392,8 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
         check_kernel(weights, [0, 300, 511], 2e-2, schedule="static"),  # dealt round-robin
         check_kernel(weights, [300], 2e-2, schedule="static", waves=3, programs_per_sm=1),
+        check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=True),  # readers sum partials
+        check_kernel(weights, [300], 2e-2, reader_sums=True, schedule="static"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -443,6 +464,18 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, count_signalled_stages=True),
         # dealt round-robin: one program here (the interpreter runs programs one by one)
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=1, schedule="static"),
+        # the down projection's 3 chunk partials summed by the stream's readers
+        check_kernel(
+            small,
+            [0, 39],
+            1e-5,
+            tile_elements=256,
+            block_l=8,
+            programs=3,
+            waves=1,
+            reader_sums=True,
+        ),
+        check_kernel(small, [5], 1e-5, tile_elements=64, programs=3, waves=None, reader_sums=True),
         check_generator("cpu"),
     ):
         print(line)

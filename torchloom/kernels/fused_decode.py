@@ -24,8 +24,9 @@ The step is a list of tasks in dependency order, each belonging to a stage:
 Every matrix tile is ROWS rows by one CHUNK-wide slice of the input (CHUNK = the model's width
 rounded up to a power of two, so a normed input is one slice and the norm is taken in the
 tile); a wider input (the down projection's) is split into slices whose partial sums the
-last slice to finish adds in slice order, so each tile re-reads only its slice of the
-input, never the whole 8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
+last slice to finish adds in slice order (or, ``reader_sums``, which the stream's readers add
+as they load it), so each tile re-reads only its slice of the input, never the whole
+8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
 consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and its
 blocks stream through a loop Triton pipelines (asynchronous copies into shared memory, several
 tiles in flight a program). On an H100 one tile a task cost 5-8 us of serial round trips a
@@ -79,8 +80,10 @@ EMBED, MATVEC, ATTEND, LOGPROB = 0, 1, 2, 3
 # up weight (gated), chunks, partial sums, first strip's count of finished chunks, row
 # blocks a task (its strip), row blocks, wait stride (a chunk's wait: wait + chunk * stride),
 # signal (the first counter its rows count in, or -1), rows a signal counter, whether its
-# tasks count in the stage's counter too (a signalled stage's count has no reader).
-MATRIX_FIELDS = 20
+# tasks count in the stage's counter too (a signalled stage's count has no reader), the parts
+# its input and its residual are summed from (1: a plain vector; ``reader_sums``: the down
+# projection's chunk partials and the residual after them).
+MATRIX_FIELDS = 22
 # Per layer: q/k/v, key cache, value cache, partials, output, first wait (one a kv group),
 # stage, head counters.
 LAYER_FIELDS = 8
@@ -285,23 +288,37 @@ def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, parti
 
 
 @jit
-def _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok):
+def _stream(act_ptr, at, offs, ok, parts, PARTS: tl.constexpr, DIM: tl.constexpr):
+    """The scratch values at ``at + offs``, or with ``parts`` > 1 the residual stream as the
+    layer before left it (``reader_sums``): its down projection's chunk partials, DIM apart,
+    summed in chunk order, then the residual after them. Every part's load is issued before
+    the first add (an unrolled loop: one round trip, not ``parts``)."""
+    total = tl.load(act_ptr + at + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    for p in tl.static_range(1, PARTS):
+        total += tl.load(act_ptr + at + p * DIM + offs, mask=ok & (offs * 0 + p < parts),
+                         other=0.0, cache_modifier=".cg")  # fmt: skip
+    return total
+
+
+@jit
+def _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok, resid_parts,
+                   PARTS: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
     """``y`` plus the residual stream's ``rows`` (none where ``resid_off`` is -1)."""
-    resid = tl.load(act_ptr + resid_at + rows, mask=row_ok & (rows * 0 + resid_off >= 0),
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-    return y + resid
+    ok = row_ok & (rows * 0 + resid_off >= 0)
+    return y + _stream(act_ptr, resid_at, rows, ok, resid_parts, PARTS, DIM)
 
 
 @jit
 def _finish_block(y, block, rows, row_ok, act_ptr, N, chunk, chunks, parts_off, y_off, resid_at,
-                  resid_off, is_head, partials_off, ROWS: tl.constexpr):  # fmt: skip
+                  resid_off, resid_parts, is_head, partials_off, ROWS: tl.constexpr,
+                  PARTS: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
     """A row block's sums ``y``: with several chunks its partial sums (added up once every chunk
     of the strip is in), else the output plus the residual; a head block also writes its rows'
     max, sum of exponentials and argmax."""
     if chunks > 1:
         tl.store(act_ptr + parts_off + chunk * N + rows, y, mask=row_ok)
     else:
-        y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
+        y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok, resid_parts, PARTS, DIM)
         tl.store(act_ptr + y_off + rows, y, mask=row_ok)
     if is_head != 0:  # one chunk: every head block finishes its rows
         masked = tl.where(row_ok, y, float("-inf"))
@@ -339,14 +356,15 @@ def _block_sums(w, w_up, x, GATED: tl.constexpr):
 
 
 @jit
-def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols, col_ok,
-           norm_off, gain, K, trace_row, EPS: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
+def _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, x_parts, cols,
+           col_ok, norm_off, gain, K, trace_row, EPS: tl.constexpr, TRACE: tl.constexpr,
+           PARTS: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
     """Once its writers have published it, a task's slice of its input, RMS-normed where the
     matrix has a norm weight (traced: the wait's end, then the input's arrival)."""
     _stamp(trace_row, 8, wait, TRACE)  # Stamp.WAIT
     done = _wait(counters_ptr, waits_ptr, tl.where(wait >= 0, wait + chunk * wait_stride, -1))
     _stamp(trace_row, 2, done, TRACE)  # Stamp.WAITED
-    x = tl.load(act_ptr + x_off + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+    x = _stream(act_ptr, x_off, cols, col_ok, x_parts, PARTS, DIM)
     squares = tl.sum(x * x, axis=0)
     _stamp(trace_row, 3, squares.to(tl.int32, bitcast=True), TRACE)  # Stamp.INPUT
     scale = tl.where(norm_off >= 0, tl.rsqrt(squares / K + EPS), 1.0)
@@ -358,7 +376,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
             token_ptr, pos_ptr, max_len, partials_off, lse_off, combine_stage, CHUNK: tl.constexpr,
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             trace_row, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
-            WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr):  # fmt: skip
+            WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, PARTS: tl.constexpr,
+            DIM: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
     stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
@@ -384,6 +403,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     parts_off, row_counters = tl.multiple_of(tl.load(meta + 12), 16), tl.load(meta + 13)
     strip, blocks = tl.load(meta + 14), tl.load(meta + 15)
     wait_stride, signal, signal_rows = tl.load(meta + 16), tl.load(meta + 17), tl.load(meta + 18)
+    x_parts, resid_parts = tl.load(meta + 20), tl.load(meta + 21)
     first, chunk = (tile // chunks) * strip, tile % chunks
     count = tl.minimum(strip, blocks - first)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -394,10 +414,11 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     if not WAIT_IN_LOOP:  # the first block loaded, then the wait and the input, then the rest
         rows, row_ok, w, w_up = _block_weights(base_ptr, w_off, up_off, first, N, K, cols,
                                                col_ok, ROWS, GATED)  # fmt: skip
-        x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, cols,
-                   col_ok, norm_off, gain, K, trace_row, EPS, TRACE)  # fmt: skip
+        x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off, x_parts,
+                   cols, col_ok, norm_off, gain, K, trace_row, EPS, TRACE, PARTS, DIM)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), first, rows, row_ok, act_ptr, N, chunk,
-                      chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
+                      chunks, parts_off, y_off, resid_at, resid_off, resid_parts, is_head,
+                      partials_off, ROWS, PARTS, DIM)  # fmt: skip
         start = 1
     # WAIT_IN_LOOP: every block goes through the pipelined loop and the wait sits in its first
     # iteration, so the loop's prologue has asked for the first PIPELINE - 1 blocks' weights
@@ -410,11 +431,15 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
         if WAIT_IN_LOOP:  # noqa: SIM102 (a constexpr test: compiled out when off)
             if i == 0:
                 x = _input(act_ptr, counters_ptr, waits_ptr, wait, chunk, wait_stride, x_off,
-                           cols, col_ok, norm_off, gain, K, trace_row, EPS, TRACE)  # fmt: skip
+                           x_parts, cols, col_ok, norm_off, gain, K, trace_row, EPS, TRACE,
+                           PARTS, DIM)  # fmt: skip
         _finish_block(_block_sums(w, w_up, x, GATED), block, rows, row_ok, act_ptr, N, chunk,
-                      chunks, parts_off, y_off, resid_at, resid_off, is_head, partials_off, ROWS)  # fmt: skip
+                      chunks, parts_off, y_off, resid_at, resid_off, resid_parts, is_head,
+                      partials_off, ROWS, PARTS, DIM)  # fmt: skip
     _stamp(trace_row, 4, count, TRACE)  # Stamp.STRIP
-    if chunks > 1:  # the strip's last chunk to finish sums its rows' partials in chunk order
+    # The strip's last chunk to finish sums its rows' partials in chunk order (unless the
+    # stream's readers sum them: no count of finished chunks, -1).
+    if (chunks > 1) & (row_counters >= 0):
         tl.debug_barrier()
         done = tl.atomic_add(counters_ptr + row_counters + tile // chunks, 1, sem="acq_rel",
                              scope="gpu")  # fmt: skip
@@ -426,7 +451,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                 for c in range(0, chunks):
                     y += tl.load(act_ptr + parts_off + c * N + rows, mask=row_ok, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok)
+                y = _plus_residual(y, act_ptr, resid_at, resid_off, rows, row_ok, resid_parts,
+                                   PARTS, DIM)  # fmt: skip
                 tl.store(act_ptr + y_off + rows, y, mask=row_ok)
     if is_head != 0:
         tl.debug_barrier()
@@ -579,7 +605,7 @@ def _fused_decode_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, STATIC: tl.constexpr,
+    WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, STATIC: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -618,17 +644,17 @@ def _fused_decode_kernel(
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
-            meta = matrices_ptr + index * 20
+            meta = matrices_ptr + index * 22
             if tl.load(meta + 10) >= 0:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
                         combine_stage, CHUNK, GATED_ROWS, True, EPS, trace_row, BLOCK_V,
-                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
+                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
                         combine_stage, CHUNK, ROWS, False, EPS, trace_row, BLOCK_V,
-                        PIPELINE, WAIT_IN_LOOP, TRACE)  # fmt: skip
+                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -686,7 +712,12 @@ class FusedDecodeStep:
     taken from a global counter ("dynamic": one thread's atomic a task, its result broadcast
     to the program's threads through shared memory between two barriers) or dealt round-robin
     ("static": program p runs tasks p, p + P, ...; no round trip, but every program must be
-    running at once, since one waits for tasks dealt to others)."""
+    running at once, since one waits for tasks dealt to others). ``reader_sums``: the down
+    projection's chunks only write their partial sums, and every reader of the stream they
+    make (the next layer's q/k/v input and o's residual, the head's input) loads the partials
+    and the residual after them and adds them, in the order the last chunk would have; so no
+    down task pays the round trip of counting its strip's finished chunks, and no strip waits
+    for its last chunk to add them up."""
 
     def __init__(
         self,
@@ -705,6 +736,7 @@ class FusedDecodeStep:
         count_signalled_stages: bool = False,
         trace: bool = False,
         schedule: str = "dynamic",
+        reader_sums: bool = False,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -799,14 +831,17 @@ class FusedDecodeStep:
 
         def matrix_stage(entries: list[Entry], wait: int, head: bool = False,
                          wait_stride: int = 0, signal: Signal | None = None,
-                         order=None) -> tuple[int, list[int]]:  # fmt: skip
+                         order=None, x_parts: int = 1, resid_parts: int = 1,
+                         parts_at: int | None = None) -> tuple[int, list[int]]:  # fmt: skip
             """One stage of matrices: (weight, up weight of a gated one, input offset, output
             offset, residual offset, norm weight offset). A task waits for wait ``wait`` (plus
             ``wait_stride`` times its chunk); with ``signal`` each also counts itself in the
             counters of the slots its rows fall in (row r of entry e: slot r // rows[e]), so
             a reader of some rows can wait for those alone. ``order(entry, strip, chunk,
             first slot)``: the key the stage's tasks are sorted by (default: as built). Returns
-            the stage and how many tasks count in each slot."""
+            the stage and how many tasks count in each slot. ``x_parts`` and ``resid_parts``:
+            how many parts the input and the residual are summed from; ``parts_at``: where a
+            chunked matrix writes its partials, which its readers sum (no last chunk does)."""
             first_task = len(tasks)
             shapes = [(-(-m.shape[1] // self.chunk),  # chunks, row blocks
                        -(-m.shape[0] // (self.rows if up is None else self.gated_rows)))
@@ -819,15 +854,17 @@ class FusedDecodeStep:
             ):
                 n, k = weight.shape
                 strips = -(-blocks // strip)
-                parts = take(chunks * n) if chunks > 1 else -1
-                finished = counters(strips) if chunks > 1 else 0
+                summed_by_readers = chunks > 1 and parts_at is not None
+                parts = parts_at if summed_by_readers else take(chunks * n) if chunks > 1 else -1
+                finished = -1 if summed_by_readers else counters(strips) if chunks > 1 else 0
                 span = strip * (self.rows if up is None else self.gated_rows)
                 per_slot = signal[2][e] if signal else 1
                 assert not (signal and chunks > 1), "a chunked matrix's rows are whole once summed"
                 matrices.append([offset(weight), n, k, x_off, y_off, resid, norm, wait,
                                  len(stages), int(head), offset(up), chunks, parts, finished,
                                  strip, blocks, wait_stride, signal[0] if signal else -1,
-                                 per_slot, int(signal is None or count_signalled_stages)])  # fmt: skip
+                                 per_slot, int(signal is None or count_signalled_stages),
+                                 x_parts, resid_parts])  # fmt: skip
                 for j in range(strips * chunks):
                     lo = (j // chunks) * span
                     slots = range(lo // per_slot, (min(n, lo + span) - 1) // per_slot + 1)
@@ -841,6 +878,12 @@ class FusedDecodeStep:
 
         wait = wait_for(0)
         hd, group = w.head_dim, w.heads // w.kv_heads
+        # reader_sums: the down projection's chunks leave partials that no task adds up; the
+        # stream after a layer is those partials and the residual (o's output) after them,
+        # DIM apart, and its readers (the next layer's q/k/v and o, the head) sum them.
+        down_chunks = -(-ffn // self.chunk)
+        self.parts = down_chunks + 1 if reader_sums and down_chunks > 1 else 1
+        h_parts = 1  # the embedding's stream: one vector
         for layer in w.layers:
             qkv = take((w.heads + 2 * w.kv_heads) * hd)
             k_off, v_off = qkv + w.heads * hd, qkv + (w.heads + w.kv_heads) * hd
@@ -852,7 +895,7 @@ class FusedDecodeStep:
                 [(layer.q, None, h, qkv, -1, norm), (layer.k, None, h, k_off, -1, norm),
                  (layer.v, None, h, v_off, -1, norm)], wait,
                 signal=(groups, w.kv_heads, [group * hd, hd, hd]),
-                order=lambda e, strip, chunk, slot: slot,
+                order=lambda e, strip, chunk, slot: slot, x_parts=h_parts,
             )  # fmt: skip
             parts = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
             out = take(w.heads * hd)
@@ -860,8 +903,10 @@ class FusedDecodeStep:
             layers.append([qkv, offset(layer.k_cache), offset(layer.v_cache), parts, out,
                            waits_for(groups, needs), stage, counters(w.heads)])  # fmt: skip
             tasks.extend((ATTEND, len(layers) - 1, j) for j in range(w.heads * splits))
-            h_mid = take(dim)
-            stage, _ = matrix_stage([(layer.o, None, out, h_mid, h, -1)], wait_for(stage))
+            stream = take(self.parts * dim)  # (reader_sums: the partials, then o's output)
+            h_mid = stream + (self.parts - 1) * dim
+            stage, _ = matrix_stage([(layer.o, None, out, h_mid, h, -1)], wait_for(stage),
+                                    resid_parts=h_parts)  # fmt: skip
             # The gated rows count in one counter a chunk of the down projection's input, whose
             # tasks go chunk by chunk: chunk 0's start while the last gated rows are written.
             gated = take(ffn)  # silu(gate) * up
@@ -871,14 +916,20 @@ class FusedDecodeStep:
                 [(layer.gate, layer.up, h_mid, gated, -1, offset(layer.mlp_norm))],
                 wait_for(stage), signal=(chunks, slots, [self.chunk]),
             )  # fmt: skip
-            h = take(dim)
-            stage, _ = matrix_stage([(layer.down, None, gated, h, h_mid, -1)],
-                                    waits_for(chunks, needs), wait_stride=1,
-                                    order=lambda e, strip, chunk, slot: chunk)  # fmt: skip
+            if self.parts > 1:  # the partials at the stream, no residual added
+                h, h_parts = stream, self.parts
+                entry = (layer.down, None, gated, stream, -1, -1)
+            else:
+                h = take(dim)
+                entry = (layer.down, None, gated, h, h_mid, -1)
+            stage, _ = matrix_stage([entry], waits_for(chunks, needs), wait_stride=1,
+                                    order=lambda e, strip, chunk, slot: chunk,
+                                    parts_at=stream if self.parts > 1 else None)  # fmt: skip
             wait = wait_for(stage)
         vocab = w.head.shape[0]
         logits = take(vocab)
-        matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True)
+        matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True,
+                     x_parts=h_parts)  # fmt: skip
         self.partials_off = take(3 * matrices[-1][15])  # each head block's max, sum, argmax
         self.lse_off = take(1)
         combine = stage_of(1)
@@ -887,7 +938,7 @@ class FusedDecodeStep:
         for row in layers:
             row[7] += 1 + len(stages)
         for row in matrices:
-            row[13] += 1 + len(stages)
+            row[13] += (1 + len(stages)) if row[13] >= 0 else 0
             row[17] += (1 + len(stages)) if row[17] >= 0 else 0
         for row in waits:
             row[0] += (1 + len(stages)) if row.pop() else 0
@@ -959,6 +1010,7 @@ class FusedDecodeStep:
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
             "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace, "STATIC": self.static,
+            "PARTS": self.parts,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
