@@ -433,6 +433,7 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
     print(f"Triton interpreter checks ({Path(__file__).name}):")
     small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
                            dtype=torch.float32)  # fmt: skip
+    strips = {"tile_elements": 256, "block_l": 8, "programs": 3, "waves": 1}
     for line in (
         # 4 query heads on 2 kv heads; FFN 192 padded to 256; keys in blocks of 8, 4 splits:
         # at 39 each split holds two blocks (the first loaded early), at 5 split 0 alone
@@ -447,34 +448,16 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         # strips: 3 programs, one wave (q/k/v's 32 row blocks in strips of 11, the down
         # projection's 3 chunks of 16 blocks whole) and two (one row a block: strips of 22 over
         # q's 64 and k's 32, the head's 300 in 6)
-        check_kernel(small, [0, 39], 1e-5, tile_elements=256, block_l=8, programs=3, waves=1),
+        check_kernel(small, [0, 39], 1e-5, **strips),
         check_kernel(small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2),
         # the first block loaded alone before the wait, the loop from the second
-        check_kernel(
-            small,
-            [0, 39],
-            1e-5,
-            tile_elements=256,
-            block_l=8,
-            programs=3,
-            waves=1,
-            wait_in_loop=False,
-        ),
+        check_kernel(small, [0, 39], 1e-5, **strips, wait_in_loop=False),
         # every task also counted in its stage (q/k/v and gate/up: read by no wait)
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, count_signalled_stages=True),
         # dealt round-robin: one program here (the interpreter runs programs one by one)
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=1, schedule="static"),
         # the down projection's 3 chunk partials summed by the stream's readers
-        check_kernel(
-            small,
-            [0, 39],
-            1e-5,
-            tile_elements=256,
-            block_l=8,
-            programs=3,
-            waves=1,
-            reader_sums=True,
-        ),
+        check_kernel(small, [0, 39], 1e-5, **strips, reader_sums=True),
         check_kernel(small, [5], 1e-5, tile_elements=64, programs=3, waves=None, reader_sums=True),
         check_generator("cpu"),
     ):
