@@ -10,8 +10,8 @@
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
 # step's GPU test, then its replay and tokens/s against the compiled forward: the default
 # tiling with tasks taken from the counter, then dealt round-robin (x1x0x1), the down
-# projection's partials summed by their readers (x1x0x0x1), both (x1x0x1x1), round-robin at
-# 3 programs an SM, and both at 3 waves)
+# projection's partials summed by their readers (x1x0x0x1), both (x1x0x1x1), and both at 3
+# waves; round-robin is refused at 3 programs an SM, which may not all be resident)
 # and `strip` (the fused step's inner loop alone, benchmarks/strip_loop.py: whole rows summed
 # every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
 # bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
@@ -53,7 +53,7 @@ for part in $PARTS; do
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
       run 300 python3 benchmarks/decode_step.py --fused-only --fused 8192x4x2x2x3x1 8192x4x2x2x3x1x0x1 \
-        8192x4x2x2x3x1x0x0x1 8192x4x2x2x3x1x0x1x1 8192x4x3x2x3x1x0x1 8192x4x2x3x3x1x0x1x1 \
+        8192x4x2x2x3x1x0x0x1 8192x4x2x2x3x1x0x1x1 8192x4x2x3x3x1x0x1x1 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     trace)
       run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x2x3 8192x4x2x2x3x1x0x1 8192x4x2x2x3x1x0x1x1 --stamps "$OUT/stamps" \

@@ -382,6 +382,9 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
     wide = {"tile_elements": 16384, "num_warps": 8, "programs_per_sm": 1}
+    one = torch.zeros(1, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="needs every program resident at once"):
+        FusedDecodeStep(weights, one, one, schedule="static", programs_per_sm=3)  # 12 warps
     lines = [
         check_kernel(weights, [0, 300, 511], 2e-2),  # strips, two tasks a program a stage
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),

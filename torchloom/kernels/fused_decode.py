@@ -766,6 +766,19 @@ class FusedDecodeStep:
         device = w.embed.device
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
         self.programs = programs or programs_per_sm * sms
+        if self.static and device.type == "cuda":
+            # Round-robin programs wait for one another, so all must be resident at once, or
+            # the step never ends. Sufficient (registers are at most 255 a thread): 8 warps an
+            # SM (65,536 registers), and the strips' copies in flight within shared memory.
+            per_sm = -(-self.programs // sms)
+            copies = (pipeline - 1) * 2 * tile_elements * w.embed.element_size() + 1024
+            if per_sm * num_warps > 8 or per_sm * copies > 227 * 1024:
+                raise ValueError(
+                    f"schedule='static' needs every program resident at once; {per_sm} programs "
+                    f"an SM of {num_warps} warps and ~{copies // 1024} KB of copies in flight "
+                    "may not be (at most 8 warps and 227 KB an SM): use fewer programs or "
+                    "schedule='dynamic'"
+                )
         self.waves = waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
