@@ -105,8 +105,10 @@ def fused_tiling(spec: str) -> dict:
                          "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
                          "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
                          "their stages' counters, which no wait reads; D 1 deals the tasks "
-                         "round-robin instead of from a counter; R 1: the down projection's "
-                         "chunk partials summed by the stream's readers)")  # fmt: skip
+                         "round-robin, D 0 takes them from a counter, absent: round-robin "
+                         "where the programs can all be resident; R 1 (absent too): the down "
+                         "projection's chunk partials summed by the stream's readers, R 0: by "
+                         "its last chunk)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
@@ -159,9 +161,10 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
     """The compiled generator with the fused step, re-captured at each tiling
-    "TxWxP[xV[xS[xL[xC]]]]" (tile elements x warps x programs per SM [x waves: a matrix task
-    streams a strip of row blocks, about V tasks a program a stage [x pipeline: the strip's
-    loop pipelined S deep [x the wait in the loop [x signalled stages counted]]]]):
+    "TxWxP[xV[xS[xL[xC[xD[xR]]]]]]" (tile elements x warps x programs per SM [x waves: a matrix
+    task streams a strip of row blocks, about V tasks a program a stage [x pipeline: the strip's
+    loop pipelined S deep [x the wait in the loop [x signalled stages counted [x tasks dealt
+    round-robin [x the down projection's partials summed by their readers]]]]]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix). ``without_waits``: the step
@@ -266,9 +269,10 @@ def main() -> None:
                              "pipeline: the strips' loop pipelined S deep [x 0: the wait for the "
                              "input before the strip loop, 1: inside it [x 1: also count the "
                              "signalled stages' tasks (the old form) [x 1: tasks dealt "
-                             "round-robin (program p: p, p + P, ...), not from a counter [x 1: "
-                             "the down projection's chunk partials summed by the stream's "
-                             "readers, not by the last chunk]]]]]]")  # fmt: skip
+                             "round-robin (program p: p, p + P, ...), 0: from a counter "
+                             "(absent: round-robin where every program can be resident) [x 1 "
+                             "(absent too): the down projection's chunk partials summed by the "
+                             "stream's readers, 0: by its last chunk]]]]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip

@@ -307,7 +307,9 @@ def test_kernel_compiles_for_hopper() -> None:
         model = build_model(config)
     cache = model.new_cache(1, 384, "meta", torch.bfloat16)
     position = torch.zeros(1, dtype=torch.long, device="meta")
-    step = FusedDecodeStep(decode_weights(model.to(torch.bfloat16), cache), position, position)
+    # Tasks from the counter (the default on the interpreter; on a GPU they are dealt).
+    step = FusedDecodeStep(decode_weights(model.to(torch.bfloat16), cache), position, position,
+                           schedule="dynamic")  # fmt: skip
     args = step.sm90_arguments()
     assert args[3] == fused_decode.DEFAULT_WARPS
     usage = compile_for_hopper(*args)
@@ -331,13 +333,18 @@ def test_kernel_compiles_for_hopper() -> None:
     # Tasks dealt from the counter: one relaxed atomic to start, one a task. Dealt round-robin
     # (schedule "static"): none, and the strips stay pipelined.
     assert compiled.asm["ptx"].count("atom.global.gpu.relaxed.add") == 2
-    static = FusedDecodeStep(decode_weights(model, cache), position, position, schedule="static")
+    # (schedule "static", the default off the interpreter): none, and the strips stay
+    # pipelined. The down projection's partials summed by their last chunk, not the readers.
+    static = FusedDecodeStep(decode_weights(model, cache), position, position)
+    assert static.static and static.parts == 5  # 4 down chunks and o's output
     assert compile_for_hopper(*static.sm90_arguments()).endswith(" SPILLS:0")
     ptx = compile_sm90(*static.sm90_arguments()).asm["ptx"]
     assert "atom.global.gpu.relaxed" not in ptx
     assert ptx.count("cp.async.cg.shared.global") == len(copies)
-    summed = FusedDecodeStep(decode_weights(model, cache), position, position, reader_sums=True)
-    assert compile_for_hopper(*summed.sm90_arguments()).endswith(" SPILLS:0")
+    chunk_sums = FusedDecodeStep(decode_weights(model, cache), position, position,
+                                 reader_sums=False)  # fmt: skip
+    assert chunk_sums.parts == 1
+    assert compile_for_hopper(*chunk_sums.sm90_arguments()).endswith(" SPILLS:0")
 
 
 def test_stamp_columns_are_the_kernels() -> None:
@@ -386,17 +393,19 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
     with pytest.raises(ValueError, match="needs every program resident at once"):
         FusedDecodeStep(weights, one, one, schedule="static", programs_per_sm=3)  # 12 warps
     lines = [
-        check_kernel(weights, [0, 300, 511], 2e-2),  # strips, two tasks a program a stage
+        # strips, two tasks a program a stage, dealt round-robin, the readers summing the down
+        # projection's partials
+        check_kernel(weights, [0, 300, 511], 2e-2),
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
         check_kernel(weights, [0, 300], 2e-2, wait_in_loop=False),  # the first block alone
         check_kernel(weights, [300], 2e-2, count_signalled_stages=True),
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
-        check_kernel(weights, [0, 300, 511], 2e-2, schedule="static"),  # dealt round-robin
-        check_kernel(weights, [300], 2e-2, schedule="static", waves=3, programs_per_sm=1),
-        check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=True),  # readers sum partials
-        check_kernel(weights, [300], 2e-2, reader_sums=True, schedule="static"),
+        check_kernel(weights, [0, 300, 511], 2e-2, schedule="dynamic"),  # from the counter
+        check_kernel(weights, [300], 2e-2, waves=3, programs_per_sm=1),
+        check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=False),  # the last chunk sums
+        check_kernel(weights, [300], 2e-2, reader_sums=False, schedule="dynamic"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
@@ -459,9 +468,9 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=3, count_signalled_stages=True),
         # dealt round-robin: one program here (the interpreter runs programs one by one)
         check_kernel(small, [21], 1e-5, tile_elements=256, programs=1, schedule="static"),
-        # the down projection's 3 chunk partials summed by the stream's readers
-        check_kernel(small, [0, 39], 1e-5, **strips, reader_sums=True),
-        check_kernel(small, [5], 1e-5, tile_elements=64, programs=3, waves=None, reader_sums=True),
+        # the down projection's 3 chunk partials summed by their last chunk, not the readers
+        check_kernel(small, [0, 39], 1e-5, **strips, reader_sums=False),
+        check_kernel(small, [5], 1e-5, tile_elements=64, programs=3, waves=None, reader_sums=False),
         check_generator("cpu"),
     ):
         print(line)
