@@ -25,8 +25,8 @@ Every matrix tile is ROWS rows by one CHUNK-wide slice of the input (CHUNK = the
 rounded up to a power of two, so a normed input is one slice and the norm is taken in the
 tile); a wider input (the down projection's) is split into slices whose partial sums the
 last slice to finish adds in slice order (or, ``reader_sums``, the default since s43, which
-the stream's readers add as they load it), so each tile re-reads only its slice of the input, never the whole
-8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
+the stream's readers add as they load it), so each tile re-reads only its slice of the input,
+never the whole 8,192-wide one. A matrix task is one tile or, with ``waves``, a strip of
 consecutive row blocks over one slice: the task's fixed costs are paid once a strip, and its
 blocks stream through a loop Triton pipelines (asynchronous copies into shared memory, several
 tiles in flight a program). On an H100 one tile a task cost 5-8 us of serial round trips a
