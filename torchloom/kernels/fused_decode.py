@@ -720,9 +720,8 @@ class FusedDecodeStep:
     ("static": program p runs tasks p, p + P, ...; no round trip, but every program must be
     running at once, since one waits for tasks dealt to others; None: "static" where every
     program can be resident, "dynamic" under the interpreter, which runs programs one after
-    another). ``reader_sums``: the down
-    projection's chunks only write their partial sums, and every reader of the stream they
-    make (the next layer's q/k/v input and o's residual, the head's input) loads the partials
+    another). ``reader_sums``: the down projection's chunks only write their partial sums,
+    and every reader of the stream they make (the next layer's q/k/v input and o's residual, the head's input) loads the partials
     and the residual after them and adds them, in the order the last chunk would have; so no
     down task pays the round trip of counting its strip's finished chunks, and no strip waits
     for its last chunk to add them up."""
@@ -773,8 +772,13 @@ class FusedDecodeStep:
         device = w.embed.device
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
         self.programs = programs or programs_per_sm * sms
-        not_resident = None
-        if device.type == "cuda":
+        not_resident = None  # why round-robin would hang here, if it would
+        if device.type == "cpu" and self.programs > 1:
+            not_resident = ("a static schedule needs its programs running at once (a program "
+                            "waits for tasks dealt to the others); Triton's interpreter (CPU "
+                            "tensors) runs them one after another: use schedule='dynamic' or "
+                            "programs=1 there")  # fmt: skip
+        elif device.type == "cuda":
             # Round-robin programs wait for one another, so all must be resident at once, or
             # the step never ends. Sufficient (registers are at most 255 a thread): 8 warps an
             # SM (65,536 registers), and the strips' copies in flight within shared memory.
@@ -880,9 +884,12 @@ class FusedDecodeStep:
             ):
                 n, k = weight.shape
                 strips = -(-blocks // strip)
-                summed_by_readers = chunks > 1 and parts_at is not None
-                parts = parts_at if summed_by_readers else take(chunks * n) if chunks > 1 else -1
-                finished = -1 if summed_by_readers else counters(strips) if chunks > 1 else 0
+                if chunks == 1:  # whole rows: no partials
+                    parts, finished = -1, 0
+                elif parts_at is not None:  # partials its readers sum: no count of chunks
+                    parts, finished = parts_at, -1
+                else:  # partials the strip's last chunk sums, once its count says so
+                    parts, finished = take(chunks * n), counters(strips)
                 span = strip * (self.rows if up is None else self.gated_rows)
                 per_slot = signal[2][e] if signal else 1
                 assert not (signal and chunks > 1), "a chunked matrix's rows are whole once summed"
@@ -943,14 +950,14 @@ class FusedDecodeStep:
                 wait_for(stage), signal=(chunks, slots, [self.chunk]),
             )  # fmt: skip
             if self.parts > 1:  # the partials at the stream, no residual added
-                h, h_parts = stream, self.parts
+                h, h_parts, parts_at = stream, self.parts, stream
                 entry = (layer.down, None, gated, stream, -1, -1)
             else:
-                h = take(dim)
+                h, parts_at = take(dim), None
                 entry = (layer.down, None, gated, h, h_mid, -1)
             stage, _ = matrix_stage([entry], waits_for(chunks, needs), wait_stride=1,
                                     order=lambda e, strip, chunk, slot: chunk,
-                                    parts_at=stream if self.parts > 1 else None)  # fmt: skip
+                                    parts_at=parts_at)  # fmt: skip
             wait = wait_for(stage)
         vocab = w.head.shape[0]
         logits = take(vocab)
@@ -1054,11 +1061,6 @@ class FusedDecodeStep:
         return _fused_decode_kernel, types, self.constants(), self.num_warps
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.static and self.programs > 1 and self.base.device.type == "cpu":
-            raise ValueError("a static schedule needs its programs running at once (a program "
-                             "waits for tasks dealt to the others); Triton's interpreter (CPU "
-                             "tensors) runs them one after another: use schedule='dynamic' or "
-                             "programs=1 there")  # fmt: skip
         self.counters.zero_()
         _fused_decode_kernel[(self.programs,)](
             self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
