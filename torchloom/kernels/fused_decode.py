@@ -721,10 +721,10 @@ class FusedDecodeStep:
     running at once, since one waits for tasks dealt to others; None: "static" where every
     program can be resident, "dynamic" under the interpreter, which runs programs one after
     another). ``reader_sums``: the down projection's chunks only write their partial sums,
-    and every reader of the stream they make (the next layer's q/k/v input and o's residual, the head's input) loads the partials
-    and the residual after them and adds them, in the order the last chunk would have; so no
-    down task pays the round trip of counting its strip's finished chunks, and no strip waits
-    for its last chunk to add them up."""
+    and every reader of the stream they make (the next layer's q/k/v input and o's residual,
+    the head's input) loads the partials and the residual after them and adds them, in the
+    order the last chunk would have; so no down task pays the round trip of counting its
+    strip's finished chunks, and no strip waits for its last chunk to add them up."""
 
     def __init__(
         self,
