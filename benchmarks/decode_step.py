@@ -92,15 +92,15 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR]]]]]]"; ValueError if
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]]"; ValueError if
     malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in (3, 4, 5, 6, 7, 8, 9)
-        or not all(p.isdigit() and int(p) > 0 for p in parts[:5])
-        or not all(p in ("0", "1") for p in parts[5:])
+        len(parts) not in (3, 4, 5, 6, 7, 8, 9, 10)
+        or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:])
+        or not all(p in ("0", "1") for p in parts[5:9])
     ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xD[xR]]]]]], e.g. 16384x8x1 "
+        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]], e.g. 16384x8x1 "
                          "(tile weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves "
                          "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
                          "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
@@ -108,7 +108,8 @@ def fused_tiling(spec: str) -> dict:
                          "round-robin, D 0 takes them from a counter, absent: round-robin "
                          "where the programs can all be resident; R 1 (absent too): the down "
                          "projection's chunk partials summed by the stream's readers, R 0: by "
-                         "its last chunk)")  # fmt: skip
+                         "its last chunk; A: the tasks a program in the q/k/v and o stages, "
+                         "absent: V there too)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
@@ -119,6 +120,8 @@ def fused_tiling(spec: str) -> dict:
         tiling["schedule"] = "static" if parts[7] == "1" else "dynamic"
     if parts[8:]:
         tiling["reader_sums"] = parts[8] == "1"
+    if parts[9:]:
+        tiling["small_waves"] = int(parts[9])
     return tiling
 
 

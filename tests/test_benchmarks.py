@@ -542,3 +542,6 @@ def test_fused_tiling_typos_are_one_usage_error(script):
     result = _result(script, "--fused", "8192x4x2", "8192x4")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "argument --fused: --fused '8192x4': want TxWxP" in result.stderr, result.stderr
+    # the tenth field (small_waves) is a count of at least one, not a 0/1 switch
+    result = _result(script, "--fused", "8192x4x2x2x3x1x0x1x1x2", "8192x4x2x2x3x1x0x1x1x0")
+    assert result.returncode == 2 and "'8192x4x2x2x3x1x0x1x1x0': want" in result.stderr

@@ -101,6 +101,10 @@ def test_refusals() -> None:
     one = torch.zeros(1, dtype=torch.long)
     with pytest.raises(ValueError, match="schedule must be 'dynamic' or 'static'"):
         FusedDecodeStep(weights, one, one, schedule="round-robin")
+    with pytest.raises(ValueError, match="small_waves .* needs waves"):
+        FusedDecodeStep(weights, one, one, waves=None, small_waves=1)
+    with pytest.raises(ValueError, match="at least 1; got small_waves=0"):
+        FusedDecodeStep(weights, one, one, small_waves=0)
     mixed = tiny()
     mixed.norm.weight.data = mixed.norm.weight.data.double()
     problem = fused_step_problem(mixed, mixed.new_cache(1, 8, "cpu", torch.float32))
@@ -263,7 +267,8 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
                    {"tile_elements": 1024, "programs": 5, "waves": 1},
                    {"tile_elements": 256, "programs": 3, "count_signalled_stages": True},
                    {"tile_elements": 256, "programs": 3, "reader_sums": True},
-                   {"tile_elements": 64, "programs": 3, "waves": 2, "reader_sums": True}):  # fmt: skip
+                   {"tile_elements": 64, "programs": 3, "waves": 2, "reader_sums": True},
+                   {"tile_elements": 64, "programs": 3, "waves": 2, "small_waves": 1}):  # fmt: skip
         written = simulate_schedule(FusedDecodeStep(small, one, one, **tiling))
         assert len(written) == 2 * (2 + 3), tiling  # a layer: 2 kv groups, 3 chunks of 64
     config = resolve_model_config(ModelConfig(name="llama3", flavor="1B"))
@@ -271,10 +276,21 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
         model = build_model(config).to(torch.bfloat16)
     model.to_empty(device="cpu")
     weights = decode_weights(model, model.new_cache(1, 384, "cpu", torch.bfloat16))
+    tasks, strips = {}, {}  # each tiling's tasks a matrix and strips (layer 0)
     for tiling in ({"programs": 264}, {"programs": 132, "tile_elements": 16384, "waves": None},
+                   {"programs": 264, "small_waves": 1},
                    {"programs": 264, "reader_sums": True}):  # fmt: skip
         step = FusedDecodeStep(weights, one, one, **tiling)
         assert len(simulate_schedule(step)) == 16 * (8 + 4)  # a layer: 8 kv groups, 4 chunks
+        tasks[str(tiling)] = step.tasks[step.tasks[:, 0] == 1, 1].bincount().tolist()
+        strips[str(tiling)] = step.matrices[:6, 14].tolist()
+    # small_waves 1: q/k/v's 768 row blocks of 4 rows in 257 strips of 3 (at most one a program
+    # of 264, not 384 of 2), o's 512 in 256 of 2 (not 512 of 1); the MLP's stages as before
+    for key, want_tasks, want_strips in (
+        ({"programs": 264}, [256, 64, 64, 512, 512, 512], [2, 2, 2, 1, 8, 4]),
+        ({"programs": 264, "small_waves": 1}, [171, 43, 43, 256, 512, 512], [3, 3, 3, 2, 8, 4]),
+    ):
+        assert (tasks[str(key)][:6], strips[str(key)]) == (want_tasks, want_strips), key
     # reader_sums: the stream after a layer is the down projection's 4 chunk partials and o's
     # output after them; the first layer reads the embedding (one part), every later reader of
     # the stream (q/k/v's input, o's residual, the head's input) sums 5, and no down strip
@@ -404,6 +420,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
         check_kernel(weights, [0, 300, 511], 2e-2, schedule="dynamic"),  # from the counter
         check_kernel(weights, [300], 2e-2, waves=3, programs_per_sm=1),
+        check_kernel(weights, [0, 300, 511], 2e-2, small_waves=1),  # attention's stages: 1 wave
         check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=False),  # the last chunk sums
         check_kernel(weights, [300], 2e-2, reader_sums=False, schedule="dynamic"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
@@ -462,6 +479,10 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         # q's 64 and k's 32, the head's 300 in 6)
         check_kernel(small, [0, 39], 1e-5, **strips),
         check_kernel(small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2),
+        # q/k/v and o at one wave (strips of 43 and 22 rows) while the MLP's stages take two
+        check_kernel(
+            small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2, small_waves=1
+        ),
         # the first block loaded alone before the wait, the loop from the second
         check_kernel(small, [0, 39], 1e-5, **strips, wait_in_loop=False),
         # every task also counted in its stage (q/k/v and gate/up: read by no wait)

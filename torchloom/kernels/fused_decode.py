@@ -724,7 +724,10 @@ class FusedDecodeStep:
     and every reader of the stream they make (the next layer's q/k/v input and o's residual,
     the head's input) loads the partials and the residual after them and adds them, in the
     order the last chunk would have; so no down task pays the round trip of counting its
-    strip's finished chunks, and no strip waits for its last chunk to add them up."""
+    strip's finished chunks, and no strip waits for its last chunk to add them up.
+    ``small_waves``: the tasks a program in the attention's matrix stages (q/k/v, o), which are
+    smaller than the MLP's: at one, each program streams one longer strip there instead of some
+    programs taking two tasks while the rest wait (None: ``waves`` there too)."""
 
     def __init__(
         self,
@@ -744,6 +747,7 @@ class FusedDecodeStep:
         trace: bool = False,
         schedule: str | None = None,
         reader_sums: bool = DEFAULT_READER_SUMS,
+        small_waves: int | None = None,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -769,6 +773,10 @@ class FusedDecodeStep:
             raise ValueError(f"schedule must be 'dynamic' or 'static'; got {schedule!r}")
         if waves is not None and waves < 1:
             raise ValueError(f"waves must be at least 1 (or None: one tile a task); got {waves}")
+        if small_waves is not None and (waves is None or small_waves < 1):
+            raise ValueError("small_waves sizes the strips of the attention's matrices (q/k/v "
+                             "and o) apart from waves, so it needs waves and must be at least "
+                             f"1; got small_waves={small_waves}, waves={waves}")  # fmt: skip
         device = w.embed.device
         sms = num_persistent_programs(device) if device.type == "cuda" else 1
         self.programs = programs or programs_per_sm * sms
@@ -796,7 +804,7 @@ class FusedDecodeStep:
         self.static = schedule == "static"
         if self.static and not_resident:
             raise ValueError(not_resident)
-        self.waves = waves
+        self.waves, self.small_waves = waves, small_waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
         self.dim, self.chunk = dim, _pow2(dim)
@@ -862,7 +870,8 @@ class FusedDecodeStep:
         def matrix_stage(entries: list[Entry], wait: int, head: bool = False,
                          wait_stride: int = 0, signal: Signal | None = None,
                          order=None, x_parts: int = 1, resid_parts: int = 1,
-                         parts_at: int | None = None) -> tuple[int, list[int]]:  # fmt: skip
+                         parts_at: int | None = None,
+                         waves: int | None = None) -> tuple[int, list[int]]:  # fmt: skip
             """One stage of matrices: (weight, up weight of a gated one, input offset, output
             offset, residual offset, norm weight offset). A task waits for wait ``wait`` (plus
             ``wait_stride`` times its chunk); with ``signal`` each also counts itself in the
@@ -871,12 +880,13 @@ class FusedDecodeStep:
             first slot)``: the key the stage's tasks are sorted by (default: as built). Returns
             the stage and how many tasks count in each slot. ``x_parts`` and ``resid_parts``:
             how many parts the input and the residual are summed from; ``parts_at``: where a
-            chunked matrix writes its partials, which its readers sum (no last chunk does)."""
+            chunked matrix writes its partials, which its readers sum (no last chunk does).
+            ``waves``: the stage's tasks a program, if not the step's ``waves``."""
             first_task = len(tasks)
             shapes = [(-(-m.shape[1] // self.chunk),  # chunks, row blocks
                        -(-m.shape[0] // (self.rows if up is None else self.gated_rows)))
                       for m, up, *_ in entries]  # fmt: skip
-            strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes))
+            strip = self._strip(sum(chunks * blocks for chunks, blocks in shapes), waves)
             needs = [0] * (signal[1] if signal else 0)
             keyed = []
             for e, ((weight, up, x_off, y_off, resid, norm), (chunks, blocks)) in enumerate(
@@ -928,7 +938,7 @@ class FusedDecodeStep:
                 [(layer.q, None, h, qkv, -1, norm), (layer.k, None, h, k_off, -1, norm),
                  (layer.v, None, h, v_off, -1, norm)], wait,
                 signal=(groups, w.kv_heads, [group * hd, hd, hd]),
-                order=lambda e, strip, chunk, slot: slot, x_parts=h_parts,
+                order=lambda e, strip, chunk, slot: slot, x_parts=h_parts, waves=small_waves,
             )  # fmt: skip
             parts = take(splits * (w.heads * hd + 2 * w.heads))  # the splits' partials
             out = take(w.heads * hd)
@@ -939,7 +949,7 @@ class FusedDecodeStep:
             stream = take(self.parts * dim)  # (reader_sums: the partials, then o's output)
             h_mid = stream + (self.parts - 1) * dim
             stage, _ = matrix_stage([(layer.o, None, out, h_mid, h, -1)], wait_for(stage),
-                                    resid_parts=h_parts)  # fmt: skip
+                                    resid_parts=h_parts, waves=small_waves)  # fmt: skip
             # The gated rows count in one counter a chunk of the down projection's input, whose
             # tasks go chunk by chunk: chunk 0's start while the last gated rows are written.
             gated = take(ffn)  # silu(gate) * up
@@ -1002,10 +1012,13 @@ class FusedDecodeStep:
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         self.block_l, self.splits = block_l, splits
 
-    def _strip(self, tiles: int) -> int:
+    def _strip(self, tiles: int, waves: int | None = None) -> int:
         """Row blocks a task streams in a stage of ``tiles`` tiles: one (a task a tile) without
-        ``waves``, else enough that the stage is about ``waves`` tasks a program."""
-        return 1 if self.waves is None else max(1, -(-tiles // (self.programs * self.waves)))
+        ``self.waves``, else enough that the stage is about ``waves`` (default ``self.waves``)
+        tasks a program."""
+        if self.waves is None:
+            return 1
+        return max(1, -(-tiles // (self.programs * (waves or self.waves))))
 
     @staticmethod
     def _tensors(w: DecodeWeights) -> list[torch.Tensor]:
