@@ -100,16 +100,17 @@ def fused_tiling(spec: str) -> dict:
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:])
         or not all(p in ("0", "1") for p in parts[5:9])
     ):
-        raise ValueError(f"--fused {spec!r}: want TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]], e.g. 16384x8x1 "
-                         "(tile weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves "
-                         "of strips, pipelined 4 deep, the wait before the loop: L 1 puts it "
-                         "inside, the default; C 1 also counts q/k/v's and gate/up's tasks in "
-                         "their stages' counters, which no wait reads; D 1 deals the tasks "
-                         "round-robin, D 0 takes them from a counter, absent: round-robin "
-                         "where the programs can all be resident; R 1 (absent too): the down "
-                         "projection's chunk partials summed by the stream's readers, R 0: by "
-                         "its last chunk; A: the tasks a program in the q/k/v and o stages, "
-                         "absent: V there too)")  # fmt: skip
+        raise ValueError(f"--fused {spec!r}: "
+                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]], e.g. 16384x8x1 (tile weights x"
+                         " warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of strips, "
+                         "pipelined 4 deep, the wait before the loop: L 1 puts it inside, the "
+                         "default; C 1 also counts q/k/v's and gate/up's tasks in their stages' "
+                         "counters, which no wait reads; D 1 deals the tasks round-robin, D 0 "
+                         "takes them from a counter, absent: round-robin where the programs can "
+                         "all be resident; R 1 (absent too): the down projection's chunk "
+                         "partials summed by the stream's readers, R 0: by its last chunk; A: "
+                         "the tasks a program in the q/k/v and o stages, absent: V there "
+                         "too)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
