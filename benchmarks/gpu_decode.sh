@@ -18,8 +18,8 @@
 # bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
 # the publishing alone, and as one stream a program, in TB/s beside torch.mv and F.linear).
 # And `trace` (benchmarks/fused_trace.py: where the fused step's time goes inside its launch,
-# from each task's clock stamps: the default, and the attention's stages at one wave; the raw stamps
-# kept under OUT_DIR/stamps).
+# from each task's clock stamps: the default, and the attention's stages at one wave; the raw
+# stamps kept under OUT_DIR/stamps).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|trace|strip ...]
 set -uo pipefail
 OUT=${1:-outputs/gpu_decode}

@@ -804,7 +804,7 @@ class FusedDecodeStep:
         self.static = schedule == "static"
         if self.static and not_resident:
             raise ValueError(not_resident)
-        self.waves, self.small_waves = waves, small_waves
+        self.waves = waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
         self.dim, self.chunk = dim, _pow2(dim)
