@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument(
         "--fused",
         nargs="*",
-        default=["8192x4x2x2x3"],
+        default=["8192x4x2x1x3"],
         type=tiling_argument,
         metavar="TxWxP[xV[xS[xL[xC]]]]",
         help="tilings, as decode_step.py's",

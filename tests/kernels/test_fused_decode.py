@@ -278,17 +278,22 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
     weights = decode_weights(model, model.new_cache(1, 384, "cpu", torch.bfloat16))
     tasks, strips = {}, {}  # each tiling's tasks a matrix and strips (layer 0)
     for tiling in ({"programs": 264}, {"programs": 132, "tile_elements": 16384, "waves": None},
-                   {"programs": 264, "small_waves": 1},
+                   {"programs": 264, "waves": 2}, {"programs": 264, "waves": 2, "small_waves": 1},
                    {"programs": 264, "reader_sums": True}):  # fmt: skip
         step = FusedDecodeStep(weights, one, one, **tiling)
         assert len(simulate_schedule(step)) == 16 * (8 + 4)  # a layer: 8 kv groups, 4 chunks
         tasks[str(tiling)] = step.tasks[step.tasks[:, 0] == 1, 1].bincount().tolist()
         strips[str(tiling)] = step.matrices[:6, 14].tolist()
-    # small_waves 1: q/k/v's 768 row blocks of 4 rows in 257 strips of 3 (at most one a program
-    # of 264, not 384 of 2), o's 512 in 256 of 2 (not 512 of 1); the MLP's stages as before
+    # The default (one wave): q/k/v's 768 row blocks of 4 rows in 257 strips of 3, o's 512 in
+    # 256 of 2, gate/up's 4,096 blocks of 2 gated rows in 256 of 16, down's 512 blocks in 4
+    # chunks in 64 strips of 8 a chunk: at most one task a program a stage. Two waves: 384
+    # strips of 2 for q/k/v (a second task for 120 of the 264 programs while the rest wait);
+    # small_waves 1 sizes the attention's stages as one wave does and keeps the MLP's at two.
     for key, want_tasks, want_strips in (
-        ({"programs": 264}, [256, 64, 64, 512, 512, 512], [2, 2, 2, 1, 8, 4]),
-        ({"programs": 264, "small_waves": 1}, [171, 43, 43, 256, 512, 512], [3, 3, 3, 2, 8, 4]),
+        ({"programs": 264}, [171, 43, 43, 256, 256, 256], [3, 3, 3, 2, 16, 8]),
+        ({"programs": 264, "waves": 2}, [256, 64, 64, 512, 512, 512], [2, 2, 2, 1, 8, 4]),
+        ({"programs": 264, "waves": 2, "small_waves": 1}, [171, 43, 43, 256, 512, 512],
+         [3, 3, 3, 2, 8, 4]),
     ):
         assert (tasks[str(key)][:6], strips[str(key)]) == (want_tasks, want_strips), key
     # reader_sums: the stream after a layer is the down projection's 4 chunk partials and o's
@@ -399,9 +404,9 @@ def test_kernel_in_the_interpreter(run_in_triton_interpreter) -> None:
 @pytest.mark.gpu
 def test_kernel_matches_the_reference_on_gpu() -> None:
     """bf16 at the Llama-3.2-1B layer shapes (2 of its 16 layers, its 128,256-token head) at
-    positions 0, 300 and the cache's last, at the default tiling (strips of row blocks, two
-    waves; the wait inside the strip loop, and before it) and at one and three waves, and at
-    one tile a task; the generator from CUDA graphs, eager and compiled."""
+    positions 0, 300 and the cache's last, at the default tiling (strips of row blocks, one
+    task a program a stage; the wait inside the strip loop, and before it) and at two and three
+    waves, and at one tile a task; the generator from CUDA graphs, eager and compiled."""
     weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
                              device="cuda", dtype=torch.bfloat16)  # fmt: skip
     wide = {"tile_elements": 16384, "num_warps": 8, "programs_per_sm": 1}
@@ -409,9 +414,10 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
     with pytest.raises(ValueError, match="needs every program resident at once"):
         FusedDecodeStep(weights, one, one, schedule="static", programs_per_sm=3)  # 12 warps
     lines = [
-        # strips, two tasks a program a stage, dealt round-robin, the readers summing the down
+        # strips, one task a program a stage, dealt round-robin, the readers summing the down
         # projection's partials
         check_kernel(weights, [0, 300, 511], 2e-2),
+        check_kernel(weights, [0, 300, 511], 2e-2, waves=2),  # the default before s46
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
@@ -420,7 +426,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [0, 300], 2e-2, trace=True),  # the stamps change no result
         check_kernel(weights, [0, 300, 511], 2e-2, schedule="dynamic"),  # from the counter
         check_kernel(weights, [300], 2e-2, waves=3, programs_per_sm=1),
-        check_kernel(weights, [0, 300, 511], 2e-2, small_waves=1),  # attention's stages: 1 wave
+        check_kernel(weights, [0, 300, 511], 2e-2, waves=2, small_waves=1),  # attention's: 1
         check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=False),  # the last chunk sums
         check_kernel(weights, [300], 2e-2, reader_sums=False, schedule="dynamic"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task

@@ -107,12 +107,14 @@ class Stamp(IntEnum):
 
 
 TRACE_FIELDS = 10  # a row's width (one column spare)
-# The default tiling, the fastest of 27 on an H100 (benchmarks/RESULTS.md, s38): 8,192
-# weights a tile (16 KB of bf16), 4 warps, two programs a multiprocessor, each stage about two
-# strips a program (164 registers a thread on sm_90, no spills; 226 with the wait inside the
-# loop). One tile a task (waves None) took 2.2 times as long: a task's serial round trips,
-# 77,599 times a 1B step.
-DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 2
+# The default tiling: 8,192 weights a tile (16 KB of bf16), 4 warps, two programs a
+# multiprocessor (the fastest of 27 on an H100, s38; 237 registers a thread on sm_90, no
+# spills), and each stage one strip a program (waves 1). Two waves were the fastest while tasks
+# came from the counter (s38-s43); dealt round-robin with the readers summing the down
+# projection's partials, one wave took the 1B step from 1.293 to 1.153 ms on an H100 (s46):
+# 18,838 tasks instead of 33,421, each stage's fixed costs paid once a program. One tile a task
+# (waves None) took 2.2 times as long: a task's serial round trips, 77,599 times a 1B step.
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_PER_SM, DEFAULT_WAVES = 8192, 4, 2, 1
 # A strip's row blocks stream through a loop Triton pipelines this deep: this many less one
 # tiles in flight a program, in shared memory (32 KB at the default tiling). Not the stages of
 # the step (the groups of tasks one another waits for).
@@ -261,29 +263,37 @@ def _publish_rows(counters_ptr, stage, signal, signal_rows, lo, hi, count_stage)
 
 
 @jit
-def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
-             tiles, lse_off, combine_stage, BLOCK: tl.constexpr):  # fmt: skip
-    """The head tiles' (max, sum of exponentials, argmax) into the log-sum-exp and the first
-    argmax; the next step's token and position (clamped inside the cache)."""
+def _top(act_ptr, at, n, BLOCK: tl.constexpr):
+    """The largest of ``n`` (max, sum of exponentials, argmax) triples at ``at`` in scratch,
+    their sums of exponentials taken relative to it and added, and the first argmax holding it
+    (triples in row order, so the first is the lowest row)."""
     offs = tl.arange(0, BLOCK)
     top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for t0 in range(0, tiles, BLOCK):
-        ok = t0 + offs < tiles
-        top = tl.maximum(top, tl.load(act_ptr + partials_off + (t0 + offs) * 3, mask=ok,
+    for t0 in range(0, n, BLOCK):
+        ok = t0 + offs < n
+        top = tl.maximum(top, tl.load(act_ptr + at + (t0 + offs) * 3, mask=ok,
                                       other=float("-inf"), cache_modifier=".cg"))  # fmt: skip
     best = tl.max(top, axis=0)
     total = tl.zeros((BLOCK,), tl.float32)
     first = tl.full((BLOCK,), 2**30, tl.int32)
-    for t0 in range(0, tiles, BLOCK):
+    for t0 in range(0, n, BLOCK):
         idx = t0 + offs
-        ok = idx < tiles
-        m = tl.load(act_ptr + partials_off + idx * 3, mask=ok, other=float("-inf"),
-                    cache_modifier=".cg")  # fmt: skip
-        s = tl.load(act_ptr + partials_off + idx * 3 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        ok = idx < n
+        m = tl.load(act_ptr + at + idx * 3, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        s = tl.load(act_ptr + at + idx * 3 + 1, mask=ok, other=0.0, cache_modifier=".cg")
         total += tl.where(ok, s * tl.exp(m - best), 0.0)
         first = tl.minimum(first, tl.where(ok & (m == best), idx, 2**30))
-    lse = best + tl.log(tl.sum(total, axis=0))
-    token = tl.load(act_ptr + partials_off + tl.min(first, axis=0) * 3 + 2, cache_modifier=".cg")
+    token = tl.load(act_ptr + at + tl.min(first, axis=0) * 3 + 2, cache_modifier=".cg")
+    return best, tl.sum(total, axis=0), token
+
+
+@jit
+def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, strips_off, strips,
+             lse_off, combine_stage, BLOCK: tl.constexpr):  # fmt: skip
+    """The head strips' (max, sum of exponentials, argmax) into the log-sum-exp and the first
+    argmax; the next step's token and position (clamped inside the cache)."""
+    best, total, token = _top(act_ptr, strips_off, strips, BLOCK)
+    lse = best + tl.log(total)
     tl.store(act_ptr + lse_off, lse)
     tl.store(best_ptr, token.to(tl.float64))
     tl.store(best_ptr + 1, (best - lse).to(tl.float64))
@@ -461,11 +471,21 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                                    PARTS, DIM)  # fmt: skip
                 tl.store(act_ptr + y_off + rows, y, mask=row_ok)
     if is_head != 0:
+        # The strip's blocks' triples into one, after the blocks' (max, sum of exponentials,
+        # argmax), so that the last task combines one triple a strip, not one a block: on an
+        # H100 (s46) one program reading the 1B head's 32,064 block triples took 64 us.
+        tl.debug_barrier()
+        strips_off = partials_off + blocks * 3
+        top, total, token = _top(act_ptr, partials_off + first * 3, count.to(tl.int32), BLOCK_V)
+        tl.store(act_ptr + strips_off + (tile // chunks) * 3, top)
+        tl.store(act_ptr + strips_off + (tile // chunks) * 3 + 1, total)
+        tl.store(act_ptr + strips_off + (tile // chunks) * 3 + 2, token)
         tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
-        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all partials visible
-            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, partials_off,
-                     blocks.to(tl.int32), lse_off, combine_stage, BLOCK_V)  # fmt: skip
+        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all strips visible
+            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, strips_off,
+                     ((blocks + strip - 1) // strip).to(tl.int32), lse_off, combine_stage,
+                     BLOCK_V)  # fmt: skip
     else:
         _publish_rows(counters_ptr, stage, signal, signal_rows, first * ROWS,
                       tl.minimum(N, (first + count) * ROWS), tl.load(meta + 19))  # fmt: skip
@@ -727,7 +747,8 @@ class FusedDecodeStep:
     strip's finished chunks, and no strip waits for its last chunk to add them up.
     ``small_waves``: the tasks a program in the attention's matrix stages (q/k/v, o), which are
     smaller than the MLP's: at one, each program streams one longer strip there instead of some
-    programs taking two tasks while the rest wait (None: ``waves`` there too)."""
+    programs taking two tasks while the rest wait (None: ``waves`` there too; it matters only
+    with ``waves`` above one, the default being one everywhere)."""
 
     def __init__(
         self,
@@ -973,7 +994,9 @@ class FusedDecodeStep:
         logits = take(vocab)
         matrix_stage([(w.head, None, h, logits, -1, offset(w.norm))], wait, head=True,
                      x_parts=h_parts)  # fmt: skip
-        self.partials_off = take(3 * matrices[-1][15])  # each head block's max, sum, argmax
+        # Each head block's max, sum of exponentials and argmax, then each head strip's.
+        head_blocks, head_strip = matrices[-1][15], matrices[-1][14]
+        self.partials_off = take(3 * (head_blocks + -(-head_blocks // head_strip)))
         self.lse_off = take(1)
         combine = stage_of(1)
         combined = wait_for(combine)
