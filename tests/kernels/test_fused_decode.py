@@ -294,7 +294,7 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
         ({"programs": 264, "waves": 2}, [256, 64, 64, 512, 512, 512], [2, 2, 2, 1, 8, 4]),
         ({"programs": 264, "waves": 2, "small_waves": 1}, [171, 43, 43, 256, 512, 512],
          [3, 3, 3, 2, 8, 4]),
-    ):
+    ):  # fmt: skip
         assert (tasks[str(key)][:6], strips[str(key)]) == (want_tasks, want_strips), key
     # reader_sums: the stream after a layer is the down projection's 4 chunk partials and o's
     # output after them; the first layer reads the embedding (one part), every later reader of
