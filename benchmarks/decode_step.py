@@ -92,17 +92,17 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]]"; ValueError if
-    malformed."""
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]";
+    ValueError if malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in (3, 4, 5, 6, 7, 8, 9, 10)
-        or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:])
-        or not all(p in ("0", "1") for p in parts[5:9])
+        len(parts) not in range(3, 12)
+        or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:10])
+        or not all(p in ("0", "1") for p in parts[5:9] + parts[10:])
     ):
         raise ValueError(f"--fused {spec!r}: "
-                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA]]]]]]], e.g. 16384x8x1 (tile weights x"
-                         " warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of strips, "
+                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]], e.g. 16384x8x1 (tile "
+                         "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of strips, "
                          "pipelined 4 deep, the wait before the loop: L 1 puts it inside, the "
                          "default; C 1 also counts q/k/v's and gate/up's tasks in their stages' "
                          "counters, which no wait reads; D 1 deals the tasks round-robin, D 0 "
@@ -110,7 +110,8 @@ def fused_tiling(spec: str) -> dict:
                          "all be resident; R 1 (absent too): the down projection's chunk "
                          "partials summed by the stream's readers, R 0: by its last chunk; A: "
                          "the tasks a program in the q/k/v and o stages, absent: V there "
-                         "too)")  # fmt: skip
+                         "too; T 1: each head task combines its strip's (max, sum, argmax) "
+                         "first)")  # fmt: skip
     names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
     tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
     if parts[5:]:
@@ -123,6 +124,8 @@ def fused_tiling(spec: str) -> dict:
         tiling["reader_sums"] = parts[8] == "1"
     if parts[9:]:
         tiling["small_waves"] = int(parts[9])
+    if parts[10:]:
+        tiling["strip_tops"] = parts[10] == "1"
     return tiling
 
 
@@ -165,10 +168,11 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
     """The compiled generator with the fused step, re-captured at each tiling
-    "TxWxP[xV[xS[xL[xC[xD[xR]]]]]]" (tile elements x warps x programs per SM [x waves: a matrix
-    task streams a strip of row blocks, about V tasks a program a stage [x pipeline: the strip's
-    loop pipelined S deep [x the wait in the loop [x signalled stages counted [x tasks dealt
-    round-robin [x the down projection's partials summed by their readers]]]]]]):
+    "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]" (tile elements x warps x programs per SM [x waves:
+    a matrix task streams a strip of row blocks, about V tasks a program a stage [x pipeline:
+    the strip's loop pipelined S deep [x the wait in the loop [x signalled stages counted [x
+    tasks dealt round-robin [x the down projection's partials summed by their readers [x the
+    attention stages' waves [x head strips combined first]]]]]]]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix). ``without_waits``: the step
@@ -266,7 +270,7 @@ def main() -> None:
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
     parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument,
-                        metavar="TxWxP[xV[xS[xL[xC[xD[xR]]]]]]",
+                        metavar="TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
@@ -276,7 +280,9 @@ def main() -> None:
                              "round-robin (program p: p, p + P, ...), 0: from a counter "
                              "(absent: round-robin where every program can be resident) [x 1 "
                              "(absent too): the down projection's chunk partials summed by the "
-                             "stream's readers, 0: by its last chunk]]]]]]")  # fmt: skip
+                             "stream's readers, 0: by its last chunk [x A: the tasks a program "
+                             "in the q/k/v and o stages [x 1: each head task combines its "
+                             "strip's (max, sum, argmax) first]]]]]]]]")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip
@@ -291,9 +297,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("outputs/decode_step.json"))
     args = parser.parse_args()
     if (args.fused_only or args.compile_only or args.without_waits) and not args.fused:
-        parser.error(
-            "--fused-only, --compile-only and --without-waits need --fused TxWxP[xV[xS[xL[xC]]]] ..."
-        )
+        parser.error("--fused-only, --compile-only and --without-waits need --fused TxWxP[...] ...")
     if args.compile_only:
         if os.environ.get("TRITON_INTERPRET") == "1":
             sys.exit("decode_step.py --compile-only builds for sm_90: run it without "

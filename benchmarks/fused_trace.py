@@ -174,7 +174,7 @@ def main() -> None:
         nargs="*",
         default=["8192x4x2x1x3"],
         type=tiling_argument,
-        metavar="TxWxP[xV[xS[xL[xC]]]]",
+        metavar="TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]",
         help="tilings, as decode_step.py's",
     )
     parser.add_argument("--json", type=Path, default=Path("outputs/fused_trace.json"))

@@ -384,13 +384,14 @@ def test_persistent_decode_kernels_compile_for_hopper():
 
 def test_decode_step_compiles_fused_tilings_for_hopper():
     """decode_step.py --compile-only: the fused step's sm_90 build at the 1B shape with no GPU,
-    one tile a task, strips, and the default tiling (8192x4x2x1x3), each without spills and with
-    the strips' asynchronous copies (the numbers docs/generate.md and RESULTS.md quote)."""
+    one tile a task, strips, and the default tiling (8192x4x2x1x3), alone and with the head
+    strips combined first, each without spills and with the strips' asynchronous copies (the
+    numbers docs/generate.md and RESULTS.md quote)."""
     pytest.importorskip("triton")
     stdout = _run("decode_step.py", "--compile-only", "--fused", "16384x8x1", "16384x8x1x1",
-                  "8192x4x2x1x3")  # fmt: skip
+                  "8192x4x2x1x3", "8192x4x2x1x3x1x0x1x1x1x1")  # fmt: skip
     rows = [line for line in stdout.splitlines() if line.startswith("sm_90 ")]
-    assert len(rows) == 3 and all("'SPILLS:0'" in r and "'async_copies': 0" not in r for r in rows)
+    assert len(rows) == 4 and all("'SPILLS:0'" in r and "'async_copies': 0" not in r for r in rows)
     assert "'tasks': 77599" in rows[0] and "'tasks': 10531" in rows[1], rows
     assert "'tasks': 18838" in rows[2] and "'shared_kb': 32" in rows[2], rows
 
@@ -545,3 +546,8 @@ def test_fused_tiling_typos_are_one_usage_error(script):
     # the tenth field (small_waves) is a count of at least one, not a 0/1 switch
     result = _result(script, "--fused", "8192x4x2x2x3x1x0x1x1x2", "8192x4x2x2x3x1x0x1x1x0")
     assert result.returncode == 2 and "'8192x4x2x2x3x1x0x1x1x0': want" in result.stderr
+    # the eleventh (strip_tops) is a 0/1 switch, and there is no twelfth
+    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1", "8192x4x2x1x3x1x0x1x1x1x2")
+    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x2': want" in result.stderr
+    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x1")
+    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x1': want" in result.stderr

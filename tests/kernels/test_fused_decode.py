@@ -161,6 +161,15 @@ def check_kernel(weights: DecodeWeights, positions: list[int], tolerance: float,
     return f"kernel {tiling} at positions {positions}: max |logprob diff| {worst:.1e}"
 
 
+def with_a_tie(weights: DecodeWeights, position: int) -> DecodeWeights:
+    """``weights`` with the head row of the reference's argmax at ``position`` repeated half
+    the vocabulary away, in another strip: equal logits, of which the lower row must win."""
+    _, best, _ = fused_decode_reference(copy.deepcopy(weights), 7, position)
+    tied = copy.deepcopy(weights)
+    tied.head[(best + tied.head.shape[0] // 2) % tied.head.shape[0]] = tied.head[best]
+    return tied
+
+
 def check_generator(device: str, compile: bool = False) -> str:
     """The llama3 debug model (fp32) generating 3 greedy requests through 2 slots: slot 0 alone
     (once the two shorter requests have passed through slot 1) decodes by the fused step, two
@@ -418,6 +427,8 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         # projection's partials
         check_kernel(weights, [0, 300, 511], 2e-2),
         check_kernel(weights, [0, 300, 511], 2e-2, waves=2),  # the default before s46
+        check_kernel(weights, [0, 300, 511], 2e-2, strip_tops=True),  # head strips first
+        check_kernel(with_a_tie(weights, 300), [300], 2e-2, strip_tops=True),
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
@@ -489,6 +500,14 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_kernel(
             small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2, small_waves=1
         ),
+        # each head strip combining its blocks' (max, sum, argmax) first: one wave (3 strips
+        # of 25 blocks of 4 rows), two (6 of 50 one-row blocks), one tile a task; and the
+        # argmax row repeated in another strip, where the lower row wins with either combine
+        check_kernel(small, [0, 39], 1e-5, **strips, strip_tops=True),
+        check_kernel(small, [21], 1e-5, tile_elements=64, programs=3, waves=2, strip_tops=True),
+        check_kernel(small, [5], 1e-5, tile_elements=256, programs=3, waves=None, strip_tops=True),
+        check_kernel(with_a_tie(small, 21), [21], 1e-5, **strips, strip_tops=True),
+        check_kernel(with_a_tie(small, 21), [21], 1e-5, **strips),
         # the first block loaded alone before the wait, the loop from the second
         check_kernel(small, [0, 39], 1e-5, **strips, wait_in_loop=False),
         # every task also counted in its stage (q/k/v and gate/up: read by no wait)

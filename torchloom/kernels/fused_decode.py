@@ -128,6 +128,10 @@ DEFAULT_WAIT_IN_LOOP = True
 # where every program can be resident (rather than taken from the counter): on an H100 (s43)
 # both together took the step from 1.332 to 1.296 ms, each alone 1.323 (sums) and 1.314 (dealt).
 DEFAULT_READER_SUMS = True
+# Whether each head task combines its strip's blocks' (max, sum of exponentials, argmax) before
+# the last task combines them all (one a strip, not one a block). Off until timed and tested on
+# a GPU: written in s46 after its trace showed the last task reading 32,064 triples (64 us).
+DEFAULT_STRIP_TOPS = False
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
 
 
@@ -288,11 +292,12 @@ def _top(act_ptr, at, n, BLOCK: tl.constexpr):
 
 
 @jit
-def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, strips_off, strips,
+def _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, tops_off, tops,
              lse_off, combine_stage, BLOCK: tl.constexpr):  # fmt: skip
-    """The head strips' (max, sum of exponentials, argmax) into the log-sum-exp and the first
-    argmax; the next step's token and position (clamped inside the cache)."""
-    best, total, token = _top(act_ptr, strips_off, strips, BLOCK)
+    """The head's ``tops`` (max, sum of exponentials, argmax) triples (one a block, or one a
+    strip) into the log-sum-exp and the first argmax; the next step's token and position
+    (clamped inside the cache)."""
+    best, total, token = _top(act_ptr, tops_off, tops, BLOCK)
     lse = best + tl.log(total)
     tl.store(act_ptr + lse_off, lse)
     tl.store(best_ptr, token.to(tl.float64))
@@ -393,7 +398,7 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
             ROWS: tl.constexpr, GATED: tl.constexpr, EPS: tl.constexpr,
             trace_row, BLOCK_V: tl.constexpr, PIPELINE: tl.constexpr,
             WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, PARTS: tl.constexpr,
-            DIM: tl.constexpr):  # fmt: skip
+            DIM: tl.constexpr, STRIP_TOPS: tl.constexpr):  # fmt: skip
     """One strip of a matrix: up to ``strip`` consecutive blocks of ``ROWS`` outputs over one
     CHUNK-wide slice of its input (tile = strip index * chunks + chunk). The strip's blocks
     stream through a loop Triton pipelines ``PIPELINE`` deep (their weights, with ``GATED`` the
@@ -405,7 +410,8 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
     several chunks each writes its partial sums and the strip's last chunk to finish adds them
     in chunk order (one count a strip, not a block); the residual rows are added to the
     finished sums. A head block also writes its rows' max, sum of exponentials and argmax; the
-    head's last task to finish combines them."""
+    head's last task to finish combines them (``STRIP_TOPS``: each head task first combines its
+    strip's into one, and the last task combines those)."""
     # Offsets and widths are multiples of 16 elements (the plan checks it), which lets the
     # compiler load 16 bytes a thread at a time (without the hints it loads one element) and
     # pipeline the loads.
@@ -471,21 +477,23 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
                                    PARTS, DIM)  # fmt: skip
                 tl.store(act_ptr + y_off + rows, y, mask=row_ok)
     if is_head != 0:
-        # The strip's blocks' triples into one, after the blocks' (max, sum of exponentials,
-        # argmax), so that the last task combines one triple a strip, not one a block: on an
-        # H100 (s46) one program reading the 1B head's 32,064 block triples took 64 us.
         tl.debug_barrier()
-        strips_off = partials_off + blocks * 3
-        top, total, token = _top(act_ptr, partials_off + first * 3, count.to(tl.int32), BLOCK_V)
-        tl.store(act_ptr + strips_off + (tile // chunks) * 3, top)
-        tl.store(act_ptr + strips_off + (tile // chunks) * 3 + 1, total)
-        tl.store(act_ptr + strips_off + (tile // chunks) * 3 + 2, token)
-        tl.debug_barrier()
+        tops_off, tops = partials_off, blocks.to(tl.int32)  # the last task reads every block's
+        if STRIP_TOPS:
+            # The strip's blocks' triples into one, so that the last task combines one a strip,
+            # not one a block: on an H100 (s46) one program reading the 1B head's 32,064 block
+            # triples took 64 us, 6% of the step.
+            tops_off, tops = partials_off + blocks * 3, ((blocks + strip - 1) // strip).to(tl.int32)
+            top, total, token = _top(act_ptr, partials_off + first * 3, count.to(tl.int32),
+                                     BLOCK_V)  # fmt: skip
+            tl.store(act_ptr + tops_off + (tile // chunks) * 3, top)
+            tl.store(act_ptr + tops_off + (tile // chunks) * 3 + 1, total)
+            tl.store(act_ptr + tops_off + (tile // chunks) * 3 + 2, token)
+            tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
-        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all strips visible
-            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, strips_off,
-                     ((blocks + strip - 1) // strip).to(tl.int32), lse_off, combine_stage,
-                     BLOCK_V)  # fmt: skip
+        if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all triples visible
+            _combine(act_ptr, counters_ptr, best_ptr, token_ptr, pos_ptr, max_len, tops_off, tops,
+                     lse_off, combine_stage, BLOCK_V)  # fmt: skip
     else:
         _publish_rows(counters_ptr, stage, signal, signal_rows, first * ROWS,
                       tl.minimum(N, (first + count) * ROWS), tl.load(meta + 19))  # fmt: skip
@@ -632,6 +640,7 @@ def _fused_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
     WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, STATIC: tl.constexpr, PARTS: tl.constexpr,
+    STRIP_TOPS: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -675,12 +684,12 @@ def _fused_decode_kernel(
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
                         combine_stage, CHUNK, GATED_ROWS, True, EPS, trace_row, BLOCK_V,
-                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM)  # fmt: skip
+                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM, STRIP_TOPS)  # fmt: skip
             else:
                 _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile,
                         best_ptr, token_ptr, pos_ptr, max_len, partials_off, lse_off,
                         combine_stage, CHUNK, ROWS, False, EPS, trace_row, BLOCK_V,
-                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM)  # fmt: skip
+                        PIPELINE, WAIT_IN_LOOP, TRACE, PARTS, DIM, STRIP_TOPS)  # fmt: skip
         elif kind == 2:  # ATTEND: tile = query head * SPLITS + split
             _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, layers_ptr + index * 8, tile,
                     pos_ptr, max_len, inv_freq_off, HEADS, KV_HEADS, HEAD_DIM, BLOCK_L, SPLITS,
@@ -748,7 +757,9 @@ class FusedDecodeStep:
     ``small_waves``: the tasks a program in the attention's matrix stages (q/k/v, o), which are
     smaller than the MLP's: at one, each program streams one longer strip there instead of some
     programs taking two tasks while the rest wait (None: ``waves`` there too; it matters only
-    with ``waves`` above one, the default being one everywhere)."""
+    with ``waves`` above one, the default being one everywhere). ``strip_tops``: each head task
+    combines its strip's row blocks' (max, sum of exponentials, argmax) into one triple, so the
+    head's last task combines one a strip instead of one a block."""
 
     def __init__(
         self,
@@ -769,6 +780,7 @@ class FusedDecodeStep:
         schedule: str | None = None,
         reader_sums: bool = DEFAULT_READER_SUMS,
         small_waves: int | None = None,
+        strip_tops: bool = DEFAULT_STRIP_TOPS,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -785,7 +797,7 @@ class FusedDecodeStep:
                 raise ValueError(f"{name} must be a power of two; got {value}")
         if pipeline < 1:
             raise ValueError(f"pipeline must be at least 1; got {pipeline}")
-        self.pipeline, self.wait_in_loop = pipeline, wait_in_loop
+        self.pipeline, self.wait_in_loop, self.strip_tops = pipeline, wait_in_loop, strip_tops
         if trace and w.embed.device.type == "cpu":
             raise ValueError("trace=True reads the GPU's clocks in inline PTX, which Triton's "
                              "interpreter (CPU tensors) does not run: trace on a CUDA device")  # fmt: skip
@@ -1079,7 +1091,7 @@ class FusedDecodeStep:
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
             "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace, "STATIC": self.static,
-            "PARTS": self.parts,
+            "PARTS": self.parts, "STRIP_TOPS": self.strip_tops,
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
