@@ -59,8 +59,8 @@ for part in $PARTS; do
         8192x4x2x1x3x1x0x1x1x1x1 8192x4x2x2x3 8192x4x2x2x3x1x0x1x1x1 8192x4x2x2x3x1x0x0x0 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     trace)
-      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x1x3 8192x4x2x1x3x1x0x1x1x1x1 --stamps "$OUT/stamps" \
-        --json "$OUT/fused_trace.json" 2>&1 | tail -n 14 ;;
+      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x1x3 8192x4x2x1x3x1x0x1x1x1x1 \
+        --stamps "$OUT/stamps" --json "$OUT/fused_trace.json" 2>&1 | tail -n 14 ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;
     *) echo "unknown part $part (tests, step, generate, long, pdl, probe, fused, trace, strip)"; exit 2 ;;
