@@ -112,21 +112,14 @@ def fused_tiling(spec: str) -> dict:
                          "the tasks a program in the q/k/v and o stages, absent: V there "
                          "too; T 1: each head task combines its strip's (max, sum, argmax) "
                          "first)")  # fmt: skip
-    names = ("tile_elements", "num_warps", "programs_per_sm", "waves", "pipeline")
-    tiling = {"waves": None} | dict(zip(names, map(int, parts)))  # no V: one tile a task
-    if parts[5:]:
-        tiling["wait_in_loop"] = parts[5] == "1"
-    if parts[6:]:
-        tiling["count_signalled_stages"] = parts[6] == "1"
-    if parts[7:]:
-        tiling["schedule"] = "static" if parts[7] == "1" else "dynamic"
-    if parts[8:]:
-        tiling["reader_sums"] = parts[8] == "1"
-    if parts[9:]:
-        tiling["small_waves"] = int(parts[9])
-    if parts[10:]:
-        tiling["strip_tops"] = parts[10] == "1"
-    return tiling
+    switch = "1".__eq__
+    fields = (("tile_elements", int), ("num_warps", int), ("programs_per_sm", int),
+              ("waves", int), ("pipeline", int), ("wait_in_loop", switch),
+              ("count_signalled_stages", switch),
+              ("schedule", lambda p: "static" if p == "1" else "dynamic"),
+              ("reader_sums", switch), ("small_waves", int), ("strip_tops", switch))  # fmt: skip
+    # no V: one tile a task; every field after the given ones keeps FusedDecodeStep's default
+    return {"waves": None} | {name: read(p) for (name, read), p in zip(fields, parts)}
 
 
 def tiling_argument(spec: str) -> str:

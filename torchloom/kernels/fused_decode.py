@@ -486,9 +486,10 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
             tops_off, tops = partials_off + blocks * 3, ((blocks + strip - 1) // strip).to(tl.int32)
             top, total, token = _top(act_ptr, partials_off + first * 3, count.to(tl.int32),
                                      BLOCK_V)  # fmt: skip
-            tl.store(act_ptr + tops_off + (tile // chunks) * 3, top)
-            tl.store(act_ptr + tops_off + (tile // chunks) * 3 + 1, total)
-            tl.store(act_ptr + tops_off + (tile // chunks) * 3 + 2, token)
+            mine = act_ptr + tops_off + (tile // chunks) * 3  # this strip's triple
+            tl.store(mine, top)
+            tl.store(mine + 1, total)
+            tl.store(mine + 2, token)
             tl.debug_barrier()
         before = tl.atomic_add(counters_ptr + 1 + stage, 1, sem="acq_rel", scope="gpu")
         if before == tl.load(stages_ptr + stage) - 1:  # the last head task: all triples visible
