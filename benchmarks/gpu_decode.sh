@@ -10,17 +10,17 @@
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
 # step's GPU test, then its replay and tokens/s against the compiled forward: the default
 # (one task a program a stage, dealt round-robin, the down projection's partials summed by
-# their readers), then with each head strip combining its blocks' (max, sum, argmax) before the
-# last task combines them all (strip_tops: ...x1x0x1x1x1x1), two waves (the default before
-# s46), the attention's stages at one wave with the MLP's at two (small_waves 1:
-# 8192x4x2x2x3x1x0x1x1x1), and the defaults before s43 (two waves, tasks from the counter, the
-# partials summed by the last chunk: x1x0x0x0))
+# their readers, each head strip combining its blocks' (max, sum, argmax) before the last task
+# combines them all), then with the last task combining every block's (the combine before s47:
+# ...x1x0x1x1x1x0), two waves (the default before s46), the attention's stages at one wave
+# with the MLP's at two (small_waves 1: 8192x4x2x2x3x1x0x1x1x1), and the defaults before s43
+# (two waves, tasks from the counter, the partials summed by the last chunk: x1x0x0x0))
 # and `strip` (the fused step's inner loop alone, benchmarks/strip_loop.py: whole rows summed
 # every iteration against row segments summed once a row block, then tasks of 1-16 row blocks,
 # bare, as the fused step runs them (the wait before the loop and inside it), with the wait or
 # the publishing alone, and as one stream a program, in TB/s beside torch.mv and F.linear).
 # And `trace` (benchmarks/fused_trace.py: where the fused step's time goes inside its launch,
-# from each task's clock stamps: the default, and with strip_tops; the raw stamps kept under
+# from each task's clock stamps: the default, and with the combine before s47; the raw stamps kept under
 # OUT_DIR/stamps).
 # Usage (repository root): bash benchmarks/gpu_decode.sh OUT_DIR [tests|step|generate|long|pdl|probe|fused|trace|strip ...]
 set -uo pipefail
@@ -56,10 +56,10 @@ for part in $PARTS; do
     fused)
       run 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/kernels/test_fused_decode.py 2>&1 | tail -n 4
       run 300 python3 benchmarks/decode_step.py --fused-only --fused 8192x4x2x1x3 \
-        8192x4x2x1x3x1x0x1x1x1x1 8192x4x2x2x3 8192x4x2x2x3x1x0x1x1x1 8192x4x2x2x3x1x0x0x0 \
+        8192x4x2x1x3x1x0x1x1x1x0 8192x4x2x2x3 8192x4x2x2x3x1x0x1x1x1 8192x4x2x2x3x1x0x0x0 \
         --json "$OUT/decode_step_fused.json" 2>&1 | grep -E "compiled|fused" ;;
     trace)
-      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x1x3 8192x4x2x1x3x1x0x1x1x1x1 \
+      run 150 python3 benchmarks/fused_trace.py --fused 8192x4x2x1x3 8192x4x2x1x3x1x0x1x1x1x0 \
         --stamps "$OUT/stamps" --json "$OUT/fused_trace.json" 2>&1 | tail -n 14 ;;
     strip)
       run 200 python3 benchmarks/strip_loop.py --json "$OUT/strip_loop.json" 2>&1 | tail -n 10 ;;

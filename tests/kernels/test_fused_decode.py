@@ -427,8 +427,9 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         # projection's partials
         check_kernel(weights, [0, 300, 511], 2e-2),
         check_kernel(weights, [0, 300, 511], 2e-2, waves=2),  # the default before s46
-        check_kernel(weights, [0, 300, 511], 2e-2, strip_tops=True),  # head strips first
-        check_kernel(with_a_tie(weights, 300), [300], 2e-2, strip_tops=True),
+        check_kernel(weights, [0, 300, 511], 2e-2, strip_tops=False),  # the combine before s47
+        check_kernel(with_a_tie(weights, 300), [300], 2e-2),
+        check_kernel(with_a_tie(weights, 300), [300], 2e-2, strip_tops=False),
         check_kernel(weights, [511], 2e-2, splits=16, block_l=32),
         check_kernel(weights, [300], 2e-2, waves=1, **wide),
         check_kernel(weights, [300], 2e-2, waves=3, tile_elements=8192, num_warps=4),
@@ -500,14 +501,16 @@ if __name__ == "__main__":  # run by test_kernel_in_the_interpreter
         check_kernel(
             small, [21], 1e-5, tile_elements=64, block_l=8, programs=3, waves=2, small_waves=1
         ),
-        # each head strip combining its blocks' (max, sum, argmax) first: one wave (3 strips
-        # of 25 blocks of 4 rows), two (6 of 50 one-row blocks), one tile a task; and the
-        # argmax row repeated in another strip, where the lower row wins with either combine
+        # each head strip combining its blocks' (max, sum, argmax) first (the default since
+        # s47): one wave (3 strips of 25 blocks of 4 rows), two (6 of 50 one-row blocks), one
+        # tile a task; the combine before s47 (the last task reads every block's triple); and
+        # the argmax row repeated in another strip, where the lower row wins with either
         check_kernel(small, [0, 39], 1e-5, **strips, strip_tops=True),
         check_kernel(small, [21], 1e-5, tile_elements=64, programs=3, waves=2, strip_tops=True),
         check_kernel(small, [5], 1e-5, tile_elements=256, programs=3, waves=None, strip_tops=True),
+        check_kernel(small, [0, 39], 1e-5, **strips, strip_tops=False),
         check_kernel(with_a_tie(small, 21), [21], 1e-5, **strips, strip_tops=True),
-        check_kernel(with_a_tie(small, 21), [21], 1e-5, **strips),
+        check_kernel(with_a_tie(small, 21), [21], 1e-5, **strips, strip_tops=False),
         # the first block loaded alone before the wait, the loop from the second
         check_kernel(small, [0, 39], 1e-5, **strips, wait_in_loop=False),
         # every task also counted in its stage (q/k/v and gate/up: read by no wait)
