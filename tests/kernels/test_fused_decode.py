@@ -71,8 +71,8 @@ def test_reference_matches_the_model() -> None:
 
 def test_refusals() -> None:
     """Models other than Llama-shaped ones are named with their reason; step_kernel 'triton'
-    refuses them in one line (and the CPU without the interpreter); there is no 'auto' while
-    the fused step is slower than the forward."""
+    refuses them in one line (and the CPU without the interpreter); 'auto' runs the forward
+    there instead."""
     llama = tiny()
     assert fused_step_problem(llama, llama.new_cache(1, 8, "cpu", torch.float32)) is None
     windowed = tiny()
@@ -93,8 +93,10 @@ def test_refusals() -> None:
         Generator(llama, max_batch=1, max_len=16, step_kernel="fused")
     with pytest.raises(ValueError, match="runs on CUDA .*not on cpu"):
         Generator(llama, max_batch=1, max_len=16, step_kernel="triton")
-    with pytest.raises(ValueError, match="step_kernel must be one of"):
-        Generator(llama, max_batch=1, max_len=16, step_kernel="auto")
+    # "auto": the forward wherever "triton" is refused, the CPU included (graphs None: the
+    # eager forward; no DecodeGraphs holds a fused step)
+    for model in (qwen3, llama, cases["batch_invariant"][0]):
+        assert Generator(model, max_batch=1, max_len=16, step_kernel="auto").graphs is None
     assert Generator(qwen3, max_batch=1, max_len=16).graphs is None  # "torch" by default
     weights = random_weights(64, 4, 2, 16, 192, 300, layers=1, max_len=8, device="cpu",
                              dtype=torch.float32)  # fmt: skip
@@ -170,18 +172,22 @@ def with_a_tie(weights: DecodeWeights, position: int) -> DecodeWeights:
     return tied
 
 
-def check_generator(device: str, compile: bool = False) -> str:
+def check_generator(device: str, compile: bool = False, fused: str = "triton") -> str:
     """The llama3 debug model (fp32) generating 3 greedy requests through 2 slots: slot 0 alone
     (once the two shorter requests have passed through slot 1) decodes by the fused step, two
     rows by the forward. The same tokens as the generator on the forward alone,
-    log-probabilities within 1e-4."""
+    log-probabilities within 1e-4. ``fused``: the step_kernel that picks the fused step
+    ("auto" on CUDA, which also leaves a qwen3 model on its forward)."""
     model = tiny().to(device)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9] * 11]
     results, fused_steps = {}, []
-    for impl in ("torch", "triton"):
+    for impl in ("torch", fused):
         generator = Generator(model, max_batch=2, max_len=32, step_kernel=impl, compile=compile,
                               cuda_graphs=device == "cuda")  # fmt: skip
-        if impl == "triton" and device == "cpu":  # count the fused steps (no graphs here)
+        assert (generator.graphs is not None and generator.graphs._fused is not None) == (
+            impl != "torch"
+        ), impl
+        if impl != "torch" and device == "cpu":  # count the fused steps (no graphs here)
             step = generator.graphs._fused
             generator.graphs._fused = lambda step=step: fused_steps.append(1) or step()
         requests = [Request(p, SamplingParams(max_new_tokens=n, temperature=0.0))
@@ -190,11 +196,14 @@ def check_generator(device: str, compile: bool = False) -> str:
     if device == "cpu":
         assert len(fused_steps) >= 4, f"the fused step ran {len(fused_steps)} times"
     worst = 0.0
-    for ours, reference in zip(results["triton"], results["torch"], strict=True):
+    if fused == "auto":
+        qwen3 = Generator(tiny("qwen3").to(device), max_batch=1, max_len=16, step_kernel="auto")
+        assert qwen3.graphs is None or qwen3.graphs._fused is None
+    for ours, reference in zip(results[fused], results["torch"], strict=True):
         assert ours.tokens == reference.tokens, (ours.tokens, reference.tokens)
         worst = max(worst, max(abs(a - b) for a, b in zip(ours.logprobs, reference.logprobs)))
     assert worst < 1e-4, f"generator: max |logprob diff| {worst:.1e}"
-    return f"generator (compile {compile}), fused vs forward: same tokens, logprobs within {worst:.1e}"  # fmt: skip
+    return f"generator (compile {compile}, {fused}), fused vs forward: same tokens, logprobs within {worst:.1e}"  # fmt: skip
 
 
 def simulate_schedule(step: FusedDecodeStep) -> dict[int, list[tuple[int, int]]]:
@@ -445,6 +454,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
         check_generator("cuda"),
         check_generator("cuda", compile=True),
+        check_generator("cuda", compile=True, fused="auto"),
     ]
     print("\n".join(lines))
 
