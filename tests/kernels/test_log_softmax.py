@@ -104,8 +104,9 @@ def check_generator(device: str, dtype: torch.dtype, compile: bool = False) -> s
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9] * 11]
     results = {}
     for impl in ("torch", "triton"):
+        # the forward at every batch (the fused step scores in its own kernel)
         generator = Generator(model, max_batch=2, max_len=32, score_kernel=impl,
-                              cuda_graphs=compile, compile=compile)  # fmt: skip
+                              cuda_graphs=compile, compile=compile, step_kernel="torch")  # fmt: skip
         if generator.graphs is None:
             generator.graphs = DecodeGraphs(model, generator.cache, generator._score, capture=False)
         requests = [Request(p, SamplingParams(max_new_tokens=5, temperature=0.0)) for p in prompts]
