@@ -110,8 +110,8 @@ def fused_tiling(spec: str) -> dict:
                          "all be resident; R 1 (absent too): the down projection's chunk "
                          "partials summed by the stream's readers, R 0: by its last chunk; A: "
                          "the tasks a program in the q/k/v and o stages, absent: V there "
-                         "too; T 1: each head task combines its strip's (max, sum, argmax) "
-                         "first)")  # fmt: skip
+                         "too; T 1 (absent too): each head task combines its strip's (max, sum, "
+                         "argmax) first, T 0: the last one combines every block's)")  # fmt: skip
     switch = "1".__eq__
     fields = (("tile_elements", int), ("num_warps", int), ("programs_per_sm", int),
               ("waves", int), ("pipeline", int), ("wait_in_loop", switch),
