@@ -3,8 +3,9 @@
 # generator's Triton kernels (decode attention, log-softmax + argmax) and of the generator, then
 # the 1B bf16 decode step with and without the kernels (benchmarks/decode_step.py), then
 # `generate` tokens/s of the compiled generator at batch 1 / 8 / 64 with the kernels off
-# (torch) and on (auto), and at batch 64 over a 4096-token cache (where the masked matmul
-# softmax reads every cached index for every row). Beyond the default parts: `pdl` (the step
+# (torch) and on (auto: the two decode kernels, and the one-launch step at one row), and at
+# batch 64 over a 4096-token cache (where the masked matmul softmax reads every cached index
+# for every row). Beyond the default parts: `pdl` (the step
 # also compiled with programmatic dependent launch, with and without the kernels) and `probe`
 # (the one-row matmuls through each cuBLAS entry point, and the persistent-kernel chain probe:
 # benchmarks/one_row_matmul.py, benchmarks/persistent_decode.py) and `fused` (the one-launch
@@ -40,8 +41,9 @@ for part in $PARTS; do
       run 240 python3 benchmarks/decode_step.py --kernels --json "$OUT/decode_step.json" 2>&1 | tail -n 6 ;;
     generate)
       for kernels in torch auto; do
-        run 200 python3 benchmarks/generate.py --rows ours-compiled --batches 1 8 64 --train-seq 0 \
-          --decode-attention "$kernels" --score-kernel "$kernels" --json "$OUT/generate_$kernels.json" 2>&1 | tail -n 6
+        run 300 python3 benchmarks/generate.py --rows ours-compiled --batches 1 8 64 --train-seq 0 \
+          --decode-attention "$kernels" --score-kernel "$kernels" --step-kernel "$kernels" \
+          --json "$OUT/generate_$kernels.json" 2>&1 | tail -n 6
       done ;;
     long)
       for kernels in torch auto; do
