@@ -753,16 +753,15 @@ def _fused_step(step_kernel: str, model: nn.Module, cache: ModelCache) -> bool:
         )
     if step_kernel == "torch":
         return False
-    if step_kernel == "auto" and cache.device.type != "cuda":
-        return False  # the interpreter is for tests, which ask for "triton"
+    if step_kernel == "auto":  # CUDA only: the interpreter is for tests, which ask for "triton"
+        on_cuda = cache.device.type == "cuda" and triton is not None
+        return on_cuda and fused_step_problem(model, cache) is None
     problem = fused_step_problem(model, cache)
     if problem is None and triton is None:
         problem = "Triton is not installed"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if problem is None and cache.device.type != "cuda" and not interpreted:
         problem = f"it runs on CUDA (or under TRITON_INTERPRET=1), not on {cache.device.type}"
-    if step_kernel == "auto":
-        return problem is None
     if problem is not None:
         raise ValueError(
             f"step_kernel 'triton' cannot run this model's decode step: {problem}. Pass "
