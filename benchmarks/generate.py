@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--score-kernel", default="torch", choices=("auto", "torch", "triton"),
                         help="how our rows take each forward's log-softmax and argmax "
                              "(Generator's score_kernel; auto: the Triton kernels on CUDA)")  # fmt: skip
-    parser.add_argument("--step-kernel", default="torch", choices=STEP_IMPLS,
+    parser.add_argument("--step-kernel", default="auto", choices=STEP_IMPLS,
                         help="how our rows run a decode step of one sequence (Generator's "
                              "step_kernel; triton: the fused one-launch step, "
                              "kernels/fused_decode.py; auto: it where it runs on CUDA)")  # fmt: skip

@@ -97,7 +97,7 @@ def test_refusals() -> None:
     # eager forward; no DecodeGraphs holds a fused step)
     for model in (qwen3, llama, cases["batch_invariant"][0]):
         assert Generator(model, max_batch=1, max_len=16, step_kernel="auto").graphs is None
-    assert Generator(qwen3, max_batch=1, max_len=16).graphs is None  # "torch" by default
+    assert Generator(llama, max_batch=1, max_len=16).graphs is None  # "auto" by default
     weights = random_weights(64, 4, 2, 16, 192, 300, layers=1, max_len=8, device="cpu",
                              dtype=torch.float32)  # fmt: skip
     one = torch.zeros(1, dtype=torch.long)
@@ -177,13 +177,15 @@ def check_generator(device: str, compile: bool = False, fused: str = "triton") -
     (once the two shorter requests have passed through slot 1) decodes by the fused step, two
     rows by the forward. The same tokens as the generator on the forward alone,
     log-probabilities within 1e-4. ``fused``: the step_kernel that picks the fused step
-    ("auto" on CUDA, which also leaves a qwen3 model on its forward)."""
+    ("auto" on CUDA, which also leaves a qwen3 model on its forward; "default": none passed,
+    which is "auto")."""
     model = tiny().to(device)
     prompts = [[1, 2, 3, 4, 5], [7, 8], [9] * 11]
     results, fused_steps = {}, []
     for impl in ("torch", fused):
-        generator = Generator(model, max_batch=2, max_len=32, step_kernel=impl, compile=compile,
-                              cuda_graphs=device == "cuda")  # fmt: skip
+        chosen = {} if impl == "default" else {"step_kernel": impl}
+        generator = Generator(model, max_batch=2, max_len=32, compile=compile,
+                              cuda_graphs=device == "cuda", **chosen)  # fmt: skip
         assert (generator.graphs is not None and generator.graphs._fused is not None) == (
             impl != "torch"
         ), impl
@@ -196,7 +198,7 @@ def check_generator(device: str, compile: bool = False, fused: str = "triton") -
     if device == "cpu":
         assert len(fused_steps) >= 4, f"the fused step ran {len(fused_steps)} times"
     worst = 0.0
-    if fused == "auto":
+    if fused != "triton":
         qwen3 = Generator(tiny("qwen3").to(device), max_batch=1, max_len=16, step_kernel="auto")
         assert qwen3.graphs is None or qwen3.graphs._fused is None
     for ours, reference in zip(results[fused], results["torch"], strict=True):
@@ -455,6 +457,7 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_generator("cuda"),
         check_generator("cuda", compile=True),
         check_generator("cuda", compile=True, fused="auto"),
+        check_generator("cuda", fused="default"),
     ]
     print("\n".join(lines))
 

@@ -117,14 +117,14 @@ class Generator:
     vocabulary (torchloom/kernels/log_softmax.py: split over the vocabulary, where PyTorch
     reduces a row in one thread block). In batch-invariant mode "auto" scores as the trainer
     does (PyTorch) and "triton" is refused.
-    ``step_kernel``: how a decode step of one sequence (slot 0 alone) runs: "torch" (default)
-    the model's forward; "triton" the one-launch step of torchloom/kernels/fused_decode.py
-    (Llama-shaped models only: generate/fused_step.py; CPU tensors under TRITON_INTERPRET=1),
-    refused in one line where it cannot run; "auto" the one-launch step where "triton" would
-    run on CUDA, the forward elsewhere (other families, batch-invariant mode, sharded weights,
-    the CPU). Its numbers are the forward's up to rounding (fp32 activations, not bitwise); on
-    an H100 it decodes the 1B model at batch 1 25% faster than the compiled forward
-    (docs/generate.md). "auto" becomes the default once the whole GPU suite has run with it.
+    ``step_kernel``: how a decode step of one sequence (slot 0 alone) runs: "auto" (default)
+    the one-launch step of torchloom/kernels/fused_decode.py where it can run on CUDA, the
+    model's forward elsewhere (other families, batch-invariant mode, sharded weights, the CPU);
+    "torch" the forward always; "triton" the one-launch step (Llama-shaped models only:
+    generate/fused_step.py; CPU tensors under TRITON_INTERPRET=1), refused in one line where it
+    cannot run. Its numbers are the forward's up to rounding (fp32 activations, not bitwise):
+    pass "torch" where a batch-1 step must match the forward bit for bit. On an H100 it decodes
+    the 1B model at batch 1 25% faster than the compiled forward (docs/generate.md).
 
     ``admit_batch`` (default ``max_batch // 8``, at least 1): while requests are decoding,
     waiting ones are admitted only once this many of them (or all, when fewer wait) find a
@@ -142,7 +142,7 @@ class Generator:
         admit_batch: int | None = None,
         decode_attention: str = "torch",
         score_kernel: str = "torch",
-        step_kernel: str = "torch",
+        step_kernel: str = "auto",
     ) -> None:
         if not (isinstance(model, nn.Module) and hasattr(model, "config")
                 and hasattr(model, "new_cache")):  # fmt: skip
