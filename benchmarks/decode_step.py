@@ -210,7 +210,8 @@ def decode(
     start = time.perf_counter()
     with inductor_config.patch(patch):  # read while the step compiles (the first generate)
         generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
-                              decode_attention=kernels, score_kernel=kernels)  # fmt: skip
+                              decode_attention=kernels, score_kernel=kernels,
+                              step_kernel="torch")  # the forward's step, not the fused one  # fmt: skip
         if eager_prefill:  # as before the thirty-fourth session: only the step compiled
             generator._compiled_prefill = None
         generator.generate([Request(prompt, params)])
@@ -325,7 +326,7 @@ def main() -> None:
         print(label, {k: v for k, v in report[label].items() if k != "kernels"}, flush=True)
     if args.fused:  # the compiled forward's tokens (and speed, as a same-call baseline)
         generator = Generator(model, max_batch=1, max_len=args.prompt_len + args.new_tokens,
-                              compile=True)  # fmt: skip
+                              compile=True, step_kernel="torch")  # fmt: skip
         timed_generate(generator, prompt, args.new_tokens)  # compiles
         tokens_per_s, reference = timed_generate(generator, prompt, args.new_tokens)
         replay = generator.graphs._graphs[1].replay
