@@ -65,14 +65,6 @@ _DECODE_TILING = {  # M <= 16: (wide weights, narrow weights)
     **dict.fromkeys(_16BIT, (MatmulConfig(16, 64, 256, 4, 3), MatmulConfig(64, 16, 128, 4, 3))),
     torch.float32: (MatmulConfig(16, 64, 32, 4, 3), MatmulConfig(16, 64, 32, 4, 3)),
 }
-# M <= 16 on narrow weights with long rows (a down projection: K >= 4096): 16-row tiles, so a
-# stage holds 16 KB of weights, pipelined 4 deep; the N / 16 programs (128 at 2,048 columns)
-# then have 48 KB of weights in flight each instead of 64x16x128's 8 KB.
-_DECODE_LONG_K_TILING = {
-    **dict.fromkeys(_16BIT, MatmulConfig(16, 16, 512, 4, 4)),
-    torch.float32: MatmulConfig(16, 64, 32, 4, 3),
-}
-_LONG_K = 4096
 _SMALL_TILING = {  # M <= 64
     **dict.fromkeys(_16BIT, (MatmulConfig(64, 64, 128, 4, 3), MatmulConfig(64, 16, 128, 4, 3))),
     torch.float32: (MatmulConfig(64, 64, 32, 4, 3), MatmulConfig(64, 64, 32, 4, 3)),
@@ -125,7 +117,6 @@ def possible_matmul_configs(dtype: torch.dtype) -> set[MatmulConfig]:
     return {c for table in tables for c in table[dtype]} | {
         _HEAD_TILING[dtype],
         _NARROW_TILING[dtype],
-        _DECODE_LONG_K_TILING[dtype],
     }
 
 
@@ -142,8 +133,6 @@ def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         return fixed_matmul_config(N, dtype)
     wide = N >= _WIDE_COLUMNS
     if M <= 16:
-        if not wide and K >= _LONG_K:
-            return _DECODE_LONG_K_TILING[dtype]
         return _DECODE_TILING[dtype][0 if wide else 1]
     if M <= 64:
         return _SMALL_TILING[dtype][0 if wide else 1]
