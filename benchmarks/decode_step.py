@@ -209,9 +209,10 @@ def decode(
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     start = time.perf_counter()
     with inductor_config.patch(patch):  # read while the step compiles (the first generate)
+        # step_kernel "torch": this times the forward's step, not the fused one-launch step
         generator = Generator(model, max_batch=1, max_len=len(prompt) + new, compile=True,
                               decode_attention=kernels, score_kernel=kernels,
-                              step_kernel="torch")  # the forward's step, not the fused one  # fmt: skip
+                              step_kernel="torch")  # fmt: skip
         if eager_prefill:  # as before the thirty-fourth session: only the step compiled
             generator._compiled_prefill = None
         generator.generate([Request(prompt, params)])

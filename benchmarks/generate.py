@@ -181,7 +181,8 @@ def main() -> None:
     parser.add_argument("--step-kernel", default="auto", choices=STEP_IMPLS,
                         help="how our rows run a decode step of one sequence (Generator's "
                              "step_kernel; triton: the fused one-launch step, "
-                             "kernels/fused_decode.py; auto: it where it runs on CUDA)")  # fmt: skip
+                             "kernels/fused_decode.py; auto, the default: it where it runs "
+                             "on CUDA)")  # fmt: skip
     parser.add_argument("--max-len", type=int, default=0,
                         help="our rows' cache length (0: prompt + new tokens); a longer cache "
                              "shows what reading every cached index costs")  # fmt: skip
