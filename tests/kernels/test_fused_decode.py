@@ -15,6 +15,7 @@ from CUDA graphs.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 from dataclasses import replace
@@ -98,6 +99,9 @@ def test_refusals() -> None:
     for model in (qwen3, llama, cases["batch_invariant"][0]):
         assert Generator(model, max_batch=1, max_len=16, step_kernel="auto").graphs is None
     assert Generator(llama, max_batch=1, max_len=16).graphs is None  # "auto" by default
+    # The default the docs promise; on CUDA test_kernel_matches_the_reference_on_gpu's
+    # fused="default" row checks that it picks the fused step (on the CPU "auto" runs the forward).
+    assert inspect.signature(Generator).parameters["step_kernel"].default == "auto"
     weights = random_weights(64, 4, 2, 16, 192, 300, layers=1, max_len=8, device="cpu",
                              dtype=torch.float32)  # fmt: skip
     one = torch.zeros(1, dtype=torch.long)
