@@ -183,6 +183,30 @@ def test_matmul_on_gpu(dtype: torch.dtype) -> None:
     print("\n".join(check_matmul("cuda", dtype, M=40, N=5000, K=2000)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_tiling_the_rule_picks_is_one_the_gpu_test_checks(monkeypatch, dtype) -> None:
+    """The rule on sm_90 (tilings follow M, N and K) picks only tilings in
+    ``possible_matmul_configs``, the set ``test_matmul_tilings_agree_on_gpu`` checks bit for bit
+    against each other; one it did not list would break invariance unseen. Run on the CPU with
+    an H100's 132 multiprocessors: the decode rule's choices for the 1B's weights included."""
+    monkeypatch.setattr(kernels, "_tiling_follows_rows", lambda index: True)
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    possible = kernels.possible_matmul_configs(dtype)
+    for M in (1, 8, 16, 17, 64, 65, 512, 8192):
+        for N in (512, 2048, 3072, 4096, 16384, 128256):
+            for K in (2048, 8192):
+                config = kernels.matmul_config(M, N, K, dtype, cuda)
+                assert config in possible, (M, N, K, config)
+    if dtype != torch.float32:  # the decode tilings of narrow weights (s49, H100)
+        assert kernels.matmul_config(1, 2048, 8192, dtype, cuda) == kernels.MatmulConfig(
+            16, 16, 1024, 4, 3
+        )  # down: 128 tiles of 16 columns, one wave
+        assert kernels.matmul_config(1, 3072, 2048, dtype, cuda) == kernels.MatmulConfig(
+            16, 64, 256, 4, 4
+        )  # stacked q/k/v: 192 tiles of 16 columns would be two waves
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matmul_tilings_agree_on_gpu(dtype: torch.dtype) -> None:
