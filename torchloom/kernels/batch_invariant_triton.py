@@ -142,10 +142,11 @@ def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         return fixed_matmul_config(N, dtype)
     wide = N >= _WIDE_COLUMNS
     if M <= 16:
+        wide_tiling, narrow_tiling, one_wave_tiling = _DECODE_TILING[dtype]
         if wide:
-            return _DECODE_TILING[dtype][0]
-        one_wave = triton.cdiv(N, 16) <= _multiprocessors(index)
-        return _DECODE_TILING[dtype][2 if one_wave else 1]
+            return wide_tiling
+        one_wave = triton.cdiv(N, one_wave_tiling.block_n) <= _multiprocessors(index)
+        return one_wave_tiling if one_wave else narrow_tiling
     if M <= 64:
         return _SMALL_TILING[dtype][0 if wide else 1]
     tiles_wanted = _multiprocessors(index) // 2
