@@ -64,9 +64,10 @@ _16BIT = (torch.bfloat16, torch.float16)
 # M <= 16: (wide weights, narrow weights, narrow weights whose 16-column tiles fit one wave).
 # A decode step streams each weight from HBM once; the narrow ones have few column tiles, so
 # each program must keep much of its strip in flight: 16x16x1024 tiles in 3 stages hold 96 KB
-# of weights a program (one program an SM: 192 KB of shared memory). Measured with the weights streamed, not
-# L2-resident (benchmarks/bi_decode_tiling.py, H100): the 1B's down projection 27.1 -> 15.3 us,
-# o 8.6 -> 6.7, q/k/v (192 tiles of 16 columns: more than one wave) 9.9 -> 8.1 with 16x64x256.
+# of weights a program (one program an SM: 192 KB of shared memory). Timed with the weights
+# streamed, not L2-resident (benchmarks/bi_decode_tiling.py, H100), against 64x16x128 before:
+# the 1B's down projection 27.1 -> 15.3 us, o 8.6 -> 6.7, and q/k/v (192 tiles of 16 columns:
+# more than one wave) 10.1 -> 8.1 with 16x64x256 in 4 stages.
 _DECODE_TILING = {
     **dict.fromkeys(_16BIT, (
         MatmulConfig(16, 64, 256, 4, 3), MatmulConfig(16, 64, 256, 4, 4),
