@@ -76,15 +76,18 @@ def host_us(fn, calls: int = 200) -> float:
     return 1e6 * (time.perf_counter() - start) / calls
 
 
-def same_bits_across_tilings(x: torch.Tensor, w: torch.Tensor) -> list[str]:
-    """The candidate tilings (of this dtype) whose output differs in any bit from the chosen
-    tiling's. An empty list means neither BLOCK_M / BLOCK_N / BLOCK_K nor the warps and stages
+def same_bits_across_tilings(
+    x: torch.Tensor, w: torch.Tensor, candidates: dict[str, MatmulConfig] | None = None
+) -> list[str]:
+    """The ``candidates`` (default: this dtype's candidate tilings above) whose output differs in
+    any bit from the chosen tiling's. An empty list means neither BLOCK_M / BLOCK_N / BLOCK_K nor the warps and stages
     change a bit: every tile chains the same 16-deep tensor-core (or FMA) steps over K in the
     same order, so a tiling could follow M without breaking batch invariance."""
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     launch_matmul(x, w, out, matmul_config(*x.shape[:1], *w.shape, x.dtype, x.device))
     reference = out.clone()
-    candidates = FP32_CANDIDATES if x.dtype == torch.float32 else CANDIDATES
+    if candidates is None:
+        candidates = FP32_CANDIDATES if x.dtype == torch.float32 else CANDIDATES
     differ = []
     for label, config in candidates.items():
         out.fill_(float("nan"))
