@@ -88,6 +88,23 @@ _LARGE_TILINGS = {  # M > 64: the first with enough tiles to keep half the GPU b
     torch.float32: (MatmulConfig(128, 128, 32, 8, 3), MatmulConfig(64, 64, 32, 4, 3)),
 }  # fmt: skip
 _WIDE_COLUMNS = 4096
+# Tilings the rule does not choose today, which benchmarks/bi_decode_tiling.py times as
+# alternatives at decode-sized M (<= 16) and small M (<= 64); test_matmul_tilings_agree_on_gpu
+# checks their bits against the rule's own, so one measured faster can take a slot above
+# without an unchecked tiling. Every one fits an sm_90 program's shared memory (<= 160 KB).
+_TIMED_TILINGS = {  # 16-bit only; fp32 keeps its one tiling a row band
+    "decode": tuple(MatmulConfig(*t) for t in (
+        (16, 64, 256, 4, 3), (64, 16, 128, 4, 3), (16, 16, 128, 2, 3), (16, 16, 256, 4, 4),
+        (16, 16, 512, 4, 4), (16, 16, 512, 4, 3), (16, 16, 1024, 4, 3), (16, 16, 512, 8, 4),
+        (16, 32, 256, 4, 4), (16, 32, 512, 4, 4), (16, 64, 256, 4, 4), (16, 64, 128, 4, 6),
+        (16, 16, 256, 2, 6), (16, 32, 512, 8, 3),
+    )),
+    "small": tuple(MatmulConfig(*t) for t in (
+        (64, 16, 128, 4, 3), (64, 16, 128, 4, 5), (64, 16, 128, 4, 6), (64, 16, 128, 2, 6),
+        (64, 16, 256, 4, 3), (64, 16, 256, 4, 4), (64, 32, 128, 4, 4), (64, 32, 256, 4, 3),
+        (64, 64, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3),
+    )),
+}  # fmt: skip
 
 
 @functools.cache
@@ -128,6 +145,19 @@ def possible_matmul_configs(dtype: torch.dtype) -> set[MatmulConfig]:
         _HEAD_TILING[dtype],
         _NARROW_TILING[dtype],
     }
+
+
+def timed_matmul_configs(dtype: torch.dtype, rows: str) -> tuple[MatmulConfig, ...]:
+    """The alternatives benchmarks/bi_decode_tiling.py times for ``rows`` ("decode": M <= 16,
+    "small": M <= 64), each also in ``checked_matmul_configs``."""
+    return _TIMED_TILINGS[rows] if dtype in _16BIT else ()
+
+
+def checked_matmul_configs(dtype: torch.dtype) -> set[MatmulConfig]:
+    """What test_matmul_tilings_agree_on_gpu checks bit for bit: every tiling the rule can
+    choose, and the timed alternatives it may be re-chosen from."""
+    timed = {c for rows in _TIMED_TILINGS for c in timed_matmul_configs(dtype, rows)}
+    return possible_matmul_configs(dtype) | timed
 
 
 def matmul_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> MatmulConfig:
