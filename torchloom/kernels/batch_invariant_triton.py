@@ -96,10 +96,10 @@ _LARGE_TILINGS = {  # M > 64: the first with enough tiles to keep half the GPU b
     torch.float32: (MatmulConfig(128, 128, 32, 8, 3), MatmulConfig(64, 64, 32, 4, 3)),
 }  # fmt: skip
 _WIDE_COLUMNS = 4096
-# Tilings the rule does not choose today, which benchmarks/bi_decode_tiling.py times as
-# alternatives at decode-sized M (<= 16) and small M (<= 64); test_matmul_tilings_agree_on_gpu
-# checks their bits against the rule's own, so one measured faster can take a slot above
-# without an unchecked tiling. Every one fits an sm_90 program's shared memory (<= 160 KB).
+# The tilings benchmarks/bi_decode_tiling.py times at decode-sized M (<= 16) and small M
+# (<= 64), the rule's picks among them; test_matmul_tilings_agree_on_gpu checks all of their
+# bits against the rule's own, so one measured faster can take a slot above without an
+# unchecked tiling. Each fits an sm_90 program's shared memory (at most 192 KB of stages).
 _TIMED_TILINGS = {  # 16-bit only; fp32 keeps its one tiling a row band
     "decode": tuple(MatmulConfig(*t) for t in (
         (16, 64, 256, 4, 3), (64, 16, 128, 4, 3), (16, 16, 128, 2, 3), (16, 16, 256, 4, 4),
