@@ -177,10 +177,13 @@ GPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], i
 @GPU_DTYPES
 def test_matmul_on_gpu(dtype: torch.dtype) -> None:
     """Narrow and wide weights (their decode tilings differ), K not a multiple of any K block;
-    rows 1 and 3 take decode tiles, 40 small ones, 300 and up training-sized ones."""
+    rows 1 and 3 take decode tiles, 40 small ones, 300 and up training-sized ones. The narrow
+    weights at 40 rows: 2000 columns fit one wave of 16-column tiles, 3000 do not."""
     assert use_triton(torch.empty(0, device="cuda")), "Triton is not installed"
     print("\n".join(check_matmul("cuda", dtype, M=300, N=3000, K=2048)))
     print("\n".join(check_matmul("cuda", dtype, M=40, N=5000, K=2000)))
+    print("\n".join(check_matmul("cuda", dtype, M=40, N=3000, K=2048)))
+    print("\n".join(check_matmul("cuda", dtype, M=40, N=2000, K=2000)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
