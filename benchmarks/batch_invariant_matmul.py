@@ -40,9 +40,15 @@ from torchloom.kernels.batch_invariant_triton import (
 from torchloom.models import ModelConfig, resolve_model_config
 from torchloom.models.components.attention import sdpa_attention
 
+
+def label(c: MatmulConfig) -> str:
+    """A tiling's name in the tables: BLOCK_M x BLOCK_N x BLOCK_K, warps, stages."""
+    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
+
+
 CANDIDATES = {  # BLOCK_M x BLOCK_N x BLOCK_K, warps, stages
-    f"{m}x{n}x{k} w{w} s{st}": MatmulConfig(m, n, k, w, st)
-    for m, n, k, w, st in [
+    label(MatmulConfig(*t)): MatmulConfig(*t)
+    for t in [
         (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 32, 64, 4, 4),
         (64, 256, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 32, 64, 4, 4),
         (64, 64, 128, 4, 3), (64, 32, 128, 4, 3), (64, 16, 128, 4, 3),
@@ -53,8 +59,8 @@ CANDIDATES = {  # BLOCK_M x BLOCK_N x BLOCK_K, warps, stages
 }  # fmt: skip
 # fp32 ("ieee", no tensor cores): shorter K blocks, so the pipelined tiles fit shared memory.
 FP32_CANDIDATES = {
-    f"{m}x{n}x{k} w{w} s{st}": MatmulConfig(m, n, k, w, st)
-    for m, n, k, w, st in [
+    label(MatmulConfig(*t)): MatmulConfig(*t)
+    for t in [
         (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (64, 32, 32, 4, 3), (16, 64, 32, 4, 3),
         (16, 32, 64, 4, 3), (32, 64, 16, 4, 3),
     ]
@@ -79,21 +85,22 @@ def host_us(fn, calls: int = 200) -> float:
 def same_bits_across_tilings(
     x: torch.Tensor, w: torch.Tensor, candidates: dict[str, MatmulConfig] | None = None
 ) -> list[str]:
-    """The ``candidates`` (default: this dtype's candidate tilings above) whose output differs in
-    any bit from the chosen tiling's. An empty list means neither BLOCK_M / BLOCK_N / BLOCK_K nor the warps and stages
-    change a bit: every tile chains the same 16-deep tensor-core (or FMA) steps over K in the
-    same order, so a tiling could follow M without breaking batch invariance."""
+    """The ``candidates`` (default: this dtype's candidate tilings above) whose output differs
+    in any bit from the chosen tiling's. An empty list means neither BLOCK_M / BLOCK_N / BLOCK_K
+    nor the warps and stages change a bit: every tile chains the same 16-deep tensor-core (or
+    FMA) steps over K in the same order, so a tiling could follow M without breaking batch
+    invariance."""
     out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     launch_matmul(x, w, out, matmul_config(*x.shape[:1], *w.shape, x.dtype, x.device))
     reference = out.clone()
     if candidates is None:
         candidates = FP32_CANDIDATES if x.dtype == torch.float32 else CANDIDATES
     differ = []
-    for label, config in candidates.items():
+    for name, config in candidates.items():
         out.fill_(float("nan"))
         launch_matmul(x, w, out, config)
         if not torch.equal(out, reference):
-            differ.append(label)
+            differ.append(name)
     print(f"  {x.dtype} {tuple(w.shape)}: tilings that change bits: {differ}", flush=True)
     return differ
 
@@ -178,9 +185,9 @@ def main() -> None:
             out = torch.empty(M, N, device=device, dtype=dtype)
             row = {"weight": name, "N": N, "K": K, "M": M,
                    "cublas_us": gpu_us(lambda x=x, w=w: x @ w.T)}  # fmt: skip
-            for label, config in {"chosen": chosen, **CANDIDATES}.items():
+            for tiling, config in {"chosen": chosen, **CANDIDATES}.items():
                 run = lambda c=config, x=x, w=w, out=out: launch_matmul(x, w, out, c)  # noqa: E731
-                row[label + "_us"] = gpu_us(run)
+                row[tiling + "_us"] = gpu_us(run)
             row["chosen"] = str(chosen)
             row["best"] = min(CANDIDATES, key=lambda c: row[c + "_us"])
             results.append(row)

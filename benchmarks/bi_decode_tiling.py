@@ -30,16 +30,12 @@ from pathlib import Path
 
 import generate as bench  # benchmarks/generate.py (this script's folder is on sys.path)
 import torch
-from batch_invariant_matmul import same_bits_across_tilings
+from batch_invariant_matmul import label, same_bits_across_tilings
 from triton.testing import do_bench_cudagraph
 
 from torchloom.generate.engine import Generator, Request, SamplingParams
 from torchloom.kernels import batch_invariant_triton as bit
 from torchloom.kernels.batch_invariant_triton import MatmulConfig, launch_matmul
-
-
-def label(c: MatmulConfig) -> str:
-    return f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}"
 
 
 def streamed_us(N: int, K: int, M: int, config: MatmulConfig | None, cold_mb: int) -> float:

@@ -551,3 +551,21 @@ def test_fused_tiling_typos_are_one_usage_error(script):
     assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x2': want" in result.stderr
     result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x1")
     assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x1': want" in result.stderr
+
+
+def test_bi_decode_tiling_times_the_tilings_the_gpu_test_checks():
+    """benchmarks/bi_decode_tiling.py: each row count draws its candidates from the kernel's
+    timed set for its band (16 rows and fewer: decode; up to 64: small), every one of which
+    test_matmul_tilings_agree_on_gpu checks; their labels name them apart."""
+    from torchloom.kernels import batch_invariant_triton as kernels
+
+    bench = _benchmark("bi_decode_tiling")
+    bands = [bench.band(M) for M in (1, 16, 17, 64, 65)]
+    assert bands == ["decode", "decode", "small", "small", None]
+    for dtype in (torch.bfloat16, torch.float16):
+        checked = kernels.checked_matmul_configs(dtype)
+        for rows in ("decode", "small"):
+            timed = kernels.timed_matmul_configs(dtype, rows)
+            assert timed and set(timed) <= checked
+            assert len({bench.label(c) for c in timed}) == len(timed)
+    assert kernels.timed_matmul_configs(torch.float32, "small") == ()
