@@ -386,7 +386,7 @@ def test_decode_step_compiles_fused_tilings_for_hopper():
     """decode_step.py --compile-only: the fused step's sm_90 build at the 1B shape with no GPU,
     one tile a task, strips, and the default tiling (8192x4x2x1x3), alone and with the head
     strips combined first, each without spills and with the strips' asynchronous copies (the
-    numbers docs/generate.md and RESULTS.md quote)."""
+    numbers RESULTS.md quotes)."""
     pytest.importorskip("triton")
     stdout = _run("decode_step.py", "--compile-only", "--fused", "16384x8x1", "16384x8x1x1",
                   "8192x4x2x1x3", "8192x4x2x1x3x1x0x1x1x1x1")  # fmt: skip
