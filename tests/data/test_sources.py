@@ -38,6 +38,27 @@ def test_jsonl_one_document_per_line(tmp_path: Path) -> None:
     assert documents([str(path)], tmp_path, text_field="body") == ["first", "ü 2"]
 
 
+def test_a_null_text_is_an_empty_document_and_other_types_are_refused(tmp_path: Path) -> None:
+    """A JSON null (as exports of tables with missing values write) is skipped like a null
+    parquet row; a number or a list is a mistake, named with its line."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": None}, {"text": "kept"}])
+    assert documents([str(path)], tmp_path) == ["kept"]
+    path = write_jsonl(tmp_path / "n.jsonl", [{"text": "ok"}, {"text": ["a", "b"]}])
+    with pytest.raises(ConfigError, match=r"n.jsonl:2: field 'text' is a list, not a string"):
+        documents([str(path)], tmp_path)
+
+
+def test_extensions_are_read_in_any_case(tmp_path: Path) -> None:
+    """Shards named ``*.PARQUET`` or ``*.Jsonl`` are data, not files a folder skips."""
+    root = tmp_path / "corpus"
+    write_parquet(root / "a.PARQUET", ["upper parquet"])
+    write_jsonl(root / "b.Jsonl", [{"text": "mixed-case jsonl"}])
+    (root / "c.TXT").write_text("upper txt", encoding="utf-8")
+    expected = ["upper parquet", "mixed-case jsonl", "upper txt"]
+    assert documents([str(root)], tmp_path) == expected
+    assert documents([str(root / "a.PARQUET")], tmp_path) == expected[:1]
+
+
 def test_directory_takes_sorted_txt_and_jsonl(tmp_path: Path) -> None:
     root = tmp_path / "corpus"
     write_jsonl(root / "b" / "z.jsonl", [{"text": "b/z 1"}, {"text": "b/z 2"}])

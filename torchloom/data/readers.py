@@ -50,6 +50,12 @@ def import_pyarrow() -> Any:
     return pyarrow
 
 
+def source_suffix(path: Path) -> str:
+    """A source file's extension in lower case, so that ``part-0.PARQUET`` reads as parquet
+    (and a folder of such shards is not skipped)."""
+    return path.suffix.lower()
+
+
 def read_documents(
     path: Path,
     text_field: str | None,
@@ -62,7 +68,7 @@ def read_documents(
     ``text_field`` names the JSON field or column (None for .txt); ``eos_id`` is required for
     .npy files (it separates their documents), whose ids must be below ``vocab_size``.
     """
-    suffix = path.suffix
+    suffix = source_suffix(path)
     if suffix == ".txt":
         return _read_txt(path, start)
     if suffix == ".jsonl":
@@ -137,6 +143,8 @@ def record_text(where: str, record: object, text_field: str) -> str:
             f" Set --data.text_field to the field holding the text.{chat}"
         )
     text = record[text_field]
+    if text is None:  # a null text is an empty document, skipped like a null parquet row
+        return ""
     if not isinstance(text, str):
         raise ConfigError(
             f"{where}: field '{text_field}' is a {type(text).__name__}, not a string.{chat}"
@@ -310,9 +318,9 @@ def load_token_array(path: Path) -> np.ndarray:
 def check_source_file(path: Path, text_field: str | None) -> None:
     """Fail now, not at step 1, on a file the streaming loader could not read: a parquet or
     arrow file without the text column (only its schema is read), a malformed .npy array."""
-    if path.suffix == ".npy":
+    if source_suffix(path) == ".npy":
         load_token_array(path)
-    elif path.suffix in (".parquet", ".arrow"):
+    elif source_suffix(path) in (".parquet", ".arrow"):
         documents = read_documents(path, text_field)
         next(documents, None)  # opens the file and checks the column before the first row
         documents.close()

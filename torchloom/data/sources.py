@@ -21,7 +21,7 @@ from torchloom.data.config import (
     BUILTIN_WORD_PROBLEMS_CHAT_MIXED,
 )
 from torchloom.data.corpus import ensure_builtin_corpus
-from torchloom.data.readers import Document, read_documents
+from torchloom.data.readers import Document, read_documents, source_suffix
 from torchloom.data.shapes_chat import ensure_shapes_chat, ensure_shapes_chat_test
 from torchloom.data.tones_chat import ensure_tones_chat, ensure_tones_chat_test
 from torchloom.data.word_problems import (
@@ -90,7 +90,7 @@ def resolve_chat_sources(
             files.append(SourceFile(builtins[source](cache_dir), MESSAGES_FIELD))
             continue
         for path in _expand(source, (".jsonl",)):
-            if path.suffix != ".jsonl":
+            if source_suffix(path) != ".jsonl":
                 raise ConfigError(
                     f"Chat source '{path}' is not a .jsonl file: chats are JSONL lines like "
                     '{"messages": [{"role": "user", "content": "..."}, ...]}.'
@@ -134,7 +134,7 @@ def _expand(source: str, suffixes: tuple[str, ...]) -> list[Path]:
     found = sorted(
         p
         for p in path.rglob("*")
-        if p.suffix in suffixes
+        if source_suffix(p) in suffixes
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
@@ -167,9 +167,9 @@ def _dataset_shards(path: Path) -> list[Path]:
 
 
 def _source_file(path: Path, text_field: str) -> SourceFile:
-    if path.suffix in (".txt", ".npy"):
+    if source_suffix(path) in (".txt", ".npy"):
         return SourceFile(path, None)
-    if path.suffix in (".jsonl", ".parquet", ".arrow"):
+    if source_suffix(path) in (".jsonl", ".parquet", ".arrow"):
         return SourceFile(path, text_field)
     raise ConfigError(
         f"Data source '{path}' has an unsupported extension '{path.suffix}': use .txt (whole "
