@@ -12,7 +12,7 @@ import pytest
 from tests.data.stream_files import write_arrow, write_hf_dataset, write_npy, write_parquet
 from torchloom.config.errors import ConfigError
 from torchloom.data import DataConfig, build_dataloaders
-from torchloom.data.readers import load_token_array
+from torchloom.data.readers import load_token_array, read_documents
 from torchloom.data.sources import iter_documents, resolve_sources
 
 
@@ -209,6 +209,22 @@ def test_dictionary_encoded_text_column_reads_as_strings(tmp_path: Path) -> None
     table = pa.table({"text": pa.array(docs).dictionary_encode()})
     pq.write_table(table, tmp_path / "d.parquet")
     assert documents([str(tmp_path / "d.parquet")], tmp_path) == docs
+
+
+def test_a_bytes_text_column_reads_as_utf8(tmp_path: Path) -> None:
+    """Parquet writers that leave out the UTF-8 annotation store text as binary; it reads as
+    text (parquet row groups and arrow record batches, resumed mid-batch too), and bytes that
+    are not UTF-8 are named with their row group."""
+    docs = [f"bytes doc {i} é" for i in range(12)]
+    encoded = [d.encode() for d in docs]
+    assert documents([str(write_parquet(tmp_path / "b.parquet", encoded))], tmp_path) == docs
+    arrow = write_arrow(tmp_path / "b.arrow", encoded)
+    assert documents([str(arrow)], tmp_path) == docs
+    assert [t for t, _ in read_documents(arrow, "text", (1, 2))] == docs[7:]
+    bad = write_parquet(tmp_path / "bad.parquet", [b"fine", b"not \xff utf-8"], rows_per_group=1)
+    with pytest.raises(ConfigError, match=r"bad.parquet: row group 1 of the text column holds "
+                       "bytes that are not UTF-8"):  # fmt: skip
+        documents([str(bad)], tmp_path)
 
 
 def test_a_streamed_corpus_shorter_than_one_sequence_is_refused(tmp_path, tiny_tokenizer) -> None:

@@ -172,11 +172,32 @@ def check_text_column(path: Path, schema: Any, text_field: str) -> None:
     if pa.types.is_dictionary(kind):  # dictionary-encoded strings read as the strings
         kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or pa.types.is_string_view(kind)):  # fmt: skip
+            or pa.types.is_string_view(kind) or _is_binary(pa, kind)):  # fmt: skip
         raise ConfigError(
             f"{path}: column '{text_field}' holds {kind}, not strings; set --data.text_field to "
             "the column holding the text."
         )
+
+
+def _is_binary(pa: Any, kind: Any) -> bool:
+    """Bytes columns: parquet writers that leave out the UTF-8 annotation store text so."""
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+
+
+def _column_texts(path: Path, column: Any, where: str) -> list[str | None]:
+    """A text column's values as Python strings; bytes are decoded as UTF-8, and bytes that
+    are not UTF-8 are a ConfigError naming ``where`` (the row group or record batch)."""
+    pa = import_pyarrow()
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if _is_binary(pa, column.type):
+        try:
+            column = column.cast(pa.large_string())
+        except pa.ArrowInvalid as e:
+            raise ConfigError(
+                f"{path}: {where} of the text column holds bytes that are not UTF-8 text ({e})."
+            ) from None
+    return column.to_pylist()
 
 
 def _read_parquet(path: Path, text_field: str, start: Position) -> Iterator[tuple[str, Position]]:
@@ -198,7 +219,7 @@ def _read_parquet(path: Path, text_field: str, start: Position) -> Iterator[tupl
             if row <= to_skip:
                 continue
             begin = max(to_skip - first, 0)
-            texts = batch.column(0).slice(begin).to_pylist()
+            texts = _column_texts(path, batch.column(0).slice(begin), f"row group {group}")
             for after, text in enumerate(texts, first + begin + 1):
                 if text:
                     yield text, (group, after)
@@ -227,7 +248,8 @@ def _read_arrow(path: Path, text_field: str, start: Position) -> Iterator[tuple[
         if index < first_batch:
             continue
         begin = skip if index == first_batch else 0
-        for row, text in enumerate(batch.column(column).slice(begin).to_pylist(), begin + 1):
+        texts = _column_texts(path, batch.column(column).slice(begin), f"record batch {index}")
+        for row, text in enumerate(texts, begin + 1):
             if text:
                 yield text, (index, row)
 
