@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -21,6 +22,7 @@ from tests.data.stream_files import (
     write_npy,
     write_parquet,
 )
+from torchloom.config.errors import ConfigError
 from torchloom.data import DataConfig, build_dataloaders
 from torchloom.data.build import streaming_loader
 from torchloom.data.streaming import StreamingLoader
@@ -137,6 +139,37 @@ def test_resume_is_bitwise(tmp_path, tiny_tokenizer) -> None:
         dcp.load({"dataloader": resumed}, checkpoint_id=tmp_path / f"ckpt{stop}")
         assert resumed.step == stop and resumed.tokens_seen == stop * 8 * T
         assert_same_steps(run(resumed, steps - stop), full[stop:])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow file", "arrow stream", "npy"])
+def test_resume_into_a_source_that_shrank_is_refused(tmp_path, tiny_tokenizer, kind) -> None:
+    """A saved position past the end of a source rewritten shorter since the checkpoint is
+    named in one error (a .jsonl offset past the end once hung the reader, counting lines)."""
+    path = tmp_path / ("a.jsonl" if kind == "jsonl" else "a.npy" if kind == "npy"
+                       else "a.parquet" if kind == "parquet" else "a.arrow")  # fmt: skip
+
+    def write(docs: list[str]) -> None:
+        if kind == "jsonl":
+            write_jsonl(path, docs)
+        elif kind == "parquet":
+            write_parquet(path, docs)
+        elif kind == "npy":
+            write_npy(path, docs, tiny_tokenizer)
+        else:
+            write_arrow(path, docs, stream=kind == "arrow stream")
+
+    write(texts("doc", 60))
+    cfg = config([path], tmp_path, tokenizer=str(tiny_tokenizer.path))
+    first = loader(cfg, tiny_tokenizer)
+    run(first, 3)  # past the first few documents, wherever the worker has read to
+    state = first.state_dict()
+    first.close()
+    write(texts("s", 1))
+    resumed = loader(cfg, tiny_tokenizer)
+    resumed.load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"past what the file now holds: the source changed"):
+        run(resumed, 1)
+    resumed.close()
 
 
 def test_resume_on_another_data_parallel_size(tmp_path, tiny_tokenizer) -> None:

@@ -84,6 +84,15 @@ def read_documents(
     raise ConfigError(f"Data source '{path}' has an unsupported extension '{suffix}'.")
 
 
+def _past_the_end(path: Path, where: str) -> ConfigError:
+    """The error for a resumed stream whose saved position lies past what ``path`` now holds."""
+    return ConfigError(
+        f"{path}: the loader state points at {where}, past what the file now holds: the source "
+        "changed since the checkpoint. Resume with the data the run was reading, or restore "
+        "everything but the data position with --checkpoint.exclude_from_loading dataloader."
+    )
+
+
 def _read_txt(path: Path, start: Position) -> Iterator[tuple[Document, Position]]:
     if start[0] > 0:
         return
@@ -99,6 +108,8 @@ def _read_txt(path: Path, start: Position) -> Iterator[tuple[Document, Position]
 
 def _read_jsonl(path: Path, text_field: str, start: Position) -> Iterator[tuple[str, Position]]:
     offset = start[0]
+    if offset > path.stat().st_size:
+        raise _past_the_end(path, f"byte {offset}")
     with path.open("rb") as f:
         line_number = _count_lines(f, offset)  # for messages: resumed streams start mid-file
         while raw := f.readline():
@@ -122,8 +133,8 @@ def _read_jsonl(path: Path, text_field: str, start: Position) -> Iterator[tuple[
 def _count_lines(f: Any, end: int) -> int:
     """Newlines in the first ``end`` bytes of ``f``, read in chunks; leaves ``f`` at ``end``."""
     count = 0
-    while f.tell() < end:
-        count += f.read(min(1 << 20, end - f.tell())).count(b"\n")
+    while f.tell() < end and (chunk := f.read(min(1 << 20, end - f.tell()))):
+        count += chunk.count(b"\n")
     return count
 
 
@@ -208,6 +219,10 @@ def _read_parquet(path: Path, text_field: str, start: Position) -> Iterator[tupl
         raise ConfigError(f"{path}: not a readable parquet file ({e}).") from None
     check_text_column(path, parquet.schema_arrow, text_field)
     first_group, skip = start
+    groups = parquet.num_row_groups
+    rows = parquet.metadata.row_group(first_group).num_rows if first_group < groups else 0
+    if first_group > groups or skip > rows:
+        raise _past_the_end(path, f"row {skip} of row group {first_group}")
     for group in range(first_group, parquet.num_row_groups):
         to_skip = skip if group == first_group else 0
         row = 0  # rows of the group before the current batch
@@ -244,14 +259,19 @@ def _read_arrow(path: Path, text_field: str, start: Position) -> Iterator[tuple[
     check_text_column(path, schema, text_field)
     column = schema.get_field_index(text_field)
     first_batch, skip = start
+    index = -1
     for index, batch in enumerate(batches):
         if index < first_batch:
             continue
         begin = skip if index == first_batch else 0
+        if begin > batch.num_rows:
+            raise _past_the_end(path, f"row {skip} of record batch {first_batch}")
         texts = _column_texts(path, batch.column(column).slice(begin), f"record batch {index}")
         for row, text in enumerate(texts, begin + 1):
             if text:
                 yield text, (index, row)
+    if first_batch > index and (first_batch, skip) != (0, 0):
+        raise _past_the_end(path, f"record batch {first_batch}")
 
 
 def _read_npy(
@@ -271,6 +291,8 @@ def _read_npy(
             yield doc, position
         return
     pos, total = start[0], len(tokens)
+    if pos > total:
+        raise _past_the_end(path, f"token {pos}")
     while pos < total:
         window = np.asarray(tokens[pos : pos + NPY_CHUNK])
         ends = np.flatnonzero(window == eos_id) + 1
