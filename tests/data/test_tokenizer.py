@@ -100,6 +100,13 @@ def test_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
         Tokenizer.from_file(tmp_path / "nope")
     with pytest.raises(ConfigError, match="Did you mean 'builtin:stdlib_bpe'"):
         load_tokenizer("builtin:stdlib_bp", tmp_path, 4096)
+    slow = tmp_path / "slow"  # a SentencePiece model's folder, as older checkpoints ship it
+    slow.mkdir()
+    (slow / "tokenizer.model").write_bytes(b"")
+    (slow / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    with pytest.raises(ConfigError, match=r"no tokenizer.json, only tokenizer.model .*"
+                       r"AutoTokenizer.from_pretrained\('.*slow'\).save_pretrained"):  # fmt: skip
+        Tokenizer.from_file(slow)
 
 
 def test_tokenizer_without_eos_is_a_config_error(tmp_path: Path) -> None:

@@ -52,6 +52,11 @@ UNKNOWN_WARNING_FRACTION = 0.5
 """More of the first encoded text than this as the unknown token: the tokenizer does not fit."""
 
 
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model")
+"""Files of tokenizers that transformers loads without a tokenizer.json (SentencePiece, BPE
+vocab + merges, WordPiece): a folder of them can be converted, not read."""
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special-token ids training needs and the chat templates.
 
@@ -110,6 +115,13 @@ class Tokenizer:
         """
         path = Path(path).expanduser()
         json_path = path / "tokenizer.json" if path.is_dir() else path
+        slow = [p.name for p in (path / n for n in SLOW_TOKENIZER_FILES) if p.is_file()]
+        if path.is_dir() and not json_path.is_file() and slow:
+            raise ConfigError(
+                f"Tokenizer folder '{path}' has no tokenizer.json, only {', '.join(slow)} (a "
+                "slow tokenizer's files). Write the fast form beside them with transformers: "
+                f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')."
+            )
         if not json_path.is_file():
             raise ConfigError(
                 f"Tokenizer '{path}' not found: expected a tokenizer.json file or a folder "
