@@ -221,6 +221,12 @@ def test_a_bytes_text_column_reads_as_utf8(tmp_path: Path) -> None:
     arrow = write_arrow(tmp_path / "b.arrow", encoded)
     assert documents([str(arrow)], tmp_path) == docs
     assert [t for t, _ in read_documents(arrow, "text", (1, 2))] == docs[7:]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array(encoded * 2).dictionary_encode()}),
+                   tmp_path / "dict.parquet", use_dictionary=False)  # fmt: skip
+    assert documents([str(tmp_path / "dict.parquet")], tmp_path) == docs * 2
     bad = write_parquet(tmp_path / "bad.parquet", [b"fine", b"not \xff utf-8"], rows_per_group=1)
     with pytest.raises(ConfigError, match=r"bad.parquet: row group 1 of the text column holds "
                        "bytes that are not UTF-8"):  # fmt: skip

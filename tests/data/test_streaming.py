@@ -145,8 +145,7 @@ def test_resume_is_bitwise(tmp_path, tiny_tokenizer) -> None:
 def test_resume_into_a_source_that_shrank_is_refused(tmp_path, tiny_tokenizer, kind) -> None:
     """A saved position past the end of a source rewritten shorter since the checkpoint is
     named in one error (a .jsonl offset past the end once hung the reader, counting lines)."""
-    path = tmp_path / ("a.jsonl" if kind == "jsonl" else "a.npy" if kind == "npy"
-                       else "a.parquet" if kind == "parquet" else "a.arrow")  # fmt: skip
+    path = tmp_path / ("a." + (kind if kind in ("jsonl", "parquet", "npy") else "arrow"))
 
     def write(docs: list[str]) -> None:
         if kind == "jsonl":

@@ -199,7 +199,7 @@ def _column_texts(path: Path, column: Any, where: str) -> list[str | None]:
     """A text column's values as Python strings; bytes are decoded as UTF-8, and bytes that
     are not UTF-8 are a ConfigError naming ``where`` (the row group or record batch)."""
     pa = import_pyarrow()
-    if pa.types.is_dictionary(column.type):
+    if pa.types.is_dictionary(column.type) and _is_binary(pa, column.type.value_type):
         column = column.dictionary_decode()
     if _is_binary(pa, column.type):
         try:
@@ -223,7 +223,7 @@ def _read_parquet(path: Path, text_field: str, start: Position) -> Iterator[tupl
     rows = parquet.metadata.row_group(first_group).num_rows if first_group < groups else 0
     if first_group > groups or skip > rows:
         raise _past_the_end(path, f"row {skip} of row group {first_group}")
-    for group in range(first_group, parquet.num_row_groups):
+    for group in range(first_group, groups):
         to_skip = skip if group == first_group else 0
         row = 0  # rows of the group before the current batch
         batches = parquet.iter_batches(
@@ -362,9 +362,10 @@ def load_token_array(path: Path) -> np.ndarray:
 def check_source_file(path: Path, text_field: str | None) -> None:
     """Fail now, not at step 1, on a file the streaming loader could not read: a parquet or
     arrow file without the text column (only its schema is read), a malformed .npy array."""
-    if source_suffix(path) == ".npy":
+    suffix = source_suffix(path)
+    if suffix == ".npy":
         load_token_array(path)
-    elif source_suffix(path) in (".parquet", ".arrow"):
+    elif suffix in (".parquet", ".arrow"):
         documents = read_documents(path, text_field)
         next(documents, None)  # opens the file and checks the column before the first row
         documents.close()

@@ -115,14 +115,15 @@ class Tokenizer:
         """
         path = Path(path).expanduser()
         json_path = path / "tokenizer.json" if path.is_dir() else path
-        slow = [p.name for p in (path / n for n in SLOW_TOKENIZER_FILES) if p.is_file()]
-        if path.is_dir() and not json_path.is_file() and slow:
-            raise ConfigError(
-                f"Tokenizer folder '{path}' has no tokenizer.json, only {', '.join(slow)} (a "
-                "slow tokenizer's files). Write the fast form beside them with transformers: "
-                f"AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')."
-            )
         if not json_path.is_file():
+            slow = [n for n in SLOW_TOKENIZER_FILES if (path / n).is_file()]
+            if slow:  # a folder of files transformers reads without a tokenizer.json
+                raise ConfigError(
+                    f"Tokenizer folder '{path}' has no tokenizer.json, only {', '.join(slow)} "
+                    "(a slow tokenizer's files). Write the fast form beside them with "
+                    f"transformers: AutoTokenizer.from_pretrained('{path}')"
+                    f".save_pretrained('{path}')."
+                )
             raise ConfigError(
                 f"Tokenizer '{path}' not found: expected a tokenizer.json file or a folder "
                 f"containing one, or '{BUILTIN_TOKENIZER}'."
