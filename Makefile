@@ -3,7 +3,7 @@
 # of each family; it uses .venv when there is one, else the machine's python3 (PY=... to choose).
 # SHARD=I/N runs the I-th of N interleaved parts of them (the device's calls stop at ten minutes,
 # and the whole suite takes nine to twelve, more with cold Triton caches: `make test-gpu
-# SHARD=1/2`, then SHARD=2/2; or thirds, SHARD=1/3 to 3/3).
+# SHARD=1/2`, then SHARD=2/2; or thirds, SHARD=1/3 to 3/3, one a call on a fresh machine).
 VENV := .venv
 BIN := $(VENV)/bin
 RECIPE ?= llama3_tiny
