@@ -167,9 +167,10 @@ def _dataset_shards(path: Path) -> list[Path]:
 
 
 def _source_file(path: Path, text_field: str) -> SourceFile:
-    if source_suffix(path) in (".txt", ".npy"):
+    suffix = source_suffix(path)
+    if suffix in (".txt", ".npy"):
         return SourceFile(path, None)
-    if source_suffix(path) in (".jsonl", ".parquet", ".arrow"):
+    if suffix in (".jsonl", ".parquet", ".arrow"):
         return SourceFile(path, text_field)
     raise ConfigError(
         f"Data source '{path}' has an unsupported extension '{path.suffix}': use .txt (whole "
