@@ -92,16 +92,17 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
 
 
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]";
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]]";
     ValueError if malformed."""
     parts = spec.split("x")
     if (
-        len(parts) not in range(3, 12)
+        len(parts) not in range(3, 13)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:10])
-        or not all(p in ("0", "1") for p in parts[5:9] + parts[10:])
+        or not all(p in ("0", "1") for p in parts[5:9] + parts[10:11])
+        or not all(p.isdigit() for p in parts[11:])
     ):
         raise ValueError(f"--fused {spec!r}: "
-                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]], e.g. 16384x8x1 (tile "
+                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]], e.g. 16384x8x1 (tile "
                          "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of strips, "
                          "pipelined 4 deep, the wait before the loop: L 1 puts it inside, the "
                          "default; C 1 also counts q/k/v's and gate/up's tasks in their stages' "
@@ -111,13 +112,15 @@ def fused_tiling(spec: str) -> dict:
                          "partials summed by the stream's readers, R 0: by its last chunk; A: "
                          "the tasks a program in the q/k/v and o stages, absent: V there "
                          "too; T 1 (absent too): each head task combines its strip's (max, sum, "
-                         "argmax) first, T 0: the last one combines every block's)")  # fmt: skip
+                         "argmax) first, T 0: the last one combines every block's; F: row "
+                         "blocks of its next task each task asks L2 for, absent: the default)")  # fmt: skip
     switch = "1".__eq__
     fields = (("tile_elements", int), ("num_warps", int), ("programs_per_sm", int),
               ("waves", int), ("pipeline", int), ("wait_in_loop", switch),
               ("count_signalled_stages", switch),
               ("schedule", lambda p: "static" if p == "1" else "dynamic"),
-              ("reader_sums", switch), ("small_waves", int), ("strip_tops", switch))  # fmt: skip
+              ("reader_sums", switch), ("small_waves", int), ("strip_tops", switch),
+              ("prefetch", int))  # fmt: skip
     # no V: one tile a task; every field after the given ones keeps FusedDecodeStep's default
     return {"waves": None} | {name: read(p) for (name, read), p in zip(fields, parts)}
 
@@ -161,11 +164,11 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
     """The compiled generator with the fused step, re-captured at each tiling
-    "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]" (tile elements x warps x programs per SM [x waves:
+    "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]]" (tile elements x warps x programs per SM [x waves:
     a matrix task streams a strip of row blocks, about V tasks a program a stage [x pipeline:
     the strip's loop pipelined S deep [x the wait in the loop [x signalled stages counted [x
     tasks dealt round-robin [x the down projection's partials summed by their readers [x the
-    attention stages' waves [x head strips combined first]]]]]]]]):
+    attention stages' waves [x head strips combined first [x row blocks prefetched]]]]]]]]]):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix). ``without_waits``: the step

@@ -546,11 +546,14 @@ def test_fused_tiling_typos_are_one_usage_error(script):
     # the tenth field (small_waves) is a count of at least one, not a 0/1 switch
     result = _result(script, "--fused", "8192x4x2x2x3x1x0x1x1x2", "8192x4x2x2x3x1x0x1x1x0")
     assert result.returncode == 2 and "'8192x4x2x2x3x1x0x1x1x0': want" in result.stderr
-    # the eleventh (strip_tops) is a 0/1 switch, and there is no twelfth
+    # the eleventh (strip_tops) is a 0/1 switch, the twelfth (prefetch) a count of at least
+    # zero, and there is no thirteenth
     result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1", "8192x4x2x1x3x1x0x1x1x1x2")
     assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x2': want" in result.stderr
-    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x1")
-    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x1': want" in result.stderr
+    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x4", "8192x4x2x1x3x1x0x1x1x1x1x-1")
+    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x-1': want" in result.stderr
+    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x0x1")
+    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x0x1': want" in result.stderr
 
 
 def test_bi_decode_tiling_times_the_tilings_the_gpu_test_checks():

@@ -111,6 +111,10 @@ def test_refusals() -> None:
         FusedDecodeStep(weights, one, one, waves=None, small_waves=1)
     with pytest.raises(ValueError, match="at least 1; got small_waves=0"):
         FusedDecodeStep(weights, one, one, small_waves=0)
+    with pytest.raises(ValueError, match="prefetch must be at least 0"):
+        FusedDecodeStep(weights, one, one, prefetch=-1)
+    with pytest.raises(ValueError, match="prefetch asks L2 .* needs a CUDA device .*got cpu"):
+        FusedDecodeStep(weights, one, one, prefetch=2)
     mixed = tiny()
     mixed.norm.weight.data = mixed.norm.weight.data.double()
     problem = fused_step_problem(mixed, mixed.new_cache(1, 8, "cpu", torch.float32))
@@ -336,6 +340,64 @@ def test_tasks_wait_for_exactly_what_they_read() -> None:
         assert o[4] == down[12] + 4 * 2048
 
 
+def test_prefetch_table_names_the_first_rows_of_each_programs_next_task() -> None:
+    """``prefetch``'s table: each task's row names the weights its program's next task
+    (round-robin: the task a program count later) reads first, namely the first ``prefetch``
+    row blocks of that task's strip (fewer where its strip is shorter) over its slice of the
+    input, and the up projection's same rows for a gated task; nothing where the next task is
+    no matrix's or there is none. Built here for the CPU's tensors (the kernel runs it on a
+    GPU only), at tilings with chunked strips, gated strips shorter than the prefetch and one
+    tile a task."""
+    small = random_weights(64, 4, 2, 16, 192, 300, layers=2, max_len=40, device="cpu",
+                           dtype=torch.float32)  # fmt: skip
+    one = torch.zeros(1, dtype=torch.long)
+    tensors = FusedDecodeStep._tensors(small)
+    base = min(tensors, key=torch.Tensor.data_ptr)
+
+    def locate(at: int) -> tuple[torch.Tensor, int, int]:  # (tensor, row, column) of an offset
+        address = base.data_ptr() + at * base.element_size()
+        for t in tensors:
+            start = t.data_ptr()
+            if start <= address < start + t.numel() * t.element_size():
+                row, col = divmod((address - start) // t.element_size(), t.shape[-1])
+                return t, row, col
+        raise AssertionError(f"offset {at} is in no weight")
+
+    checked = 0
+    for tiling in ({"tile_elements": 256, "programs": 3, "waves": 1},
+                   {"tile_elements": 64, "programs": 5, "waves": 2},
+                   {"tile_elements": 256, "programs": 3, "waves": None}):  # fmt: skip
+        step = FusedDecodeStep(small, one, one, schedule="dynamic", **tiling)
+        tasks, matrices = step.tasks.tolist(), step.matrices.tolist()
+        for prefetch in (1, 2, 5):
+            step.prefetch = prefetch
+            table = step._prefetch_table(tasks, matrices)
+            for t in range(len(tasks)):
+                at, up_at, rows, stride, width = table[5 * t : 5 * t + 5]
+                following = t + step.programs
+                if following >= len(tasks) or tasks[following][0] != 1:
+                    assert (rows, up_at) == (0, -1), (t, tasks[following : following + 1])
+                    continue
+                m = matrices[tasks[following][1]]
+                tile, chunks, strip, blocks = tasks[following][2], m[11], m[14], m[15]
+                per_block = step.rows if m[10] < 0 else step.gated_rows
+                first, chunk = (tile // chunks) * strip, tile % chunks
+                want_rows = min(m[1], (first + min(strip, blocks - first, prefetch)) * per_block)
+                weight, row, col = locate(at)
+                assert weight.data_ptr() - base.data_ptr() == m[0] * base.element_size()
+                assert (row, col) == (first * per_block, chunk * step.chunk), (t, row, col)
+                assert rows == want_rows - first * per_block > 0 and stride == weight.shape[1]
+                assert width == min(step.chunk, stride - col)
+                if m[10] >= 0:  # gated: the up projection's same rows
+                    up, up_row, up_col = locate(up_at)
+                    assert up.data_ptr() - base.data_ptr() == m[10] * base.element_size()
+                    assert (up_row, up_col) == (row, col)
+                else:
+                    assert up_at == -1
+                checked += 1
+    assert checked > 500, checked
+
+
 def test_kernel_compiles_for_hopper() -> None:
     """The kernel compiles for sm_90 at the Llama-3.2-1B shape in bf16 (what the interpreter
     never checks: one type per value across branches and loops), its default tiling without
@@ -390,6 +452,13 @@ def test_kernel_compiles_for_hopper() -> None:
                                  reader_sums=False)  # fmt: skip
     assert chunk_sums.parts == 1
     assert compile_for_hopper(*chunk_sums.sm90_arguments()).endswith(" SPILLS:0")
+    # prefetch: one L2 request a thread a row block (a [4, 32] tile of 128-byte lines, twice
+    # for the gate's and the up projection's), the strips' copies as they were, no spills.
+    prefetching = FusedDecodeStep(decode_weights(model, cache), position, position, prefetch=2)
+    assert compile_for_hopper(*prefetching.sm90_arguments()).endswith(" SPILLS:0")
+    ptx = compile_sm90(*prefetching.sm90_arguments()).asm["ptx"]
+    assert ptx.count("prefetch.global.L2 ") == 2 and "prefetch.global.L2" not in compiled.asm["ptx"]
+    assert ptx.count("cp.async.cg.shared.global") == len(copies)
 
 
 def test_stamp_columns_are_the_kernels() -> None:
@@ -455,6 +524,8 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_kernel(weights, [300], 2e-2, waves=3, programs_per_sm=1),
         check_kernel(weights, [0, 300, 511], 2e-2, waves=2, small_waves=1),  # attention's: 1
         check_kernel(weights, [0, 300, 511], 2e-2, reader_sums=False),  # the last chunk sums
+        check_kernel(weights, [0, 300, 511], 2e-2, prefetch=2),  # next tasks' weights to L2
+        check_kernel(weights, [300], 2e-2, prefetch=16, waves=2),
         check_kernel(weights, [300], 2e-2, reader_sums=False, schedule="dynamic"),
         check_kernel(weights, [0, 300], 2e-2, waves=None, **wide),  # one tile a task
         check_kernel(weights, [300], 2e-2, waves=None, **wide | {"tile_elements": 32768}),
@@ -464,6 +535,26 @@ def test_kernel_matches_the_reference_on_gpu() -> None:
         check_generator("cuda", fused="default"),
     ]
     print("\n".join(lines))
+
+
+@pytest.mark.gpu
+def test_prefetch_changes_no_bit_on_gpu() -> None:
+    """Asking L2 for the next tasks' weights is a hint: the step's log-probabilities, token and
+    cache are bitwise those of the step without it (bf16, the 1B layer shapes, 2 layers)."""
+    weights = random_weights(2048, 32, 8, 64, 8192, 128256, layers=2, max_len=512,
+                             device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    results = []
+    for prefetch in (0, 1, 4):
+        mine = copy.deepcopy(weights)
+        token_1 = torch.tensor([7], device="cuda")
+        position_1 = torch.tensor([300], device="cuda")
+        logprobs_1V, best_21 = FusedDecodeStep(mine, token_1, position_1, prefetch=prefetch)()
+        results.append((logprobs_1V.clone(), best_21.clone(), token_1.clone(),
+                        [layer.k_cache.clone() for layer in mine.layers]))  # fmt: skip
+    for other in results[1:]:
+        for a, b in zip(results[0][:3], other[:3]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(results[0][3], other[3]))
 
 
 @pytest.mark.gpu

@@ -134,6 +134,11 @@ DEFAULT_READER_SUMS = True
 # to 1.092 ms, the head stage from 236 to 178 us.
 DEFAULT_STRIP_TOPS = True
 MAX_SPLITS = 16  # each query head's cached positions in at most 16 tasks (flash-decoding)
+# Row blocks of its next task (round-robin: the program's next, known when the plan is made)
+# a task asks L2 for as it starts, so that the weights keep streaming from memory while the
+# program waits for its own task's input; 0: none (see ``FusedDecodeStep``'s ``prefetch``).
+DEFAULT_PREFETCH = 0
+PREFETCH_FIELDS = 5  # per task: its next task's first weight, its up weight's, rows, stride, width
 
 
 @dataclass
@@ -502,6 +507,39 @@ def _matvec(base_ptr, act_ptr, stages_ptr, waits_ptr, counters_ptr, meta, tile, 
 
 
 @jit
+def _ask_l2(ptrs):
+    """One ``prefetch.global.L2`` a pointer: the line holding it is fetched into L2, nothing is
+    waited for or returned (a hint: no result depends on it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@jit
+def _prefetch(base_ptr, at, up_at, rows, stride, width, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+              LINE: tl.constexpr):  # fmt: skip
+    """Asks L2 for ``rows`` rows of ``width`` weights, ``stride`` apart from ``at`` (and as many
+    of the up projection's from ``up_at``; -1: none), one request a line of ``LINE`` weights
+    (128 bytes); lines past a row's width or rows past ``rows`` ask again for the first."""
+    r = tl.arange(0, ROWS)
+    lines = tl.arange(0, CHUNK // LINE) * LINE
+    for r0 in range(0, rows, ROWS):
+        ok = ((r0 + r) < rows)[:, None] & (lines < width)[None, :]
+        offs = tl.where(ok, (r0 + r).to(tl.int64)[:, None] * stride + lines[None, :], 0)
+        _ask_l2(base_ptr + at + offs)
+        if up_at >= 0:
+            _ask_l2(base_ptr + up_at + offs)
+
+
+@jit
+def _prefetch_row(prefetch_ptr, task, more):
+    """Task ``task``'s row of the prefetch table (none past the last task: rows 0)."""
+    row = prefetch_ptr + 5 * task
+    return (tl.load(row, mask=more, other=0), tl.load(row + 1, mask=more, other=-1),
+            tl.load(row + 2, mask=more, other=0), tl.load(row + 3, mask=more, other=0),
+            tl.load(row + 4, mask=more, other=0))  # fmt: skip
+
+
+@jit
 def _online_softmax(kb1, kb2, vb1, vb2, ok, rq1, rq2, running_max, total, acc1, acc2,
                     SCALE_LOG2: tl.constexpr):  # fmt: skip
     """A block of keys and values (each [BLOCK_L, HEAD_DIM / 2] halves; rows not ``ok``
@@ -635,14 +673,14 @@ def _attend(base_ptr, act_ptr, waits_ptr, counters_ptr, meta, task, pos_ptr, max
 @jit
 def _fused_decode_kernel(
     base_ptr, act_ptr, tasks_ptr, matrices_ptr, layers_ptr, stages_ptr, waits_ptr,
-    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, num_tasks, max_len,
-    embed_off, inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
+    counters_ptr, token_ptr, pos_ptr, best_ptr, logprobs_ptr, trace_ptr, prefetch_ptr, num_tasks,
+    max_len, embed_off, inv_freq_off, partials_off, lse_off, logits_off, vocab, combine_stage,
     DIM: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, GATED_ROWS: tl.constexpr,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, SPLITS: tl.constexpr,
     EPS: tl.constexpr, SCALE_LOG2: tl.constexpr, ROPE_SCALE: tl.constexpr, PIPELINE: tl.constexpr,
     WAIT_IN_LOOP: tl.constexpr, TRACE: tl.constexpr, STATIC: tl.constexpr, PARTS: tl.constexpr,
-    STRIP_TOPS: tl.constexpr,
+    STRIP_TOPS: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     """Each program takes tasks (kind, index, tile) from the counter until none is left (a
     relaxed increment: the order of tasks needs no memory ordering, the waits carry it). A
@@ -660,6 +698,10 @@ def _fused_decode_kernel(
     kind = tl.load(tasks_ptr + 3 * task, mask=more, other=-1)
     index = tl.load(tasks_ptr + 3 * task + 1, mask=more, other=0)
     tile = tl.load(tasks_ptr + 3 * task + 2, mask=more, other=0)
+    # PREFETCH: the weights the program's next task reads first (its table row, as each task's
+    # own, loaded a task ahead; rows 0: none).
+    if PREFETCH:
+        pf_at, pf_up, pf_rows, pf_stride, pf_width = _prefetch_row(prefetch_ptr, task, more)
     while task < num_tasks:
         # Traced: each task's row of stamps (TRACE_FIELDS wide, the columns numbered as in
         # ``Stamp``); untraced, they compile to nothing.
@@ -680,6 +722,10 @@ def _fused_decode_kernel(
         next_kind = tl.load(tasks_ptr + 3 * following, mask=more, other=-1)
         next_index = tl.load(tasks_ptr + 3 * following + 1, mask=more, other=0)
         next_tile = tl.load(tasks_ptr + 3 * following + 2, mask=more, other=0)
+        if PREFETCH:  # asked for first: the program's next task's weights stream during this one
+            _prefetch(base_ptr, pf_at, pf_up, pf_rows, pf_stride, pf_width, ROWS, CHUNK, LINE)
+            pf_at, pf_up, pf_rows, pf_stride, pf_width = _prefetch_row(prefetch_ptr, following,
+                                                                        more)  # fmt: skip
         if kind == 1:  # MATVEC: a plain tile, or a gated one (gate and up rows: half as many)
             meta = matrices_ptr + index * 22
             if tl.load(meta + 10) >= 0:
@@ -761,7 +807,13 @@ class FusedDecodeStep:
     programs taking two tasks while the rest wait (None: ``waves`` there too; it matters only
     with ``waves`` above one, the default being one everywhere). ``strip_tops``: each head task
     combines its strip's row blocks' (max, sum of exponentials, argmax) into one triple, so the
-    head's last task combines one a strip instead of one a block."""
+    head's last task combines one a strip instead of one a block. ``prefetch``: each task, as it
+    starts, asks L2 (``prefetch.global.L2``, one hint a 128-byte line) for the first
+    ``prefetch`` row blocks of its program's next task (round-robin, so the plan knows it: a
+    table row a task), so that memory keeps streaming while a program waits for its input; a
+    hint, which changes no result. CUDA and the static schedule only; 0 (the default): none.
+    Not yet timed in this form (s53 had no GPU): s41's form, under the counter's schedule at two
+    waves, was 3-14% slower (benchmarks/RESULTS.md)."""
 
     def __init__(
         self,
@@ -783,6 +835,7 @@ class FusedDecodeStep:
         reader_sums: bool = DEFAULT_READER_SUMS,
         small_waves: int | None = None,
         strip_tops: bool = DEFAULT_STRIP_TOPS,
+        prefetch: int = DEFAULT_PREFETCH,
     ) -> None:
         if triton is None:
             raise RuntimeError("the fused decode step is a Triton kernel: pip install triton")
@@ -839,6 +892,17 @@ class FusedDecodeStep:
         self.static = schedule == "static"
         if self.static and not_resident:
             raise ValueError(not_resident)
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be at least 0 (row blocks); got {prefetch}")
+        if prefetch and (device.type == "cpu" or not self.static):
+            raise ValueError(
+                "prefetch asks L2 for the program's next task's weights in inline PTX, so it "
+                "needs a CUDA device (Triton's interpreter does not run PTX) and the static "
+                "schedule (whose next task is known when the plan is made); got "
+                f"{device.type} and schedule={'static' if self.static else 'dynamic'}: use "
+                "prefetch=0 there"
+            )
+        self.prefetch = prefetch
         self.waves = waves
         # Every tile reads one CHUNK-wide slice of its input (the model's width: a normed
         # input is whole in one chunk); wider inputs (the down projection's) take several.
@@ -1041,6 +1105,8 @@ class FusedDecodeStep:
         self.stages = torch.tensor(stages, dtype=i32, device=device)
         self.waits = torch.tensor(waits, dtype=i32, device=device)
         self.counters = torch.zeros(1 + len(stages) + extra, dtype=i32, device=device)
+        self.prefetches = torch.tensor(self._prefetch_table(tasks, matrices) if prefetch else [0],
+                                       dtype=i64, device=device)  # fmt: skip
         # Traced: a row of TRACE_FIELDS stamps a task (benchmarks/fused_trace.py reads them),
         # else one element the kernel never writes.
         self.stamps = torch.zeros(len(tasks) * TRACE_FIELDS if trace else 1, dtype=i64,
@@ -1048,6 +1114,30 @@ class FusedDecodeStep:
         self.scalars = (len(tasks), self.max_len, offset(w.embed), inv_freq_off,
                         self.partials_off, self.lse_off, logits, vocab, combine)  # fmt: skip
         self.block_l, self.splits = block_l, splits
+
+    def _prefetch_table(self, tasks: list[tuple[int, int, int]],
+                        matrices: list[list[int]]) -> list[int]:  # fmt: skip
+        """Each task's row of PREFETCH_FIELDS: what the program's next task (round-robin: this
+        one plus the count of programs) reads first, when it is a matrix task: its first
+        ``self.prefetch`` row blocks' weights (and its up weights', else -1) over its slice of
+        the input, as (first weight, first up weight, rows, row stride, width); else rows 0."""
+        table = []
+        for t in range(len(tasks)):
+            following = t + self.programs
+            kind, index, tile = tasks[following] if following < len(tasks) else (EMBED, 0, 0)
+            if kind != MATVEC:
+                table += [0, -1, 0, 0, 0]
+                continue
+            m = matrices[index]
+            w_off, n, k, up, chunks, strip = m[0], m[1], m[2], m[10], m[11], m[14]
+            rows = self.rows if up < 0 else self.gated_rows
+            first, chunk = (tile // chunks) * strip, tile % chunks
+            lo, hi = first * rows, min(n, (first + min(strip, self.prefetch)) * rows)
+            at = lo * k + chunk * self.chunk
+            table += [w_off + at, up + at if up >= 0 else -1, hi - lo, k,
+                      min(self.chunk, k - chunk * self.chunk)]  # fmt: skip
+        assert len(table) == PREFETCH_FIELDS * len(tasks)
+        return table
 
     def _strip(self, tiles: int, waves: int | None = None) -> int:
         """Row blocks a task streams in a stage of ``tiles`` tiles: one (a task a tile) without
@@ -1093,7 +1183,8 @@ class FusedDecodeStep:
             "SPLITS": self.splits, "EPS": w.eps, "SCALE_LOG2": w.head_dim**-0.5 * _LOG2E,
             "ROPE_SCALE": w.rope_scale, "PIPELINE": self.pipeline,
             "WAIT_IN_LOOP": self.wait_in_loop, "TRACE": self.trace, "STATIC": self.static,
-            "PARTS": self.parts, "STRIP_TOPS": self.strip_tops,
+            "PARTS": self.parts, "STRIP_TOPS": self.strip_tops, "PREFETCH": self.prefetch > 0,
+            "LINE": min(self.chunk, 128 // self.base.element_size()),
         }  # fmt: skip
 
     def sm90_arguments(self) -> tuple:
@@ -1104,7 +1195,7 @@ class FusedDecodeStep:
                  "matrices_ptr": "*i64", "layers_ptr": "*i64", "stages_ptr": "*i32",
                  "waits_ptr": "*i32", "counters_ptr": "*i32", "token_ptr": "*i64",
                  "pos_ptr": "*i64", "best_ptr": "*fp64", "logprobs_ptr": "*fp32",
-                 "trace_ptr": "*i64", "num_tasks": "i32",
+                 "trace_ptr": "*i64", "prefetch_ptr": "*i64", "num_tasks": "i32",
                  "max_len": "i32", "embed_off": "i64", "inv_freq_off": "i32",
                  "partials_off": "i32", "lse_off": "i32", "logits_off": "i32", "vocab": "i32",
                  "combine_stage": "i32"}  # fmt: skip
@@ -1115,6 +1206,6 @@ class FusedDecodeStep:
         _fused_decode_kernel[(self.programs,)](
             self.base, self.act, self.tasks, self.matrices, self.layers, self.stages,
             self.waits, self.counters, self.token_1, self.position_1, self.best_21,
-            self.logprobs_1V, self.stamps, *self.scalars, **self.constants(), num_warps=self.num_warps,
+            self.logprobs_1V, self.stamps, self.prefetches, *self.scalars, **self.constants(), num_warps=self.num_warps,
         )  # fmt: skip
         return self.logprobs_1V, self.best_21
