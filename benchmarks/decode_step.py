@@ -14,6 +14,8 @@ the one-launch fused step (``--fused``: kernels/fused_decode.py, ``Generator(ste
     python3 benchmarks/decode_step.py --fused 16384x8x1 16384x8x1x2x4  # tile weights x warps
         # x programs an SM [x waves: strips of row blocks [x pipeline depth of the strips' loop]]
     python3 benchmarks/decode_step.py --compile-only --fused 16384x8x1x1  # sm_90 build, no GPU
+    python3 benchmarks/decode_step.py --fused-only --fused 8192x4x2x1x3 8192x4x2x1x3,splits=2 \
+        8192x4x2x1x3,prefetch=2,block_l=32  # named settings after the fields
 
 Prints one line per setting and writes JSON with each kernel of one step in launch order
 (name, duration, gap since the previous kernel ended, microseconds).
@@ -91,18 +93,33 @@ def timed_generate(generator: Generator, prompt: list[int], new: int) -> tuple[l
     return tokens_per_s, completion.tokens
 
 
+# Settings a tiling may name after its fields (",name=value"): the least value each takes, and
+# whether it must be a power of two.
+NAMED = {"prefetch": (0, False), "splits": (1, True), "block_l": (1, True)}
+
+
 def fused_tiling(spec: str) -> dict:
-    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]]";
-    ValueError if malformed."""
-    parts = spec.split("x")
+    """FusedDecodeStep's tiling arguments from "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]" and any
+    ",name=value" after it (``NAMED``); ValueError if malformed."""
+    fields_spec, *named = spec.split(",")
+    parts = fields_spec.split("x")
+    settings = dict(item.partition("=")[::2] for item in named)
     if (
-        len(parts) not in range(3, 13)
+        len(parts) not in range(3, 12)
         or not all(p.isdigit() and int(p) > 0 for p in parts[:5] + parts[9:10])
-        or not all(p in ("0", "1") for p in parts[5:9] + parts[10:11])
-        or not all(p.isdigit() for p in parts[11:])
+        or not all(p in ("0", "1") for p in parts[5:9] + parts[10:])
+        or len(settings) != len(named)
+        or not all(
+            name in NAMED
+            and value.isdigit()
+            and int(value) >= NAMED[name][0]
+            and not (NAMED[name][1] and int(value) & (int(value) - 1))
+            for name, value in settings.items()
+        )
     ):
         raise ValueError(f"--fused {spec!r}: "
-                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]], e.g. 16384x8x1 (tile "
+                         "want TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]][,name=value...], e.g. "
+                         "16384x8x1 (tile "
                          "weights x warps x programs an SM) or 16384x8x1x2x4x0 (2 waves of strips, "
                          "pipelined 4 deep, the wait before the loop: L 1 puts it inside, the "
                          "default; C 1 also counts q/k/v's and gate/up's tasks in their stages' "
@@ -112,17 +129,19 @@ def fused_tiling(spec: str) -> dict:
                          "partials summed by the stream's readers, R 0: by its last chunk; A: "
                          "the tasks a program in the q/k/v and o stages, absent: V there "
                          "too; T 1 (absent too): each head task combines its strip's (max, sum, "
-                         "argmax) first, T 0: the last one combines every block's; F: row "
-                         "blocks of its next task each task asks L2 for, absent: the default)")  # fmt: skip
+                         "argmax) first, T 0: the last one combines every block's); names, each "
+                         "once: prefetch=F (row blocks of its next task each task asks L2 for), "
+                         "splits=N and block_l=N (each query head's splits of the cache and "
+                         "their blocks of positions, powers of two)")  # fmt: skip
     switch = "1".__eq__
     fields = (("tile_elements", int), ("num_warps", int), ("programs_per_sm", int),
               ("waves", int), ("pipeline", int), ("wait_in_loop", switch),
               ("count_signalled_stages", switch),
               ("schedule", lambda p: "static" if p == "1" else "dynamic"),
-              ("reader_sums", switch), ("small_waves", int), ("strip_tops", switch),
-              ("prefetch", int))  # fmt: skip
+              ("reader_sums", switch), ("small_waves", int), ("strip_tops", switch))  # fmt: skip
     # no V: one tile a task; every field after the given ones keeps FusedDecodeStep's default
-    return {"waves": None} | {name: read(p) for (name, read), p in zip(fields, parts)}
+    return ({"waves": None} | {name: read(p) for (name, read), p in zip(fields, parts)}
+            | {name: int(value) for name, value in settings.items()})  # fmt: skip
 
 
 def tiling_argument(spec: str) -> str:
@@ -164,11 +183,11 @@ def compile_fused(flavor: str, max_len: int, specs: list[str], sms: int = 132) -
 def fused(model, prompt: list[int], new: int, configs: list[str], reference: list[int],
           without_waits: bool = False) -> dict:  # fmt: skip
     """The compiled generator with the fused step, re-captured at each tiling
-    "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT[xF]]]]]]]]]" (tile elements x warps x programs per SM [x waves:
-    a matrix task streams a strip of row blocks, about V tasks a program a stage [x pipeline:
+    "TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]][,name=value...]" (tile elements x warps x programs
+    per SM [x waves: a matrix task streams a strip of row blocks, about V tasks a program a stage [x pipeline:
     the strip's loop pipelined S deep [x the wait in the loop [x signalled stages counted [x
     tasks dealt round-robin [x the down projection's partials summed by their readers [x the
-    attention stages' waves [x head strips combined first [x row blocks prefetched]]]]]]]]]):
+    attention stages' waves [x head strips combined first]]]]]]]], then ``NAMED`` settings):
     generate tokens/s, the step replayed alone, tasks a step, and how
     many greedy tokens match the compiled forward's (bf16 roundings differ: a near-tie may
     flip one, and every token after it follows the new prefix). ``without_waits``: the step
@@ -268,7 +287,7 @@ def main() -> None:
                              "max_autotune_gemm (Triton matmul templates timed against cuBLAS "
                              "for each one-row shape)")  # fmt: skip
     parser.add_argument("--fused", nargs="*", default=[], type=tiling_argument,
-                        metavar="TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]]",
+                        metavar="TxWxP[xV[xS[xL[xC[xD[xR[xA[xT]]]]]]]][,name=value...]",
                         help="also the fused one-launch step (step_kernel 'triton') at each "
                              "tiling: tile elements x warps x programs per SM [x waves: matrix "
                              "tasks stream strips of row blocks, about V a program a stage [x "
@@ -280,7 +299,10 @@ def main() -> None:
                              "(absent too): the down projection's chunk partials summed by the "
                              "stream's readers, 0: by its last chunk [x A: the tasks a program "
                              "in the q/k/v and o stages [x 1: each head task combines its "
-                             "strip's (max, sum, argmax) first]]]]]]]]")  # fmt: skip
+                             "strip's (max, sum, argmax) first]]]]]]]], then any of "
+                             "',prefetch=F' (row blocks of its next task each task asks L2 "
+                             "for), ',splits=N', ',block_l=N' (the attention's splits of the "
+                             "cache and their blocks of positions)")  # fmt: skip
     parser.add_argument("--fused-only", action="store_true",
                         help="with --fused: skip the profiled compiled step (the fused rows keep "
                              "their own compiled-forward baseline)")  # fmt: skip

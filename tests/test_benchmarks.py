@@ -546,14 +546,29 @@ def test_fused_tiling_typos_are_one_usage_error(script):
     # the tenth field (small_waves) is a count of at least one, not a 0/1 switch
     result = _result(script, "--fused", "8192x4x2x2x3x1x0x1x1x2", "8192x4x2x2x3x1x0x1x1x0")
     assert result.returncode == 2 and "'8192x4x2x2x3x1x0x1x1x0': want" in result.stderr
-    # the eleventh (strip_tops) is a 0/1 switch, the twelfth (prefetch) a count of at least
-    # zero, and there is no thirteenth
+    # the eleventh (strip_tops) is a 0/1 switch, and there is no twelfth
     result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1", "8192x4x2x1x3x1x0x1x1x1x2")
     assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x2': want" in result.stderr
-    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x4", "8192x4x2x1x3x1x0x1x1x1x1x-1")
-    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x-1': want" in result.stderr
-    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x0x1")
-    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x0x1': want" in result.stderr
+    result = _result(script, "--fused", "8192x4x2x1x3x1x0x1x1x1x1x1")
+    assert result.returncode == 2 and "'8192x4x2x1x3x1x0x1x1x1x1x1': want" in result.stderr
+    # named settings after the fields: known names, each once, in range (splits and block_l
+    # powers of two)
+    for bad in ("8192x4x2,prefetch=-1", "8192x4x2,splits=3", "8192x4x2,block_l=0",
+                "8192x4x2,warps=4", "8192x4x2,splits=2,splits=4", "8192x4x2,", "8192x4x2,splits"):  # fmt: skip
+        result = _result(script, "--fused", "8192x4x2,prefetch=2,splits=8,block_l=32", bad)
+        assert result.returncode == 2 and f"'{bad}': want" in result.stderr, (bad, result.stderr)
+
+
+def test_fused_tiling_reads_named_settings():
+    """decode_step.py's tiling: the fields, then any named settings, into FusedDecodeStep's
+    keyword arguments; fields not given keep its defaults."""
+    bench = _benchmark("decode_step")
+    assert bench.fused_tiling("8192x4x2x1x3,prefetch=2,splits=8,block_l=32") == {
+        "tile_elements": 8192, "num_warps": 4, "programs_per_sm": 2, "waves": 1, "pipeline": 3,
+        "prefetch": 2, "splits": 8, "block_l": 32,
+    }  # fmt: skip
+    assert bench.fused_tiling("16384x8x1") == {"waves": None, "tile_elements": 16384,
+                                              "num_warps": 8, "programs_per_sm": 1}  # fmt: skip
 
 
 def test_bi_decode_tiling_times_the_tilings_the_gpu_test_checks():
