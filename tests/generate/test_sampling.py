@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchloom.generate.engine import SamplingParams
-from torchloom.generate.sampling import sample_rows, uniform_noise
+from torchloom.generate.sampling import NOISE_BITS, sample_rows, uniform_noise, unit_interval
 
 
 def sample(logprobs_V: torch.Tensor, params: SamplingParams, seed: int, draw: int = 0) -> int:
@@ -137,6 +137,26 @@ def test_the_reported_log_prob_is_the_sampling_distributions():
     got = {int(t): p for t, p in zip(nucleus, want.log())}
     print(f"picked {picked.tolist()}, nucleus {sorted(got)}")
     assert int(tokens[2]) in got and abs(picked[2].item() - got[int(tokens[2])].item()) < 1e-6
+
+
+def test_noise_never_reaches_zero_or_one():
+    """The extreme bit patterns map strictly inside (0, 1), so every Gumbel noise is finite: a
+    noise of exactly 1.0 (24 bits rounded up to it in fp32) gave a +inf Gumbel, and its token
+    won the draw whatever its probability, even one top-k had removed (then reported with a
+    log-probability of -inf). And over 2^23 draws, as many as there are bit patterns."""
+    extremes = unit_interval(torch.tensor([0, 1, 2**NOISE_BITS - 2, 2**NOISE_BITS - 1]))
+    assert bool((extremes > 0).all() and (extremes < 1).all()), extremes.tolist()
+    assert len(set(extremes.tolist())) == 4
+    assert bool(torch.isfinite(-torch.log(-torch.log(extremes))).all())
+    seeds = torch.arange(64)
+    noise = uniform_noise(seeds, torch.zeros_like(seeds), 2**17)
+    assert noise.min() > 0 and noise.max() < 1
+    # A draw under top-k 1 is the argmax, log-probability 0, at every one of those streams.
+    logprobs_BV = torch.randn(64, 2**17, generator=torch.Generator().manual_seed(0))
+    logprobs_BV = logprobs_BV.log_softmax(-1)
+    ones = torch.ones(64)
+    tokens, picked = sample_rows(logprobs_BV, ones, ones.long(), ones, seeds, seeds * 0)
+    assert torch.equal(tokens, logprobs_BV.argmax(-1)) and bool((picked == 0).all())
 
 
 def test_noise_streams_are_uniform_and_distinct():

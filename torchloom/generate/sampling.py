@@ -42,13 +42,24 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
+# Random bits a noise value takes. (bits + 0.5) / 2^23 has 24 significant bits, so fp32 holds it
+# exactly: the largest is 1 - 2^-24, never 1. With 24 bits the largest rounded up to 1.0, whose
+# Gumbel noise is +inf: that token won the draw whatever its probability (top-k's and top-p's
+# removed ones too), about once a vocabulary / 2^24 draws.
+NOISE_BITS = 23
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 values strictly inside (0, 1), evenly spaced, from integers in [0, 2^NOISE_BITS)."""
+    return (bits.float() + 0.5) * 2.0**-NOISE_BITS
+
+
 def uniform_noise(seeds_B: torch.Tensor, counters_B: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] fp32 in (0, 1): row b's noise for draw ``counters_B[b]`` of stream
     ``seeds_B[b]`` (int64 tensors on the device the noise is wanted on)."""
     key_B = _mix(_mix(seeds_B) + counters_B * _GOLDEN)
     ids_V = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
-    bits_BV = _shift_right(_mix(key_B[:, None] + ids_V * _GOLDEN), 40)  # 24 random bits
-    return (bits_BV.float() + 0.5) * 2.0**-24
+    return unit_interval(_shift_right(_mix(key_B[:, None] + ids_V * _GOLDEN), 64 - NOISE_BITS))
 
 
 def kept_tokens(
