@@ -16,7 +16,7 @@ from torchloom.cli import main
 from torchloom.data.chat import CHATML_TEMPLATE
 from torchloom.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer, train_byte_level_bpe
 from torchloom.generate import run
-from torchloom.generate.engine import Generator
+from torchloom.generate.engine import Generator, SamplingParams
 from torchloom.models import TransformerConfig, build_model
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello there, how are you?"] * 10
@@ -370,3 +370,31 @@ def test_a_cache_that_cannot_fit_names_max_batch(models, capsys, monkeypatch) ->
     assert_one_error(err, r"--max-batch 2: the cache of 1 requests of up to \d+ tokens needs "
                      r"0.0 MiB, but the cpu device has 0.0 MiB available; lower --max-batch or "
                      "--max-new-tokens.")  # fmt: skip
+
+
+def test_a_prompt_too_long_for_the_model_does_not_size_the_cache(monkeypatch) -> None:
+    """A request the generator refuses as too long (prompt + new tokens past the model's
+    context) fails alone: the cache is sized by the longest request that fits, so the refused
+    one cannot make every slot's cache the model's whole context (and the run fail for
+    memory)."""
+    from torchloom.generate import run
+
+    model = build_model(CONFIG)
+    model.init_weights(0)
+    sizes = []
+
+    class Recording(run.Generator):
+        def __init__(self, *args, max_len, **kwargs) -> None:
+            sizes.append(max_len)
+            super().__init__(*args, max_len=max_len, **kwargs)
+
+    monkeypatch.setattr(run, "Generator", Recording)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    too_long = [5] * CONFIG.max_seq_len
+    records = run.generate_records(model, None, [[1, 2, 3], too_long, [7, 8]], params, 3,
+                                   verbose=False)  # fmt: skip
+    assert sizes == [3 + 4]
+    assert [r["finish_reason"] for r in records] == ["length", "error", "length"]
+    assert "exceed the context" in records[1]["error"], records[1]
+    records = run.generate_records(model, None, [too_long], params, 1, verbose=False)
+    assert sizes[-1] == 1 and records[0]["finish_reason"] == "error"

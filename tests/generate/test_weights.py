@@ -97,6 +97,14 @@ def test_update_weights_refusals_copy_nothing():
     bad_shape = {**weights, "norm.weight": torch.ones(3)}
     with pytest.raises(ValueError, match=r"'norm.weight' has shape \[3\], the parameter \[64\]"):
         generator.update_weights(bad_shape)
+    # Values that are not tensors, last in order (so a copy that checked only shapes would have
+    # overwritten every parameter before them), and a meta tensor, which holds no values.
+    last = list(weights)[-1]
+    for value, named in ((weights[last].numpy(), "ndarray"), (weights[last].tolist(), "list")):
+        with pytest.raises(ValueError, match=f"'{last}' is a {named}, not a torch.Tensor"):
+            generator.update_weights({**weights, last: value})
+    with pytest.raises(ValueError, match=f"'{last}' is on the meta device"):
+        generator.update_weights({**weights, last: weights[last].to("meta")})
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), f"{name} changed by a refused update"
     generator.update_weights([("norm.weight", weights["norm.weight"])], partial=True)

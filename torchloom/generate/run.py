@@ -356,10 +356,11 @@ def generate_records(
         )
         for i, ids in enumerate(prompt_ids)
     ]
-    # The cache holds the longest request, not the model's whole context, and no more slots
-    # than there are requests.
-    longest = max(len(ids) for ids in prompt_ids) + params.max_new_tokens
-    max_len = min(longest, model.config.max_seq_len)
+    # The cache holds the longest request that fits the model's context (a longer one is
+    # refused on its own, and must not size every slot's cache), and no more slots than there
+    # are requests.
+    lengths = [len(ids) + params.max_new_tokens for ids in prompt_ids]
+    max_len = max((n for n in lengths if n <= model.config.max_seq_len), default=1)
     slots = min(max_batch, len(requests))
     generator = Generator(model, slots, max_len=max_len, compile=compile)
     start = time.perf_counter()

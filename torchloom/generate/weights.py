@@ -63,6 +63,10 @@ def _problems(
 
 
 def _layout_problem(param: torch.Tensor, value: torch.Tensor) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"is a {type(value).__name__}, not a torch.Tensor: give torch.as_tensor(value)"
+    if value.is_meta:
+        return "is on the meta device, which holds no values to copy"
     if tuple(value.shape) != tuple(param.shape):
         return f"has shape {list(value.shape)}, the parameter {list(param.shape)}"
     if not isinstance(value, DTensor):
