@@ -365,7 +365,7 @@ def test_a_cache_that_cannot_fit_names_max_batch(models, capsys, monkeypatch) ->
 
     monkeypatch.setattr(engine, "available_memory", lambda device: 1024)
     code, _, err = generate(capsys, "--checkpoint", models["chat"], "--prompt", "Hi",
-                            "--max-batch", "2")  # fmt: skip
+                            "--max-batch", "2", "--max-new-tokens", "8")  # fmt: skip
     assert code == 2
     assert_one_error(err, r"--max-batch 2: the cache of 1 requests of up to \d+ tokens needs "
                      r"0.0 MiB, but the cpu device has 0.0 MiB available; lower --max-batch or "
@@ -396,5 +396,7 @@ def test_a_prompt_too_long_for_the_model_does_not_size_the_cache(monkeypatch) ->
     assert sizes == [3 + 4]
     assert [r["finish_reason"] for r in records] == ["length", "error", "length"]
     assert "exceed the context" in records[1]["error"], records[1]
+    assert "exceed the context of 64 tokens" in records[1]["error"]  # the model's, not the cache's
+    # None fits: no generator (no cache) at all, every record says why.
     records = run.generate_records(model, None, [too_long], params, 1, verbose=False)
-    assert sizes[-1] == 1 and records[0]["finish_reason"] == "error"
+    assert sizes == [3 + 4] and records[0]["finish_reason"] == "error"

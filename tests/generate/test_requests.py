@@ -96,6 +96,26 @@ def test_generate_checks_every_request_before_queueing_any(model) -> None:
     assert as_list.tokens == as_numpy.tokens == as_tuple.tokens and len(as_list.tokens) == 4
 
 
+def test_numpy_numbers_draw_what_python_numbers_draw(model) -> None:
+    """numpy scalars are accepted as the Python numbers they equal, and draw the same: an int32
+    or uint64 seed the same stream as the int (an int32 tensor of seeds hashed to another), a
+    float64 temperature or top_p the same tokens and log-probabilities, bit for bit (float64
+    settings had turned the whole step's sampling to fp64), and unsigned prompt ids run (a
+    uint16 prompt failed in the step)."""
+    generator = Generator(model, max_batch=4, max_len=32)
+    want = generator.generate([Request(PROMPT, params(temperature=0.7, top_p=0.9, seed=3))])[0]
+    cases = [
+        Request(PROMPT, params(temperature=0.7, top_p=0.9, seed=np.int32(3))),
+        Request(PROMPT, params(temperature=0.7, top_p=0.9, seed=np.uint64(3))),
+        Request(PROMPT, params(temperature=np.float64(0.7), top_p=np.float64(0.9), seed=3)),
+        Request([np.uint16(t) for t in PROMPT], params(temperature=0.7, top_p=0.9, seed=3)),
+    ]
+    for case in cases:  # each alone, as ``want`` ran (this model is not batch-invariant)
+        got = generator.generate([case])[0]
+        assert got.finish_reason == "length", got.error
+        assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs)
+
+
 BAD_VALUES = {
     "temperature 1e-45": (params(temperature=1e-45, seed=0),
                           r"temperature must be 0 \(greedy\) or a finite number >= 0.0001 "

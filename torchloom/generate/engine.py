@@ -39,7 +39,14 @@ from torchloom.config.errors import ConfigError
 from torchloom.data.mrope import mrope_positions
 from torchloom.generate.fused_step import fused_step_problem
 from torchloom.generate.graphs import DecodeGraphs, DecodeStep
-from torchloom.generate.requests import Completion, Request, media_problem, outside
+from torchloom.generate.requests import (
+    Completion,
+    Request,
+    media_problem,
+    outside,
+    plain,
+    too_long,
+)
 from torchloom.generate.requests import SamplingParams as SamplingParams  # the API, here too
 from torchloom.generate.sampling import sample_rows
 from torchloom.generate.weights import Weights, copy_weights_
@@ -257,7 +264,7 @@ class Generator:
         request_id, self._next_id = self._next_id, self._next_id + 1
         problem = self._problem(request)
         if problem is None:
-            self._waiting.append((request_id, request))
+            self._waiting.append((request_id, plain(request)))
         else:
             self._finished.append((request_id, Completion(finish_reason="error", error=problem)))
             if request.continues in self._kept:  # its conversation ends here: nothing held
@@ -390,11 +397,7 @@ class Generator:
         if (problem := self._media_problem(request)) is not None:
             return problem
         if len(prompt) + params.max_new_tokens > self.max_len:
-            return (
-                f"the prompt's {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
-                f"exceed the context of {self.max_len} tokens; shorten the prompt or lower "
-                "max_new_tokens"
-            )
+            return too_long(len(prompt), params.max_new_tokens, self.max_len)
         return None
 
     def _media_problem(self, request: Request) -> str | None:

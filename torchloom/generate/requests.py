@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -188,6 +188,28 @@ def media_problem(media: dict[str, torch.Tensor]) -> str | None:
     if not bool(torch.isfinite(pixels_NLP).all()):
         return "pixel_values hold nan or inf"
     return None
+
+
+def too_long(prompt: int, new: int, context: int) -> str:
+    """Why a prompt of ``prompt`` tokens with ``new`` to generate cannot run in ``context``."""
+    return (f"the prompt's {prompt} tokens + max_new_tokens {new} exceed the context of "
+            f"{context} tokens; shorten the prompt or lower max_new_tokens")  # fmt: skip
+
+
+def plain(request: Request) -> Request:
+    """``request`` (checked) with its token ids and settings as Python ints and floats. numpy's,
+    which the checks accept, would set the dtype of the tensors built from them: an int32 seed
+    drew another stream than the same int, a float64 temperature turned the whole step's
+    sampling (its neighbours' too) to fp64, and unsigned ids failed in the step."""
+    p = request.params
+    params = replace(p, max_new_tokens=int(p.max_new_tokens), temperature=float(p.temperature),
+                     top_k=int(p.top_k), top_p=float(p.top_p),
+                     seed=None if p.seed is None else int(p.seed),
+                     stop_ids=tuple(int(t) for t in p.stop_ids))  # fmt: skip
+    ids = request.prompt_ids
+    if not set(map(type, ids)) <= {int}:
+        ids = [int(t) for t in ids]
+    return replace(request, prompt_ids=ids, params=params)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torchloom.data.multimodal import PREPROCESSOR_CONFIG
 from torchloom.data.multimodal_format import MediaTokens, parse_prompt
 from torchloom.data.sources import MESSAGES_FIELD, iter_jsonl_records
 from torchloom.generate.engine import Generator, Request, SamplingParams
+from torchloom.generate.requests import Completion, too_long
 
 
 def load_model_and_tokenizer(
@@ -356,16 +357,24 @@ def generate_records(
         )
         for i, ids in enumerate(prompt_ids)
     ]
-    # The cache holds the longest request that fits the model's context (a longer one is
-    # refused on its own, and must not size every slot's cache), and no more slots than there
-    # are requests.
-    lengths = [len(ids) + params.max_new_tokens for ids in prompt_ids]
-    max_len = max((n for n in lengths if n <= model.config.max_seq_len), default=1)
-    slots = min(max_batch, len(requests))
-    generator = Generator(model, slots, max_len=max_len, compile=compile)
+    # A request past the model's context is refused here, alone: the cache then holds the
+    # longest request that fits (the refused one must not size every slot's cache), in no
+    # more slots than there are requests.
+    context = model.config.max_seq_len
+    refused = {i: too_long(len(ids), params.max_new_tokens, context)
+               for i, ids in enumerate(prompt_ids) if len(ids) + params.max_new_tokens > context}  # fmt: skip
+    fitting = [r for i, r in enumerate(requests) if i not in refused]
     start = time.perf_counter()
-    completions = generator.generate(requests)
+    ran = []
+    if fitting:
+        max_len = max(len(r.prompt_ids) for r in fitting) + params.max_new_tokens
+        generator = Generator(model, min(max_batch, len(fitting)), max_len=max_len,
+                              compile=compile)  # fmt: skip
+        ran = generator.generate(fitting)
     seconds = time.perf_counter() - start
+    ran_in_order = iter(ran)
+    completions = [Completion(finish_reason="error", error=refused[i]) if i in refused
+                   else next(ran_in_order) for i in range(len(requests))]  # fmt: skip
     records = []
     for i, (ids, completion) in enumerate(zip(prompt_ids, completions)):
         record: dict[str, Any] = {
