@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,13 @@ def test_missing_column_names_the_columns(tmp_path: Path) -> None:
         documents([str(arrow)], tmp_path, text_field="body")
     with pytest.raises(ConfigError, match="column 'id' holds int64, not strings"):
         documents([str(parquet)], tmp_path, text_field="id")
+    # A shard whose text column is all nulls (typed null) holds no documents, as null rows.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([None, None])}), tmp_path / "nulls.parquet")
+    assert pq.read_schema(tmp_path / "nulls.parquet").field("text").type == pa.null()
+    assert documents([str(tmp_path / "nulls.parquet"), str(parquet)], tmp_path) == ["x"]
 
 
 def test_datasets_dict_folder_asks_for_a_split(tmp_path: Path) -> None:
@@ -239,6 +247,14 @@ def test_a_streamed_corpus_shorter_than_one_sequence_is_refused(tmp_path, tiny_t
     cfg = DataConfig(sources=[str(tmp_path / "tiny.txt")], streaming=True, val_fraction=0.0,
                      tokenizer=str(tiny_tokenizer.path), cache_dir=str(tmp_path / "c"))  # fmt: skip
     _, train, _ = build_dataloaders(cfg, seq_len=64, global_batch_size=2, micro_batch_size=2)
+    with pytest.raises(ConfigError, match=r"hold \d+ tokens in all.*seq_len=64 needs 65"):
+        train.next_step()
+    # A source the mix never draws (weight 0) never goes round: the check still runs on the
+    # drawn ones (it once waited for every stream, and never ran).
+    (tmp_path / "other.txt").write_text("more text than one row " * 20, encoding="utf-8")
+    mixed = replace(cfg, sources=[str(tmp_path / "tiny.txt"), str(tmp_path / "other.txt")],
+                    mix=[1.0, 0.0])  # fmt: skip
+    _, train, _ = build_dataloaders(mixed, seq_len=64, global_batch_size=2, micro_batch_size=2)
     with pytest.raises(ConfigError, match=r"hold \d+ tokens in all.*seq_len=64 needs 65"):
         train.next_step()
     # Enough text for a row, fewer tokens than a whole step: a small corpus repeats, as before.

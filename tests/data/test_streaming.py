@@ -171,6 +171,33 @@ def test_resume_into_a_source_that_shrank_is_refused(tmp_path, tiny_tokenizer, k
     resumed.close()
 
 
+def test_resume_into_a_folder_that_gained_or_lost_a_file_is_refused(tmp_path, tiny_tokenizer):
+    """A saved position names a file by its index in its folder: a shard added before it (or
+    one removed) would resume in another file at the saved offset, skipping documents. The
+    resume is refused, naming the files added and removed."""
+    shards = tmp_path / "shards"
+    write_jsonl(shards / "b.jsonl", texts("b", 40))
+    write_jsonl(shards / "c.jsonl", texts("c", 40))
+    cfg = config([shards], tmp_path, tokenizer=str(tiny_tokenizer.path))
+    first = loader(cfg, tiny_tokenizer)
+    run(first, 3)
+    state = first.state_dict()
+    first.close()
+    write_jsonl(shards / "a.jsonl", texts("a", 5))
+    resumed = loader(cfg, tiny_tokenizer)
+    with pytest.raises(ConfigError, match=r"the sources' files changed since the checkpoint "
+                       r"\(1 added: .*a\.jsonl\).*--checkpoint.exclude_from_loading"):  # fmt: skip
+        resumed.load_state_dict(state)
+    (shards / "a.jsonl").unlink()
+    (shards / "c.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"\(1 removed: .*c\.jsonl\)"):
+        loader(cfg, tiny_tokenizer).load_state_dict(state)
+    # A checkpoint saved before the files were recorded resumes as it did.
+    write_jsonl(shards / "c.jsonl", texts("c", 40))
+    older = {k: v for k, v in state.items() if k != "files"}
+    loader(cfg, tiny_tokenizer).load_state_dict(older)
+
+
 def test_resume_on_another_data_parallel_size(tmp_path, tiny_tokenizer) -> None:
     """2 ranks -> 1 and 1 -> 2: the union of the ranks' rows continues the same stream, so
     every document is served once, none repeated or skipped."""

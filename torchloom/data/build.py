@@ -155,6 +155,9 @@ def streaming_loader(
         "mix": json.dumps(cfg.mix),
         "text_field": cfg.text_field,
         "tokenizer": tokenizer.fingerprint()[:16],
+        # A saved position is a file's index within its source: a folder that gained or lost
+        # a file would resume in another file at the saved offset.
+        "files": json.dumps([[str(f.path) for f in files] for files in groups]),
     }
     return StreamingLoader(
         PackedStream(streams, cfg.mix or None, tokenizer, seed, row_tokens=seq_len + 1),

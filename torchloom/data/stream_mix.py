@@ -190,7 +190,11 @@ class PackedStream:
         if self._first_pass is None:
             return
         self._first_pass += sum(len(a) for a, done in zip(arrays, passes) if done == 0)
-        if all(stream.position[0] >= 1 for stream in self.streams):
+        # A stream the mix gives weight 0 is never read, so it never goes round: only the
+        # drawn ones must (else the check never ran, and a few tokens repeated forever).
+        drawn = [s for i, s in enumerate(self.streams)
+                 if self.probabilities is None or self.probabilities[i] > 0]  # fmt: skip
+        if all(stream.position[0] >= 1 for stream in drawn):
             if self._first_pass < self.row_tokens:
                 raise ConfigError(
                     f"The data sources hold {self._first_pass} tokens in all (each document "

@@ -100,10 +100,12 @@ class StreamingLoader:
         run's: the next rows are cut from the saved stream position whatever they are.
         """
         changed = [
-            f"{name} was {state.get(name)!r} in the checkpoint and is {value!r} now"
+            _files_changed(state[name], value) if name == "files"
+            else f"{name} was {state.get(name)!r} in the checkpoint and is {value!r} now"
             for name, value in self.identity.items()
-            if state.get(name) != value
-        ]
+            # (a checkpoint from before the files were recorded has none to compare)
+            if state.get(name) != value and not (name == "files" and name not in state)
+        ]  # fmt: skip
         if changed:
             raise ConfigError(
                 "Cannot resume the streaming data loader: " + "; ".join(changed) + ". Restore "
@@ -163,3 +165,13 @@ class StreamingLoader:
             pack_windows(tokens, chunk, T, self.stream.tokenizer.eos_id, self.document_mask)
             for chunk in np.split(starts, self.grad_accum_steps)
         ]
+
+
+def _files_changed(saved: str, now: str) -> str:
+    """The files the sources gained and lost since the checkpoint (a few of each named)."""
+    before = {path for files in json.loads(saved) for path in files}
+    after = {path for files in json.loads(now) for path in files}
+    parts = [f"{len(paths)} {what}: " + ", ".join(sorted(paths)[:3]) + (" ..." if len(paths) > 3 else "")
+             for what, paths in (("added", after - before), ("removed", before - after)) if paths]  # fmt: skip
+    return ("the sources' files changed since the checkpoint (" + "; ".join(parts or ["reordered"])
+            + "), so its positions would point into other files")  # fmt: skip
