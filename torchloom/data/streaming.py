@@ -99,13 +99,8 @@ class StreamingLoader:
         seq_len, the global and micro batch sizes and dp_size may all differ from the saved
         run's: the next rows are cut from the saved stream position whatever they are.
         """
-        changed = [
-            _files_changed(state[name], value) if name == "files"
-            else f"{name} was {state.get(name)!r} in the checkpoint and is {value!r} now"
-            for name, value in self.identity.items()
-            # (a checkpoint from before the files were recorded has none to compare)
-            if state.get(name) != value and not (name == "files" and name not in state)
-        ]  # fmt: skip
+        changes = (_change(name, state, value) for name, value in self.identity.items())
+        changed = [change for change in changes if change]
         if changed:
             raise ConfigError(
                 "Cannot resume the streaming data loader: " + "; ".join(changed) + ". Restore "
@@ -167,8 +162,15 @@ class StreamingLoader:
         ]
 
 
-def _files_changed(saved: str, now: str) -> str:
-    """The files the sources gained and lost since the checkpoint (a few of each named)."""
+def _change(name: str, state: dict[str, Any], now: Any) -> str | None:
+    """What changed in identity value ``name`` since the checkpoint ``state``, or None. The
+    files are named by what was added and removed (a checkpoint from before they were
+    recorded has none to compare)."""
+    saved = state.get(name)
+    if saved == now or (name == "files" and saved is None):
+        return None
+    if name != "files":
+        return f"{name} was {saved!r} in the checkpoint and is {now!r} now"
     before = {path for files in json.loads(saved) for path in files}
     after = {path for files in json.loads(now) for path in files}
     parts = [f"{len(paths)} {what}: " + ", ".join(sorted(paths)[:3]) + (" ..." if len(paths) > 3 else "")
